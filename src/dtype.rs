@@ -1,0 +1,306 @@
+//! Element types.
+//!
+//! `f32` is the first-class type; `f64` serves reference computations and `i64` holds indices and
+//! labels. Comparisons return a tensor of the operands' dtype holding `1` and `0`, so masks multiply
+//! directly into float computations.
+
+use std::fmt;
+
+/// The element type of a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    I64,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    /// Whether the type is a floating-point type.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::I64 => "i64",
+        })
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+    impl Sealed for i64 {}
+}
+
+/// A Rust type that can be the element of a tensor. Sealed: implemented for `f32`, `f64`, `i64`.
+///
+/// Arithmetic on `i64` wraps on overflow instead of panicking, as tensor libraries do.
+pub trait Element:
+    sealed::Sealed + Copy + Send + Sync + PartialOrd + fmt::Debug + fmt::Display + Default + 'static
+{
+    const DTYPE: DType;
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn zero() -> Self;
+    fn one() -> Self;
+    /// The identity of `max` (`-inf` for floats).
+    fn lowest() -> Self;
+    /// The identity of `min` (`+inf` for floats).
+    fn highest() -> Self;
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    /// Division; for integers the caller has checked that `o != 0`.
+    fn div(self, o: Self) -> Self;
+    fn neg(self) -> Self;
+    fn abs(self) -> Self;
+    /// `max` that propagates NaN (a NaN operand gives NaN), as PyTorch does.
+    fn max_nan(self, o: Self) -> Self;
+    /// `min` that propagates NaN.
+    fn min_nan(self, o: Self) -> Self;
+}
+
+/// Floating-point elements: the transcendental functions.
+pub trait Float: Element {
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn recip(self) -> Self;
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! float_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[inline(always)]
+            fn zero() -> Self {
+                0.0
+            }
+            #[inline(always)]
+            fn one() -> Self {
+                1.0
+            }
+            #[inline(always)]
+            fn lowest() -> Self {
+                <$t>::NEG_INFINITY
+            }
+            #[inline(always)]
+            fn highest() -> Self {
+                <$t>::INFINITY
+            }
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn div(self, o: Self) -> Self {
+                self / o
+            }
+            #[inline(always)]
+            fn neg(self) -> Self {
+                -self
+            }
+            #[inline(always)]
+            fn abs(self) -> Self {
+                <$t>::abs(self)
+            }
+            #[inline(always)]
+            fn max_nan(self, o: Self) -> Self {
+                if self.is_nan() || o.is_nan() {
+                    <$t>::NAN
+                } else if o > self {
+                    o
+                } else {
+                    self
+                }
+            }
+            #[inline(always)]
+            fn min_nan(self, o: Self) -> Self {
+                if self.is_nan() || o.is_nan() {
+                    <$t>::NAN
+                } else if o < self {
+                    o
+                } else {
+                    self
+                }
+            }
+        }
+        impl Float for $t {
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::tanh(self)
+            }
+            #[inline(always)]
+            fn sin(self) -> Self {
+                <$t>::sin(self)
+            }
+            #[inline(always)]
+            fn cos(self) -> Self {
+                <$t>::cos(self)
+            }
+            #[inline(always)]
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
+            }
+            #[inline(always)]
+            fn recip(self) -> Self {
+                1.0 / self
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+
+float_element!(f32, DType::F32);
+float_element!(f64, DType::F64);
+
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+    #[inline(always)]
+    fn from_f64(v: f64) -> Self {
+        // `as` saturates and maps NaN to 0: defined for every input.
+        v as i64
+    }
+    #[inline(always)]
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    #[inline(always)]
+    fn zero() -> Self {
+        0
+    }
+    #[inline(always)]
+    fn one() -> Self {
+        1
+    }
+    #[inline(always)]
+    fn lowest() -> Self {
+        i64::MIN
+    }
+    #[inline(always)]
+    fn highest() -> Self {
+        i64::MAX
+    }
+    #[inline(always)]
+    fn add(self, o: Self) -> Self {
+        self.wrapping_add(o)
+    }
+    #[inline(always)]
+    fn sub(self, o: Self) -> Self {
+        self.wrapping_sub(o)
+    }
+    #[inline(always)]
+    fn mul(self, o: Self) -> Self {
+        self.wrapping_mul(o)
+    }
+    #[inline(always)]
+    fn div(self, o: Self) -> Self {
+        // The caller rejects zero divisors; wrapping_div covers i64::MIN / -1.
+        self.wrapping_div(o)
+    }
+    #[inline(always)]
+    fn neg(self) -> Self {
+        self.wrapping_neg()
+    }
+    #[inline(always)]
+    fn abs(self) -> Self {
+        self.wrapping_abs()
+    }
+    #[inline(always)]
+    fn max_nan(self, o: Self) -> Self {
+        self.max(o)
+    }
+    #[inline(always)]
+    fn min_nan(self, o: Self) -> Self {
+        self.min(o)
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
+macro_rules! with_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::dtype::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+        }
+    };
+}
+
+/// Like [`with_dtype!`] for float-only ops: `$err` is returned for integer dtypes.
+macro_rules! with_float_dtype {
+    ($dtype:expr, $T:ident => $body:expr, else $err:expr) => {
+        match $dtype {
+            $crate::dtype::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::dtype::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::dtype::DType::I64 => $err,
+        }
+    };
+}
+
+pub(crate) use {with_dtype, with_float_dtype};

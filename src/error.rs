@@ -1,0 +1,184 @@
+//! The one error type of ndscope.
+//!
+//! Every fallible operation returns [`Result<T>`]. Each variant carries what a user needs to fix the
+//! call: both shapes of a mismatch, the dtype that was expected, the scope that refused an
+//! allocation and how much it holds. The `Display` text says what was wrong and what to do.
+
+use std::fmt;
+
+use crate::dtype::DType;
+
+/// Shorthand for `std::result::Result<T, ndscope::Error>`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Everything that can go wrong in ndscope.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Error {
+    /// Two operands whose shapes cannot be combined (broadcast, matmul, concat, ...).
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Vec<usize>,
+        rhs: Vec<usize>,
+        hint: &'static str,
+    },
+    /// Two operands of different element types.
+    DTypeMismatch {
+        op: &'static str,
+        lhs: DType,
+        rhs: DType,
+    },
+    /// An op that does not support this element type (for example `exp` of an integer tensor).
+    UnsupportedDType {
+        op: &'static str,
+        dtype: DType,
+        expected: &'static str,
+    },
+    /// Operands that live on different devices.
+    DeviceMismatch {
+        op: &'static str,
+        lhs: String,
+        rhs: String,
+    },
+    /// A device that cannot be used (not compiled in, no driver, no such ordinal).
+    DeviceUnavailable { device: String, reason: String },
+    /// A shape that is not valid for the op (wrong rank, wrong element count for a reshape, ...).
+    InvalidShape {
+        op: &'static str,
+        shape: Vec<usize>,
+        reason: String,
+    },
+    /// An axis outside `0..rank`.
+    AxisOutOfRange {
+        op: &'static str,
+        axis: usize,
+        rank: usize,
+    },
+    /// An index outside the dimension it indexes.
+    IndexOutOfRange {
+        op: &'static str,
+        index: i64,
+        size: usize,
+    },
+    /// A slice whose length does not match the shape it is meant to fill.
+    DataLength {
+        op: &'static str,
+        expected: usize,
+        got: usize,
+    },
+    /// A shape whose element or byte count does not fit in `usize`.
+    SizeOverflow {
+        shape: Vec<usize>,
+        element_bytes: usize,
+    },
+    /// An allocation that would push a scope (or one of its ancestors) over its byte budget,
+    /// or that the system allocator refused.
+    OutOfMemory {
+        scope: String,
+        requested: usize,
+        live: usize,
+        budget: Option<usize>,
+        dump: String,
+    },
+    /// An allocation into a scope on which `cap()` was called.
+    Capped { scope: String, requested: usize },
+    /// Integer division by zero.
+    DivisionByZero { op: &'static str },
+    /// A borrowed view was requested from a tensor that is not laid out contiguously.
+    NotContiguous {
+        op: &'static str,
+        shape: Vec<usize>,
+        strides: Vec<usize>,
+    },
+    /// An empty list where at least one tensor is needed (concat, stack).
+    Empty { op: &'static str },
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::ShapeMismatch { op, lhs, rhs, hint } => {
+                write!(f, "{op}: shapes {lhs:?} and {rhs:?} do not match; {hint}")
+            }
+            Error::DTypeMismatch { op, lhs, rhs } => write!(
+                f,
+                "{op}: dtypes {lhs} and {rhs} differ; convert one operand with `.to_dtype({lhs})` first"
+            ),
+            Error::UnsupportedDType {
+                op,
+                dtype,
+                expected,
+            } => write!(
+                f,
+                "{op}: dtype {dtype} is not supported, it needs {expected}; convert with `.to_dtype(..)` first"
+            ),
+            Error::DeviceMismatch { op, lhs, rhs } => write!(
+                f,
+                "{op}: operands live on different devices ({lhs} and {rhs}); copy one with `.to_device(..)` first"
+            ),
+            Error::DeviceUnavailable { device, reason } => {
+                write!(f, "device {device} cannot be used: {reason}")
+            }
+            Error::InvalidShape { op, shape, reason } => {
+                write!(f, "{op}: shape {shape:?} is not valid here: {reason}")
+            }
+            Error::AxisOutOfRange { op, axis, rank } => write!(
+                f,
+                "{op}: axis {axis} is out of range for a tensor of rank {rank} (valid axes are 0..{rank})"
+            ),
+            Error::IndexOutOfRange { op, index, size } => write!(
+                f,
+                "{op}: index {index} is out of range for a dimension of size {size} (valid indices are 0..{size})"
+            ),
+            Error::DataLength { op, expected, got } => write!(
+                f,
+                "{op}: the shape holds {expected} elements but {got} were given; pass exactly {expected} values"
+            ),
+            Error::SizeOverflow {
+                shape,
+                element_bytes,
+            } => write!(
+                f,
+                "shape {shape:?} of {element_bytes}-byte elements has more bytes than fit in memory addresses; \
+                 check the dimensions for a mistake"
+            ),
+            Error::OutOfMemory {
+                scope,
+                requested,
+                live,
+                budget,
+                ..
+            } => match budget {
+                Some(budget) => write!(
+                    f,
+                    "out of memory in scope \"{scope}\": {requested} bytes requested with {live} bytes live \
+                     against a budget of {budget} bytes; drop tensors you no longer need, open a child scope \
+                     for temporaries, or raise the budget (the tree dump is in the error's `dump` field)"
+                ),
+                None => write!(
+                    f,
+                    "out of memory in scope \"{scope}\": the system allocator refused {requested} bytes \
+                     ({live} bytes live in the scope); call `empty_cache()` or use smaller tensors"
+                ),
+            },
+            Error::Capped { scope, requested } => write!(
+                f,
+                "scope \"{scope}\" is capped and refuses new tensors ({requested} bytes requested); allocate in \
+                 a child scope and `ret` only what must outlive it, or call `uncap()`"
+            ),
+            Error::DivisionByZero { op } => {
+                write!(
+                    f,
+                    "{op}: integer division by zero; mask zero divisors or divide in a float dtype"
+                )
+            }
+            Error::NotContiguous { op, shape, strides } => write!(
+                f,
+                "{op}: the tensor (shape {shape:?}, strides {strides:?}) is not contiguous; call `.contiguous()` first"
+            ),
+            Error::Empty { op } => write!(f, "{op}: needs at least one tensor, got none"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}

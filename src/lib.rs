@@ -1,0 +1,23 @@
+#![doc = include_str!("../README.md")]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_debug_implementations)]
+
+mod device;
+mod dtype;
+mod error;
+mod layout;
+mod memory;
+mod ops;
+mod rng;
+mod scope;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, Element, Float};
+pub use error::{Error, Result};
+pub use layout::{Layout, Shape};
+pub use memory::arena::Workspace;
+pub use memory::stats::ScopeStats;
+pub use rng::DEFAULT_SEED;
+pub use scope::{Child, Movable, Scope, root, system_stats};
+pub use tensor::Tensor;

@@ -1,0 +1,245 @@
+//! Storage blocks: a header per block, a counted handle to it, and the slab headers come from.
+//!
+//! A block is owned either by a scope of a tree (its header lives in the tree's [`HeaderSlab`] and is
+//! linked into the owning scope's list) or by the never-closing system scope (its header is boxed and
+//! its owner pointer is null). Tensors reach storage only through their own [`BlockRef`], never through
+//! "the scope their brand names": a `Tensor<'parent>` may pose as a `Tensor<'child>`.
+//!
+//! Thread confinement: headers of tree-owned blocks are only reachable from handles of non-`'static`
+//! tensors, which are neither `Send` nor `Sync`, so their `Cell`s are touched by one thread. Headers
+//! of system-owned blocks may be shared between threads; their cells are written only while a single
+//! handle exists (at creation, or through a unique handle), and the count is atomic.
+
+use std::cell::{Cell, RefCell};
+use std::panic::Location;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicUsize, Ordering, fence};
+
+use crate::dtype::DType;
+use crate::layout::Shape;
+use crate::memory::pool;
+use crate::scope::node::ScopeNode;
+
+/// Where a block's bytes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Home {
+    /// A zero-byte block: no memory behind the (dangling, aligned) pointer.
+    Empty,
+    /// A pool-class allocation of `capacity` bytes from the system allocator.
+    Heap,
+    /// A region of a workspace arena (reset when the workspace scope closes).
+    Arena,
+}
+
+/// Header of a storage block.
+pub(crate) struct BlockHeader {
+    refs: AtomicUsize,
+    pub(crate) ptr: Cell<NonNull<u8>>,
+    /// Bytes the tensor uses (`numel * dtype.size()`).
+    pub(crate) bytes: Cell<usize>,
+    /// Bytes of the allocation behind `ptr` (a pool class for `Home::Heap`).
+    pub(crate) capacity: Cell<usize>,
+    pub(crate) home: Cell<Home>,
+    /// The owning scope; null for the system scope.
+    pub(crate) owner: Cell<*const ScopeNode>,
+    /// Neighbours in the owner's list of blocks (and `next` links the slab's free list).
+    pub(crate) prev: Cell<*const BlockHeader>,
+    pub(crate) next: Cell<*const BlockHeader>,
+    pub(crate) dtype: Cell<DType>,
+    pub(crate) shape: RefCell<Shape>,
+    pub(crate) name: Cell<Option<&'static str>>,
+    pub(crate) created_at: Cell<&'static Location<'static>>,
+}
+
+// SAFETY: see the module docs: cells of a header that more than one thread can reach are written only
+// while a single handle to it exists, and the reference count is atomic.
+unsafe impl Sync for BlockHeader {}
+// SAFETY: as above; a header holds no thread-bound resource.
+unsafe impl Send for BlockHeader {}
+
+impl BlockHeader {
+    fn blank() -> BlockHeader {
+        BlockHeader {
+            refs: AtomicUsize::new(0),
+            ptr: Cell::new(NonNull::dangling()),
+            bytes: Cell::new(0),
+            capacity: Cell::new(0),
+            home: Cell::new(Home::Empty),
+            owner: Cell::new(ptr::null()),
+            prev: Cell::new(ptr::null()),
+            next: Cell::new(ptr::null()),
+            dtype: Cell::new(DType::F32),
+            shape: RefCell::new(Shape::new()),
+            name: Cell::new(None),
+            created_at: Cell::new(Location::caller()),
+        }
+    }
+
+    /// Fills a recycled or fresh header for a new block with one reference.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn init(
+        &self,
+        ptr: NonNull<u8>,
+        bytes: usize,
+        capacity: usize,
+        home: Home,
+        dtype: DType,
+        shape: &[usize],
+        created_at: &'static Location<'static>,
+    ) {
+        self.refs.store(1, Ordering::Relaxed);
+        self.ptr.set(ptr);
+        self.bytes.set(bytes);
+        self.capacity.set(capacity);
+        self.home.set(home);
+        self.owner.set(ptr::null());
+        self.prev.set(ptr::null());
+        self.next.set(ptr::null());
+        self.dtype.set(dtype);
+        let mut s = self.shape.borrow_mut();
+        s.clear();
+        s.extend_from_slice(shape);
+        self.name.set(None);
+        self.created_at.set(created_at);
+    }
+
+    pub(crate) fn is_system(&self) -> bool {
+        self.owner.get().is_null()
+    }
+
+    /// Handles to this block (for dumps).
+    pub(crate) fn refs(&self) -> usize {
+        self.refs.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn is_unique(&self) -> bool {
+        // Acquire pairs with the Release of other handles' drops, as in `Arc::get_mut`.
+        self.refs.load(Ordering::Acquire) == 1
+    }
+}
+
+/// A counted reference to a block header; the last one to drop returns the block to its owner.
+pub(crate) struct BlockRef(NonNull<BlockHeader>);
+
+impl BlockRef {
+    /// Adopts a header whose count is already 1.
+    ///
+    /// # Safety
+    /// `header` is initialised with `refs == 1` and stays valid while this handle exists.
+    pub(crate) unsafe fn adopt(header: NonNull<BlockHeader>) -> BlockRef {
+        BlockRef(header)
+    }
+
+    pub(crate) fn header(&self) -> &BlockHeader {
+        // SAFETY: a header outlives every handle to it: system headers are freed by the last handle,
+        // tree headers are recycled only when their count reaches zero or when their owner closes, and
+        // no handle survives its owner's close (the brand lifetime of the tensor ends first).
+        unsafe { self.0.as_ref() }
+    }
+
+    pub(crate) fn as_ptr(&self) -> *const BlockHeader {
+        self.0.as_ptr()
+    }
+}
+
+impl Clone for BlockRef {
+    fn clone(&self) -> BlockRef {
+        // Relaxed suffices for an increment from an existing reference (as in `Arc::clone`).
+        self.header().refs.fetch_add(1, Ordering::Relaxed);
+        BlockRef(self.0)
+    }
+}
+
+impl Drop for BlockRef {
+    fn drop(&mut self) {
+        if self.header().refs.fetch_sub(1, Ordering::Release) != 1 {
+            return;
+        }
+        fence(Ordering::Acquire);
+        let header = self.header();
+        if header.is_system() {
+            // SAFETY: this was the last handle to a boxed system header; nothing else refers to it.
+            unsafe { free_system_block(self.0) };
+        } else {
+            // SAFETY: the owner is open (a handle exists, so its scope has not closed) and this was the
+            // last handle, so the block may be returned.
+            unsafe { (*header.owner.get()).release(header) };
+        }
+    }
+}
+
+/// Creates a system-owned block (a boxed header with one reference).
+pub(crate) fn new_system_block(
+    ptr: NonNull<u8>,
+    bytes: usize,
+    capacity: usize,
+    home: Home,
+    dtype: DType,
+    shape: &[usize],
+    created_at: &'static Location<'static>,
+) -> BlockRef {
+    debug_assert!(home != Home::Arena, "system blocks never live in an arena");
+    let header = BlockHeader::blank();
+    header.init(ptr, bytes, capacity, home, dtype, shape, created_at);
+    crate::scope::system::on_alloc(bytes);
+    BlockRef(NonNull::from(Box::leak(Box::new(header))))
+}
+
+/// # Safety
+/// `header` is a boxed system header with no handle left.
+unsafe fn free_system_block(header: NonNull<BlockHeader>) {
+    // SAFETY: the caller guarantees the header was boxed by `new_system_block` and is unreferenced.
+    let boxed = unsafe { Box::from_raw(header.as_ptr()) };
+    crate::scope::system::on_free(boxed.bytes.get());
+    if boxed.home.get() == Home::Heap {
+        // SAFETY: heap blocks of system headers came from `pool::system_alloc(capacity)`.
+        unsafe { pool::system_free(boxed.ptr.get(), boxed.capacity.get()) };
+    }
+}
+
+/// Headers for one tree, allocated in chunks and recycled through a free list, so that a steady-state
+/// loop creates tensors without touching the system allocator.
+#[derive(Default)]
+pub(crate) struct HeaderSlab {
+    chunks: Vec<Box<[BlockHeader]>>,
+    free: Cell<*const BlockHeader>,
+}
+
+const CHUNK: usize = 64;
+
+impl HeaderSlab {
+    /// A free header (not yet initialised for its block), and whether a new chunk had to be allocated.
+    pub(crate) fn take(&mut self) -> (NonNull<BlockHeader>, bool) {
+        let mut grew = false;
+        if self.free.get().is_null() {
+            let chunk: Box<[BlockHeader]> = (0..CHUNK).map(|_| BlockHeader::blank()).collect();
+            for h in chunk.iter() {
+                h.next.set(self.free.get());
+                self.free.set(h);
+            }
+            self.chunks.push(chunk);
+            grew = true;
+        }
+        let head = self.free.get();
+        // SAFETY: `head` is non-null and points into a chunk this slab owns (chunks never move: they are
+        // boxed slices, and only dropped with the slab).
+        let next = unsafe { (*head).next.get() };
+        self.free.set(next);
+        (
+            NonNull::new(head.cast_mut()).expect("free list head is non-null"),
+            grew,
+        )
+    }
+
+    /// Puts a header back on the free list.
+    pub(crate) fn give(&self, header: &BlockHeader) {
+        header.shape.borrow_mut().clear();
+        header.next.set(self.free.get());
+        self.free.set(header);
+    }
+
+    /// Bytes the slab holds (for the dump).
+    pub(crate) fn bytes(&self) -> usize {
+        self.chunks.len() * CHUNK * std::mem::size_of::<BlockHeader>()
+    }
+}

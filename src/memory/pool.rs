@@ -1,0 +1,166 @@
+//! The caching pool: size-class free lists of host memory shared by every scope of one tree.
+//!
+//! A freed block goes back on the free list of its size class and the next request of that class
+//! takes it without calling the system allocator. Classes are 64 bytes and up, four per power of two,
+//! so a block wastes at most a quarter of its size. `empty_cache` hands every cached block back to the
+//! system.
+
+use std::alloc::{self, Layout as AllocLayout};
+use std::ptr::NonNull;
+
+/// Every block is aligned for the widest SIMD loads (and a cache line).
+pub(crate) const ALIGN: usize = 64;
+
+/// Sub-classes per power of two.
+const STEPS: usize = 4;
+/// Smallest class, as a power of two (64 bytes).
+const MIN_SHIFT: u32 = 6;
+
+/// Size class of a request of `bytes` (> 0): its index and capacity in bytes.
+pub(crate) fn size_class(bytes: usize) -> (usize, usize) {
+    if bytes <= 1 << MIN_SHIFT {
+        return (0, 1 << MIN_SHIFT);
+    }
+    // The power of two at or below `bytes - 1`: classes of this octave are (2^p, 2^(p+1)].
+    let p = usize::BITS - 1 - (bytes - 1).leading_zeros();
+    let base = 1usize << p;
+    let step = base / STEPS;
+    let sub = (bytes - base).div_ceil(step); // 1..=STEPS
+    let index = 1 + (p - MIN_SHIFT) as usize * STEPS + (sub - 1);
+    (index, base + sub * step)
+}
+
+/// Takes `capacity` zeroed bytes from the system. Zeroing happens once per block, when it first comes
+/// from the system: every byte of every block is initialised from then on, so kernels may view any
+/// block as a slice of plain numbers.
+pub(crate) fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
+    let layout = AllocLayout::from_size_align(capacity, ALIGN).ok()?;
+    // SAFETY: `capacity > 0` for every caller (empty tensors never allocate), so the layout is valid
+    // for `alloc_zeroed`.
+    NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
+}
+
+/// Returns a block taken with [`system_alloc`].
+///
+/// # Safety
+/// `ptr` came from `system_alloc(capacity)` with this `capacity`, and is not used afterwards.
+pub(crate) unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
+    // SAFETY: the caller guarantees `ptr` was allocated with exactly this layout.
+    unsafe {
+        alloc::dealloc(
+            ptr.as_ptr(),
+            AllocLayout::from_size_align_unchecked(capacity, ALIGN),
+        )
+    }
+}
+
+/// Where a block's bytes came from.
+pub(crate) enum Source {
+    /// Taken from the pool's cache.
+    Reused,
+    /// Taken from the system allocator.
+    System,
+}
+
+#[derive(Default)]
+pub(crate) struct Pool {
+    free: Vec<Vec<NonNull<u8>>>,
+    cached_bytes: usize,
+}
+
+impl Pool {
+    /// A block of at least `bytes` (> 0) bytes, with its capacity; `None` when the system refuses.
+    pub(crate) fn take(&mut self, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
+        let (class, capacity) = size_class(bytes);
+        if let Some(ptr) = self.free.get_mut(class).and_then(Vec::pop) {
+            self.cached_bytes -= capacity;
+            return Some((ptr, capacity, Source::Reused));
+        }
+        system_alloc(capacity).map(|ptr| (ptr, capacity, Source::System))
+    }
+
+    /// Caches a block for reuse.
+    ///
+    /// # Safety
+    /// `ptr` came from [`system_alloc`] with `capacity` (a class capacity) and nothing uses it any more.
+    pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, capacity: usize) {
+        let (class, cap) = size_class(capacity);
+        debug_assert_eq!(cap, capacity, "only class capacities are cached");
+        if self.free.len() <= class {
+            self.free.resize_with(class + 1, Vec::new);
+        }
+        self.free[class].push(ptr);
+        self.cached_bytes += capacity;
+    }
+
+    pub(crate) fn cached_bytes(&self) -> usize {
+        self.cached_bytes
+    }
+
+    /// Hands every cached block back to the system; returns the bytes released.
+    pub(crate) fn empty(&mut self) -> usize {
+        let released = self.cached_bytes;
+        for (class, list) in self.free.iter_mut().enumerate() {
+            let capacity = class_capacity(class);
+            for ptr in list.drain(..) {
+                // SAFETY: cached blocks came from `system_alloc` with their class capacity and are
+                // referenced by nothing but this list.
+                unsafe { system_free(ptr, capacity) };
+            }
+        }
+        self.cached_bytes = 0;
+        released
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.empty();
+    }
+}
+
+fn class_capacity(class: usize) -> usize {
+    if class == 0 {
+        return 1 << MIN_SHIFT;
+    }
+    let p = MIN_SHIFT as usize + (class - 1) / STEPS;
+    let base = 1usize << p;
+    base + ((class - 1) % STEPS + 1) * (base / STEPS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_cover_requests_with_bounded_waste() {
+        let mut last = (0, 0);
+        for bytes in 1..20_000usize {
+            let (class, cap) = size_class(bytes);
+            assert!(cap >= bytes, "{bytes} -> {cap}");
+            assert!(
+                bytes <= 64 || cap * 4 <= bytes * 5 + 64 * 4,
+                "waste too big: {bytes} -> {cap}"
+            );
+            assert!(class >= last.0 && cap >= last.1);
+            assert_eq!(class_capacity(class), cap);
+            assert_eq!(size_class(cap), (class, cap), "a capacity is its own class");
+            last = (class, cap);
+        }
+    }
+
+    #[test]
+    fn freed_blocks_are_reused() {
+        let mut pool = Pool::default();
+        let (p, cap, src) = pool.take(1000).unwrap();
+        assert!(matches!(src, Source::System));
+        unsafe { pool.give(p, cap) };
+        assert_eq!(pool.cached_bytes(), cap);
+        let (q, _, src) = pool.take(1001).unwrap();
+        assert!(matches!(src, Source::Reused));
+        assert_eq!(p, q);
+        unsafe { pool.give(q, cap) };
+        assert_eq!(pool.empty(), cap);
+        assert_eq!(pool.cached_bytes(), 0);
+    }
+}

@@ -1,0 +1,137 @@
+//! Indexing with index tensors: `index_select` and `gather` (PyTorch semantics). Indices are `i64`;
+//! negative or too-large indices are errors, checked before any element is read.
+
+use std::panic::Location;
+
+use crate::dtype::{DType, with_dtype};
+use crate::error::{Error, Result};
+use crate::layout::{RowWalk, Shape, resolve_axis};
+use crate::ops::copy::copy_into_view;
+use crate::ops::same_device;
+use crate::tensor::Tensor;
+
+fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<Vec<i64>> {
+    if index.dtype() != DType::I64 {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: index.dtype(),
+            expected: "i64 indices",
+        });
+    }
+    let idx = index.to_vec::<i64>()?;
+    if let Some(&bad) = idx.iter().find(|&&i| i < 0 || i as u64 >= size as u64) {
+        return Err(Error::IndexOutOfRange {
+            op,
+            index: bad,
+            size,
+        });
+    }
+    Ok(idx)
+}
+
+impl<'s> Tensor<'s> {
+    /// The slices `indices[i]` along `axis`, in order: the result has `indices.numel()` entries along
+    /// `axis`. `indices` is a 1-D `i64` tensor.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let x = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2])?;
+    /// let rows = x.index_select(0, &s.from_slice(&[2i64, 0], &[2])?)?;
+    /// assert_eq!(rows.to_vec::<f32>()?, vec![5.0, 6.0, 1.0, 2.0]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`], [`Error::AxisOutOfRange`]; [`Error::InvalidShape`] when `indices`
+    /// is not 1-D; [`Error::UnsupportedDType`] when it is not `i64`.
+    #[track_caller]
+    pub fn index_select(&self, axis: isize, indices: &Tensor<'s>) -> Result<Tensor<'s>> {
+        const OP: &str = "index_select";
+        same_device(OP, self, indices)?;
+        let axis = resolve_axis(OP, axis, self.rank())?;
+        if indices.rank() != 1 {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: indices.shape().to_vec(),
+                reason: "indices must be 1-D".into(),
+            });
+        }
+        let idx = check_indices(OP, indices, self.shape()[axis])?;
+        let mut shape: Shape = self.shape().into();
+        shape[axis] = idx.len();
+        let mut out =
+            Tensor::output_of(&[self, indices], self.dtype(), &shape, Location::caller())?;
+        let out_strides = out.strides().to_vec();
+        with_dtype!(self.dtype(), T => {
+            let dst = out.fresh_mut::<T>();
+            for (k, &i) in idx.iter().enumerate() {
+                let src = self.narrow(axis as isize, i as usize, 1)?;
+                copy_into_view::<T>(&src, dst, &out_strides, k * out_strides[axis]);
+            }
+        });
+        Ok(out)
+    }
+
+    /// Picks along `axis` with an index tensor of the same rank: `out[i][j] = self[index[i][j]][j]`
+    /// for `axis = 0` (and likewise for other axes). The result has `index`'s shape; every other
+    /// dimension of `index` must not exceed `self`'s.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let logits = s.from_slice(&[0.1f32, 0.9, 0.7, 0.3], &[2, 2])?;
+    /// let labels = s.from_slice(&[1i64, 0], &[2, 1])?;
+    /// assert_eq!(logits.gather(1, &labels)?.to_vec::<f32>()?, vec![0.9, 0.7]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::IndexOutOfRange`], [`Error::AxisOutOfRange`], [`Error::ShapeMismatch`] when the ranks
+    /// differ or `index` is larger than `self` along another axis.
+    #[track_caller]
+    pub fn gather(&self, axis: isize, index: &Tensor<'s>) -> Result<Tensor<'s>> {
+        const OP: &str = "gather";
+        same_device(OP, self, index)?;
+        let axis = resolve_axis(OP, axis, self.rank())?;
+        let fits = index.rank() == self.rank()
+            && index
+                .shape()
+                .iter()
+                .zip(self.shape())
+                .enumerate()
+                .all(|(d, (&i, &s))| d == axis || i <= s);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().to_vec(),
+                rhs: index.shape().to_vec(),
+                hint: "the index must have the same rank, and no larger size on any axis but the gathered one",
+            });
+        }
+        check_indices(OP, index, self.shape()[axis])?;
+        let mut out = Tensor::output_of(
+            &[self, index],
+            self.dtype(),
+            index.shape(),
+            Location::caller(),
+        )?;
+        let mut src_strides: Shape = self.strides().into();
+        let step = src_strides[axis];
+        src_strides[axis] = 0;
+        let walk = RowWalk::new(
+            index.shape(),
+            [index.strides(), &src_strides],
+            [index.layout().offset(), self.layout().offset()],
+        );
+        let [si, ss] = walk.row_strides();
+        let idx = index.block_data::<i64>();
+        with_dtype!(self.dtype(), T => {
+            let src = self.block_data::<T>();
+            crate::ops::fill_segments(&walk, out.fresh_mut::<T>(), |o, [ii, is]| {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = src[is + j * ss + idx[ii + j * si] as usize * step];
+                }
+            });
+        });
+        Ok(out)
+    }
+}

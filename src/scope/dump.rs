@@ -1,0 +1,71 @@
+//! `dump()`: the scope tree as text, with counts, bytes and where each live tensor was created.
+
+use std::fmt::Write;
+
+use crate::memory::stats::Bytes;
+use crate::scope::node::ScopeNode;
+
+/// Live tensors listed per scope before the rest is summarised.
+const MAX_TENSORS_SHOWN: usize = 16;
+
+pub(crate) fn dump_tree(root: &ScopeNode) -> String {
+    let mut out = String::new();
+    let tree = root.tree();
+    let _ = writeln!(
+        out,
+        "scope tree on {}: cache {} ({} header bytes)",
+        root.device,
+        Bytes(tree.pool.borrow().cached_bytes()),
+        tree.slab.borrow().bytes()
+    );
+    node(&mut out, root, "");
+    out
+}
+
+fn node(out: &mut String, n: &ScopeNode, indent: &str) {
+    let stats = *n.stats.borrow();
+    let _ = write!(out, "{indent}scope \"{}\": {stats}", n.name);
+    if let Some(ws) = n.arena() {
+        let _ = write!(
+            out,
+            " [workspace \"{}\" arena {}]",
+            ws.name(),
+            Bytes(ws.capacity())
+        );
+    }
+    if n.is_capped() {
+        out.push_str(" [capped]");
+    }
+    if let Some(b) = n.budget() {
+        let _ = write!(out, " [budget {}]", Bytes(b));
+    }
+    out.push('\n');
+    let child_indent = format!("{indent}  ");
+    let mut shown = 0;
+    for h in n.blocks() {
+        if shown == MAX_TENSORS_SHOWN {
+            let rest = n.blocks().count() - shown;
+            let _ = writeln!(out, "{child_indent}... and {rest} more tensors");
+            break;
+        }
+        shown += 1;
+        let at = h.created_at.get();
+        let _ = writeln!(
+            out,
+            "{child_indent}tensor {} {} {:?} {} (refs {}), created at {}:{}:{}",
+            h.name
+                .get()
+                .map_or_else(|| "_".to_string(), |s| format!("\"{s}\"")),
+            h.dtype.get(),
+            h.shape.borrow().as_slice(),
+            Bytes(h.bytes.get()),
+            h.refs(),
+            at.file(),
+            at.line(),
+            at.column()
+        );
+    }
+    for c in n.children() {
+        node(out, c, &child_indent);
+    }
+}

@@ -1,0 +1,297 @@
+//! Scopes: the managers that own tensor memory.
+//!
+//! [`root`] opens a tree; [`Scope::scope`] opens a child that closes when its closure returns. A
+//! tensor created in a scope carries the scope's lifetime, so the borrow checker refuses every program
+//! in which a tensor outlives its scope. See the crate docs for the rules and `docs/why-not-compile.md`
+//! for what the compiler's messages mean.
+
+pub(crate) mod dump;
+mod movable;
+pub(crate) mod node;
+pub(crate) mod system;
+
+use std::marker::PhantomData;
+use std::ops::Deref;
+use std::panic::Location;
+
+pub use movable::Movable;
+pub use system::system_stats;
+
+use crate::device::Device;
+use crate::error::Result;
+use crate::memory::arena::Workspace;
+use crate::memory::stats::ScopeStats;
+use crate::rng::Rng;
+use node::{CloseOnDrop, ScopeName, ScopeNode, TreeState};
+
+/// A memory manager that owns the tensors created in it; `'s` is its brand.
+///
+/// The brand is invariant: a `Scope<'a>` never passes for a `Scope<'b>`, so a scope is the only one
+/// that can hand out `Tensor<'s>` for its `'s`, and a child's `ret` only accepts its own tensors (or
+/// tensors of longer-lived scopes, which are safe to return anyway). A `Scope` is neither `Send` nor
+/// `Sync`: scopes nest strictly in time on one thread.
+pub struct Scope<'s> {
+    pub(crate) node: ScopeNode,
+    _brand: PhantomData<fn(&'s ()) -> &'s ()>,
+}
+
+/// A scope opened inside a parent scope `'p`; it dereferences to its own [`Scope<'c>`].
+///
+/// The closure of [`Scope::scope`] receives `&'c Child<'c, 'p>`; the reference's lifetime makes the
+/// compiler assume `'p: 'c` (the parent outlives the child), which is what lets [`Child::ret`] turn a
+/// `Tensor<'c>` into a `Tensor<'p>`.
+pub struct Child<'c, 'p> {
+    scope: Scope<'c>,
+    parent: &'c Scope<'p>,
+}
+
+impl<'c> Deref for Child<'c, '_> {
+    type Target = Scope<'c>;
+    fn deref(&self) -> &Scope<'c> {
+        &self.scope
+    }
+}
+
+/// Opens a scope tree on `device` and runs `f` in its root scope. Every tensor of the tree is freed
+/// when `f` returns or unwinds, including tensors whose handles were forgotten.
+///
+/// The closure returns a `Result` whose error type can hold an [`Error`](crate::Error), so `?` works inside it.
+///
+/// ```
+/// use ndscope::{Device, root};
+/// let total = root(Device::Cpu, |s| {
+///     let x = s.from_slice(&[1.0f32, 2.0, 3.0], &[3])?;
+///     x.sum_all()?.to_scalar::<f32>()
+/// })?;
+/// assert_eq!(total, 6.0);
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) when `device` cannot be used by this build or machine; otherwise
+/// whatever `f` returns.
+#[track_caller]
+pub fn root<R, E, F>(device: Device, f: F) -> std::result::Result<R, E>
+where
+    E: From<crate::Error>,
+    F: for<'s> FnOnce(&'s Scope<'s>) -> std::result::Result<R, E>,
+{
+    device.check_available()?;
+    let tree = TreeState::new();
+    let scope = Scope {
+        node: ScopeNode::new(&tree, None, ScopeName::Named("root"), device),
+        _brand: PhantomData,
+    };
+    scope.node.link(None);
+    let _close = CloseOnDrop(&scope.node);
+    f(&scope)
+}
+
+impl<'s> Scope<'s> {
+    fn child<'c>(&'c self, name: ScopeName) -> Child<'c, 's> {
+        let node = ScopeNode::new(self.node.tree(), Some(&self.node), name, self.node.device);
+        Child {
+            scope: Scope {
+                node,
+                _brand: PhantomData,
+            },
+            parent: self,
+        }
+    }
+
+    /// Runs `f` in `child`, which sits at its final address: links it into the tree and closes it when
+    /// `f` returns or unwinds.
+    fn enter<'c, R>(
+        child: &'c Child<'c, 's>,
+        arena: Option<&mut Workspace>,
+        f: impl FnOnce(&'c Child<'c, 's>) -> R,
+    ) -> R {
+        child.scope.node.link(arena);
+        let _close = CloseOnDrop(&child.scope.node);
+        f(child)
+    }
+
+    /// Opens a child scope, runs `f` in it, and closes it: every tensor created in the child and not
+    /// moved out with [`Child::ret`] is freed. Nothing that mentions the child's lifetime can leave
+    /// the closure.
+    ///
+    /// ```
+    /// # use ndscope::{Device, root};
+    /// root(Device::Cpu, |model| {
+    ///     let w = model.ones(&[4])?;
+    ///     let doubled = model.scope(|batch| {
+    ///         let x = batch.full(&[4], 2.0)?;
+    ///         let y = x.mul(&w)?;          // a model tensor beside a batch tensor: typed in the batch
+    ///         batch.ret(y)                 // moved to the model scope, no copy
+    ///     })?;
+    ///     assert_eq!(doubled.to_vec::<f32>()?, vec![2.0; 4]);
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn scope<R>(&self, f: impl for<'c> FnOnce(&'c Child<'c, 's>) -> R) -> R {
+        let child = self.child(ScopeName::Site(Location::caller()));
+        Self::enter(&child, None, f)
+    }
+
+    /// Like [`scope`](Self::scope), with a name shown by [`dump`](Self::dump) and in errors.
+    pub fn named_scope<R>(
+        &self,
+        name: &'static str,
+        f: impl for<'c> FnOnce(&'c Child<'c, 's>) -> R,
+    ) -> R {
+        let child = self.child(ScopeName::Named(name));
+        Self::enter(&child, None, f)
+    }
+
+    /// Opens a child scope backed by the arena of `ws` for one cycle. Its allocations bump a pointer
+    /// in the arena (or spill to the pool when it is full); when the closure returns the arena is reset
+    /// in O(1) and grown to what the cycle needed, ready for the next cycle. Move results out with
+    /// [`Child::ret`] (a copy into the parent's memory: the arena is reused).
+    pub fn workspace<R>(
+        &self,
+        ws: &mut Workspace,
+        f: impl for<'c> FnOnce(&'c Child<'c, 's>) -> R,
+    ) -> R {
+        let child = self.child(ScopeName::Named(ws.name()));
+        Self::enter(&child, Some(ws), f)
+    }
+
+    /// Opens a child scope and moves whatever the closure returns to this scope in one step, as
+    /// MXNet's `ResourceScope.using` did. Name the returned type with its lifetime elided:
+    ///
+    /// ```
+    /// # use ndscope::{Device, root, Tensor};
+    /// root(Device::Cpu, |s| {
+    ///     let (a, b) = s.scope_moved::<(Tensor, Tensor), _>(|c| {
+    ///         let a = c.ones(&[2])?;
+    ///         let b = a.add_scalar(1.0)?;
+    ///         Ok((a, b))
+    ///     })?;
+    ///     assert_eq!(b.to_vec::<f32>()?, vec![2.0, 2.0]);
+    ///     # let _ = a;
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn scope_moved<T, F>(&self, f: F) -> Result<T::Moved<'s>>
+    where
+        T: Movable,
+        F: for<'c> FnOnce(&'c Child<'c, 's>) -> Result<T::Moved<'c>>,
+        for<'c> T::Moved<'c>: Movable<Moved<'s> = T::Moved<'s>>,
+    {
+        let child = self.child(ScopeName::Site(Location::caller()));
+        Self::enter(&child, None, |c| f(c)?.move_into(self))
+    }
+
+    /// The scope's name (unnamed scopes are named by where they were opened).
+    pub fn name(&self) -> String {
+        self.node.name.to_string()
+    }
+
+    /// The device of the scope's memory.
+    pub fn device(&self) -> Device {
+        self.node.device
+    }
+
+    /// A snapshot of the scope's memory counters.
+    pub fn stats(&self) -> ScopeStats {
+        let mut s = *self.node.stats.borrow();
+        s.cached_bytes = self.node.tree().pool.borrow().cached_bytes();
+        s
+    }
+
+    /// Restarts `peak_bytes` from the current `subtree_bytes`.
+    pub fn reset_peak(&self) {
+        let mut s = self.node.stats.borrow_mut();
+        s.peak_bytes = s.subtree_bytes;
+    }
+
+    /// The whole tree (from its root) as text: each scope with its counters, each live tensor with its
+    /// name, dtype, shape, bytes, handle count and the source line that created it. The ndscope answer
+    /// to DJL's `debugDump`.
+    pub fn dump(&self) -> String {
+        dump::dump_tree(self.node.root())
+    }
+
+    /// Refuses any further block in this scope (allocations and moves in) with [`Error::Capped`](crate::Error::Capped), as
+    /// DJL's `NDManager.cap()` does. Child scopes are unaffected.
+    pub fn cap(&self) {
+        self.node.set_capped(true);
+    }
+
+    /// Lifts [`cap`](Self::cap).
+    pub fn uncap(&self) {
+        self.node.set_capped(false);
+    }
+
+    pub fn is_capped(&self) -> bool {
+        self.node.is_capped()
+    }
+
+    /// Limits the live bytes of this scope and every scope below it. An allocation that would exceed
+    /// it returns [`Error::OutOfMemory`](crate::Error::OutOfMemory) with the tree dump; `None` removes the limit.
+    pub fn set_budget(&self, bytes: Option<usize>) {
+        self.node.set_budget(bytes);
+    }
+
+    pub fn budget(&self) -> Option<usize> {
+        self.node.budget()
+    }
+
+    /// Hands every cached free block of the tree back to the system allocator and returns how many
+    /// bytes that released. Live tensors are unaffected; later allocations refill the cache.
+    pub fn empty_cache(&self) -> usize {
+        self.node.tree().pool.borrow_mut().empty()
+    }
+
+    /// Reseeds the tree's random generator (used by [`rand`](Self::rand) and [`randn`](Self::randn)).
+    pub fn set_seed(&self, seed: u64) {
+        self.node.tree().rng.set(Rng::new(seed));
+    }
+
+    pub(crate) fn with_rng<T>(&self, f: impl FnOnce(&mut Rng) -> T) -> T {
+        let cell = &self.node.tree().rng;
+        let mut rng = cell.get();
+        let out = f(&mut rng);
+        cell.set(rng);
+        out
+    }
+}
+
+impl<'c, 'p> Child<'c, 'p> {
+    /// Moves `value` (a tensor, or a tuple, array, `Vec`, `Option` or user type of tensors) to the
+    /// parent scope, so it outlives this one. Pool blocks change owner without copying; arena blocks
+    /// (workspace scopes) are copied into the parent's memory.
+    ///
+    /// # Errors
+    /// When the parent is capped or over budget, or a copy cannot be allocated.
+    pub fn ret<T: Movable>(&self, value: T) -> Result<T::Moved<'p>> {
+        value.move_into(self.parent)
+    }
+
+    /// The parent scope.
+    pub fn parent(&self) -> &'c Scope<'p> {
+        self.parent
+    }
+}
+
+impl std::fmt::Debug for Child<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Child")
+            .field("scope", &self.scope)
+            .field("parent", &self.parent.name())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for Scope<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope")
+            .field("name", &self.name())
+            .field("device", &self.device())
+            .finish()
+    }
+}

@@ -1,0 +1,439 @@
+//! The run-time side of a scope: a node in the scope tree that owns blocks and counts them.
+//!
+//! Nodes live in the stack frames of `root`/`scope` calls and link to each other with raw pointers
+//! (parent, children, the intrusive list of owned blocks). That is sound because scopes nest strictly in
+//! time on one thread: a child's frame ends before its parent's, and a node unlinks itself when its
+//! frame ends. Nothing here allocates in the steady state.
+
+use std::cell::{Cell, RefCell};
+use std::panic::Location;
+use std::ptr::{self, NonNull};
+
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::checked_numel;
+use crate::memory::arena::Workspace;
+use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home};
+use crate::memory::pool::{ALIGN, Pool, Source};
+use crate::memory::stats::ScopeStats;
+use crate::rng::Rng;
+
+thread_local! {
+    /// Scopes opened so far on this thread; a scope opened later closes earlier (LIFO).
+    static OPENED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// State shared by every scope of one tree: the block cache, the header slab and the RNG.
+pub(crate) struct TreeState {
+    pub(crate) pool: RefCell<Pool>,
+    pub(crate) slab: RefCell<HeaderSlab>,
+    pub(crate) rng: Cell<Rng>,
+    pub(crate) root: Cell<*const ScopeNode>,
+}
+
+impl TreeState {
+    pub(crate) fn new() -> TreeState {
+        TreeState {
+            pool: RefCell::new(Pool::default()),
+            slab: RefCell::new(HeaderSlab::default()),
+            rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
+            root: Cell::new(ptr::null()),
+        }
+    }
+}
+
+/// How a scope shows up in dumps and errors.
+#[derive(Clone, Copy)]
+pub(crate) enum ScopeName {
+    Named(&'static str),
+    /// An unnamed scope, shown by where it was opened.
+    Site(&'static Location<'static>),
+}
+
+impl std::fmt::Display for ScopeName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ScopeName::Named(n) => f.write_str(n),
+            ScopeName::Site(l) => write!(f, "scope@{}:{}", l.file(), l.line()),
+        }
+    }
+}
+
+pub(crate) struct ScopeNode {
+    tree: NonNull<TreeState>,
+    parent: *const ScopeNode,
+    /// Position in this thread's opening order; larger closes sooner.
+    pub(crate) order: u64,
+    pub(crate) name: ScopeName,
+    pub(crate) device: Device,
+    /// Head of the intrusive list of owned blocks.
+    blocks: Cell<*const BlockHeader>,
+    first_child: Cell<*const ScopeNode>,
+    next_sibling: Cell<*const ScopeNode>,
+    prev_sibling: Cell<*const ScopeNode>,
+    pub(crate) stats: RefCell<ScopeStats>,
+    capped: Cell<bool>,
+    budget: Cell<Option<usize>>,
+    arena: Cell<Option<NonNull<Workspace>>>,
+}
+
+impl ScopeNode {
+    pub(crate) fn new(
+        tree: &TreeState,
+        parent: Option<&ScopeNode>,
+        name: ScopeName,
+        device: Device,
+    ) -> ScopeNode {
+        let order = OPENED.with(|o| {
+            o.set(o.get() + 1);
+            o.get()
+        });
+        ScopeNode {
+            tree: NonNull::from(tree),
+            parent: parent.map_or(ptr::null(), |p| p as *const ScopeNode),
+            order,
+            name,
+            device,
+            blocks: Cell::new(ptr::null()),
+            first_child: Cell::new(ptr::null()),
+            next_sibling: Cell::new(ptr::null()),
+            prev_sibling: Cell::new(ptr::null()),
+            stats: RefCell::new(ScopeStats::default()),
+            capped: Cell::new(false),
+            budget: Cell::new(None),
+            arena: Cell::new(None),
+        }
+    }
+
+    /// Links the node into its parent's children (or registers it as the tree's root). Called once the
+    /// node sits at its final address.
+    pub(crate) fn link(&self, arena: Option<&mut Workspace>) {
+        if let Some(ws) = arena {
+            ws.begin_cycle();
+            self.arena.set(Some(NonNull::from(ws)));
+        }
+        match self.parent() {
+            None => self.tree().root.set(self),
+            Some(p) => {
+                let head = p.first_child.get();
+                self.next_sibling.set(head);
+                if !head.is_null() {
+                    // SAFETY: children in the list are open (they unlink when they close).
+                    unsafe { (*head).prev_sibling.set(self) };
+                }
+                p.first_child.set(self);
+            }
+        }
+    }
+
+    pub(crate) fn tree(&self) -> &TreeState {
+        // SAFETY: the tree state lives in the root's frame, which outlives every node of the tree.
+        unsafe { self.tree.as_ref() }
+    }
+
+    pub(crate) fn parent(&self) -> Option<&ScopeNode> {
+        // SAFETY: a parent outlives its children (strict nesting in time).
+        unsafe { self.parent.as_ref() }
+    }
+
+    pub(crate) fn children(&self) -> impl Iterator<Item = &ScopeNode> {
+        let mut cur = self.first_child.get();
+        std::iter::from_fn(move || {
+            // SAFETY: linked children are open nodes.
+            let node = unsafe { cur.as_ref()? };
+            cur = node.next_sibling.get();
+            Some(node)
+        })
+    }
+
+    pub(crate) fn blocks(&self) -> impl Iterator<Item = &BlockHeader> {
+        let mut cur = self.blocks.get();
+        std::iter::from_fn(move || {
+            // SAFETY: headers in an owner's list are live (their block is owned by this open scope).
+            let h = unsafe { cur.as_ref()? };
+            cur = h.next.get();
+            Some(h)
+        })
+    }
+
+    pub(crate) fn ancestors_and_self(&self) -> impl Iterator<Item = &ScopeNode> {
+        let mut cur: *const ScopeNode = self;
+        std::iter::from_fn(move || {
+            // SAFETY: every node on the parent chain is open.
+            let node = unsafe { cur.as_ref()? };
+            cur = node.parent;
+            Some(node)
+        })
+    }
+
+    pub(crate) fn root(&self) -> &ScopeNode {
+        self.ancestors_and_self()
+            .last()
+            .expect("a node is its own ancestor")
+    }
+
+    fn is_ancestor_or_self_of(&self, other: &ScopeNode) -> bool {
+        other.ancestors_and_self().any(|n| ptr::eq(n, self))
+    }
+
+    pub(crate) fn arena(&self) -> Option<&mut Workspace> {
+        // SAFETY: the workspace is mutably borrowed by the cycle's `workspace` call for as long as this
+        // node is open, and only this node's methods reach it, never re-entrantly.
+        self.arena.get().map(|mut w| unsafe { w.as_mut() })
+    }
+
+    pub(crate) fn is_capped(&self) -> bool {
+        self.capped.get()
+    }
+
+    pub(crate) fn set_capped(&self, capped: bool) {
+        self.capped.set(capped);
+    }
+
+    pub(crate) fn budget(&self) -> Option<usize> {
+        self.budget.get()
+    }
+
+    pub(crate) fn set_budget(&self, budget: Option<usize>) {
+        self.budget.set(budget);
+    }
+
+    /// Checks the cap and every budget on the way to the root before `bytes` come into this scope.
+    /// `counted_in` is the scope that holds the bytes now (for moves): budgets that already count it
+    /// are not charged twice.
+    fn admit(&self, bytes: usize, counted_in: Option<&ScopeNode>) -> Result<()> {
+        if self.capped.get() {
+            return Err(Error::Capped {
+                scope: self.name.to_string(),
+                requested: bytes,
+            });
+        }
+        for node in self.ancestors_and_self() {
+            let Some(budget) = node.budget.get() else {
+                continue;
+            };
+            if counted_in.is_some_and(|c| node.is_ancestor_or_self_of(c)) {
+                continue;
+            }
+            let live = node.stats.borrow().subtree_bytes;
+            if live.saturating_add(bytes) > budget {
+                self.stats.borrow_mut().ooms += 1;
+                return Err(Error::OutOfMemory {
+                    scope: node.name.to_string(),
+                    requested: bytes,
+                    live,
+                    budget: Some(budget),
+                    dump: crate::scope::dump::dump_tree(self.root()),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates a block for `shape` elements of `dtype` owned by this scope.
+    pub(crate) fn alloc(
+        &self,
+        dtype: DType,
+        shape: &[usize],
+        at: &'static Location<'static>,
+    ) -> Result<BlockRef> {
+        let bytes = checked_numel(shape, dtype.size())? * dtype.size();
+        self.admit(bytes, None)?;
+        let (ptr, capacity, home) = if bytes == 0 {
+            (dangling(), 0, Home::Empty)
+        } else if let Some(p) = self.arena().and_then(|a| a.bump(bytes)) {
+            (p, bytes.next_multiple_of(ALIGN), Home::Arena)
+        } else {
+            if let Some(arena) = self.arena() {
+                arena.note_spill(bytes);
+                self.stats.borrow_mut().spills += 1;
+            }
+            let taken = self.tree().pool.borrow_mut().take(bytes);
+            let Some((p, capacity, source)) = taken else {
+                self.stats.borrow_mut().ooms += 1;
+                return Err(Error::OutOfMemory {
+                    scope: self.name.to_string(),
+                    requested: bytes,
+                    live: self.stats.borrow().live_bytes,
+                    budget: None,
+                    dump: crate::scope::dump::dump_tree(self.root()),
+                });
+            };
+            let mut stats = self.stats.borrow_mut();
+            match source {
+                Source::Reused => stats.reuses += 1,
+                Source::System => stats.system_allocations += 1,
+            }
+            (p, capacity, Home::Heap)
+        };
+        let (header, grew) = self.tree().slab.borrow_mut().take();
+        // SAFETY: the slab hands out headers that no handle refers to; we initialise it with one
+        // reference and adopt that reference below.
+        let header_ref = unsafe { header.as_ref() };
+        header_ref.init(ptr, bytes, capacity, home, dtype, shape, at);
+        self.stats.borrow_mut().allocations += 1;
+        if grew {
+            self.stats.borrow_mut().system_allocations += 1;
+        }
+        self.attach(header_ref);
+        // SAFETY: initialised above with `refs == 1`; slab headers live as long as the tree.
+        Ok(unsafe { BlockRef::adopt(header) })
+    }
+
+    /// Links a block into this scope's list and counts it.
+    fn attach(&self, h: &BlockHeader) {
+        h.owner.set(self);
+        h.prev.set(ptr::null());
+        h.next.set(self.blocks.get());
+        // SAFETY: the list head, if any, is a live header of this scope.
+        if let Some(head) = unsafe { self.blocks.get().as_ref() } {
+            head.prev.set(h);
+        }
+        self.blocks.set(h);
+        let bytes = h.bytes.get();
+        {
+            let mut s = self.stats.borrow_mut();
+            s.live_tensors += 1;
+            s.live_bytes += bytes;
+        }
+        for node in self.ancestors_and_self() {
+            let mut s = node.stats.borrow_mut();
+            s.subtree_bytes += bytes;
+            s.peak_bytes = s.peak_bytes.max(s.subtree_bytes);
+        }
+    }
+
+    /// Unlinks a block from this scope's list and uncounts it.
+    fn detach(&self, h: &BlockHeader) {
+        let (prev, next) = (h.prev.get(), h.next.get());
+        // SAFETY: neighbours in the list are live headers of this scope.
+        unsafe {
+            match prev.as_ref() {
+                Some(p) => p.next.set(next),
+                None => self.blocks.set(next),
+            }
+            if let Some(n) = next.as_ref() {
+                n.prev.set(prev);
+            }
+        }
+        h.prev.set(ptr::null());
+        h.next.set(ptr::null());
+        let bytes = h.bytes.get();
+        if h.home.get() == Home::Heap
+            && let Some(arena) = self.arena()
+        {
+            arena.note_spill_freed(bytes);
+        }
+        {
+            let mut s = self.stats.borrow_mut();
+            s.live_tensors -= 1;
+            s.live_bytes -= bytes;
+        }
+        for node in self.ancestors_and_self() {
+            node.stats.borrow_mut().subtree_bytes -= bytes;
+        }
+    }
+
+    /// Returns a block whose last handle dropped.
+    pub(crate) fn release(&self, h: &BlockHeader) {
+        self.detach(h);
+        self.free_bytes(h);
+        self.tree().slab.borrow().give(h);
+    }
+
+    fn free_bytes(&self, h: &BlockHeader) {
+        match h.home.get() {
+            Home::Empty => {}
+            // SAFETY: heap blocks came from the pool (`system_alloc` with a class capacity), and the
+            // block has no user left: its last handle dropped, or its scope is closing.
+            Home::Heap => unsafe {
+                self.tree()
+                    .pool
+                    .borrow_mut()
+                    .give(h.ptr.get(), h.capacity.get())
+            },
+            Home::Arena => {
+                if let Some(arena) = self.arena() {
+                    arena.pop(h.ptr.get(), h.bytes.get());
+                }
+            }
+        }
+    }
+
+    /// Moves ownership of a pool or empty block to `self` without copying.
+    pub(crate) fn adopt_block(&self, h: &BlockHeader) -> Result<()> {
+        // SAFETY: the current owner is open: a handle to the block exists.
+        let from = unsafe { &*h.owner.get() };
+        if ptr::eq(from, self) {
+            return Ok(());
+        }
+        debug_assert!(
+            h.home.get() != Home::Arena,
+            "arena blocks are copied, never adopted"
+        );
+        self.admit(h.bytes.get(), Some(from))?;
+        from.detach(h);
+        self.attach(h);
+        self.stats.borrow_mut().moved_in += 1;
+        Ok(())
+    }
+
+    /// Hands a unique heap block's bytes over to the system scope: unlinks it and recycles its header
+    /// without freeing the bytes. Returns `(ptr, capacity)`.
+    pub(crate) fn surrender(&self, h: &BlockHeader) -> (NonNull<u8>, usize) {
+        debug_assert!(h.home.get() == Home::Heap && h.is_unique());
+        self.detach(h);
+        let out = (h.ptr.get(), h.capacity.get());
+        self.tree().slab.borrow().give(h);
+        out
+    }
+
+    /// Closes the node: reclaims what forgotten handles still hold, finishes a workspace cycle, folds
+    /// the counters into the parent and unlinks from it.
+    pub(crate) fn close(&self) {
+        while let Some(h) = self.blocks().next() {
+            let bytes = h.bytes.get() as u64;
+            self.detach(h);
+            self.free_bytes(h);
+            self.tree().slab.borrow().give(h);
+            let mut s = self.stats.borrow_mut();
+            s.reclaimed_tensors += 1;
+            s.reclaimed_bytes += bytes;
+        }
+        if let Some(arena) = self.arena()
+            && arena.end_cycle()
+        {
+            self.stats.borrow_mut().system_allocations += 1;
+        }
+        self.arena.set(None);
+        if let Some(p) = self.parent() {
+            p.stats.borrow_mut().absorb(&self.stats.borrow());
+            let (prev, next) = (self.prev_sibling.get(), self.next_sibling.get());
+            // SAFETY: siblings in the list are open nodes.
+            unsafe {
+                match prev.as_ref() {
+                    Some(s) => s.next_sibling.set(next),
+                    None => p.first_child.set(next),
+                }
+                if let Some(n) = next.as_ref() {
+                    n.prev_sibling.set(prev);
+                }
+            }
+        }
+    }
+}
+
+/// An aligned, non-null pointer for zero-byte blocks; never dereferenced for a non-empty read.
+fn dangling() -> NonNull<u8> {
+    NonNull::new(ptr::without_provenance_mut(ALIGN)).expect("ALIGN is non-zero")
+}
+
+/// Closes a node when dropped, including while unwinding from a panic inside the scope.
+pub(crate) struct CloseOnDrop<'a>(pub(crate) &'a ScopeNode);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}

@@ -1,0 +1,151 @@
+//! Creation ops: every new tensor names its scope explicitly (`s.zeros(..)`, `s.from_slice(..)`).
+
+use std::panic::Location;
+
+use crate::dtype::{DType, Element, with_dtype};
+use crate::error::{Error, Result};
+use crate::layout::checked_numel;
+use crate::scope::Scope;
+use crate::tensor::{Owner, Tensor};
+
+impl<'s> Scope<'s> {
+    fn filled(
+        &self,
+        dtype: DType,
+        shape: &[usize],
+        value: f64,
+        at: &'static Location<'static>,
+    ) -> Result<Tensor<'s>> {
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), dtype, shape, at)?;
+        with_dtype!(dtype, T => t.fresh_mut::<T>().fill(T::from_f64(value)));
+        Ok(t)
+    }
+
+    /// An `f32` tensor of zeros.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let z = s.zeros(&[2, 3])?;
+    /// assert_eq!(z.to_vec::<f32>()?, vec![0.0; 6]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// When the scope is capped or over budget, or the shape's size overflows.
+    #[track_caller]
+    pub fn zeros(&self, shape: &[usize]) -> Result<Tensor<'s>> {
+        self.filled(DType::F32, shape, 0.0, Location::caller())
+    }
+
+    /// An `f32` tensor of ones.
+    #[track_caller]
+    pub fn ones(&self, shape: &[usize]) -> Result<Tensor<'s>> {
+        self.filled(DType::F32, shape, 1.0, Location::caller())
+    }
+
+    /// An `f32` tensor filled with `value`.
+    #[track_caller]
+    pub fn full(&self, shape: &[usize], value: f32) -> Result<Tensor<'s>> {
+        self.filled(DType::F32, shape, f64::from(value), Location::caller())
+    }
+
+    /// A tensor of any dtype filled with `value` (converted to the dtype).
+    #[track_caller]
+    pub fn full_dtype(&self, shape: &[usize], value: f64, dtype: DType) -> Result<Tensor<'s>> {
+        self.filled(dtype, shape, value, Location::caller())
+    }
+
+    /// A tensor of `data`'s element type holding a copy of `data` in row-major order.
+    ///
+    /// # Errors
+    /// [`Error::DataLength`] when `data.len()` is not the shape's element count.
+    #[track_caller]
+    pub fn from_slice<T: Element>(&self, data: &[T], shape: &[usize]) -> Result<Tensor<'s>> {
+        let n = checked_numel(shape, T::DTYPE.size())?;
+        if n != data.len() {
+            return Err(Error::DataLength {
+                op: "from_slice",
+                expected: n,
+                got: data.len(),
+            });
+        }
+        let mut t =
+            Tensor::uninit_in(Owner::Node(&self.node), T::DTYPE, shape, Location::caller())?;
+        t.fresh_mut::<T>().copy_from_slice(data);
+        Ok(t)
+    }
+
+    /// A 1-D tensor `start, start + step, ...` up to `end` (exclusive), of `T`'s dtype.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when `step` is zero or not finite or the range is not finite.
+    #[track_caller]
+    pub fn arange<T: Element>(&self, start: T, end: T, step: T) -> Result<Tensor<'s>> {
+        let (a, b, d) = (start.to_f64(), end.to_f64(), step.to_f64());
+        if d == 0.0 || !(a.is_finite() && b.is_finite() && d.is_finite()) {
+            return Err(Error::InvalidShape {
+                op: "arange",
+                shape: vec![],
+                reason: format!(
+                    "start {a}, end {b} and step {d} must be finite with a non-zero step"
+                ),
+            });
+        }
+        let n = ((b - a) / d).ceil().max(0.0);
+        if n > (isize::MAX as usize / T::DTYPE.size()) as f64 {
+            return Err(Error::SizeOverflow {
+                shape: vec![usize::MAX],
+                element_bytes: T::DTYPE.size(),
+            });
+        }
+        let n = n as usize;
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), T::DTYPE, &[n], Location::caller())?;
+        for (i, v) in t.fresh_mut::<T>().iter_mut().enumerate() {
+            *v = T::from_f64(a + i as f64 * d);
+        }
+        Ok(t)
+    }
+
+    /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator.
+    #[track_caller]
+    pub fn rand(&self, shape: &[usize]) -> Result<Tensor<'s>> {
+        let mut t = Tensor::uninit_in(
+            Owner::Node(&self.node),
+            DType::F32,
+            shape,
+            Location::caller(),
+        )?;
+        self.with_rng(|rng| {
+            t.fresh_mut::<f32>()
+                .iter_mut()
+                .for_each(|v| *v = rng.uniform() as f32)
+        });
+        Ok(t)
+    }
+
+    /// An `f32` tensor of standard normal samples from the tree's seeded generator.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// s.set_seed(42);
+    /// let a = s.randn(&[4])?.to_vec::<f32>()?;
+    /// s.set_seed(42);
+    /// assert_eq!(a, s.randn(&[4])?.to_vec::<f32>()?);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn randn(&self, shape: &[usize]) -> Result<Tensor<'s>> {
+        let mut t = Tensor::uninit_in(
+            Owner::Node(&self.node),
+            DType::F32,
+            shape,
+            Location::caller(),
+        )?;
+        self.with_rng(|rng| {
+            t.fresh_mut::<f32>()
+                .iter_mut()
+                .for_each(|v| *v = rng.normal() as f32)
+        });
+        Ok(t)
+    }
+}

@@ -1,0 +1,463 @@
+//! `Tensor<'s>`: a counted handle to a storage block owned by a live scope, plus a layout and dtype.
+
+mod create;
+mod display;
+
+use std::marker::PhantomData;
+use std::panic::Location;
+
+use crate::device::Device;
+use crate::dtype::{DType, Element, with_dtype};
+use crate::error::{Error, Result};
+use crate::layout::{Layout, RowWalk};
+use crate::memory::block::{BlockRef, Home, new_system_block};
+use crate::memory::pool;
+use crate::scope::Scope;
+use crate::scope::node::ScopeNode;
+
+/// An n-dimensional array whose memory is owned by a scope that lives at least as long as `'s`.
+///
+/// * `clone()` is a cheap alias of the same block; the block goes back to its scope's cache when the
+///   last alias drops.
+/// * `'s` is covariant: a tensor of a longer-lived scope (a model parameter) can be used where a
+///   tensor of a shorter-lived one (a batch) is expected, and an op's result is typed with the
+///   shortest lifetime among its operands.
+/// * An op's result is owned by the innermost live scope among the operands' owners, never by a
+///   longer-lived one.
+/// * A tensor is neither `Send` nor `Sync`, except a detached `Tensor<'static>` (see
+///   [`detach`](Tensor::detach)), which any thread may use.
+pub struct Tensor<'s> {
+    block: BlockRef,
+    layout: Layout,
+    dtype: DType,
+    _scope: PhantomData<&'s ()>,
+}
+
+// SAFETY: a `Tensor<'static>` can only come from `detach` (every scope's lifetime is higher-ranked,
+// hence never 'static), and op results of 'static operands are system-owned too: its block has a boxed
+// header with an atomic count whose other fields are written only through a unique handle, and boxed
+// memory freed by the last handle on whichever thread drops it.
+unsafe impl Send for Tensor<'static> {}
+// SAFETY: as above; `&Tensor` gives read-only access, and writes need `&mut` plus a unique block.
+unsafe impl Sync for Tensor<'static> {}
+
+/// Who owns a block: the never-closing system scope, or a scope of a tree.
+#[derive(Clone, Copy)]
+pub(crate) enum Owner<'n> {
+    System,
+    Node(&'n ScopeNode),
+}
+
+impl<'n> Owner<'n> {
+    /// The owner that closes first among `tensors`' owners (the system scope never closes).
+    pub(crate) fn innermost(tensors: &[&Tensor<'_>]) -> Owner<'n> {
+        let mut best = Owner::System;
+        let mut best_order = 0;
+        for t in tensors {
+            let owner = t.block.header().owner.get();
+            // SAFETY: a live handle's owner is open (see `BlockRef::header`), and it stays open while
+            // the output is created: `'n` is only used within the calling op.
+            if let Some(node) = unsafe { owner.as_ref() }
+                && node.order > best_order
+            {
+                best_order = node.order;
+                best = Owner::Node(node);
+            }
+        }
+        best
+    }
+
+    /// Allocates a contiguous block for `shape` in this owner.
+    pub(crate) fn alloc(
+        self,
+        dtype: DType,
+        shape: &[usize],
+        at: &'static Location<'static>,
+    ) -> Result<BlockRef> {
+        match self {
+            Owner::Node(node) => node.alloc(dtype, shape, at),
+            Owner::System => {
+                let bytes = crate::layout::checked_numel(shape, dtype.size())? * dtype.size();
+                if bytes == 0 {
+                    let dangling =
+                        std::ptr::NonNull::new(std::ptr::without_provenance_mut(pool::ALIGN))
+                            .expect("ALIGN is non-zero");
+                    return Ok(new_system_block(
+                        dangling,
+                        0,
+                        0,
+                        Home::Empty,
+                        dtype,
+                        shape,
+                        at,
+                    ));
+                }
+                let capacity = bytes.next_multiple_of(pool::ALIGN);
+                let ptr = pool::system_alloc(capacity).ok_or_else(|| Error::OutOfMemory {
+                    scope: "system".into(),
+                    requested: bytes,
+                    live: crate::scope::system_stats().live_bytes,
+                    budget: None,
+                    dump: String::new(),
+                })?;
+                Ok(new_system_block(
+                    ptr,
+                    bytes,
+                    capacity,
+                    Home::Heap,
+                    dtype,
+                    shape,
+                    at,
+                ))
+            }
+        }
+    }
+}
+
+impl<'s> Tensor<'s> {
+    pub(crate) fn from_parts(block: BlockRef, layout: Layout, dtype: DType) -> Tensor<'s> {
+        Tensor {
+            block,
+            layout,
+            dtype,
+            _scope: PhantomData,
+        }
+    }
+
+    /// A new contiguous tensor in `owner`; its contents are stale bytes that the caller overwrites.
+    pub(crate) fn uninit_in(
+        owner: Owner<'_>,
+        dtype: DType,
+        shape: &[usize],
+        at: &'static Location<'static>,
+    ) -> Result<Tensor<'s>> {
+        let block = owner.alloc(dtype, shape, at)?;
+        Ok(Tensor::from_parts(block, Layout::contiguous(shape), dtype))
+    }
+
+    /// A new contiguous tensor owned by the innermost owner among `operands`.
+    pub(crate) fn output_of(
+        operands: &[&Tensor<'s>],
+        dtype: DType,
+        shape: &[usize],
+        at: &'static Location<'static>,
+    ) -> Result<Tensor<'s>> {
+        Tensor::uninit_in(Owner::innermost(operands), dtype, shape, at)
+    }
+
+    /// A view of the same block with another layout.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Tensor<'s> {
+        debug_assert!(
+            layout.extent() * self.dtype.size() <= self.block.header().bytes.get(),
+            "a view must stay inside its block"
+        );
+        Tensor::from_parts(self.block.clone(), layout, self.dtype)
+    }
+
+    fn rebrand<'b>(self) -> Tensor<'b> {
+        Tensor {
+            block: self.block,
+            layout: self.layout,
+            dtype: self.dtype,
+            _scope: PhantomData,
+        }
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+
+    /// Strides in elements.
+    pub fn strides(&self) -> &[usize] {
+        self.layout.strides()
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+
+    /// The name shown by `dump()`, if one was given.
+    pub fn name(&self) -> Option<&'static str> {
+        self.block.header().name.get()
+    }
+
+    /// Names the tensor's block for [`Scope::dump`]. A detached block shared with other handles keeps
+    /// its name (other threads may be reading it).
+    pub fn named(self, name: &'static str) -> Tensor<'s> {
+        let h = self.block.header();
+        if !h.is_system() || h.is_unique() {
+            h.name.set(Some(name));
+        }
+        self
+    }
+
+    /// Whether two tensors share a storage block (views and clones do).
+    pub fn shares_storage(&self, other: &Tensor<'_>) -> bool {
+        self.block.as_ptr() == other.block.as_ptr()
+    }
+
+    /// Whether the block is owned by the system scope (the tensor was detached).
+    pub fn is_detached(&self) -> bool {
+        self.block.header().is_system()
+    }
+
+    /// The whole block as a slice of `T` (the caller checked the dtype).
+    pub(crate) fn block_data<T: Element>(&self) -> &[T] {
+        debug_assert_eq!(T::DTYPE, self.dtype);
+        let h = self.block.header();
+        let len = h.bytes.get() / std::mem::size_of::<T>();
+        // SAFETY: the block holds `bytes` initialised bytes (zeroed when first taken from the system,
+        // written since), aligned to 64, valid while this handle lives. No `&mut` to it can exist at the
+        // same time: mutable access needs a unique handle (`block_data_mut`).
+        unsafe { std::slice::from_raw_parts(h.ptr.get().as_ptr().cast::<T>(), len) }
+    }
+
+    /// The whole block as a mutable slice; `None` unless this handle is the block's only one.
+    pub(crate) fn block_data_mut<T: Element>(&mut self) -> Option<&mut [T]> {
+        debug_assert_eq!(T::DTYPE, self.dtype);
+        let h = self.block.header();
+        if !h.is_unique() {
+            return None;
+        }
+        let len = h.bytes.get() / std::mem::size_of::<T>();
+        // SAFETY: as in `block_data`, and this is the only handle, borrowed mutably, so no other slice
+        // of the block exists.
+        Some(unsafe { std::slice::from_raw_parts_mut(h.ptr.get().as_ptr().cast::<T>(), len) })
+    }
+
+    /// The mutable elements of a fresh contiguous output (a unique handle by construction).
+    pub(crate) fn fresh_mut<T: Element>(&mut self) -> &mut [T] {
+        let (offset, n) = (self.layout.offset(), self.numel());
+        let data = self
+            .block_data_mut::<T>()
+            .expect("a fresh output has a single handle");
+        &mut data[offset..offset + n]
+    }
+
+    /// The elements as a slice, for a contiguous tensor of element type `T`; borrowing the tensor
+    /// while the slice lives (so no in-place op can change it meanwhile).
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype, [`Error::NotContiguous`] for a
+    /// strided view (call [`contiguous`](Self::contiguous) first).
+    pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
+        self.check_dtype::<T>("as_slice")?;
+        if !self.is_contiguous() {
+            return Err(Error::NotContiguous {
+                op: "as_slice",
+                shape: self.shape().to_vec(),
+                strides: self.strides().to_vec(),
+            });
+        }
+        let offset = self.layout.offset();
+        Ok(&self.block_data::<T>()[offset..offset + self.numel()])
+    }
+
+    pub(crate) fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: self.dtype,
+                rhs: T::DTYPE,
+            });
+        }
+        Ok(())
+    }
+
+    /// The elements in row-major order.
+    ///
+    /// # Errors
+    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        self.check_dtype::<T>("to_vec")?;
+        let mut out = Vec::with_capacity(self.numel());
+        let src = self.block_data::<T>();
+        let walk = RowWalk::new(self.shape(), [self.strides()], [self.layout.offset()]);
+        let [stride] = walk.row_strides();
+        let len = walk.row_len();
+        walk.for_rows(0, walk.rows(), |_, [start]| {
+            out.extend((0..len).map(|j| src[start + j * stride]));
+        });
+        Ok(out)
+    }
+
+    /// The elements converted to `f64`, whatever the dtype (handy for checks and printing).
+    pub fn to_vec_f64(&self) -> Vec<f64> {
+        with_dtype!(self.dtype, T => {
+            self.to_vec::<T>().expect("dtype matches").into_iter().map(Element::to_f64).collect()
+        })
+    }
+
+    /// The single element of a tensor with one element (any shape).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when the tensor does not hold exactly one element;
+    /// [`Error::DTypeMismatch`] when `T` is not its dtype.
+    pub fn to_scalar<T: Element>(&self) -> Result<T> {
+        self.check_dtype::<T>("to_scalar")?;
+        if self.numel() != 1 {
+            return Err(Error::InvalidShape {
+                op: "to_scalar",
+                shape: self.shape().to_vec(),
+                reason: format!("it holds {} elements, not exactly one", self.numel()),
+            });
+        }
+        Ok(self.block_data::<T>()[self.layout.offset()])
+    }
+
+    /// Copies the elements, in row-major order, into a new contiguous block of `owner`.
+    #[track_caller]
+    pub(crate) fn copy_to_owner<'b>(&self, owner: Owner<'_>) -> Result<Tensor<'b>> {
+        let mut out = Tensor::uninit_in(owner, self.dtype, self.shape(), Location::caller())?;
+        with_dtype!(self.dtype, T => {
+            crate::ops::copy::copy_strided::<T>(self, out.fresh_mut::<T>())
+        });
+        Ok(out)
+    }
+
+    /// The same elements laid out contiguously: an alias when already contiguous, else a copy owned
+    /// by the same scope.
+    #[track_caller]
+    pub fn contiguous(&self) -> Result<Tensor<'s>> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        self.copy_to_owner(Owner::innermost(&[self]))
+    }
+
+    /// Moves the tensor to `target`, re-branding it with `target`'s lifetime (DJL's `attach`). Pool
+    /// blocks change owner without copying when `target` outlives their owner (or when this is the
+    /// block's only handle); arena blocks, blocks of another tree and blocks of another device are
+    /// copied. A block already owned by a longer-lived scope stays where it is.
+    ///
+    /// # Errors
+    /// When `target` is capped or over budget, or a copy cannot be allocated.
+    pub fn move_to<'b>(self, target: &Scope<'b>) -> Result<Tensor<'b>> {
+        self.relocate(&target.node)
+    }
+
+    pub(crate) fn relocate<'b>(self, target: &ScopeNode) -> Result<Tensor<'b>> {
+        let h = self.block.header();
+        // SAFETY: a live handle's owner is open.
+        let Some(owner) = (unsafe { h.owner.get().as_ref() }) else {
+            return Ok(self.rebrand()); // the system scope outlives every scope
+        };
+        let same_tree = std::ptr::eq(owner.tree(), target.tree());
+        let movable = same_tree && h.home.get() != Home::Arena;
+        if target.order <= owner.order {
+            // `target` lives at least as long as the owner.
+            if movable {
+                target.adopt_block(h)?;
+                return Ok(self.rebrand());
+            }
+            return self.copy_to_owner(Owner::Node(target));
+        }
+        // `target` closes before the owner, so the owner already outlives the new brand; hand the block
+        // over only when no other handle could still need the owner's lifetime.
+        if movable && h.is_unique() {
+            target.adopt_block(h)?;
+        }
+        Ok(self.rebrand())
+    }
+
+    /// Detaches the tensor from its scope tree: the result is owned by the never-closing system scope,
+    /// freed when its last handle drops, and may be sent to other threads (DL4J's `detach`, TorchSharp's
+    /// `DetachFromDisposeScope`). A pool block with no other handle moves without copying; anything
+    /// else is copied.
+    ///
+    /// # Errors
+    /// When the system allocator refuses a needed copy.
+    #[track_caller]
+    pub fn detach(self) -> Result<Tensor<'static>> {
+        let h = self.block.header();
+        // SAFETY: a live handle's owner is open.
+        let Some(owner) = (unsafe { h.owner.get().as_ref() }) else {
+            return Ok(self.rebrand());
+        };
+        if h.is_unique() && h.home.get() == Home::Heap {
+            let (name, at, dtype, bytes) = (
+                h.name.get(),
+                h.created_at.get(),
+                h.dtype.get(),
+                h.bytes.get(),
+            );
+            let shape = h.shape.borrow().clone();
+            let (ptr, capacity) = owner.surrender(h);
+            let block = new_system_block(ptr, bytes, capacity, Home::Heap, dtype, &shape, at);
+            block.header().name.set(name);
+            let Tensor {
+                block: old,
+                layout,
+                dtype,
+                ..
+            } = self;
+            // The old header was recycled by `surrender`; its reference must not be released again.
+            std::mem::forget(old);
+            return Ok(Tensor::from_parts(block, layout, dtype));
+        }
+        let name = h.name.get();
+        let out = self.copy_to_owner(Owner::System)?;
+        Ok(match name {
+            Some(n) => out.named(n),
+            None => out,
+        })
+    }
+
+    /// Alias of [`detach`](Self::detach) (MXNet and DL4J say "move out").
+    #[track_caller]
+    pub fn move_out(self) -> Result<Tensor<'static>> {
+        self.detach()
+    }
+
+    /// A copy on `device` (an alias when the tensor is already there).
+    ///
+    /// # Errors
+    /// [`Error::DeviceUnavailable`] for a device this build cannot use.
+    pub fn to_device(&self, device: Device) -> Result<Tensor<'s>> {
+        device.check_available()?;
+        Ok(self.clone())
+    }
+
+    /// Replaces `self` by a private contiguous copy unless it already is the only handle to a
+    /// contiguous block: the copy-on-write step before an in-place op.
+    pub(crate) fn make_unique_contiguous(&mut self) -> Result<()> {
+        if !self.block.header().is_unique() || !self.is_contiguous() {
+            let copy = self.copy_to_owner(Owner::innermost(&[self]))?;
+            *self = copy;
+        }
+        Ok(())
+    }
+}
+
+impl Clone for Tensor<'_> {
+    fn clone(&self) -> Self {
+        Tensor::from_parts(self.block.clone(), self.layout.clone(), self.dtype)
+    }
+}
+
+impl std::fmt::Debug for Tensor<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
