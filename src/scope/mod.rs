@@ -178,9 +178,9 @@ impl<'s> Scope<'s> {
     #[track_caller]
     pub fn scope_moved<T, F>(&self, f: F) -> Result<T::Moved<'s>>
     where
-        T: Movable,
+        T: Movable<'s>,
         F: for<'c> FnOnce(&'c Child<'c, 's>) -> Result<T::Moved<'c>>,
-        for<'c> T::Moved<'c>: Movable<Moved<'s> = T::Moved<'s>>,
+        for<'c> T::Moved<'c>: Movable<'c, Moved<'s> = T::Moved<'s>>,
     {
         let child = self.child(ScopeName::Site(Location::caller()));
         Self::enter(&child, None, |c| f(c)?.move_into(self))
@@ -268,7 +268,7 @@ impl<'c, 'p> Child<'c, 'p> {
     ///
     /// # Errors
     /// When the parent is capped or over budget, or a copy cannot be allocated.
-    pub fn ret<T: Movable>(&self, value: T) -> Result<T::Moved<'p>> {
+    pub fn ret<T: Movable<'c>>(&self, value: T) -> Result<T::Moved<'p>> {
         value.move_into(self.parent)
     }
 

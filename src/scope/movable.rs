@@ -4,17 +4,20 @@ use crate::error::Result;
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
-/// A value whose tensors can be moved to another scope in one call, re-branding them with that scope's
-/// lifetime. Implemented for [`Tensor`], tuples (up to four), arrays, `Vec`, `Option`, `()` and plain
+/// A value whose tensors, all branded `'a`, can be moved to another scope in one call, re-branding
+/// them with that scope's lifetime. Implemented for [`Tensor`], tuples (up to four), arrays, `Vec`, `Option`, `()` and plain
 /// values that hold no tensor. Implement it for your own types (a model's parameter set) by moving each
-/// field:
+/// field. `'a` is the brand of the value's tensors: [`Child::ret`](crate::Child::ret) only accepts
+/// values branded with the child's lifetime (or a longer one), so a sibling scope's tensor cannot be
+/// returned through it.
+///
 ///
 /// ```
 /// use ndscope::{Movable, Result, Scope, Tensor};
 ///
 /// struct Linear<'s> { weight: Tensor<'s>, bias: Tensor<'s> }
 ///
-/// impl<'s> Movable for Linear<'s> {
+/// impl<'s> Movable<'s> for Linear<'s> {
 ///     type Moved<'b> = Linear<'b>;
 ///     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Linear<'b>> {
 ///         Ok(Linear { weight: self.weight.move_into(target)?, bias: self.bias.move_into(target)? })
@@ -31,7 +34,7 @@ use crate::tensor::Tensor;
 /// })?;
 /// # Ok::<(), ndscope::Error>(())
 /// ```
-pub trait Movable: Sized {
+pub trait Movable<'a>: Sized {
     /// The same value, branded with the target scope's lifetime `'b`.
     type Moved<'b>;
 
@@ -43,7 +46,7 @@ pub trait Movable: Sized {
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>>;
 }
 
-impl<'a> Movable for Tensor<'a> {
+impl<'a> Movable<'a> for Tensor<'a> {
     type Moved<'b> = Tensor<'b>;
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Tensor<'b>> {
         self.relocate(&target.node)
@@ -52,7 +55,7 @@ impl<'a> Movable for Tensor<'a> {
 
 macro_rules! plain_movable {
     ($($t:ty),*) => {$(
-        impl Movable for $t {
+        impl<'a> Movable<'a> for $t {
             type Moved<'b> = $t;
             fn move_into<'b>(self, _: &Scope<'b>) -> Result<$t> {
                 Ok(self)
@@ -65,7 +68,7 @@ plain_movable!((), bool, f32, f64, i64, i32, u32, u64, usize, String);
 
 macro_rules! tuple_movable {
     ($($name:ident),+) => {
-        impl<$($name: Movable),+> Movable for ($($name,)+) {
+        impl<'a, $($name: Movable<'a>),+> Movable<'a> for ($($name,)+) {
             type Moved<'b> = ($($name::Moved<'b>,)+);
             #[allow(non_snake_case)]
             fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>> {
@@ -81,14 +84,14 @@ tuple_movable!(A, B);
 tuple_movable!(A, B, C);
 tuple_movable!(A, B, C, D);
 
-impl<T: Movable> Movable for Option<T> {
+impl<'a, T: Movable<'a>> Movable<'a> for Option<T> {
     type Moved<'b> = Option<T::Moved<'b>>;
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>> {
         self.map(|v| v.move_into(target)).transpose()
     }
 }
 
-impl<T: Movable> Movable for Vec<T> {
+impl<'a, T: Movable<'a>> Movable<'a> for Vec<T> {
     type Moved<'b> = Vec<T::Moved<'b>>;
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>> {
         // For tensors the element layout is unchanged, so std collects in place without allocating.
@@ -96,7 +99,7 @@ impl<T: Movable> Movable for Vec<T> {
     }
 }
 
-impl<T: Movable, const N: usize> Movable for [T; N] {
+impl<'a, T: Movable<'a>, const N: usize> Movable<'a> for [T; N] {
     type Moved<'b> = [T::Moved<'b>; N];
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>> {
         let moved: Vec<T::Moved<'b>> = self
