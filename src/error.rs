@@ -124,7 +124,7 @@ impl fmt::Display for Error {
             }
             Error::AxisOutOfRange { op, axis, rank } => write!(
                 f,
-                "{op}: axis {axis} is out of range for a tensor of rank {rank} (valid axes are 0..{rank})"
+                "{op}: axis {axis} is out of range for a tensor of rank {rank} (valid axes are 0..{rank}, or -{rank}..-1 from the end)"
             ),
             Error::IndexOutOfRange { op, index, size } => write!(
                 f,

@@ -2,7 +2,9 @@
 //! closes, reused cycle after cycle (DL4J's cyclic workspaces).
 //!
 //! The arena starts empty. During a cycle, requests that do not fit *spill* to the tree's pool, and the
-//! workspace records how much the cycle would have needed; when the cycle closes, the arena grows to
+//! workspace records how much the cycle would have needed: the top of a virtual bump pointer that also
+//! advances for every spilled byte (a bump arena cannot reuse a block freed out of order, so a chain
+//! of temporaries needs the sum of its allocations, not its peak of live bytes); when the cycle closes, the arena grows to
 //! that size (one system allocation), so from the next cycle on a steady loop runs entirely inside it.
 //! Resetting is safe without any run-time check because no tensor of a cycle can outlive it: the
 //! cycle's tensors carry the workspace scope's lifetime.
@@ -36,9 +38,9 @@ pub struct Workspace {
     buf: Option<NonNull<u8>>,
     capacity: usize,
     top: usize,
-    /// Peak of (arena bytes in use + spilled bytes live) during the current cycle.
+    /// Peak of (arena top + bytes spilled so far) during the current cycle.
     demand: usize,
-    spilled_live: usize,
+    spilled: usize,
     cycles: u64,
     spills: u64,
     last_cycle_spills: u64,
@@ -58,7 +60,7 @@ impl Workspace {
             capacity: 0,
             top: 0,
             demand: 0,
-            spilled_live: 0,
+            spilled: 0,
             cycles: 0,
             spills: 0,
             last_cycle_spills: 0,
@@ -112,7 +114,7 @@ impl Workspace {
         // SAFETY: `top + size <= capacity`, so the offset stays inside the buffer.
         let ptr = unsafe { buf.add(self.top) };
         self.top += size;
-        self.demand = self.demand.max(self.top + self.spilled_live);
+        self.demand = self.demand.max(self.top + self.spilled);
         Some(ptr)
     }
 
@@ -120,15 +122,8 @@ impl Workspace {
     pub(crate) fn note_spill(&mut self, bytes: usize) {
         self.spills += 1;
         self.last_cycle_spills += 1;
-        self.spilled_live += bytes.next_multiple_of(ALIGN);
-        self.demand = self.demand.max(self.top + self.spilled_live);
-    }
-
-    /// A spilled block of `bytes` was freed.
-    pub(crate) fn note_spill_freed(&mut self, bytes: usize) {
-        self.spilled_live = self
-            .spilled_live
-            .saturating_sub(bytes.next_multiple_of(ALIGN));
+        self.spilled += bytes.next_multiple_of(ALIGN);
+        self.demand = self.demand.max(self.top + self.spilled);
     }
 
     /// Frees an arena region; only the topmost region actually rolls the pointer back (a chain of
@@ -146,7 +141,7 @@ impl Workspace {
     pub(crate) fn begin_cycle(&mut self) {
         self.top = 0;
         self.demand = 0;
-        self.spilled_live = 0;
+        self.spilled = 0;
         self.last_cycle_spills = 0;
     }
 
@@ -156,7 +151,7 @@ impl Workspace {
         self.cycles += 1;
         self.top = 0;
         let needed = self.demand;
-        self.spilled_live = 0;
+        self.spilled = 0;
         if needed > self.capacity {
             self.grow_to(needed);
             return true;

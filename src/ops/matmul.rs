@@ -84,12 +84,14 @@ impl<'s> Tensor<'s> {
             DType::F64 => matmul_into::<f64>(&a, &b, &batch, (m, k, n), out.fresh_mut::<f64>()),
             DType::I64 => unreachable!("rejected above"),
         }
+        // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
+        // right operand (at -1 whichever came before).
         let mut out = out;
-        if other.rank() == 1 {
-            out = out.squeeze(-1)?;
-        }
         if self.rank() == 1 {
             out = out.squeeze(-2)?;
+        }
+        if other.rank() == 1 {
+            out = out.squeeze(-1)?;
         }
         Ok(out)
     }

@@ -320,11 +320,6 @@ impl ScopeNode {
         h.prev.set(ptr::null());
         h.next.set(ptr::null());
         let bytes = h.bytes.get();
-        if h.home.get() == Home::Heap
-            && let Some(arena) = self.arena()
-        {
-            arena.note_spill_freed(bytes);
-        }
         {
             let mut s = self.stats.borrow_mut();
             s.live_tensors -= 1;

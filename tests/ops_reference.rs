@@ -1,0 +1,592 @@
+//! Every op's numbers against the plain f64 loops of `common`.
+
+mod common;
+
+use common::*;
+use ndscope::{DType, Device, Result, Scope, Tensor, root};
+
+fn run(f: impl for<'s> FnOnce(&'s Scope<'s>) -> Result<()>) {
+    root(Device::Cpu, f).unwrap();
+}
+
+fn f32s(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+/// A tensor with values `values(n, seed)` in `shape`.
+fn tensor<'s>(s: &Scope<'s>, shape: &[usize], seed: u64) -> Result<(Tensor<'s>, Vec<f64>)> {
+    let n = shape.iter().product();
+    let v: Vec<f64> = f32s(&values(n, seed)).iter().map(|&x| x as f64).collect();
+    Ok((s.from_slice(&f32s(&v), shape)?, v))
+}
+
+#[test]
+fn binary_ops_broadcast_like_numpy() {
+    run(|s| {
+        let cases: [(&[usize], &[usize]); 6] = [
+            (&[2, 3], &[2, 3]),
+            (&[2, 3], &[3]),
+            (&[4, 1], &[1, 5]),
+            (&[3], &[2, 1, 3]),
+            (&[], &[2, 2]),
+            (&[2, 1, 3], &[4, 1]),
+        ];
+        type Op = (&'static str, fn(f64, f64) -> f64);
+        let ops: [Op; 7] = [
+            ("add", |a, b| a + b),
+            ("sub", |a, b| a - b),
+            ("mul", |a, b| a * b),
+            ("div", |a, b| a / b),
+            ("maximum", f64::max),
+            ("minimum", f64::min),
+            ("gt", |a, b| (a > b) as u8 as f64),
+        ];
+        for (k, (sa, sb)) in cases.iter().enumerate() {
+            let (a, av) = tensor(s, sa, k as u64)?;
+            let (b, bv) = tensor(s, sb, 100 + k as u64)?;
+            for (name, f) in ops {
+                let got = match name {
+                    "add" => a.add(&b)?,
+                    "sub" => a.sub(&b)?,
+                    "mul" => a.mul(&b)?,
+                    "div" => a.div(&b)?,
+                    "maximum" => a.maximum(&b)?,
+                    "minimum" => a.minimum(&b)?,
+                    _ => a.gt(&b)?,
+                };
+                assert_eq!(
+                    got.shape(),
+                    broadcast_shape(sa, sb).as_slice(),
+                    "{name} {sa:?} {sb:?}"
+                );
+                assert_close(&got.to_vec_f64(), &binary(&av, sa, &bv, sb, f), 1e-6);
+            }
+        }
+        Ok(())
+    });
+}
+
+#[test]
+fn comparisons_give_ones_and_zeros_in_the_operand_dtype() {
+    run(|s| {
+        let a = s.from_slice(&[1i64, 2, 3], &[3])?;
+        let b = s.from_slice(&[2i64], &[1])?;
+        assert_eq!(a.eq(&b)?.to_vec::<i64>()?, vec![0, 1, 0]);
+        assert_eq!(a.ne(&b)?.to_vec::<i64>()?, vec![1, 0, 1]);
+        assert_eq!(a.lt(&b)?.to_vec::<i64>()?, vec![1, 0, 0]);
+        assert_eq!(a.le(&b)?.to_vec::<i64>()?, vec![1, 1, 0]);
+        assert_eq!(a.ge(&b)?.to_vec::<i64>()?, vec![0, 1, 1]);
+        Ok(())
+    });
+}
+
+#[test]
+fn binary_ops_read_strided_views() {
+    run(|s| {
+        let (a, av) = tensor(s, &[3, 4], 1)?;
+        let (b, bv) = tensor(s, &[4, 3], 2)?;
+        // a + b^T, and a narrowed column block times a broadcast row.
+        let got = a.add(&b.t()?)?;
+        let bt: Vec<f64> = indices(&[3, 4])
+            .iter()
+            .map(|i| bv[i[1] * 3 + i[0]])
+            .collect();
+        assert_close(
+            &got.to_vec_f64(),
+            &binary(&av, &[3, 4], &bt, &[3, 4], |x, y| x + y),
+            1e-6,
+        );
+        let cols = a.narrow(1, 1, 2)?;
+        let want: Vec<f64> = indices(&[3, 2])
+            .iter()
+            .map(|i| av[i[0] * 4 + i[1] + 1] * 2.0)
+            .collect();
+        assert_close(&cols.mul(&s.full(&[1, 2], 2.0)?)?.to_vec_f64(), &want, 1e-6);
+        Ok(())
+    });
+}
+
+#[test]
+fn unary_ops_match_std() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[2, 5], 9)?;
+        type Op<'a> = (
+            &'static str,
+            fn(&Tensor<'a>) -> Result<Tensor<'a>>,
+            fn(f64) -> f64,
+        );
+        let ops: Vec<Op<'_>> = vec![
+            ("neg", |t| t.neg(), |x| -x),
+            ("abs", |t| t.abs(), f64::abs),
+            ("square", |t| t.square(), |x| x * x),
+            ("relu", |t| t.relu(), |x| x.max(0.0)),
+            ("exp", |t| t.exp(), f64::exp),
+            ("tanh", |t| t.tanh(), f64::tanh),
+            ("sin", |t| t.sin(), f64::sin),
+            ("cos", |t| t.cos(), f64::cos),
+            ("sigmoid", |t| t.sigmoid(), |x| 1.0 / (1.0 + (-x).exp())),
+            ("recip", |t| t.recip(), |x| 1.0 / x),
+            (
+                "gelu",
+                |t| t.gelu(),
+                |x| {
+                    0.5 * x
+                        * (1.0
+                            + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3)))
+                                .tanh())
+                },
+            ),
+        ];
+        for (name, op, f) in ops {
+            let want: Vec<f64> = xv.iter().map(|&v| f(v)).collect();
+            let got = op(&x)?;
+            assert_close(&got.to_vec_f64(), &want, 1e-5);
+            assert_eq!(got.shape(), &[2, 5], "{name}");
+        }
+        let pos = x.abs()?.add_scalar(0.5)?;
+        let pv: Vec<f64> = xv.iter().map(|v| v.abs() + 0.5).collect();
+        assert_close(
+            &pos.log()?.to_vec_f64(),
+            &pv.iter().map(|v| v.ln()).collect::<Vec<_>>(),
+            1e-5,
+        );
+        assert_close(
+            &pos.sqrt()?.to_vec_f64(),
+            &pv.iter().map(|v| v.sqrt()).collect::<Vec<_>>(),
+            1e-5,
+        );
+        assert_close(
+            &pos.powf(1.5)?.to_vec_f64(),
+            &pv.iter().map(|v| v.powf(1.5)).collect::<Vec<_>>(),
+            1e-5,
+        );
+        let e = s.full(&[1], 2.0)?;
+        assert_close(
+            &pos.pow(&e)?.to_vec_f64(),
+            &pv.iter().map(|v| v * v).collect::<Vec<_>>(),
+            1e-5,
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn sigmoid_is_finite_for_large_inputs() {
+    run(|s| {
+        let x = s.from_slice(&[-1000.0f32, 1000.0, 0.0], &[3])?;
+        assert_eq!(x.sigmoid()?.to_vec::<f32>()?, vec![0.0, 1.0, 0.5]);
+        Ok(())
+    });
+}
+
+#[test]
+fn scalar_ops_and_clamp() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[7], 3)?;
+        let m = |f: fn(f64) -> f64| xv.iter().map(|&v| f(v)).collect::<Vec<_>>();
+        assert_close(&x.add_scalar(1.5)?.to_vec_f64(), &m(|v| v + 1.5), 1e-6);
+        assert_close(&x.mul_scalar(-3.0)?.to_vec_f64(), &m(|v| v * -3.0), 1e-6);
+        assert_close(&x.div_scalar(4.0)?.to_vec_f64(), &m(|v| v / 4.0), 1e-6);
+        assert_close(
+            &x.clamp(-0.5, 0.5)?.to_vec_f64(),
+            &m(|v| v.clamp(-0.5, 0.5)),
+            1e-6,
+        );
+        let i = s.from_slice(&[7i64, -7, 9], &[3])?;
+        assert_eq!(i.div_scalar(2.0)?.to_vec::<i64>()?, vec![3, -3, 4]);
+        Ok(())
+    });
+}
+
+#[test]
+fn where_cond_broadcasts_three_ways() {
+    run(|s| {
+        let cond = s.from_slice(&[1.0f32, 0.0], &[2, 1])?;
+        let a = s.from_slice(&[1.0f64, 2.0, 3.0], &[3])?;
+        let b = s.full_dtype(&[1], -1.0, DType::F64)?;
+        let cond64 = cond.to_dtype(DType::F64)?;
+        let got = Tensor::where_cond(&cond64, &a, &b)?;
+        assert_eq!(got.shape(), &[2, 3]);
+        assert_eq!(got.to_vec::<f64>()?, vec![1.0, 2.0, 3.0, -1.0, -1.0, -1.0]);
+        // A condition of another dtype than the branches.
+        let mixed = Tensor::where_cond(&cond, &a, &b)?;
+        assert_eq!(mixed.to_vec::<f64>()?, got.to_vec::<f64>()?);
+        Ok(())
+    });
+}
+
+#[test]
+fn dtype_casts() {
+    run(|s| {
+        let x = s.from_slice(&[1.7f32, -2.2, f32::NAN, 1e30], &[4])?;
+        assert_eq!(
+            x.to_dtype(DType::I64)?.to_vec::<i64>()?,
+            vec![1, -2, 0, i64::MAX]
+        );
+        assert_eq!(x.to_dtype(DType::F64)?.to_vec::<f64>()?[0], 1.7f32 as f64);
+        let i = s.arange(0i64, 4, 1)?;
+        assert_eq!(
+            i.to_dtype(DType::F32)?.to_vec::<f32>()?,
+            vec![0.0, 1.0, 2.0, 3.0]
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn matmul_2d_batched_transposed_and_vectors() {
+    run(|s| {
+        for (m, k, n) in [(1, 1, 1), (3, 4, 5), (17, 33, 9), (64, 64, 64)] {
+            let (a, av) = tensor(s, &[m, k], 11)?;
+            let (b, bv) = tensor(s, &[k, n], 12)?;
+            assert_close(
+                &a.matmul(&b)?.to_vec_f64(),
+                &matmul(&av, &bv, m, k, n),
+                1e-4,
+            );
+            // (b^T a^T)^T through strided views.
+            let via_t = b.t()?.matmul(&a.t()?)?.t()?;
+            assert_close(&via_t.to_vec_f64(), &matmul(&av, &bv, m, k, n), 1e-4);
+        }
+        // Batched with a broadcast batch dimension: [2, 3, 4] @ [4, 2].
+        let (a, av) = tensor(s, &[2, 3, 4], 13)?;
+        let (b, bv) = tensor(s, &[4, 2], 14)?;
+        let got = a.matmul(&b)?;
+        assert_eq!(got.shape(), &[2, 3, 2]);
+        let mut want = matmul(&av[..12], &bv, 3, 4, 2);
+        want.extend(matmul(&av[12..], &bv, 3, 4, 2));
+        assert_close(&got.to_vec_f64(), &want, 1e-5);
+        // [2, 1, 2, 3] @ [3, 3, 2]: batch dims broadcast to [2, 3].
+        let (c, _) = tensor(s, &[2, 1, 2, 3], 15)?;
+        let (d, _) = tensor(s, &[3, 3, 2], 16)?;
+        assert_eq!(c.matmul(&d)?.shape(), &[2, 3, 2, 2]);
+        // Vectors.
+        let v = s.from_slice(&[1.0f32, 2.0], &[2])?;
+        let mat = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+        assert_eq!(v.matmul(&mat)?.to_vec::<f32>()?, vec![7.0, 10.0]);
+        assert_eq!(mat.matmul(&v)?.to_vec::<f32>()?, vec![5.0, 11.0]);
+        assert_eq!(v.matmul(&v)?.shape(), &[] as &[usize]);
+        // f64 and an empty inner dimension.
+        let a64 = s.from_slice(&[1.0f64, 2.0], &[1, 2])?;
+        assert_eq!(a64.matmul(&a64.t()?)?.to_vec::<f64>()?, vec![5.0]);
+        assert_eq!(
+            s.zeros(&[2, 0])?
+                .matmul(&s.zeros(&[0, 3])?)?
+                .to_vec::<f32>()?,
+            vec![0.0; 6]
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn large_matmul_uses_threads_and_stays_exact_enough() {
+    run(|s| {
+        let (m, k, n) = (96, 80, 72);
+        let (a, av) = tensor(s, &[m, k], 21)?;
+        let (b, bv) = tensor(s, &[k, n], 22)?;
+        assert_close(
+            &a.matmul(&b)?.to_vec_f64(),
+            &matmul(&av, &bv, m, k, n),
+            1e-4,
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn reductions_over_any_axes() {
+    run(|s| {
+        let shape = [2, 3, 4];
+        let (x, xv) = tensor(s, &shape, 31)?;
+        let xt = x.permute(&[2, 0, 1])?; // a strided input: shape [4, 2, 3]
+        let xtv = xt.contiguous()?.to_vec_f64();
+        for axes in [
+            vec![0],
+            vec![1],
+            vec![2],
+            vec![0, 2],
+            vec![1, 2],
+            vec![0, 1, 2],
+        ] {
+            let ia: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
+            assert_close(
+                &x.sum(&ia, true)?.to_vec_f64(),
+                &reduce(&xv, &shape, &axes, 0.0, |a, b| a + b),
+                1e-5,
+            );
+            assert_close(
+                &x.max(&ia, false)?.to_vec_f64(),
+                &reduce(&xv, &shape, &axes, f64::MIN, f64::max),
+                1e-6,
+            );
+            assert_close(
+                &x.min(&ia, false)?.to_vec_f64(),
+                &reduce(&xv, &shape, &axes, f64::MAX, f64::min),
+                1e-6,
+            );
+            let count: usize = axes.iter().map(|&a| shape[a]).product();
+            let mean: Vec<f64> = reduce(&xv, &shape, &axes, 0.0, |a, b| a + b)
+                .iter()
+                .map(|v| v / count as f64)
+                .collect();
+            assert_close(&x.mean(&ia, false)?.to_vec_f64(), &mean, 1e-5);
+            let tshape = [4, 2, 3];
+            assert_close(
+                &xt.sum(&ia, true)?.to_vec_f64(),
+                &reduce(&xtv, &tshape, &axes, 0.0, |a, b| a + b),
+                1e-5,
+            );
+        }
+        assert_eq!(x.sum(&[-1], false)?.shape(), &[2, 3]);
+        assert_eq!(x.sum(&[0, 2], true)?.shape(), &[1, 3, 1]);
+        assert_close(&x.sum_all()?.to_vec_f64(), &[xv.iter().sum()], 1e-5);
+        assert_close(
+            &x.mean_all()?.to_vec_f64(),
+            &[xv.iter().sum::<f64>() / 24.0],
+            1e-5,
+        );
+        // Empty sums are zero.
+        assert_eq!(
+            s.zeros(&[0, 3])?.sum(&[0], false)?.to_vec::<f32>()?,
+            vec![0.0; 3]
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn reductions_of_large_rows_run_in_parallel_correctly() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[64, 2048], 41)?;
+        let want = reduce(&xv, &[64, 2048], &[1], 0.0, |a, b| a + b);
+        assert_close(&x.sum(&[1], false)?.to_vec_f64(), &want, 1e-4);
+        let want0 = reduce(&xv, &[64, 2048], &[0], 0.0, |a, b| a + b);
+        assert_close(&x.sum(&[0], false)?.to_vec_f64(), &want0, 1e-4);
+        Ok(())
+    });
+}
+
+#[test]
+fn argmax_picks_first_maximum_and_first_nan() {
+    run(|s| {
+        let x = s.from_slice(&[1.0f32, 3.0, 3.0, 0.0, -1.0, 2.0], &[2, 3])?;
+        assert_eq!(x.argmax(1, false)?.to_vec::<i64>()?, vec![1, 2]);
+        assert_eq!(x.argmax(0, true)?.shape(), &[1, 3]);
+        assert_eq!(x.argmax(0, false)?.to_vec::<i64>()?, vec![0, 0, 0]);
+        let n = s.from_slice(&[1.0f32, f32::NAN, 5.0], &[3])?;
+        assert_eq!(n.argmax(0, false)?.to_vec::<i64>()?, vec![1]);
+        assert!(n.max(&[0], false)?.to_scalar::<f32>()?.is_nan());
+        // Strided input.
+        assert_eq!(x.t()?.argmax(0, false)?.to_vec::<i64>()?, vec![1, 2]);
+        Ok(())
+    });
+}
+
+fn ref_softmax(row: &[f64]) -> Vec<f64> {
+    let m = row.iter().cloned().fold(f64::MIN, f64::max);
+    let e: Vec<f64> = row.iter().map(|v| (v - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.iter().map(|v| v / z).collect()
+}
+
+#[test]
+fn softmax_and_log_softmax_on_every_axis() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[3, 4], 51)?;
+        let sm = x.softmax(1)?.to_vec_f64();
+        let want: Vec<f64> = xv.chunks(4).flat_map(ref_softmax).collect();
+        assert_close(&sm, &want, 1e-6);
+        let lsm = x.log_softmax(-1)?.to_vec_f64();
+        assert_close(&lsm, &want.iter().map(|v| v.ln()).collect::<Vec<_>>(), 1e-5);
+        // Axis 0: columns.
+        let cols = x.softmax(0)?;
+        assert_eq!(cols.shape(), &[3, 4]);
+        let cv = cols.to_vec_f64();
+        for j in 0..4 {
+            let col: Vec<f64> = (0..3).map(|i| xv[i * 4 + j]).collect();
+            let want = ref_softmax(&col);
+            for i in 0..3 {
+                assert!((cv[i * 4 + j] - want[i]).abs() < 1e-6);
+            }
+        }
+        // Stability: huge logits, and a fully masked row.
+        let big = s
+            .from_slice(&[1e4f32, 0.0, -1e4], &[3])?
+            .log_softmax(0)?
+            .to_vec::<f32>()?;
+        assert!(big.iter().all(|v| v.is_finite()) && big[0] == 0.0);
+        let masked = s
+            .full(&[2], f32::NEG_INFINITY)?
+            .softmax(0)?
+            .to_vec::<f32>()?;
+        assert!(masked.iter().all(|v| v.is_nan()));
+        Ok(())
+    });
+}
+
+#[test]
+fn gather_and_index_select() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[3, 4], 61)?;
+        let idx = s.from_slice(&[3i64, 0, 1, 1, 2, 2], &[3, 2])?;
+        let g = x.gather(1, &idx)?;
+        let want: Vec<f64> = vec![xv[3], xv[0], xv[5], xv[5], xv[10], xv[10]];
+        assert_close(&g.to_vec_f64(), &want, 0.0);
+        let idx0 = s.from_slice(&[2i64, 0, 1, 0], &[1, 4])?;
+        assert_close(
+            &x.gather(0, &idx0)?.to_vec_f64(),
+            &[xv[8], xv[1], xv[6], xv[3]],
+            0.0,
+        );
+        let sel = x.index_select(1, &s.from_slice(&[3i64, 3, 0], &[3])?)?;
+        assert_eq!(sel.shape(), &[3, 3]);
+        let want: Vec<f64> = (0..3)
+            .flat_map(|r| [xv[r * 4 + 3], xv[r * 4 + 3], xv[r * 4]])
+            .collect();
+        assert_close(&sel.to_vec_f64(), &want, 0.0);
+        // On a transposed view.
+        let selt = x.t()?.index_select(0, &s.from_slice(&[1i64], &[1])?)?;
+        assert_close(&selt.to_vec_f64(), &[xv[1], xv[5], xv[9]], 0.0);
+        Ok(())
+    });
+}
+
+#[test]
+fn concat_and_stack() {
+    run(|s| {
+        let a = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+        let b = s.from_slice(&[5.0f32, 6.0], &[2, 1])?;
+        let c = Tensor::concat(&[&a, &b], 1)?;
+        assert_eq!(c.to_vec::<f32>()?, vec![1.0, 2.0, 5.0, 3.0, 4.0, 6.0]);
+        let r = Tensor::concat(&[&a, &a.t()?], 0)?;
+        assert_eq!(
+            r.to_vec::<f32>()?,
+            vec![1.0, 2.0, 3.0, 4.0, 1.0, 3.0, 2.0, 4.0]
+        );
+        let st = Tensor::stack(&[&a, &a], 0)?;
+        assert_eq!(st.shape(), &[2, 2, 2]);
+        let st1 = Tensor::stack(&[&b.flatten()?, &b.flatten()?], 1)?;
+        assert_eq!(st1.to_vec::<f32>()?, vec![5.0, 5.0, 6.0, 6.0]);
+        Ok(())
+    });
+}
+
+#[test]
+fn views_share_storage_and_copy_only_when_needed() {
+    run(|s| {
+        let x = s.arange(0.0f32, 24.0, 1.0)?.reshape(&[2, 3, 4])?;
+        let t = x.transpose(0, 2)?;
+        assert!(t.shares_storage(&x) && !t.is_contiguous());
+        assert_eq!(t.shape(), &[4, 3, 2]);
+        assert_eq!(
+            t.narrow(0, 1, 1)?.squeeze(0)?.to_vec::<f32>()?,
+            vec![1.0, 13.0, 5.0, 17.0, 9.0, 21.0]
+        );
+        let c = t.contiguous()?;
+        assert!(!c.shares_storage(&x) && c.is_contiguous());
+        assert!(x.contiguous()?.shares_storage(&x));
+        let r = t.reshape(&[24])?; // strided: copies
+        assert!(!r.shares_storage(&x));
+        assert_eq!(r.to_vec::<f32>()?[..4], [0.0, 12.0, 4.0, 16.0]);
+        let u = x.unsqueeze(0)?.unsqueeze(-1)?;
+        assert_eq!(u.shape(), &[1, 2, 3, 4, 1]);
+        assert!(u.shares_storage(&x));
+        let b = s
+            .from_slice(&[1.0f32, 2.0], &[2, 1])?
+            .broadcast_to(&[3, 2, 4])?;
+        assert_eq!(b.strides(), &[0, 1, 0]);
+        assert_eq!(b.sum_all()?.to_scalar::<f32>()?, 36.0);
+        assert_eq!(x.permute(&[1, 2, 0])?.shape(), &[3, 4, 2]);
+        Ok(())
+    });
+}
+
+#[test]
+fn in_place_ops_copy_on_write() {
+    run(|s| {
+        let mut a = s.from_slice(&[1.0f32, 2.0, 3.0], &[3])?;
+        let alias = a.clone();
+        a.add_(&s.ones(&[1])?)?;
+        assert_eq!(a.to_vec::<f32>()?, vec![2.0, 3.0, 4.0]);
+        assert_eq!(
+            alias.to_vec::<f32>()?,
+            vec![1.0, 2.0, 3.0],
+            "the alias keeps its values"
+        );
+        let before = s.stats().allocations;
+        a.mul_scalar_(2.0)?; // unique now: no copy, no allocation
+        a.axpy_(0.5, &s.full(&[3], 2.0)?)?;
+        assert_eq!(a.to_vec::<f32>()?, vec![5.0, 7.0, 9.0]);
+        assert_eq!(
+            s.stats().allocations,
+            before + 1,
+            "only the full() operand was allocated"
+        );
+        a.sub_(&alias)?;
+        a.mul_(&s.full(&[1], 10.0)?)?;
+        assert_eq!(a.to_vec::<f32>()?, vec![40.0, 50.0, 60.0]);
+        a.copy_from_(&s.full(&[1], 7.0)?)?;
+        a.add_scalar_(1.0)?;
+        assert_eq!(a.to_vec::<f32>()?, vec![8.0; 3]);
+        let mut view = s.arange(0.0f32, 6.0, 1.0)?.reshape(&[2, 3])?.t()?;
+        view.fill_(3.0)?;
+        assert_eq!(view.shape(), &[3, 2]);
+        assert_eq!(view.to_vec::<f32>()?, vec![3.0; 6]);
+        Ok(())
+    });
+}
+
+#[test]
+fn creation_ops_and_scalars() {
+    run(|s| {
+        assert_eq!(s.full(&[2], 1.5)?.to_vec::<f32>()?, vec![1.5, 1.5]);
+        assert_eq!(s.arange(0i64, 5, 2)?.to_vec::<i64>()?, vec![0, 2, 4]);
+        assert_eq!(
+            s.arange(1.0f64, 0.0, -0.25)?.to_vec::<f64>()?,
+            vec![1.0, 0.75, 0.5, 0.25]
+        );
+        let r = s.rand(&[1000])?.to_vec::<f32>()?;
+        assert!(r.iter().all(|v| (0.0..1.0).contains(v)));
+        s.set_seed(3);
+        let a = s.randn(&[5])?.to_vec::<f32>()?;
+        s.set_seed(3);
+        assert_eq!(a, s.randn(&[5])?.to_vec::<f32>()?);
+        assert_eq!(s.ones(&[])?.to_scalar::<f32>()?, 1.0);
+        assert_eq!(s.zeros(&[0])?.to_vec::<f32>()?, Vec::<f32>::new());
+        Ok(())
+    });
+}
+
+#[test]
+fn large_elementwise_chain_matches_reference() {
+    // Over PARALLEL_MIN elements, so the threaded paths run.
+    run(|s| {
+        let n = 300_001;
+        let (x, xv) = tensor(s, &[n], 71)?;
+        let (row, rv) = tensor(s, &[1], 72)?;
+        let y = x.mul(&row)?.add_scalar(1.0)?.tanh()?.softmax(0)?;
+        let t: Vec<f64> = xv.iter().map(|v| (v * rv[0] + 1.0).tanh()).collect();
+        let want = ref_softmax(&t);
+        assert_close(&y.to_vec_f64(), &want, 1e-4);
+        Ok(())
+    });
+}
+
+#[test]
+fn display_is_readable() {
+    run(|s| {
+        let x = s.arange(0.0f32, 6.0, 1.0)?.reshape(&[2, 3])?.named("x");
+        assert_eq!(
+            x.to_string(),
+            "Tensor[f32; [2, 3]] \"x\"\n[[0.0000, 1.0000, 2.0000],\n [3.0000, 4.0000, 5.0000]]"
+        );
+        let long = s.arange(0i64, 100, 1)?;
+        assert_eq!(
+            long.to_string(),
+            "Tensor[i64; [100]]\n[0, 1, 2, ..., 97, 98, 99]"
+        );
+        assert_eq!(s.zeros(&[0, 2])?.to_string(), "Tensor[f32; [0, 2]]\n[]");
+        Ok(())
+    });
+}
