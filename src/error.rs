@@ -48,10 +48,10 @@ pub enum Error {
         shape: Vec<usize>,
         reason: String,
     },
-    /// An axis outside `0..rank`.
+    /// An axis outside `-rank..rank` (negative axes count from the end).
     AxisOutOfRange {
         op: &'static str,
-        axis: usize,
+        axis: isize,
         rank: usize,
     },
     /// An index outside the dimension it indexes.

@@ -85,11 +85,7 @@ pub(crate) fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Re
 pub(crate) fn resolve_axis(op: &'static str, axis: isize, rank: usize) -> Result<usize> {
     let resolved = if axis < 0 { axis + rank as isize } else { axis };
     if resolved < 0 || resolved as usize >= rank {
-        return Err(Error::AxisOutOfRange {
-            op,
-            axis: axis.unsigned_abs(),
-            rank,
-        });
+        return Err(Error::AxisOutOfRange { op, axis, rank });
     }
     Ok(resolved as usize)
 }

@@ -10,7 +10,8 @@ use crate::ops::copy::copy_into_view;
 use crate::ops::same_device;
 use crate::tensor::Tensor;
 
-fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<Vec<i64>> {
+/// Checks that `index` holds `i64` values in `0..size`, without copying them.
+fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()> {
     if index.dtype() != DType::I64 {
         return Err(Error::UnsupportedDType {
             op,
@@ -18,15 +19,22 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<Ve
             expected: "i64 indices",
         });
     }
-    let idx = index.to_vec::<i64>()?;
-    if let Some(&bad) = idx.iter().find(|&&i| i < 0 || i as u64 >= size as u64) {
-        return Err(Error::IndexOutOfRange {
-            op,
-            index: bad,
-            size,
-        });
+    let data = index.block_data::<i64>();
+    let walk = RowWalk::new(index.shape(), [index.strides()], [index.layout().offset()]);
+    let [stride] = walk.row_strides();
+    let mut bad = None;
+    walk.for_rows(0, walk.rows(), |_, [start]| {
+        for j in 0..walk.row_len() {
+            let i = data[start + j * stride];
+            if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
+                bad = Some(i);
+            }
+        }
+    });
+    match bad {
+        Some(index) => Err(Error::IndexOutOfRange { op, index, size }),
+        None => Ok(()),
     }
-    Ok(idx)
 }
 
 impl<'s> Tensor<'s> {
@@ -56,15 +64,21 @@ impl<'s> Tensor<'s> {
                 reason: "indices must be 1-D".into(),
             });
         }
-        let idx = check_indices(OP, indices, self.shape()[axis])?;
+        check_indices(OP, indices, self.shape()[axis])?;
         let mut shape: Shape = self.shape().into();
-        shape[axis] = idx.len();
+        shape[axis] = indices.numel();
         let mut out =
             Tensor::output_of(&[self, indices], self.dtype(), &shape, Location::caller())?;
-        let out_strides = out.strides().to_vec();
+        let out_strides: Shape = out.strides().into();
+        let (idx, idx_at, idx_step) = (
+            indices.block_data::<i64>(),
+            indices.layout().offset(),
+            indices.strides()[0],
+        );
         with_dtype!(self.dtype(), T => {
             let dst = out.fresh_mut::<T>();
-            for (k, &i) in idx.iter().enumerate() {
+            for k in 0..indices.numel() {
+                let i = idx[idx_at + k * idx_step];
                 let src = self.narrow(axis as isize, i as usize, 1)?;
                 copy_into_view::<T>(&src, dst, &out_strides, k * out_strides[axis]);
             }

@@ -57,7 +57,7 @@ impl<'s> Tensor<'s> {
         let mut shape: Shape = first.shape().into();
         shape[axis] = total;
         let mut out = Tensor::output_of(tensors, first.dtype(), &shape, Location::caller())?;
-        let strides = out.strides().to_vec();
+        let strides: Shape = out.strides().into();
         with_dtype!(first.dtype(), T => {
             let dst = out.fresh_mut::<T>();
             let mut at = 0;

@@ -212,14 +212,14 @@ impl<'s> Tensor<'s> {
     /// Sum of all elements, as a tensor of shape `[]`.
     #[track_caller]
     pub fn sum_all(&self) -> Result<Tensor<'s>> {
-        let axes: Vec<isize> = (0..self.rank() as isize).collect();
+        let axes: SmallVec<[isize; 6]> = (0..self.rank() as isize).collect();
         self.reduce("sum_all", Reduce::Sum, &axes, false)
     }
 
     /// Mean of all elements, as a tensor of shape `[]` (floats).
     #[track_caller]
     pub fn mean_all(&self) -> Result<Tensor<'s>> {
-        let axes: Vec<isize> = (0..self.rank() as isize).collect();
+        let axes: SmallVec<[isize; 6]> = (0..self.rank() as isize).collect();
         self.mean(&axes, false)
     }
 
