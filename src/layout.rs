@@ -357,14 +357,14 @@ impl<const N: usize> RowWalk<N> {
             // Advance the multi-index like an odometer, updating each operand's start incrementally.
             for axis in (0..outer.len()).rev() {
                 index[axis] += 1;
-                for k in 0..N {
-                    starts[k] += self.strides[k][axis];
+                for (start, strides) in starts.iter_mut().zip(&self.strides) {
+                    *start += strides[axis];
                 }
                 if index[axis] < outer[axis] {
                     break;
                 }
-                for k in 0..N {
-                    starts[k] -= self.strides[k][axis] * outer[axis];
+                for (start, strides) in starts.iter_mut().zip(&self.strides) {
+                    *start -= strides[axis] * outer[axis];
                 }
                 index[axis] = 0;
             }

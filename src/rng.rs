@@ -4,7 +4,7 @@
 //! draws the same numbers on every run unless it reseeds with `Scope::set_seed`.
 
 /// The seed every tree starts with.
-pub const DEFAULT_SEED: u64 = 0x5EED_0F_5C0FE;
+pub const DEFAULT_SEED: u64 = 0x5EED_CAFE_F00D;
 
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Rng {

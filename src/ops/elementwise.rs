@@ -214,7 +214,7 @@ impl<'s> Tensor<'s> {
     /// `max(self, 0)`.
     #[track_caller]
     pub fn relu(&self) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| if x > T::zero() { x } else if x.partial_cmp(&x).is_none() { x } else { T::zero() }))
+        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| if x > T::zero() || x.partial_cmp(&x).is_none() { x } else { T::zero() }))
     }
 
     unary_float_ops! {

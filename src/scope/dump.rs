@@ -25,13 +25,8 @@ pub(crate) fn dump_tree(root: &ScopeNode) -> String {
 fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     let stats = *n.stats.borrow();
     let _ = write!(out, "{indent}scope \"{}\": {stats}", n.name);
-    if let Some(ws) = n.arena() {
-        let _ = write!(
-            out,
-            " [workspace \"{}\" arena {}]",
-            ws.name(),
-            Bytes(ws.capacity())
-        );
+    if let Some((name, capacity)) = n.with_arena(|ws| (ws.name(), ws.capacity())) {
+        let _ = write!(out, " [workspace \"{name}\" arena {}]", Bytes(capacity));
     }
     if n.is_capped() {
         out.push_str(" [capped]");
@@ -41,14 +36,12 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     }
     out.push('\n');
     let child_indent = format!("{indent}  ");
-    let mut shown = 0;
-    for h in n.blocks() {
+    for (shown, h) in n.blocks().enumerate() {
         if shown == MAX_TENSORS_SHOWN {
             let rest = n.blocks().count() - shown;
             let _ = writeln!(out, "{child_indent}... and {rest} more tensors");
             break;
         }
-        shown += 1;
         let at = h.created_at.get();
         let _ = writeln!(
             out,

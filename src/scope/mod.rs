@@ -33,7 +33,13 @@ use node::{CloseOnDrop, ScopeName, ScopeNode, TreeState};
 pub struct Scope<'s> {
     pub(crate) node: ScopeNode,
     _brand: PhantomData<fn(&'s ()) -> &'s ()>,
+    _thread: StaysOnItsThread,
 }
+
+/// Makes [`Scope`] (and so [`Child`]) neither `Send` nor `Sync`. When a program tries to share a
+/// scope with another thread, the compiler names this marker instead of the scope's internals.
+#[derive(Default)]
+struct StaysOnItsThread(PhantomData<*const ()>);
 
 /// A scope opened inside a parent scope `'p`; it dereferences to its own [`Scope<'c>`].
 ///
@@ -81,6 +87,7 @@ where
     let scope = Scope {
         node: ScopeNode::new(&tree, None, ScopeName::Named("root"), device),
         _brand: PhantomData,
+        _thread: StaysOnItsThread::default(),
     };
     scope.node.link(None);
     let _close = CloseOnDrop(&scope.node);
@@ -94,6 +101,7 @@ impl<'s> Scope<'s> {
             scope: Scope {
                 node,
                 _brand: PhantomData,
+                _thread: StaysOnItsThread::default(),
             },
             parent: self,
         }

@@ -78,6 +78,14 @@ pub(crate) struct ScopeNode {
     arena: Cell<Option<NonNull<Workspace>>>,
 }
 
+// SAFETY: a node is reachable only through its `Scope` (which is neither `Send` nor `Sync`, by its
+// `StaysOnItsThread` marker) and through raw pointers followed on the scope's own thread, so no node is
+// ever touched by two threads. These impls only keep the compiler from reporting each field of the
+// node when a program tries to share a scope; the marker carries the real rule.
+unsafe impl Send for ScopeNode {}
+// SAFETY: as above.
+unsafe impl Sync for ScopeNode {}
+
 impl ScopeNode {
     pub(crate) fn new(
         tree: &TreeState,
@@ -177,10 +185,12 @@ impl ScopeNode {
         other.ancestors_and_self().any(|n| ptr::eq(n, self))
     }
 
-    pub(crate) fn arena(&self) -> Option<&mut Workspace> {
+    /// Runs `f` on the workspace of a workspace scope (`None` for other scopes).
+    pub(crate) fn with_arena<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> Option<R> {
         // SAFETY: the workspace is mutably borrowed by the cycle's `workspace` call for as long as this
-        // node is open, and only this node's methods reach it, never re-entrantly.
-        self.arena.get().map(|mut w| unsafe { w.as_mut() })
+        // node is open, and it is reached only here; `f` is never given a way back to this node, so the
+        // `&mut` cannot overlap another.
+        self.arena.get().map(|mut w| f(unsafe { w.as_mut() }))
     }
 
     pub(crate) fn is_capped(&self) -> bool {
@@ -242,11 +252,10 @@ impl ScopeNode {
         self.admit(bytes, None)?;
         let (ptr, capacity, home) = if bytes == 0 {
             (dangling(), 0, Home::Empty)
-        } else if let Some(p) = self.arena().and_then(|a| a.bump(bytes)) {
+        } else if let Some(p) = self.with_arena(|a| a.bump(bytes)).flatten() {
             (p, bytes.next_multiple_of(ALIGN), Home::Arena)
         } else {
-            if let Some(arena) = self.arena() {
-                arena.note_spill(bytes);
+            if self.with_arena(|a| a.note_spill(bytes)).is_some() {
                 self.stats.borrow_mut().spills += 1;
             }
             let taken = self.tree().pool.borrow_mut().take(bytes);
@@ -349,9 +358,7 @@ impl ScopeNode {
                     .give(h.ptr.get(), h.capacity.get())
             },
             Home::Arena => {
-                if let Some(arena) = self.arena() {
-                    arena.pop(h.ptr.get(), h.bytes.get());
-                }
+                self.with_arena(|a| a.pop(h.ptr.get(), h.bytes.get()));
             }
         }
     }
@@ -396,9 +403,7 @@ impl ScopeNode {
             s.reclaimed_tensors += 1;
             s.reclaimed_bytes += bytes;
         }
-        if let Some(arena) = self.arena()
-            && arena.end_cycle()
-        {
+        if self.with_arena(Workspace::end_cycle) == Some(true) {
             self.stats.borrow_mut().system_allocations += 1;
         }
         self.arena.set(None);
