@@ -38,13 +38,15 @@ pub(crate) fn checked_numel(shape: &[usize], element_bytes: usize) -> Result<usi
 }
 
 /// Row-major strides for `shape`.
+#[inline]
 pub(crate) fn contiguous_strides(shape: &[usize]) -> Shape {
-    let mut strides: Shape = SmallVec::from_elem(0, shape.len());
+    let mut strides = Shape::new();
     let mut acc = 1usize;
-    for (s, &d) in strides.iter_mut().zip(shape).rev() {
-        *s = acc;
+    for &d in shape.iter().rev() {
+        strides.push(acc);
         acc = acc.saturating_mul(d);
     }
+    strides.reverse();
     strides
 }
 
@@ -92,6 +94,7 @@ pub(crate) fn resolve_axis(op: &'static str, axis: isize, rank: usize) -> Result
 
 impl Layout {
     /// A row-major layout for `shape` starting at element 0.
+    #[inline]
     pub fn contiguous(shape: &[usize]) -> Layout {
         Layout {
             strides: contiguous_strides(shape),

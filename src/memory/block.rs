@@ -10,13 +10,13 @@
 //! of system-owned blocks may be shared between threads; their cells are written only while a single
 //! handle exists (at creation, or through a unique handle), and the count is atomic.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
+use std::fmt;
 use std::panic::Location;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicUsize, Ordering, fence};
 
 use crate::dtype::DType;
-use crate::layout::Shape;
 use crate::memory::pool;
 use crate::scope::node::ScopeNode;
 
@@ -29,6 +29,37 @@ pub(crate) enum Home {
     Heap,
     /// A region of a workspace arena (reset when the workspace scope closes).
     Arena,
+}
+
+/// The shape a block was created with, kept for dumps as a plain `Copy` value (writing it costs a
+/// few stores, not a `SmallVec` copy). Dimensions past the sixth are summarised.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct ShapeSummary {
+    rank: usize,
+    dims: [usize; 6],
+}
+
+impl ShapeSummary {
+    fn of(shape: &[usize]) -> ShapeSummary {
+        let mut dims = [0; 6];
+        let kept = shape.len().min(6);
+        dims[..kept].copy_from_slice(&shape[..kept]);
+        ShapeSummary {
+            rank: shape.len(),
+            dims,
+        }
+    }
+}
+
+impl fmt::Debug for ShapeSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut list = f.debug_list();
+        list.entries(&self.dims[..self.rank.min(6)]);
+        if self.rank > 6 {
+            list.entry(&format_args!("... {} more", self.rank - 6));
+        }
+        list.finish()
+    }
 }
 
 /// Header of a storage block.
@@ -46,7 +77,7 @@ pub(crate) struct BlockHeader {
     pub(crate) prev: Cell<*const BlockHeader>,
     pub(crate) next: Cell<*const BlockHeader>,
     pub(crate) dtype: Cell<DType>,
-    pub(crate) shape: RefCell<Shape>,
+    pub(crate) shape: Cell<ShapeSummary>,
     pub(crate) name: Cell<Option<&'static str>>,
     pub(crate) created_at: Cell<&'static Location<'static>>,
 }
@@ -69,7 +100,7 @@ impl BlockHeader {
             prev: Cell::new(ptr::null()),
             next: Cell::new(ptr::null()),
             dtype: Cell::new(DType::F32),
-            shape: RefCell::new(Shape::new()),
+            shape: Cell::new(ShapeSummary::default()),
             name: Cell::new(None),
             created_at: Cell::new(Location::caller()),
         }
@@ -96,9 +127,7 @@ impl BlockHeader {
         self.prev.set(ptr::null());
         self.next.set(ptr::null());
         self.dtype.set(dtype);
-        let mut s = self.shape.borrow_mut();
-        s.clear();
-        s.extend_from_slice(shape);
+        self.shape.set(ShapeSummary::of(shape));
         self.name.set(None);
         self.created_at.set(created_at);
     }
@@ -233,7 +262,6 @@ impl HeaderSlab {
 
     /// Puts a header back on the free list.
     pub(crate) fn give(&self, header: &BlockHeader) {
-        header.shape.borrow_mut().clear();
         header.next.set(self.free.get());
         self.free.set(header);
     }

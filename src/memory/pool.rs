@@ -62,17 +62,30 @@ pub(crate) enum Source {
     System,
 }
 
-#[derive(Default)]
 pub(crate) struct Pool {
+    /// One free list per class, indexed by class; every class a request can map to has one.
     free: Vec<Vec<NonNull<u8>>>,
     cached_bytes: usize,
+}
+
+/// Number of classes: octaves 2^6..2^63, enough for any request up to `isize::MAX` bytes (the
+/// largest allocation Rust allows).
+const CLASSES: usize = 1 + (usize::BITS - 1 - MIN_SHIFT) as usize * STEPS;
+
+impl Default for Pool {
+    fn default() -> Pool {
+        Pool {
+            free: (0..CLASSES).map(|_| Vec::new()).collect(),
+            cached_bytes: 0,
+        }
+    }
 }
 
 impl Pool {
     /// A block of at least `bytes` (> 0) bytes, with its capacity; `None` when the system refuses.
     pub(crate) fn take(&mut self, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
         let (class, capacity) = size_class(bytes);
-        if let Some(ptr) = self.free.get_mut(class).and_then(Vec::pop) {
+        if let Some(ptr) = self.free[class].pop() {
             self.cached_bytes -= capacity;
             return Some((ptr, capacity, Source::Reused));
         }
@@ -86,9 +99,6 @@ impl Pool {
     pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, capacity: usize) {
         let (class, cap) = size_class(capacity);
         debug_assert_eq!(cap, capacity, "only class capacities are cached");
-        if self.free.len() <= class {
-            self.free.resize_with(class + 1, Vec::new);
-        }
         self.free[class].push(ptr);
         self.cached_bytes += capacity;
     }
@@ -100,7 +110,12 @@ impl Pool {
     /// Hands every cached block back to the system; returns the bytes released.
     pub(crate) fn empty(&mut self) -> usize {
         let released = self.cached_bytes;
-        for (class, list) in self.free.iter_mut().enumerate() {
+        for (class, list) in self
+            .free
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, list)| !list.is_empty())
+        {
             let capacity = class_capacity(class);
             for ptr in list.drain(..) {
                 // SAFETY: cached blocks came from `system_alloc` with their class capacity and are
@@ -147,6 +162,13 @@ mod tests {
             assert_eq!(size_class(cap), (class, cap), "a capacity is its own class");
             last = (class, cap);
         }
+    }
+
+    #[test]
+    fn the_largest_allowed_request_has_a_class() {
+        let (class, cap) = size_class(isize::MAX as usize);
+        assert!(class < CLASSES && cap > isize::MAX as usize);
+        assert_eq!(class_capacity(CLASSES - 1), cap);
     }
 
     #[test]

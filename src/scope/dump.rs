@@ -50,7 +50,7 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
                 .get()
                 .map_or_else(|| "_".to_string(), |s| format!("\"{s}\"")),
             h.dtype.get(),
-            h.shape.borrow().as_slice(),
+            h.shape.get(),
             Bytes(h.bytes.get()),
             h.refs(),
             at.file(),

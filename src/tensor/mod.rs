@@ -68,6 +68,7 @@ impl<'n> Owner<'n> {
     }
 
     /// Allocates a contiguous block for `shape` in this owner.
+    #[inline]
     pub(crate) fn alloc(
         self,
         dtype: DType,
@@ -115,6 +116,7 @@ impl<'n> Owner<'n> {
 }
 
 impl<'s> Tensor<'s> {
+    #[inline]
     pub(crate) fn from_parts(block: BlockRef, layout: Layout, dtype: DType) -> Tensor<'s> {
         Tensor {
             block,
@@ -125,6 +127,7 @@ impl<'s> Tensor<'s> {
     }
 
     /// A new contiguous tensor in `owner`; its contents are stale bytes that the caller overwrites.
+    #[inline]
     pub(crate) fn uninit_in(
         owner: Owner<'_>,
         dtype: DType,
@@ -402,9 +405,10 @@ impl<'s> Tensor<'s> {
                 h.dtype.get(),
                 h.bytes.get(),
             );
-            let shape = h.shape.borrow().clone();
+            let shape = h.shape.get();
             let (ptr, capacity) = owner.surrender(h);
-            let block = new_system_block(ptr, bytes, capacity, Home::Heap, dtype, &shape, at);
+            let block = new_system_block(ptr, bytes, capacity, Home::Heap, dtype, &[], at);
+            block.header().shape.set(shape);
             block.header().name.set(name);
             let Tensor {
                 block: old,
