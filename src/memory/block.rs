@@ -62,6 +62,31 @@ impl fmt::Debug for ShapeSummary {
     }
 }
 
+/// Where a block's bytes are: the memory behind a header.
+#[derive(Clone, Copy)]
+pub(crate) struct Region {
+    pub(crate) ptr: NonNull<u8>,
+    /// Bytes the tensor uses (`numel * dtype.size()`).
+    pub(crate) bytes: usize,
+    /// Bytes of the allocation (a pool class for `Home::Heap`).
+    pub(crate) capacity: usize,
+    pub(crate) home: Home,
+}
+
+impl Region {
+    /// The region of a zero-byte block: an aligned, non-null pointer that is never read through.
+    pub(crate) fn empty() -> Region {
+        let ptr =
+            NonNull::new(ptr::without_provenance_mut(pool::ALIGN)).expect("ALIGN is non-zero");
+        Region {
+            ptr,
+            bytes: 0,
+            capacity: 0,
+            home: Home::Empty,
+        }
+    }
+}
+
 /// Header of a storage block.
 pub(crate) struct BlockHeader {
     refs: AtomicUsize,
@@ -107,22 +132,18 @@ impl BlockHeader {
     }
 
     /// Fills a recycled or fresh header for a new block with one reference.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn init(
         &self,
-        ptr: NonNull<u8>,
-        bytes: usize,
-        capacity: usize,
-        home: Home,
+        region: Region,
         dtype: DType,
         shape: &[usize],
         created_at: &'static Location<'static>,
     ) {
         self.refs.store(1, Ordering::Relaxed);
-        self.ptr.set(ptr);
-        self.bytes.set(bytes);
-        self.capacity.set(capacity);
-        self.home.set(home);
+        self.ptr.set(region.ptr);
+        self.bytes.set(region.bytes);
+        self.capacity.set(region.capacity);
+        self.home.set(region.home);
         self.owner.set(ptr::null());
         self.prev.set(ptr::null());
         self.next.set(ptr::null());
@@ -199,18 +220,18 @@ impl Drop for BlockRef {
 
 /// Creates a system-owned block (a boxed header with one reference).
 pub(crate) fn new_system_block(
-    ptr: NonNull<u8>,
-    bytes: usize,
-    capacity: usize,
-    home: Home,
+    region: Region,
     dtype: DType,
     shape: &[usize],
     created_at: &'static Location<'static>,
 ) -> BlockRef {
-    debug_assert!(home != Home::Arena, "system blocks never live in an arena");
+    debug_assert!(
+        region.home != Home::Arena,
+        "system blocks never live in an arena"
+    );
     let header = BlockHeader::blank();
-    header.init(ptr, bytes, capacity, home, dtype, shape, created_at);
-    crate::scope::system::on_alloc(bytes);
+    header.init(region, dtype, shape, created_at);
+    crate::scope::system::on_alloc(region.bytes);
     BlockRef(NonNull::from(Box::leak(Box::new(header))))
 }
 

@@ -434,24 +434,21 @@ impl<'s> Tensor<'s> {
         with_dtype!(self.dtype(), T => self.update::<T>(src, "copy_from_", |_: T, b: T| b))
     }
 
+    /// Applies `f` to every element in place (after the copy-on-write step).
+    fn apply_<T: Element>(&mut self, f: impl Fn(T) -> T) -> Result<()> {
+        self.make_unique_contiguous()?;
+        self.fresh_mut::<T>().iter_mut().for_each(|x| *x = f(*x));
+        Ok(())
+    }
+
     /// `self *= value` in place.
     pub fn mul_scalar_(&mut self, value: f64) -> Result<()> {
-        self.make_unique_contiguous()?;
-        with_dtype!(self.dtype(), T => {
-            let v = T::from_f64(value);
-            self.fresh_mut::<T>().iter_mut().for_each(|x| *x = x.mul(v));
-        });
-        Ok(())
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>(move |x| x.mul(v)) })
     }
 
     /// `self += value` in place.
     pub fn add_scalar_(&mut self, value: f64) -> Result<()> {
-        self.make_unique_contiguous()?;
-        with_dtype!(self.dtype(), T => {
-            let v = T::from_f64(value);
-            self.fresh_mut::<T>().iter_mut().for_each(|x| *x = x.add(v));
-        });
-        Ok(())
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>(move |x| x.add(v)) })
     }
 
     /// Sets every element to `value` in place.

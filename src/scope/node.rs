@@ -14,7 +14,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
 use crate::memory::arena::Workspace;
-use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home};
+use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region};
 use crate::memory::pool::{ALIGN, Pool, Source};
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
@@ -250,16 +250,21 @@ impl ScopeNode {
     ) -> Result<BlockRef> {
         let bytes = checked_numel(shape, dtype.size())? * dtype.size();
         self.admit(bytes, None)?;
-        let (ptr, capacity, home) = if bytes == 0 {
-            (dangling(), 0, Home::Empty)
-        } else if let Some(p) = self.with_arena(|a| a.bump(bytes)).flatten() {
-            (p, bytes.next_multiple_of(ALIGN), Home::Arena)
+        let region = if bytes == 0 {
+            Region::empty()
+        } else if let Some(ptr) = self.with_arena(|a| a.bump(bytes)).flatten() {
+            Region {
+                ptr,
+                bytes,
+                capacity: bytes.next_multiple_of(ALIGN),
+                home: Home::Arena,
+            }
         } else {
             if self.with_arena(|a| a.note_spill(bytes)).is_some() {
                 self.stats.borrow_mut().spills += 1;
             }
             let taken = self.tree().pool.borrow_mut().take(bytes);
-            let Some((p, capacity, source)) = taken else {
+            let Some((ptr, capacity, source)) = taken else {
                 self.stats.borrow_mut().ooms += 1;
                 return Err(Error::OutOfMemory {
                     scope: self.name.to_string(),
@@ -274,13 +279,18 @@ impl ScopeNode {
                 Source::Reused => stats.reuses += 1,
                 Source::System => stats.system_allocations += 1,
             }
-            (p, capacity, Home::Heap)
+            Region {
+                ptr,
+                bytes,
+                capacity,
+                home: Home::Heap,
+            }
         };
         let (header, grew) = self.tree().slab.borrow_mut().take();
         // SAFETY: the slab hands out headers that no handle refers to; we initialise it with one
         // reference and adopt that reference below.
         let header_ref = unsafe { header.as_ref() };
-        header_ref.init(ptr, bytes, capacity, home, dtype, shape, at);
+        header_ref.init(region, dtype, shape, at);
         self.stats.borrow_mut().allocations += 1;
         if grew {
             self.stats.borrow_mut().system_allocations += 1;
@@ -422,11 +432,6 @@ impl ScopeNode {
             }
         }
     }
-}
-
-/// An aligned, non-null pointer for zero-byte blocks; never dereferenced for a non-empty read.
-fn dangling() -> NonNull<u8> {
-    NonNull::new(ptr::without_provenance_mut(ALIGN)).expect("ALIGN is non-zero")
 }
 
 /// Closes a node when dropped, including while unwinding from a panic inside the scope.

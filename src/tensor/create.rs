@@ -106,21 +106,26 @@ impl<'s> Scope<'s> {
         Ok(t)
     }
 
-    /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator.
-    #[track_caller]
-    pub fn rand(&self, shape: &[usize]) -> Result<Tensor<'s>> {
-        let mut t = Tensor::uninit_in(
-            Owner::Node(&self.node),
-            DType::F32,
-            shape,
-            Location::caller(),
-        )?;
+    /// An `f32` tensor whose elements are drawn one by one from the tree's generator.
+    fn sampled(
+        &self,
+        shape: &[usize],
+        draw: impl Fn(&mut crate::rng::Rng) -> f64,
+        at: &'static Location<'static>,
+    ) -> Result<Tensor<'s>> {
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), DType::F32, shape, at)?;
         self.with_rng(|rng| {
             t.fresh_mut::<f32>()
                 .iter_mut()
-                .for_each(|v| *v = rng.uniform() as f32)
+                .for_each(|v| *v = draw(rng) as f32)
         });
         Ok(t)
+    }
+
+    /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator.
+    #[track_caller]
+    pub fn rand(&self, shape: &[usize]) -> Result<Tensor<'s>> {
+        self.sampled(shape, crate::rng::Rng::uniform, Location::caller())
     }
 
     /// An `f32` tensor of standard normal samples from the tree's seeded generator.
@@ -135,17 +140,6 @@ impl<'s> Scope<'s> {
     /// ```
     #[track_caller]
     pub fn randn(&self, shape: &[usize]) -> Result<Tensor<'s>> {
-        let mut t = Tensor::uninit_in(
-            Owner::Node(&self.node),
-            DType::F32,
-            shape,
-            Location::caller(),
-        )?;
-        self.with_rng(|rng| {
-            t.fresh_mut::<f32>()
-                .iter_mut()
-                .for_each(|v| *v = rng.normal() as f32)
-        });
-        Ok(t)
+        self.sampled(shape, crate::rng::Rng::normal, Location::caller())
     }
 }

@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{Layout, RowWalk};
-use crate::memory::block::{BlockRef, Home, new_system_block};
+use crate::memory::block::{BlockRef, Home, Region, new_system_block};
 use crate::memory::pool;
 use crate::scope::Scope;
 use crate::scope::node::ScopeNode;
@@ -80,18 +80,7 @@ impl<'n> Owner<'n> {
             Owner::System => {
                 let bytes = crate::layout::checked_numel(shape, dtype.size())? * dtype.size();
                 if bytes == 0 {
-                    let dangling =
-                        std::ptr::NonNull::new(std::ptr::without_provenance_mut(pool::ALIGN))
-                            .expect("ALIGN is non-zero");
-                    return Ok(new_system_block(
-                        dangling,
-                        0,
-                        0,
-                        Home::Empty,
-                        dtype,
-                        shape,
-                        at,
-                    ));
+                    return Ok(new_system_block(Region::empty(), dtype, shape, at));
                 }
                 let capacity = bytes.next_multiple_of(pool::ALIGN);
                 let ptr = pool::system_alloc(capacity).ok_or_else(|| Error::OutOfMemory {
@@ -101,15 +90,13 @@ impl<'n> Owner<'n> {
                     budget: None,
                     dump: String::new(),
                 })?;
-                Ok(new_system_block(
+                let region = Region {
                     ptr,
                     bytes,
                     capacity,
-                    Home::Heap,
-                    dtype,
-                    shape,
-                    at,
-                ))
+                    home: Home::Heap,
+                };
+                Ok(new_system_block(region, dtype, shape, at))
             }
         }
     }
@@ -407,7 +394,13 @@ impl<'s> Tensor<'s> {
             );
             let shape = h.shape.get();
             let (ptr, capacity) = owner.surrender(h);
-            let block = new_system_block(ptr, bytes, capacity, Home::Heap, dtype, &[], at);
+            let region = Region {
+                ptr,
+                bytes,
+                capacity,
+                home: Home::Heap,
+            };
+            let block = new_system_block(region, dtype, &[], at);
             block.header().shape.set(shape);
             block.header().name.set(name);
             let Tensor {
