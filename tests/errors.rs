@@ -194,6 +194,10 @@ fn bad_shapes_and_lengths() {
             "narrow"
         );
         assert_err!(a.squeeze(0), Error::InvalidShape { .. }, "size 2");
+        #[allow(clippy::reversed_empty_ranges)]
+        let reversed = a.slice(1, 2..1);
+        assert_err!(reversed, Error::InvalidShape { .. }, "reversed");
+        assert_err!(a.slice(0, 1..3), Error::InvalidShape { .. }, "1..3");
         assert_err!(
             a.permute(&[0, 0]),
             Error::InvalidShape { .. },

@@ -236,6 +236,66 @@ fn forgotten_handles_are_reclaimed_when_their_scope_closes() {
 }
 
 #[test]
+fn tensors_held_by_an_rc_cycle_are_reclaimed() {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    struct Node<'s> {
+        _data: Tensor<'s>,
+        next: RefCell<Option<Rc<Node<'s>>>>,
+    }
+    run(|s| {
+        s.scope(|c| -> Result<()> {
+            let a = Rc::new(Node {
+                _data: c.zeros(&[100])?,
+                next: RefCell::new(None),
+            });
+            let b = Rc::new(Node {
+                _data: c.zeros(&[200])?,
+                next: RefCell::new(Some(a.clone())),
+            });
+            *a.next.borrow_mut() = Some(b); // a -> b -> a: neither is ever dropped
+            Ok(())
+        })?;
+        let st = s.stats();
+        assert_eq!(
+            (st.reclaimed_tensors, st.reclaimed_bytes),
+            (2, (300 * F32) as u64)
+        );
+        assert_eq!(st.subtree_bytes, 0);
+        Ok(())
+    });
+}
+
+#[test]
+fn siblings_open_at_once_close_in_reverse_order() {
+    // `b` is a second child of the model opened while `a` is open: it closes first, so a tensor may
+    // move from `b` to `a` (a lives longer) without copying, and from `a` to `b` only with its one handle.
+    run(|model| {
+        model.named_scope("a", |a| -> Result<()> {
+            let from_a = a.ones(&[4])?;
+            let kept_in_a = model.named_scope("b", |b| -> Result<_> {
+                let t = b.full(&[2], 3.0)?;
+                let alias = t.clone();
+                let up = t.move_to(a)?;
+                assert!(up.shares_storage(&alias) && a.stats().live_tensors == 2);
+                let borrowed = from_a.clone().move_to(b)?; // shared: stays owned by `a`
+                assert_eq!((b.stats().live_tensors, borrowed.numel()), (0, 4));
+                Ok(up)
+            })?;
+            assert_eq!(kept_in_a.to_vec::<f32>()?, vec![3.0, 3.0]);
+            assert_eq!(
+                (a.stats().live_tensors, model.stats().subtree_bytes),
+                (2, 24)
+            );
+            Ok(())
+        })?;
+        assert_eq!(model.stats().subtree_bytes, 0);
+        Ok(())
+    });
+}
+
+#[test]
 fn a_panic_inside_a_scope_returns_every_byte() {
     run(|s| {
         let keep = s.ones(&[16])?;

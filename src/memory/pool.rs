@@ -176,11 +176,13 @@ mod tests {
         let mut pool = Pool::default();
         let (p, cap, src) = pool.take(1000).unwrap();
         assert!(matches!(src, Source::System));
+        // SAFETY: `p` came from this pool with capacity `cap` and is not used again.
         unsafe { pool.give(p, cap) };
         assert_eq!(pool.cached_bytes(), cap);
         let (q, _, src) = pool.take(1001).unwrap();
         assert!(matches!(src, Source::Reused));
         assert_eq!(p, q);
+        // SAFETY: as above, for `q`.
         unsafe { pool.give(q, cap) };
         assert_eq!(pool.empty(), cap);
         assert_eq!(pool.cached_bytes(), 0);

@@ -81,6 +81,28 @@ impl<'s> Tensor<'s> {
         Ok(self.with_layout(self.layout().narrowed(axis, start, len)?))
     }
 
+    /// The elements `range` along `axis` (the same as `narrow(axis, range.start, range.len())`).
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let x = s.arange(0i64, 6, 1)?.reshape(&[2, 3])?;
+    /// assert_eq!(x.slice(1, 1..3)?.to_vec::<i64>()?, vec![1, 2, 4, 5]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when the range is reversed or exceeds the axis.
+    pub fn slice(&self, axis: isize, range: std::ops::Range<usize>) -> Result<Tensor<'s>> {
+        if range.end < range.start {
+            return Err(Error::InvalidShape {
+                op: "slice",
+                shape: self.shape().to_vec(),
+                reason: format!("the range {range:?} is reversed"),
+            });
+        }
+        self.narrow(axis, range.start, range.len())
+    }
+
     /// A view with `shape`, repeating dimensions of size 1 (stride 0) and adding leading dimensions.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor<'s>> {
         Ok(self.with_layout(self.layout().broadcast_to(shape)?))
