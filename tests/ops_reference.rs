@@ -587,6 +587,14 @@ fn display_is_readable() {
             "Tensor[i64; [100]]\n[0, 1, 2, ..., 97, 98, 99]"
         );
         assert_eq!(s.zeros(&[0, 2])?.to_string(), "Tensor[f32; [0, 2]]\n[]");
+        // Strided views print in logical order.
+        let t = s.arange(0i64, 6, 1)?.reshape(&[2, 3])?.t()?;
+        assert_eq!(
+            t.to_string(),
+            "Tensor[i64; [3, 2]]\n[[0, 3],\n [1, 4],\n [2, 5]]"
+        );
+        let big = s.zeros(&[7, 8])?;
+        assert_eq!(big.to_string().lines().count(), 8, "rows elided:\n{big}");
         Ok(())
     });
 }

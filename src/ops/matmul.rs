@@ -142,7 +142,7 @@ fn matmul_into<T: Element>(
     let [rsa, rsb, rso] = walk.row_strides();
     let (a_rs, a_cs) = (a.strides()[ar - 2] as isize, a.strides()[ar - 1] as isize);
     let (b_rs, b_cs) = (b.strides()[br - 2] as isize, b.strides()[br - 1] as isize);
-    let parallelism = if m * n * k >= PARALLEL_FLOPS {
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None

@@ -1,11 +1,13 @@
 //! A readable `Display`: the header line, then nested rows; long dimensions show their first and last
-//! three entries around an ellipsis.
+//! three entries around an ellipsis. Only the printed elements are read, so printing a huge tensor
+//! costs no more than printing a small one.
 
 use std::fmt;
 
+use crate::dtype::{Element, with_dtype};
 use crate::tensor::Tensor;
 
-/// Dimensions longer than this are elided.
+/// Dimensions longer than twice this are elided.
 const EDGE: usize = 3;
 
 impl fmt::Display for Tensor<'_> {
@@ -15,64 +17,63 @@ impl fmt::Display for Tensor<'_> {
             write!(f, " \"{name}\"")?;
         }
         writeln!(f)?;
-        let values = self.to_vec_f64();
-        let float = self.dtype().is_float();
-        let cell = |v: f64| {
-            if float {
-                format!("{v:.4}")
-            } else {
-                format!("{v}")
-            }
-        };
-        let strides = crate::layout::contiguous_strides(self.shape());
-        fn rec(
-            f: &mut fmt::Formatter<'_>,
-            shape: &[usize],
-            strides: &[usize],
-            base: usize,
-            values: &[f64],
-            cell: &dyn Fn(f64) -> String,
-            indent: usize,
-        ) -> fmt::Result {
-            let Some((&n, rest)) = shape.split_first() else {
-                return f.write_str(&cell(values[base]));
-            };
-            let picks: Vec<Option<usize>> = if n > 2 * EDGE {
-                (0..EDGE)
-                    .map(Some)
-                    .chain([None])
-                    .chain((n - EDGE..n).map(Some))
-                    .collect()
-            } else {
-                (0..n).map(Some).collect()
-            };
-            f.write_str("[")?;
-            for (k, pick) in picks.iter().enumerate() {
-                if k > 0 {
-                    if rest.is_empty() {
-                        f.write_str(", ")?;
-                    } else {
-                        write!(f, ",\n{:indent$}", "", indent = indent + 1)?;
-                    }
-                }
-                match pick {
-                    Some(i) => rec(
-                        f,
-                        rest,
-                        &strides[1..],
-                        base + i * strides[0],
-                        values,
-                        cell,
-                        indent + 1,
-                    )?,
-                    None => f.write_str("...")?,
-                }
-            }
-            f.write_str("]")
-        }
-        if values.is_empty() {
+        if self.numel() == 0 {
             return f.write_str("[]");
         }
-        rec(f, self.shape(), &strides, 0, &values, &cell, 0)
+        with_dtype!(self.dtype(), T => {
+            let data = self.block_data::<T>();
+            let printer = Printer { data, shape: self.shape(), strides: self.strides(), float: self.dtype().is_float() };
+            printer.write(f, 0, self.layout().offset(), 0)
+        })
+    }
+}
+
+struct Printer<'a, T> {
+    data: &'a [T],
+    shape: &'a [usize],
+    strides: &'a [usize],
+    float: bool,
+}
+
+impl<T: Element> Printer<'_, T> {
+    fn write(
+        &self,
+        f: &mut fmt::Formatter<'_>,
+        axis: usize,
+        offset: usize,
+        indent: usize,
+    ) -> fmt::Result {
+        if axis == self.shape.len() {
+            let v = self.data[offset].to_f64();
+            return if self.float {
+                write!(f, "{v:.4}")
+            } else {
+                write!(f, "{v}")
+            };
+        }
+        let n = self.shape[axis];
+        let innermost = axis + 1 == self.shape.len();
+        f.write_str("[")?;
+        let mut first = true;
+        for i in 0..n {
+            let elided = n > 2 * EDGE && (EDGE..n - EDGE).contains(&i);
+            if elided && i != EDGE {
+                continue;
+            }
+            if !first {
+                if innermost {
+                    f.write_str(", ")?;
+                } else {
+                    write!(f, ",\n{:indent$}", "", indent = indent + 1)?;
+                }
+            }
+            first = false;
+            if elided {
+                f.write_str("...")?;
+            } else {
+                self.write(f, axis + 1, offset + i * self.strides[axis], indent + 1)?;
+            }
+        }
+        f.write_str("]")
     }
 }
