@@ -49,14 +49,16 @@ pub(crate) enum Owner<'n> {
 }
 
 impl<'n> Owner<'n> {
-    /// The owner that closes first among `tensors`' owners (the system scope never closes).
-    pub(crate) fn innermost(tensors: &[&Tensor<'_>]) -> Owner<'n> {
+    /// The owner that closes first among `tensors`' owners (the system scope never closes), borrowed
+    /// for as long as the operands are.
+    pub(crate) fn innermost(tensors: &'n [&'n Tensor<'_>]) -> Owner<'n> {
         let mut best = Owner::System;
         let mut best_order = 0;
         for t in tensors {
             let owner = t.block.header().owner.get();
-            // SAFETY: a live handle's owner is open (see `BlockRef::header`), and it stays open while
-            // the output is created: `'n` is only used within the calling op.
+            // SAFETY: a live handle's owner is open (see `BlockRef::header`). A scope closes only when
+            // its closure returns, and every open scope encloses the current call, so the node stays
+            // open at least while the operands are borrowed, which `'n` covers.
             if let Some(node) = unsafe { owner.as_ref() }
                 && node.order > best_order
             {
