@@ -9,8 +9,11 @@ use std::fmt;
 /// The element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit float, the first-class type.
     F32,
+    /// 64-bit float.
     F64,
+    /// 64-bit signed integer, for indices and labels.
     I64,
 }
 
@@ -52,21 +55,31 @@ mod sealed {
 pub trait Element:
     sealed::Sealed + Copy + Send + Sync + PartialOrd + fmt::Debug + fmt::Display + Default + 'static
 {
+    /// The matching [`DType`].
     const DTYPE: DType;
+    /// Converts from `f64` (integers truncate and saturate; NaN becomes 0).
     fn from_f64(v: f64) -> Self;
+    /// Converts to `f64`.
     fn to_f64(self) -> f64;
+    /// The additive identity.
     fn zero() -> Self;
+    /// The multiplicative identity.
     fn one() -> Self;
     /// The identity of `max` (`-inf` for floats).
     fn lowest() -> Self;
     /// The identity of `min` (`+inf` for floats).
     fn highest() -> Self;
+    /// Addition (wrapping for integers).
     fn add(self, o: Self) -> Self;
+    /// Subtraction (wrapping for integers).
     fn sub(self, o: Self) -> Self;
+    /// Multiplication (wrapping for integers).
     fn mul(self, o: Self) -> Self;
     /// Division; for integers the caller has checked that `o != 0`.
     fn div(self, o: Self) -> Self;
+    /// Negation (wrapping for integers).
     fn neg(self) -> Self;
+    /// Absolute value (wrapping for `i64::MIN`).
     fn abs(self) -> Self;
     /// `max` that propagates NaN (a NaN operand gives NaN), as PyTorch does.
     fn max_nan(self, o: Self) -> Self;
@@ -76,14 +89,23 @@ pub trait Element:
 
 /// Floating-point elements: the transcendental functions.
 pub trait Float: Element {
+    /// `e^self`.
     fn exp(self) -> Self;
+    /// Natural logarithm.
     fn ln(self) -> Self;
+    /// Square root.
     fn sqrt(self) -> Self;
+    /// Hyperbolic tangent.
     fn tanh(self) -> Self;
+    /// Sine.
     fn sin(self) -> Self;
+    /// Cosine.
     fn cos(self) -> Self;
+    /// `self^e`.
     fn powf(self, e: Self) -> Self;
+    /// `1 / self`.
     fn recip(self) -> Self;
+    /// Whether the value is NaN.
     fn is_nan(self) -> bool;
 }
 

@@ -12,86 +12,140 @@ use crate::dtype::DType;
 pub type Result<T> = std::result::Result<T, Error>;
 
 /// Everything that can go wrong in ndscope.
+///
+/// Every variant names the operation (`op`) that failed where there is one, and carries the values a
+/// caller needs to report or fix the problem.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum Error {
     /// Two operands whose shapes cannot be combined (broadcast, matmul, concat, ...).
     ShapeMismatch {
+        /// The operation.
         op: &'static str,
+        /// Shape of the first operand.
         lhs: Vec<usize>,
+        /// Shape of the second operand.
         rhs: Vec<usize>,
+        /// The rule the shapes broke.
         hint: &'static str,
     },
     /// Two operands of different element types.
     DTypeMismatch {
+        /// The operation.
         op: &'static str,
+        /// Element type of the first operand (or of the tensor).
         lhs: DType,
+        /// Element type of the second operand (or the one asked for).
         rhs: DType,
     },
     /// An op that does not support this element type (for example `exp` of an integer tensor).
     UnsupportedDType {
+        /// The operation.
         op: &'static str,
+        /// The element type given.
         dtype: DType,
+        /// What the operation accepts.
         expected: &'static str,
     },
     /// Operands that live on different devices.
     DeviceMismatch {
+        /// The operation.
         op: &'static str,
+        /// Device of the first operand.
         lhs: String,
+        /// Device of the second operand.
         rhs: String,
     },
     /// A device that cannot be used (not compiled in, no driver, no such ordinal).
-    DeviceUnavailable { device: String, reason: String },
+    DeviceUnavailable {
+        /// The device asked for, as `cpu` or `cuda:N`.
+        device: String,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A shape that is not valid for the op (wrong rank, wrong element count for a reshape, ...).
     InvalidShape {
+        /// The operation.
         op: &'static str,
+        /// The shape concerned (empty where the problem is an argument, not a shape).
         shape: Vec<usize>,
+        /// What is wrong with it.
         reason: String,
     },
     /// An axis outside `-rank..rank` (negative axes count from the end).
     AxisOutOfRange {
+        /// The operation.
         op: &'static str,
+        /// The axis given.
         axis: isize,
+        /// The rank of the tensor.
         rank: usize,
     },
     /// An index outside the dimension it indexes.
     IndexOutOfRange {
+        /// The operation.
         op: &'static str,
+        /// The first offending index.
         index: i64,
+        /// The size of the indexed dimension.
         size: usize,
     },
     /// A slice whose length does not match the shape it is meant to fill.
     DataLength {
+        /// The operation.
         op: &'static str,
+        /// Elements the shape holds.
         expected: usize,
+        /// Elements given.
         got: usize,
     },
-    /// A shape whose element or byte count does not fit in `usize`.
+    /// A shape whose element or byte count does not fit in memory addresses.
     SizeOverflow {
+        /// The shape.
         shape: Vec<usize>,
+        /// Bytes per element.
         element_bytes: usize,
     },
     /// An allocation that would push a scope (or one of its ancestors) over its byte budget,
     /// or that the system allocator refused.
     OutOfMemory {
+        /// The scope whose budget (or whose request) was refused.
         scope: String,
+        /// Bytes requested.
         requested: usize,
+        /// Bytes live in that scope's subtree (budget) or in the scope (system refusal).
         live: usize,
+        /// The budget, or `None` when the system allocator refused.
         budget: Option<usize>,
+        /// The scope tree at the time, as `Scope::dump` prints it.
         dump: String,
     },
     /// An allocation into a scope on which `cap()` was called.
-    Capped { scope: String, requested: usize },
+    Capped {
+        /// The capped scope.
+        scope: String,
+        /// Bytes requested.
+        requested: usize,
+    },
     /// Integer division by zero.
-    DivisionByZero { op: &'static str },
+    DivisionByZero {
+        /// The operation.
+        op: &'static str,
+    },
     /// A borrowed view was requested from a tensor that is not laid out contiguously.
     NotContiguous {
+        /// The operation.
         op: &'static str,
+        /// The tensor's shape.
         shape: Vec<usize>,
+        /// The tensor's strides, in elements.
         strides: Vec<usize>,
     },
     /// An empty list where at least one tensor is needed (concat, stack).
-    Empty { op: &'static str },
+    Empty {
+        /// The operation.
+        op: &'static str,
+    },
 }
 
 impl fmt::Display for Error {

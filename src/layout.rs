@@ -103,10 +103,12 @@ impl Layout {
         }
     }
 
+    /// Size of each dimension.
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
+    /// Step between neighbours along each dimension, in elements (0 repeats an element).
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
@@ -116,6 +118,7 @@ impl Layout {
         self.offset
     }
 
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.shape.len()
     }

@@ -1,6 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(unsafe_op_in_unsafe_fn)]
-#![warn(missing_debug_implementations)]
+#![warn(missing_debug_implementations, missing_docs)]
 
 mod device;
 mod dtype;

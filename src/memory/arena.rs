@@ -75,6 +75,7 @@ impl Workspace {
         ws
     }
 
+    /// The name its cycles' scopes get in dumps.
     pub fn name(&self) -> &'static str {
         self.name
     }

@@ -235,6 +235,7 @@ impl<'s> Scope<'s> {
         self.node.set_capped(false);
     }
 
+    /// Whether [`cap`](Self::cap) is in force.
     pub fn is_capped(&self) -> bool {
         self.node.is_capped()
     }
@@ -245,6 +246,7 @@ impl<'s> Scope<'s> {
         self.node.set_budget(bytes);
     }
 
+    /// The byte budget of this scope's subtree, if one is set.
     pub fn budget(&self) -> Option<usize> {
         self.node.budget()
     }

@@ -155,6 +155,7 @@ impl<'s> Tensor<'s> {
         }
     }
 
+    /// Size of each dimension.
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
@@ -164,10 +165,12 @@ impl<'s> Tensor<'s> {
         self.layout.strides()
     }
 
+    /// Shape, strides and offset of the elements in the storage block.
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
 
+    /// Number of dimensions.
     pub fn rank(&self) -> usize {
         self.layout.rank()
     }
@@ -177,14 +180,17 @@ impl<'s> Tensor<'s> {
         self.layout.numel()
     }
 
+    /// Element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// Where the elements live.
     pub fn device(&self) -> Device {
         Device::Cpu
     }
 
+    /// Whether the elements are row-major without gaps (see [`Layout::is_contiguous`]).
     pub fn is_contiguous(&self) -> bool {
         self.layout.is_contiguous()
     }
