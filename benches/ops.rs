@@ -1,0 +1,57 @@
+//! CPU op throughput: elementwise chains on small and large tensors (with and without a
+//! transcendental function) and square matrix products. Run with
+//! `cargo bench --bench ops -- --noplot`.
+
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use ndscope::{Device, Result, Tensor, root};
+
+/// Twenty elementwise ops, each producing a new temporary; `tanh` swaps one op of each group of four
+/// for a transcendental one.
+fn chain<'s>(x: &Tensor<'s>, tanh: bool) -> Result<Tensor<'s>> {
+    let mut y = x.clone();
+    for _ in 0..5 {
+        let z = y.add_scalar(1.0)?.mul_scalar(0.5)?;
+        let z = if tanh { z.tanh()? } else { z.maximum(x)? };
+        y = z.add(x)?;
+    }
+    Ok(y)
+}
+
+fn ops(c: &mut Criterion) {
+    let mut group = c.benchmark_group("chain_20_ops");
+    root(Device::Cpu, |s| -> Result<()> {
+        for (label, n) in [("1KiB", 256usize), ("4MiB", 1 << 20)] {
+            let x = s.randn(&[n])?;
+            group.throughput(Throughput::Bytes((n * 4 * 20) as u64));
+            for tanh in [false, true] {
+                let name = if tanh { "with_tanh" } else { "arithmetic" };
+                group.bench_function(BenchmarkId::new(name, label), |b| {
+                    b.iter(|| s.scope(|_| chain(black_box(&x), tanh).map(drop)).unwrap())
+                });
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+
+    let mut group = c.benchmark_group("matmul_f32");
+    group.sample_size(20);
+    root(Device::Cpu, |s| -> Result<()> {
+        for n in [512usize, 1024] {
+            let (a, b) = (s.randn(&[n, n])?, s.randn(&[n, n])?);
+            group.throughput(Throughput::Elements(2 * (n as u64).pow(3))); // flops
+            group.bench_function(BenchmarkId::from_parameter(n), |bench| {
+                bench.iter(|| black_box(a.matmul(&b).unwrap()))
+            });
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
+criterion_group!(benches, ops);
+criterion_main!(benches);
