@@ -5,6 +5,7 @@
 mod device;
 mod dtype;
 mod error;
+mod fastmath;
 mod layout;
 mod memory;
 mod ops;
