@@ -100,7 +100,8 @@ impl Workspace {
         self.last_cycle_spills
     }
 
-    /// Times the arena was reallocated to a learned size.
+    /// Times the arena buffer was allocated: once by `with_capacity`, and once per growth to a learned
+    /// size.
     pub fn grows(&self) -> u64 {
         self.grows
     }
