@@ -38,6 +38,16 @@ pub enum Error {
         /// Element type of the second operand (or the one asked for).
         rhs: DType,
     },
+    /// Elements read as a Rust type that is not the tensor's dtype (`to_vec::<f64>()` of an `f32`
+    /// tensor).
+    ElementType {
+        /// The accessor.
+        op: &'static str,
+        /// The tensor's element type.
+        dtype: DType,
+        /// The element type asked for.
+        requested: DType,
+    },
     /// An op that does not support this element type (for example `exp` of an integer tensor).
     UnsupportedDType {
         /// The operation.
@@ -156,16 +166,33 @@ impl fmt::Display for Error {
             }
             Error::DTypeMismatch { op, lhs, rhs } => write!(
                 f,
-                "{op}: dtypes {lhs} and {rhs} differ; convert one operand with `.to_dtype({lhs})` first"
+                "{op}: dtypes {lhs} and {rhs} differ; convert one operand first, e.g. with `.to_dtype(DType::{lhs:?})`"
+            ),
+            Error::ElementType {
+                op,
+                dtype,
+                requested,
+            } => write!(
+                f,
+                "{op}: the tensor holds {dtype} elements, not {requested}; read them as {dtype} \
+                 (`{op}::<{dtype}>()`) or convert first with `.to_dtype(DType::{requested:?})`"
             ),
             Error::UnsupportedDType {
                 op,
                 dtype,
                 expected,
-            } => write!(
-                f,
-                "{op}: dtype {dtype} is not supported, it needs {expected}; convert with `.to_dtype(..)` first"
-            ),
+            } => {
+                let to = if expected.contains("i64") {
+                    "I64"
+                } else {
+                    "F32"
+                };
+                write!(
+                    f,
+                    "{op}: dtype {dtype} is not supported, it needs {expected}; convert first, e.g. with \
+                     `.to_dtype(DType::{to})`"
+                )
+            }
             Error::DeviceMismatch { op, lhs, rhs } => write!(
                 f,
                 "{op}: operands live on different devices ({lhs} and {rhs}); copy one with `.to_device(..)` first"
@@ -186,7 +213,7 @@ impl fmt::Display for Error {
             ),
             Error::DataLength { op, expected, got } => write!(
                 f,
-                "{op}: the shape holds {expected} elements but {got} were given; pass exactly {expected} values"
+                "{op}: the shape holds {expected} elements but the data has {got}; pass exactly {expected} values"
             ),
             Error::SizeOverflow {
                 shape,

@@ -92,8 +92,19 @@ fn dtype_mismatches_and_unsupported_dtypes() {
         assert_err!(i.matmul(&i), Error::UnsupportedDType { .. }, "matmul");
         assert_err!(i.softmax(0), Error::UnsupportedDType { .. }, "softmax");
         assert_err!(i.mean_all(), Error::UnsupportedDType { .. }, "mean");
-        assert_err!(f.to_vec::<f64>(), Error::DTypeMismatch { .. }, "to_vec");
-        assert_err!(f.as_slice::<i64>(), Error::DTypeMismatch { .. }, "as_slice");
+        assert_err!(
+            f.to_vec::<f64>(),
+            Error::ElementType { .. },
+            "holds f32 elements, not f64",
+            "to_vec::<f32>()"
+        );
+        assert_err!(
+            f.as_slice::<i64>(),
+            Error::ElementType { .. },
+            "as_slice",
+            "DType::I64"
+        );
+        assert_err!(i.to_scalar::<f32>(), Error::ElementType { .. }, "to_scalar");
         assert_err!(
             f.index_select(0, &f),
             Error::UnsupportedDType { .. },

@@ -257,7 +257,7 @@ impl<'s> Tensor<'s> {
     /// while the slice lives (so no in-place op can change it meanwhile).
     ///
     /// # Errors
-    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype, [`Error::NotContiguous`] for a
+    /// [`Error::ElementType`] when `T` is not the tensor's dtype, [`Error::NotContiguous`] for a
     /// strided view (call [`contiguous`](Self::contiguous) first).
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check_dtype::<T>("as_slice")?;
@@ -274,10 +274,10 @@ impl<'s> Tensor<'s> {
 
     pub(crate) fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
         if T::DTYPE != self.dtype {
-            return Err(Error::DTypeMismatch {
+            return Err(Error::ElementType {
                 op,
-                lhs: self.dtype,
-                rhs: T::DTYPE,
+                dtype: self.dtype,
+                requested: T::DTYPE,
             });
         }
         Ok(())
@@ -286,7 +286,7 @@ impl<'s> Tensor<'s> {
     /// The elements in row-major order.
     ///
     /// # Errors
-    /// [`Error::DTypeMismatch`] when `T` is not the tensor's dtype.
+    /// [`Error::ElementType`] when `T` is not the tensor's dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
         let mut out = Vec::with_capacity(self.numel());
@@ -311,7 +311,7 @@ impl<'s> Tensor<'s> {
     ///
     /// # Errors
     /// [`Error::InvalidShape`] when the tensor does not hold exactly one element;
-    /// [`Error::DTypeMismatch`] when `T` is not its dtype.
+    /// [`Error::ElementType`] when `T` is not its dtype.
     pub fn to_scalar<T: Element>(&self) -> Result<T> {
         self.check_dtype::<T>("to_scalar")?;
         if self.numel() != 1 {
