@@ -1,5 +1,5 @@
-// DJL #1317 in ndscope: a gradient computed in the batch scope stored in the model, which lives in
-// the parent scope.
+// The classic manager leak of run-time frameworks: a gradient computed in the batch scope, stored in
+// the model, which lives in the parent scope.
 use ndscope::{root, Device, Result, Tensor};
 
 struct Model<'m> {
