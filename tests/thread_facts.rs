@@ -24,3 +24,35 @@ fn detached_tensors_are_shared_across_threads() {
     });
     assert_eq!(sums, vec![1000.0; 4]);
 }
+
+/// Many threads clone, update (copy-on-write) and drop handles of one detached block at once: the
+/// shared values never change, every private copy holds its own result, and the block is freed once.
+#[test]
+fn detached_blocks_survive_concurrent_clones_updates_and_drops() {
+    let shared = ndscope::root(ndscope::Device::Cpu, |s| {
+        s.arange(0.0f32, 64.0, 1.0)?.detach()
+    })
+    .unwrap();
+    let want: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    std::thread::scope(|scope| {
+        for t in 0..4 {
+            let shared = &shared;
+            let want = &want;
+            scope.spawn(move || {
+                for i in 0..2_000 {
+                    let mut mine = shared.clone();
+                    mine.add_scalar_((t * 10_000 + i) as f64).unwrap(); // shared: copies first
+                    let got = mine.to_vec::<f32>().unwrap();
+                    assert_eq!(got[0], (t * 10_000 + i) as f32);
+                    assert_eq!(
+                        shared.to_vec::<f32>().unwrap(),
+                        *want,
+                        "the shared block changed"
+                    );
+                    drop(mine);
+                }
+            });
+        }
+    });
+    assert_eq!(shared.to_vec::<f32>().unwrap(), want);
+}
