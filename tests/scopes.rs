@@ -90,6 +90,23 @@ fn empty_cache_returns_cached_blocks() {
 }
 
 #[test]
+fn trim_cache_keeps_at_most_the_limit() {
+    run(|s| {
+        drop((s.zeros(&[1 << 16])?, s.zeros(&[1 << 10])?, s.zeros(&[16])?));
+        let cached = s.stats().cached_bytes;
+        let released = s.trim_cache(8 * 1024);
+        let after = s.stats().cached_bytes;
+        assert!(after <= 8 * 1024 && released == cached - after);
+        assert!(after >= (1 << 10) * F32, "the small blocks stay cached");
+        // The next small allocation still comes from the cache.
+        let before = s.stats().reuses;
+        drop(s.zeros(&[16])?);
+        assert_eq!(s.stats().reuses, before + 1);
+        Ok(())
+    });
+}
+
+#[test]
 fn ret_moves_ownership_without_copying() {
     run(|parent| {
         let (kept, ptr_check) = parent.scope(|child| -> Result<_> {

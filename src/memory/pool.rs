@@ -107,6 +107,27 @@ impl Pool {
         self.cached_bytes
     }
 
+    /// Hands cached blocks back to the system, largest classes first, until at most `max_cached`
+    /// bytes stay cached; returns the bytes released.
+    pub(crate) fn trim(&mut self, max_cached: usize) -> usize {
+        let before = self.cached_bytes;
+        for (class, list) in self.free.iter_mut().enumerate().rev() {
+            if self.cached_bytes <= max_cached {
+                break;
+            }
+            let capacity = class_capacity(class);
+            while self.cached_bytes > max_cached
+                && let Some(ptr) = list.pop()
+            {
+                // SAFETY: cached blocks came from `system_alloc` with their class capacity and are
+                // referenced by nothing but this list.
+                unsafe { system_free(ptr, capacity) };
+                self.cached_bytes -= capacity;
+            }
+        }
+        before - self.cached_bytes
+    }
+
     /// Hands every cached block back to the system; returns the bytes released.
     pub(crate) fn empty(&mut self) -> usize {
         let released = self.cached_bytes;
@@ -162,6 +183,24 @@ mod tests {
             assert_eq!(size_class(cap), (class, cap), "a capacity is its own class");
             last = (class, cap);
         }
+    }
+
+    #[test]
+    fn trim_releases_largest_blocks_first() {
+        let mut pool = Pool::default();
+        let blocks: Vec<_> = [100usize, 1000, 10_000]
+            .iter()
+            .map(|&b| pool.take(b).unwrap())
+            .collect();
+        for &(p, cap, _) in &blocks {
+            // SAFETY: each block came from this pool with its capacity and is not used again.
+            unsafe { pool.give(p, cap) };
+        }
+        let (small, mid, large) = (blocks[0].1, blocks[1].1, blocks[2].1);
+        assert_eq!(pool.trim(small + mid), large);
+        assert_eq!(pool.cached_bytes(), small + mid);
+        assert_eq!(pool.trim(small + mid), 0, "already within the limit");
+        assert_eq!(pool.trim(0), small + mid);
     }
 
     #[test]

@@ -257,6 +257,21 @@ impl<'s> Scope<'s> {
         self.node.tree().pool.borrow_mut().empty()
     }
 
+    /// Hands cached free blocks back to the system allocator, largest first, until at most
+    /// `max_cached` bytes stay cached, and returns how many bytes that released. A long-running
+    /// program can call it between phases to bound the cache without losing it entirely.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// drop((s.zeros(&[1 << 16])?, s.zeros(&[16])?)); // 256 KiB and 64 B go to the cache
+    /// s.trim_cache(1024);
+    /// assert!(s.stats().cached_bytes <= 1024);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn trim_cache(&self, max_cached: usize) -> usize {
+        self.node.tree().pool.borrow_mut().trim(max_cached)
+    }
+
     /// Reseeds the tree's random generator (used by [`rand`](Self::rand) and [`randn`](Self::randn)).
     pub fn set_seed(&self, seed: u64) {
         self.node.tree().rng.set(Rng::new(seed));
