@@ -252,6 +252,8 @@ fn forgotten_handles_are_reclaimed_when_their_scope_closes() {
     });
 }
 
+/// The cycle's own `Rc` nodes stay leaked, as any `Rc` cycle's do (valgrind reports their 368 bytes as
+/// definitely lost); what ndscope reclaims is the tensor memory they hold.
 #[test]
 fn tensors_held_by_an_rc_cycle_are_reclaimed() {
     use std::cell::RefCell;
