@@ -31,18 +31,21 @@ pub(crate) enum Home {
     Arena,
 }
 
+/// Dimensions a [`ShapeSummary`] keeps; the rest are only counted.
+const SUMMARY_DIMS: usize = 6;
+
 /// The shape a block was created with, kept for dumps as a plain `Copy` value (writing it costs a
 /// few stores, not a `SmallVec` copy). Dimensions past the sixth are summarised.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct ShapeSummary {
     rank: usize,
-    dims: [usize; 6],
+    dims: [usize; SUMMARY_DIMS],
 }
 
 impl ShapeSummary {
-    fn of(shape: &[usize]) -> ShapeSummary {
-        let mut dims = [0; 6];
-        let kept = shape.len().min(6);
+    pub(crate) fn of(shape: &[usize]) -> ShapeSummary {
+        let mut dims = [0; SUMMARY_DIMS];
+        let kept = shape.len().min(SUMMARY_DIMS);
         dims[..kept].copy_from_slice(&shape[..kept]);
         ShapeSummary {
             rank: shape.len(),
@@ -54,9 +57,9 @@ impl ShapeSummary {
 impl fmt::Debug for ShapeSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut list = f.debug_list();
-        list.entries(&self.dims[..self.rank.min(6)]);
-        if self.rank > 6 {
-            list.entry(&format_args!("... {} more", self.rank - 6));
+        list.entries(&self.dims[..self.rank.min(SUMMARY_DIMS)]);
+        if self.rank > SUMMARY_DIMS {
+            list.entry(&format_args!("... {} more", self.rank - SUMMARY_DIMS));
         }
         list.finish()
     }
@@ -136,7 +139,7 @@ impl BlockHeader {
         &self,
         region: Region,
         dtype: DType,
-        shape: &[usize],
+        shape: ShapeSummary,
         created_at: &'static Location<'static>,
     ) {
         self.refs.store(1, Ordering::Relaxed);
@@ -148,7 +151,7 @@ impl BlockHeader {
         self.prev.set(ptr::null());
         self.next.set(ptr::null());
         self.dtype.set(dtype);
-        self.shape.set(ShapeSummary::of(shape));
+        self.shape.set(shape);
         self.name.set(None);
         self.created_at.set(created_at);
     }
@@ -222,7 +225,7 @@ impl Drop for BlockRef {
 pub(crate) fn new_system_block(
     region: Region,
     dtype: DType,
-    shape: &[usize],
+    shape: ShapeSummary,
     created_at: &'static Location<'static>,
 ) -> BlockRef {
     debug_assert!(

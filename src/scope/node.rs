@@ -14,7 +14,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
 use crate::memory::arena::Workspace;
-use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region};
+use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region, ShapeSummary};
 use crate::memory::pool::{ALIGN, Pool, Source};
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
@@ -290,7 +290,7 @@ impl ScopeNode {
         // SAFETY: the slab hands out headers that no handle refers to; we initialise it with one
         // reference and adopt that reference below.
         let header_ref = unsafe { header.as_ref() };
-        header_ref.init(region, dtype, shape, at);
+        header_ref.init(region, dtype, ShapeSummary::of(shape), at);
         self.stats.borrow_mut().allocations += 1;
         if grew {
             self.stats.borrow_mut().system_allocations += 1;

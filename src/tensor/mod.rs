@@ -10,7 +10,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{Layout, RowWalk};
-use crate::memory::block::{BlockRef, Home, Region, new_system_block};
+use crate::memory::block::{BlockRef, Home, Region, ShapeSummary, new_system_block};
 use crate::memory::pool;
 use crate::scope::Scope;
 use crate::scope::node::ScopeNode;
@@ -82,7 +82,12 @@ impl<'n> Owner<'n> {
             Owner::System => {
                 let bytes = crate::layout::checked_numel(shape, dtype.size())? * dtype.size();
                 if bytes == 0 {
-                    return Ok(new_system_block(Region::empty(), dtype, shape, at));
+                    return Ok(new_system_block(
+                        Region::empty(),
+                        dtype,
+                        ShapeSummary::of(shape),
+                        at,
+                    ));
                 }
                 let capacity = bytes.next_multiple_of(pool::ALIGN);
                 let ptr = pool::system_alloc(capacity).ok_or_else(|| Error::OutOfMemory {
@@ -98,7 +103,7 @@ impl<'n> Owner<'n> {
                     capacity,
                     home: Home::Heap,
                 };
-                Ok(new_system_block(region, dtype, shape, at))
+                Ok(new_system_block(region, dtype, ShapeSummary::of(shape), at))
             }
         }
     }
@@ -408,8 +413,7 @@ impl<'s> Tensor<'s> {
                 capacity,
                 home: Home::Heap,
             };
-            let block = new_system_block(region, dtype, &[], at);
-            block.header().shape.set(shape);
+            let block = new_system_block(region, dtype, shape, at);
             block.header().name.set(name);
             let Tensor {
                 block: old,
