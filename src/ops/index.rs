@@ -19,16 +19,10 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()
             expected: "i64 indices",
         });
     }
-    let data = index.block_data::<i64>();
-    let walk = RowWalk::new(index.shape(), [index.strides()], [index.layout().offset()]);
-    let [stride] = walk.row_strides();
     let mut bad = None;
-    walk.for_rows(0, walk.rows(), |_, [start]| {
-        for j in 0..walk.row_len() {
-            let i = data[start + j * stride];
-            if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
-                bad = Some(i);
-            }
+    index.for_each_element::<i64>(|i| {
+        if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
+            bad = Some(i);
         }
     });
     match bad {

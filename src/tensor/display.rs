@@ -22,7 +22,7 @@ impl fmt::Display for Tensor<'_> {
         }
         with_dtype!(self.dtype(), T => {
             let data = self.block_data::<T>();
-            let printer = Printer { data, shape: self.shape(), strides: self.strides(), float: self.dtype().is_float() };
+            let printer = Printer { data, shape: self.shape(), strides: self.strides() };
             printer.write(f, 0, self.layout().offset(), 0)
         })
     }
@@ -32,7 +32,6 @@ struct Printer<'a, T> {
     data: &'a [T],
     shape: &'a [usize],
     strides: &'a [usize],
-    float: bool,
 }
 
 impl<T: Element> Printer<'_, T> {
@@ -45,7 +44,7 @@ impl<T: Element> Printer<'_, T> {
     ) -> fmt::Result {
         if axis == self.shape.len() {
             let v = self.data[offset].to_f64();
-            return if self.float {
+            return if T::DTYPE.is_float() {
                 write!(f, "{v:.4}")
             } else {
                 write!(f, "{v}")

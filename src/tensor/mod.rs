@@ -295,14 +295,19 @@ impl<'s> Tensor<'s> {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
         let mut out = Vec::with_capacity(self.numel());
+        self.for_each_element::<T>(|v| out.push(v));
+        Ok(out)
+    }
+
+    /// Calls `f` on every element in row-major order (the caller checked the dtype).
+    pub(crate) fn for_each_element<T: Element>(&self, mut f: impl FnMut(T)) {
         let src = self.block_data::<T>();
         let walk = RowWalk::new(self.shape(), [self.strides()], [self.layout.offset()]);
         let [stride] = walk.row_strides();
         let len = walk.row_len();
         walk.for_rows(0, walk.rows(), |_, [start]| {
-            out.extend((0..len).map(|j| src[start + j * stride]));
+            (0..len).for_each(|j| f(src[start + j * stride]));
         });
-        Ok(out)
     }
 
     /// The elements converted to `f64`, whatever the dtype (handy for checks and printing).
