@@ -83,6 +83,11 @@ fn reduced_axes(op: &'static str, axes: &[isize], rank: usize) -> Result<SmallVe
 }
 
 impl<'s> Tensor<'s> {
+    /// Every axis, for reductions to a single value.
+    fn all_axes(&self) -> SmallVec<[isize; 6]> {
+        (0..self.rank() as isize).collect()
+    }
+
     #[track_caller]
     fn reduce(
         &self,
@@ -212,15 +217,13 @@ impl<'s> Tensor<'s> {
     /// Sum of all elements, as a tensor of shape `[]`.
     #[track_caller]
     pub fn sum_all(&self) -> Result<Tensor<'s>> {
-        let axes: SmallVec<[isize; 6]> = (0..self.rank() as isize).collect();
-        self.reduce("sum_all", Reduce::Sum, &axes, false)
+        self.reduce("sum_all", Reduce::Sum, &self.all_axes(), false)
     }
 
     /// Mean of all elements, as a tensor of shape `[]` (floats).
     #[track_caller]
     pub fn mean_all(&self) -> Result<Tensor<'s>> {
-        let axes: SmallVec<[isize; 6]> = (0..self.rank() as isize).collect();
-        self.mean(&axes, false)
+        self.mean(&self.all_axes(), false)
     }
 
     /// Index of the largest element along `axis` as `i64` (the first one on ties; the first NaN if
