@@ -156,6 +156,36 @@ pub enum Error {
         /// The operation.
         op: &'static str,
     },
+    /// A gradient that cannot be computed: a variable from another tape, a non-scalar loss, an op
+    /// without a derivative for this input.
+    Autograd {
+        /// The operation.
+        op: &'static str,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A file that could not be read or written.
+    Io {
+        /// The file.
+        path: String,
+        /// The operating system's reason.
+        reason: String,
+    },
+    /// Bytes that are not valid in the format they claim (a corrupt or truncated safetensors, IDX or
+    /// CSV file).
+    Format {
+        /// The format: `safetensors`, `IDX`, `CSV`.
+        format: &'static str,
+        /// What is wrong, and where.
+        reason: String,
+    },
+    /// A checkpoint that does not hold a tensor the model needs.
+    MissingTensor {
+        /// The parameter's name.
+        name: String,
+        /// The names the checkpoint holds.
+        available: Vec<String>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -258,6 +288,17 @@ impl fmt::Display for Error {
                 "{op}: the tensor (shape {shape:?}, strides {strides:?}) is not contiguous; call `.contiguous()` first"
             ),
             Error::Empty { op } => write!(f, "{op}: needs at least one tensor, got none"),
+            Error::Autograd { op, reason } => write!(f, "{op}: {reason}"),
+            Error::Io { path, reason } => write!(f, "cannot access {path}: {reason}"),
+            Error::Format { format, reason } => write!(
+                f,
+                "not a valid {format} file: {reason}; the file may be truncated or of another format"
+            ),
+            Error::MissingTensor { name, available } => write!(
+                f,
+                "the checkpoint has no tensor named \"{name}\" (it holds {available:?}); was it saved from a \
+                 model of the same architecture?"
+            ),
         }
     }
 }

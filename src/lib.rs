@@ -2,6 +2,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_debug_implementations, missing_docs)]
 
+mod autograd;
 mod device;
 mod dtype;
 mod error;
@@ -13,6 +14,7 @@ mod rng;
 mod scope;
 mod tensor;
 
+pub use autograd::{Gradients, Tape, Var};
 pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

@@ -105,7 +105,7 @@ fn bool_of<T: Element>(v: bool) -> T {
 impl<'s> Tensor<'s> {
     /// `f(self, other)` elementwise with broadcasting, into a new tensor of `T`.
     #[track_caller]
-    fn zip_map<T: Element>(
+    pub(crate) fn zip_map<T: Element>(
         &self,
         other: &Tensor<'s>,
         op: &'static str,

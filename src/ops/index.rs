@@ -5,6 +5,9 @@ use std::panic::Location;
 
 use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
+use smallvec::SmallVec;
+
+use crate::dtype::Element;
 use crate::layout::{RowWalk, Shape, resolve_axis};
 use crate::ops::copy::copy_into_view;
 use crate::ops::same_device;
@@ -141,5 +144,136 @@ impl<'s> Tensor<'s> {
             });
         });
         Ok(out)
+    }
+}
+
+/// Adds `src` into a copy of `base` at the positions an index walk names: element `p` of `src` (shape
+/// `src.shape()`) goes to `base`'s position `p` with its `axis` coordinate replaced by the index read
+/// at `index_strides`/`index_offset` (zero strides broadcast a 1-D index).
+#[track_caller]
+fn scatter_add_walk<'s>(
+    base: &Tensor<'s>,
+    axis: usize,
+    index: &Tensor<'s>,
+    index_strides: &[usize],
+    src: &Tensor<'s>,
+) -> Result<Tensor<'s>> {
+    let mut out = base.copy_to_owner(crate::tensor::Owner::innermost(&[base, index, src]))?;
+    let mut dst_strides: Shape = out.strides().into();
+    let step = dst_strides[axis];
+    dst_strides[axis] = 0;
+    let walk = RowWalk::new(
+        src.shape(),
+        [index_strides, src.strides(), &dst_strides],
+        [index.layout().offset(), src.layout().offset(), 0],
+    );
+    let [si, ss, sd] = walk.row_strides();
+    let len = walk.row_len();
+    let idx = index.block_data::<i64>();
+    with_dtype!(base.dtype(), T => {
+        let from = src.block_data::<T>();
+        let dst = out.fresh_mut::<T>();
+        // Serial on purpose: two source elements may land on the same destination.
+        walk.for_rows(0, walk.rows(), |_, [ii, is, id]| {
+            for j in 0..len {
+                let at = id + j * sd + idx[ii + j * si] as usize * step;
+                dst[at] = dst[at].add(from[is + j * ss]);
+            }
+        });
+    });
+    Ok(out)
+}
+
+impl<'s> Tensor<'s> {
+    /// The inverse of [`gather`](Self::gather): a copy of `self` with `src[p]` added at position `p`
+    /// with its `axis` coordinate replaced by `index[p]`. `index` and `src` have the same shape;
+    /// repeated indices accumulate.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let grads = s.zeros(&[2, 3])?;
+    /// let picked = s.from_slice(&[1i64, 1], &[2, 1])?;
+    /// let ones = s.ones(&[2, 1])?;
+    /// assert_eq!(grads.scatter_add(1, &picked, &ones)?.to_vec::<f32>()?, vec![0.0, 1.0, 0.0, 0.0, 1.0, 0.0]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As for `gather`; [`Error::ShapeMismatch`] when `src` and `index` differ in shape;
+    /// [`Error::DTypeMismatch`] when `src` and `self` differ in dtype.
+    #[track_caller]
+    pub fn scatter_add(
+        &self,
+        axis: isize,
+        index: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<Tensor<'s>> {
+        const OP: &str = "scatter_add";
+        crate::ops::same_dtype(OP, self, src)?;
+        same_device(OP, self, index)?;
+        same_device(OP, self, src)?;
+        let axis_u = resolve_axis(OP, axis, self.rank())?;
+        if index.shape() != src.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: index.shape().to_vec(),
+                rhs: src.shape().to_vec(),
+                hint: "the index and the source must have the same shape",
+            });
+        }
+        let fits = index.rank() == self.rank()
+            && (0..self.rank()).all(|d| d == axis_u || index.shape()[d] <= self.shape()[d]);
+        if !fits {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().to_vec(),
+                rhs: index.shape().to_vec(),
+                hint: "the index must have the same rank, and no larger size on any axis but the scattered one",
+            });
+        }
+        check_indices(OP, index, self.shape()[axis_u])?;
+        scatter_add_walk(self, axis_u, index, index.strides(), src)
+    }
+
+    /// The inverse of [`index_select`](Self::index_select): a copy of `self` with slice `k` of `src`
+    /// along `axis` added to slice `indices[k]`. Repeated indices accumulate.
+    ///
+    /// # Errors
+    /// As for `index_select`; [`Error::ShapeMismatch`] when `src` does not have `self`'s shape with
+    /// `indices.numel()` entries along `axis`.
+    #[track_caller]
+    pub fn index_add(
+        &self,
+        axis: isize,
+        indices: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<Tensor<'s>> {
+        const OP: &str = "index_add";
+        crate::ops::same_dtype(OP, self, src)?;
+        same_device(OP, self, indices)?;
+        same_device(OP, self, src)?;
+        let axis_u = resolve_axis(OP, axis, self.rank())?;
+        if indices.rank() != 1 {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: indices.shape().to_vec(),
+                reason: "indices must be 1-D".into(),
+            });
+        }
+        let mut expected: Shape = self.shape().into();
+        expected[axis_u] = indices.numel();
+        if src.shape() != expected.as_slice() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: expected.to_vec(),
+                rhs: src.shape().to_vec(),
+                hint: "the source must have the target's shape with one entry per index along the axis",
+            });
+        }
+        check_indices(OP, indices, self.shape()[axis_u])?;
+        // The 1-D index, read along `axis` and broadcast over every other axis.
+        let mut index_strides: Shape = SmallVec::from_elem(0, self.rank());
+        index_strides[axis_u] = indices.strides()[0];
+        scatter_add_walk(self, axis_u, indices, &index_strides, src)
     }
 }

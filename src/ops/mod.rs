@@ -3,6 +3,7 @@
 
 pub(crate) mod copy;
 mod elementwise;
+pub(crate) mod fused;
 mod index;
 mod join;
 mod matmul;

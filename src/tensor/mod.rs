@@ -236,6 +236,12 @@ impl<'s> Tensor<'s> {
         unsafe { std::slice::from_raw_parts(h.ptr.get().as_ptr().cast::<T>(), len) }
     }
 
+    /// Identifies the elements this handle views: its block and where in the block they start. Two
+    /// handles with the same key and shape read the same elements (autograd keys parameters by it).
+    pub(crate) fn storage_key(&self) -> (usize, usize) {
+        (self.block.as_ptr() as usize, self.layout.offset())
+    }
+
     /// The whole block as a mutable slice; `None` unless this handle is the block's only one.
     pub(crate) fn block_data_mut<T: Element>(&mut self) -> Option<&mut [T]> {
         debug_assert_eq!(T::DTYPE, self.dtype);

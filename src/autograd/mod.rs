@@ -1,0 +1,390 @@
+//! Reverse-mode automatic differentiation whose tape lives in a batch scope.
+//!
+//! A [`Tape<'s>`] records the ops applied to its [`Var`]s; every value and every saved tensor it
+//! holds is branded `'s`, the batch scope's lifetime, so neither the tape nor the [`Gradients`] that
+//! [`Tape::backward`] returns can outlive the batch: the borrow checker refuses a program that keeps
+//! them. Parameters stay in an outer (model) scope; [`Tape::param`] only watches them.
+//!
+//! ```
+//! use ndscope::{Device, Tape, root};
+//!
+//! root(Device::Cpu, |model| {
+//!     let w = model.from_slice(&[2.0f32, -1.0], &[2])?;
+//!     let grad = model.scope(|batch| {
+//!         let tape = Tape::new(batch);
+//!         let x = tape.constant(&batch.from_slice(&[3.0f32, 4.0], &[2])?);
+//!         let loss = tape.param(&w).mul(&x)?.sum_all()?; // w . x
+//!         let grads = tape.backward(&loss)?;
+//!         grads.get(&w).expect("w was watched").to_vec::<f32>() // d(w . x)/dw = x
+//!     })?;
+//!     assert_eq!(grad, vec![3.0, 4.0]);
+//!     Ok::<_, ndscope::Error>(())
+//! })?;
+//! # Ok::<(), ndscope::Error>(())
+//! ```
+
+mod ops;
+mod reduce_to;
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+
+use smallvec::SmallVec;
+
+use crate::error::{Error, Result};
+use crate::scope::Scope;
+use crate::tensor::Tensor;
+
+/// The gradients of one op's inputs, in input order; `None` for inputs that need none.
+type InputGrads<'s> = SmallVec<[Option<Tensor<'s>>; 2]>;
+
+/// Computes an op's input gradients from its output gradient; `needs[i]` says whether input `i` wants
+/// one (a constant input does not, and its gradient is never computed).
+type BackwardFn<'s> = Box<dyn FnOnce(&Tensor<'s>, &[bool]) -> Result<InputGrads<'s>> + 's>;
+
+/// One recorded value that needs a gradient.
+struct Node<'s> {
+    /// The node of each input, or `None` for inputs that need no gradient.
+    inputs: SmallVec<[Option<usize>; 2]>,
+    /// How to push the gradient to the inputs; `None` for a watched parameter (a leaf), and taken
+    /// once the backward pass has used it.
+    backward: Option<BackwardFn<'s>>,
+    /// For a leaf: which parameter it watches.
+    param: Option<ParamKey>,
+}
+
+/// Identifies a watched parameter: the elements it views, and its shape.
+#[derive(Clone, PartialEq, Eq)]
+struct ParamKey {
+    storage: (usize, usize),
+    shape: SmallVec<[usize; 4]>,
+}
+
+impl ParamKey {
+    fn of(t: &Tensor<'_>) -> ParamKey {
+        ParamKey {
+            storage: t.storage_key(),
+            shape: t.shape().into(),
+        }
+    }
+}
+
+/// The record of the ops of one forward pass, branded with the scope `'s` it lives in.
+///
+/// Create one per batch with [`Tape::new`], wrap the batch's inputs with [`constant`](Self::constant)
+/// and the model's parameters with [`param`](Self::param), compute with [`Var`]'s ops, and call
+/// [`backward`](Self::backward) on the loss.
+pub struct Tape<'s> {
+    scope: &'s Scope<'s>,
+    nodes: RefCell<Vec<Node<'s>>>,
+    backward_done: Cell<bool>,
+}
+
+impl fmt::Debug for Tape<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tape")
+            .field("scope", &self.scope.name())
+            .field("nodes", &self.nodes.borrow().len())
+            .finish()
+    }
+}
+
+/// A tensor recorded on a tape: its value, and (when it depends on a watched parameter) the node that
+/// lets [`Tape::backward`] reach it. `'t` borrows the tape, `'s` is the tape's scope.
+pub struct Var<'t, 's> {
+    tape: &'t Tape<'s>,
+    node: Option<usize>,
+    value: Tensor<'s>,
+}
+
+impl Clone for Var<'_, '_> {
+    fn clone(&self) -> Self {
+        Var {
+            tape: self.tape,
+            node: self.node,
+            value: self.value.clone(),
+        }
+    }
+}
+
+impl fmt::Debug for Var<'_, '_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Var")
+            .field("requires_grad", &self.requires_grad())
+            .field("value", &self.value)
+            .finish()
+    }
+}
+
+impl<'s> Tape<'s> {
+    /// An empty tape whose saved tensors and gradients belong to `scope` (the batch scope).
+    pub fn new(scope: &'s Scope<'s>) -> Tape<'s> {
+        Tape {
+            scope,
+            nodes: RefCell::new(Vec::new()),
+            backward_done: Cell::new(false),
+        }
+    }
+
+    /// The scope the tape's tensors belong to.
+    pub fn scope(&self) -> &'s Scope<'s> {
+        self.scope
+    }
+
+    /// A value that needs no gradient (the batch's inputs and labels).
+    pub fn constant<'t>(&'t self, value: &Tensor<'s>) -> Var<'t, 's> {
+        Var {
+            tape: self,
+            node: None,
+            value: value.clone(),
+        }
+    }
+
+    /// Watches a parameter (usually a model-scope tensor): [`backward`](Self::backward) returns its
+    /// gradient, which [`Gradients::get`] finds by the parameter itself. Watching the same parameter
+    /// twice sums both uses' gradients.
+    pub fn param<'t>(&'t self, value: &Tensor<'s>) -> Var<'t, 's> {
+        let node = self.push(Node {
+            inputs: SmallVec::new(),
+            backward: None,
+            param: Some(ParamKey::of(value)),
+        });
+        Var {
+            tape: self,
+            node: Some(node),
+            value: value.clone(),
+        }
+    }
+
+    /// Number of recorded nodes (watched parameters and ops that depend on them).
+    pub fn len(&self) -> usize {
+        self.nodes.borrow().len()
+    }
+
+    /// Whether nothing has been recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn push(&self, node: Node<'s>) -> usize {
+        let mut nodes = self.nodes.borrow_mut();
+        nodes.push(node);
+        nodes.len() - 1
+    }
+
+    /// Computes the gradient of `loss` (a single-element tensor) with respect to every watched
+    /// parameter it depends on. The tape's saved tensors are released as the pass goes; a tape runs
+    /// backward once.
+    ///
+    /// # Errors
+    /// [`Error::Autograd`] when `loss` has more than one element, comes from another tape, depends on
+    /// no watched parameter, or the tape already ran backward; any op error from the derivatives.
+    pub fn backward(&self, loss: &Var<'_, 's>) -> Result<Gradients<'s>> {
+        const OP: &str = "backward";
+        if !std::ptr::eq(loss.tape, self) {
+            return Err(Error::Autograd {
+                op: OP,
+                reason: "the loss was recorded on another tape; call backward on the tape that made it".into(),
+            });
+        }
+        if loss.value.numel() != 1 {
+            return Err(Error::Autograd {
+                op: OP,
+                reason: format!(
+                    "the loss must hold one element, not shape {:?}; reduce it first with `.mean_all()` or `.sum_all()`",
+                    loss.value.shape()
+                ),
+            });
+        }
+        let Some(root) = loss.node else {
+            return Err(Error::Autograd {
+                op: OP,
+                reason: "the loss depends on no watched parameter; wrap parameters with `tape.param(..)`".into(),
+            });
+        };
+        if self.backward_done.replace(true) {
+            return Err(Error::Autograd {
+                op: OP,
+                reason: "this tape already ran backward and released what it saved; record the forward pass on a new tape".into(),
+            });
+        }
+        let mut nodes = self.nodes.borrow_mut();
+        let mut grads: Vec<Option<Tensor<'s>>> = Vec::new();
+        grads.resize_with(root + 1, || None);
+        grads[root] = Some(
+            self.scope
+                .full_dtype(loss.value.shape(), 1.0, loss.value.dtype())?,
+        );
+        let mut found = Gradients { entries: Vec::new() };
+        for id in (0..=root).rev() {
+            let Some(grad) = grads[id].take() else {
+                continue;
+            };
+            let node = &mut nodes[id];
+            if let Some(key) = &node.param {
+                found.accumulate(key, grad)?;
+                continue;
+            }
+            let backward = node
+                .backward
+                .take()
+                .expect("a node that is not a leaf has a derivative until the one backward pass");
+            let needs: SmallVec<[bool; 2]> = node.inputs.iter().map(Option::is_some).collect();
+            let input_grads = backward(&grad, &needs)?;
+            for (input, g) in node.inputs.iter().zip(input_grads) {
+                if let (Some(input), Some(g)) = (input, g) {
+                    accumulate(&mut grads[*input], g)?;
+                }
+            }
+        }
+        // Release what the unreached part of the tape saved, too.
+        nodes.iter_mut().for_each(|n| n.backward = None);
+        Ok(found)
+    }
+}
+
+/// Adds `g` to the gradient gathered so far in `slot`.
+fn accumulate<'s>(slot: &mut Option<Tensor<'s>>, g: Tensor<'s>) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => g,
+        Some(mut sum) => {
+            sum.add_(&g)?;
+            sum
+        }
+    });
+    Ok(())
+}
+
+/// The gradients of one backward pass, found by parameter. They live in the tape's scope.
+pub struct Gradients<'s> {
+    entries: Vec<(ParamKey, Tensor<'s>)>,
+}
+
+impl fmt::Debug for Gradients<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.entries.iter().map(|(k, _)| k.shape.as_slice()))
+            .finish()
+    }
+}
+
+impl<'s> Gradients<'s> {
+    fn accumulate(&mut self, key: &ParamKey, g: Tensor<'s>) -> Result<()> {
+        match self.entries.iter_mut().find(|(k, _)| k == key) {
+            Some((_, sum)) => sum.add_(&g),
+            None => {
+                self.entries.push((key.clone(), g));
+                Ok(())
+            }
+        }
+    }
+
+    /// The gradient of `param`, or `None` when the loss does not depend on it (or it was not watched).
+    pub fn get(&self, param: &Tensor<'_>) -> Option<&Tensor<'s>> {
+        let key = ParamKey::of(param);
+        self.entries.iter().find(|(k, _)| *k == key).map(|(_, g)| g)
+    }
+
+    /// Number of parameters with a gradient.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no parameter got a gradient.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The gradients, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = &Tensor<'s>> {
+        self.entries.iter().map(|(_, g)| g)
+    }
+
+    /// The L2 norm of all gradients together.
+    ///
+    /// # Errors
+    /// Only allocation errors.
+    pub fn global_norm(&self) -> Result<f64> {
+        let mut total = 0.0;
+        for g in self.iter() {
+            total += g.square()?.sum_all()?.to_dtype(crate::DType::F64)?.to_scalar::<f64>()?;
+        }
+        Ok(total.sqrt())
+    }
+
+    /// Scales every gradient so that their global norm is at most `max_norm`; returns the norm before
+    /// clipping.
+    ///
+    /// # Errors
+    /// Only allocation errors.
+    pub fn clip_global_norm(&mut self, max_norm: f64) -> Result<f64> {
+        let norm = self.global_norm()?;
+        if norm > max_norm && norm > 0.0 {
+            let scale = max_norm / norm;
+            for (_, g) in &mut self.entries {
+                g.mul_scalar_(scale)?;
+            }
+        }
+        Ok(norm)
+    }
+}
+
+impl<'t, 's> Var<'t, 's> {
+    /// The value.
+    pub fn value(&self) -> &Tensor<'s> {
+        &self.value
+    }
+
+    /// The value, leaving the tape's record of it in place.
+    pub fn into_value(self) -> Tensor<'s> {
+        self.value
+    }
+
+    /// The value's shape.
+    pub fn shape(&self) -> &[usize] {
+        self.value.shape()
+    }
+
+    /// Whether the value depends on a watched parameter (and so gets a gradient).
+    pub fn requires_grad(&self) -> bool {
+        self.node.is_some()
+    }
+
+    /// The tape this variable is recorded on.
+    pub fn tape(&self) -> &'t Tape<'s> {
+        self.tape
+    }
+
+    /// The same value, cut off from the tape: no gradient flows through it.
+    pub fn detach(&self) -> Var<'t, 's> {
+        self.tape.constant(&self.value)
+    }
+
+    /// Records `value`, computed from `inputs`, with the derivative `backward`. Nothing is recorded
+    /// when no input needs a gradient.
+    fn record(
+        inputs: &[&Var<'t, 's>],
+        op: &'static str,
+        value: Tensor<'s>,
+        backward: impl FnOnce(&Tensor<'s>, &[bool]) -> Result<InputGrads<'s>> + 's,
+    ) -> Result<Var<'t, 's>> {
+        let tape = inputs[0].tape;
+        if inputs.iter().any(|v| !std::ptr::eq(v.tape, tape)) {
+            return Err(Error::Autograd {
+                op,
+                reason: "the operands were recorded on different tapes; record a forward pass on one tape".into(),
+            });
+        }
+        let ids: SmallVec<[Option<usize>; 2]> = inputs.iter().map(|v| v.node).collect();
+        let node = if ids.iter().any(Option::is_some) {
+            Some(tape.push(Node {
+                inputs: ids,
+                backward: Some(Box::new(backward)),
+                param: None,
+            }))
+        } else {
+            None
+        };
+        Ok(Var { tape, node, value })
+    }
+}

@@ -1,0 +1,388 @@
+//! Every differentiable op's backward pass against central finite differences, in f64.
+//!
+//! Each check projects the op's output onto fixed random weights (so every output element counts),
+//! differentiates that scalar with the tape, and compares each input element's gradient with
+//! `(L(x + h) - L(x - h)) / 2h`.
+
+use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Var, root};
+
+/// A function of the watched inputs, producing the output to check.
+type Op = for<'t, 's> fn(&[Var<'t, 's>]) -> Result<Var<'t, 's>>;
+
+/// A deterministic spread of values in `lo..hi`.
+fn values(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f64> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            lo + (hi - lo) * ((state >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
+struct Input {
+    data: Vec<f64>,
+    shape: Vec<usize>,
+}
+
+fn input(shape: &[usize], seed: u64, lo: f64, hi: f64) -> Input {
+    Input {
+        data: values(shape.iter().product(), seed, lo, hi),
+        shape: shape.to_vec(),
+    }
+}
+
+/// `sum(op(inputs) * weights)` and, when `grads` is set, its gradient for every input.
+fn projected(
+    s: &Scope<'_>,
+    inputs: &[Input],
+    op: Op,
+    with_grads: bool,
+) -> Result<(f64, Vec<Vec<f64>>)> {
+    s.scope(|batch| {
+        let params = inputs
+            .iter()
+            .map(|i| batch.from_slice(&i.data, &i.shape))
+            .collect::<Result<Vec<_>>>()?;
+        let tape = Tape::new(batch);
+        let vars: Vec<Var> = params.iter().map(|p| tape.param(p)).collect();
+        let out = op(&vars)?;
+        let weights = batch.from_slice(
+            &values(out.value().numel(), 99, -1.0, 1.0),
+            out.shape(),
+        )?;
+        let loss = out.mul(&tape.constant(&weights))?.sum_all()?;
+        let value = loss.value().to_scalar::<f64>()?;
+        if !with_grads {
+            return Ok((value, Vec::new()));
+        }
+        let grads = tape.backward(&loss)?;
+        let grads = params
+            .iter()
+            .map(|p| match grads.get(p) {
+                Some(g) => g.to_vec::<f64>(),
+                None => Ok(vec![0.0; p.numel()]),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((value, grads))
+    })
+}
+
+/// Checks `op`'s gradients at `inputs` against finite differences.
+#[track_caller]
+fn check(name: &str, inputs: Vec<Input>, op: Op) {
+    let h = 1e-6;
+    root(Device::Cpu, |s| {
+        let (_, analytic) = projected(s, &inputs, op, true)?;
+        let mut probe: Vec<Input> = inputs
+            .iter()
+            .map(|i| Input {
+                data: i.data.clone(),
+                shape: i.shape.clone(),
+            })
+            .collect();
+        for (k, input) in inputs.iter().enumerate() {
+            for j in 0..input.data.len() {
+                probe[k].data[j] = input.data[j] + h;
+                let (up, _) = projected(s, &probe, op, false)?;
+                probe[k].data[j] = input.data[j] - h;
+                let (down, _) = projected(s, &probe, op, false)?;
+                probe[k].data[j] = input.data[j];
+                let numeric = (up - down) / (2.0 * h);
+                let got = analytic[k][j];
+                assert!(
+                    (got - numeric).abs() <= 1e-5 * (1.0 + numeric.abs()),
+                    "{name}: d/d input {k}[{j}] is {got}, finite differences give {numeric}"
+                );
+            }
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn unary_ops() {
+    let any = || vec![input(&[3, 4], 1, -2.0, 2.0)];
+    let positive = || vec![input(&[3, 4], 2, 0.5, 3.0)];
+    check("neg", any(), |v| v[0].neg());
+    check("abs", any(), |v| v[0].abs());
+    check("square", any(), |v| v[0].square());
+    check("log", positive(), |v| v[0].log());
+    check("sin", any(), |v| v[0].sin());
+    check("cos", any(), |v| v[0].cos());
+    check("relu", any(), |v| v[0].relu());
+    check("gelu", any(), |v| v[0].gelu());
+    check("exp", any(), |v| v[0].exp());
+    check("sqrt", positive(), |v| v[0].sqrt());
+    check("recip", positive(), |v| v[0].recip());
+    check("tanh", any(), |v| v[0].tanh());
+    check("sigmoid", any(), |v| v[0].sigmoid());
+}
+
+#[test]
+fn scalar_ops() {
+    let any = || vec![input(&[2, 5], 3, -2.0, 2.0)];
+    check("add_scalar", any(), |v| v[0].add_scalar(1.5));
+    check("mul_scalar", any(), |v| v[0].mul_scalar(-3.0));
+    check("div_scalar", any(), |v| v[0].div_scalar(4.0));
+    check("powf", vec![input(&[2, 5], 4, 0.5, 2.0)], |v| v[0].powf(2.5));
+    check("clamp", any(), |v| v[0].clamp(-1.0, 1.0));
+}
+
+#[test]
+fn binary_ops_with_broadcasting() {
+    let pair = || vec![input(&[2, 3, 4], 5, -2.0, 2.0), input(&[3, 1], 6, -2.0, 2.0)];
+    check("add", pair(), |v| v[0].add(&v[1]));
+    check("sub", pair(), |v| v[0].sub(&v[1]));
+    check("mul", pair(), |v| v[0].mul(&v[1]));
+    check("maximum", pair(), |v| v[0].maximum(&v[1]));
+    check("minimum", pair(), |v| v[0].minimum(&v[1]));
+    let positive = || vec![input(&[2, 3], 7, 0.5, 2.0), input(&[3], 8, 0.5, 2.0)];
+    check("div", positive(), |v| v[0].div(&v[1]));
+    check("pow", positive(), |v| v[0].pow(&v[1]));
+    check("same operand twice", positive(), |v| v[0].mul(&v[0]));
+}
+
+#[test]
+fn where_cond_routes_gradients_by_the_condition() {
+    let inputs = vec![input(&[2, 3], 9, -2.0, 2.0), input(&[2, 3], 10, -2.0, 2.0)];
+    check("where_cond", inputs, |v| {
+        let cond = v[0].value().gt(v[1].value())?;
+        Var::where_cond(&cond, &v[0], &v[1])
+    });
+}
+
+#[test]
+fn matmul_in_every_rank_combination() {
+    check(
+        "matmul 2-D",
+        vec![input(&[3, 4], 11, -1.0, 1.0), input(&[4, 2], 12, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1]),
+    );
+    check(
+        "matmul batched with a broadcast matrix",
+        vec![input(&[2, 3, 4], 13, -1.0, 1.0), input(&[4, 5], 14, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1]),
+    );
+    check(
+        "matmul vector-matrix",
+        vec![input(&[4], 15, -1.0, 1.0), input(&[4, 3], 16, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1]),
+    );
+    check(
+        "matmul matrix-vector",
+        vec![input(&[3, 4], 17, -1.0, 1.0), input(&[4], 18, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1]),
+    );
+    check(
+        "matmul dot",
+        vec![input(&[4], 19, -1.0, 1.0), input(&[4], 20, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1]),
+    );
+}
+
+#[test]
+fn reductions() {
+    let x = || vec![input(&[2, 3, 4], 21, -2.0, 2.0)];
+    check("sum keepdim", x(), |v| v[0].sum(&[1], true));
+    check("sum two axes", x(), |v| v[0].sum(&[0, -1], false));
+    check("mean", x(), |v| v[0].mean(&[2], false));
+    check("mean keepdim", x(), |v| v[0].mean(&[0, 2], true));
+    check("sum_all", x(), |v| v[0].sum_all());
+    check("mean_all", x(), |v| v[0].mean_all());
+    check("max", x(), |v| v[0].max(&[1], false));
+    check("min", x(), |v| v[0].min(&[-1], true));
+}
+
+#[test]
+fn max_shares_the_gradient_between_ties() {
+    root(Device::Cpu, |s| {
+        let x = s.from_slice(&[1.0f64, 3.0, 3.0, 2.0], &[4])?;
+        let tape = Tape::new(s);
+        let loss = tape.param(&x).max(&[0], false)?;
+        let grads = tape.backward(&loss)?;
+        assert_eq!(grads.get(&x).unwrap().to_vec::<f64>()?, vec![0.0, 0.5, 0.5, 0.0]);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn softmax_family() {
+    let x = || vec![input(&[3, 5], 22, -3.0, 3.0)];
+    check("softmax", x(), |v| v[0].softmax(-1));
+    check("softmax axis 0", x(), |v| v[0].softmax(0));
+    check("log_softmax", x(), |v| v[0].log_softmax(1));
+    check("cross_entropy", x(), |v| {
+        let labels = v[0].tape().scope().from_slice(&[4i64, 0, 2], &[3])?;
+        v[0].cross_entropy(&labels)
+    });
+}
+
+#[test]
+fn views() {
+    let x = || vec![input(&[2, 3, 4], 23, -2.0, 2.0)];
+    check("reshape", x(), |v| v[0].reshape(&[6, 4]));
+    check("flatten", x(), |v| v[0].flatten());
+    check("transpose", x(), |v| v[0].transpose(0, 2));
+    check("permute", x(), |v| v[0].permute(&[1, 2, 0]));
+    check("narrow", x(), |v| v[0].narrow(2, 1, 2));
+    check("slice", x(), |v| v[0].slice(1, 0..2));
+    check("squeeze", vec![input(&[3, 1, 2], 24, -1.0, 1.0)], |v| v[0].squeeze(1));
+    check("unsqueeze", x(), |v| v[0].unsqueeze(-1));
+    check("broadcast_to", vec![input(&[3, 1], 25, -1.0, 1.0)], |v| {
+        v[0].broadcast_to(&[2, 3, 4])
+    });
+    check("t then contiguous", vec![input(&[3, 4], 26, -1.0, 1.0)], |v| {
+        v[0].t()?.contiguous()
+    });
+    check("to_dtype", x(), |v| v[0].to_dtype(DType::F64));
+}
+
+#[test]
+fn a_gradient_through_a_dtype_conversion_comes_back_in_the_parameters_dtype() {
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&[1.0f32, -2.0], &[2])?;
+        let tape = Tape::new(s);
+        let loss = tape.param(&w).to_dtype(DType::F64)?.square()?.sum_all()?;
+        let grads = tape.backward(&loss)?;
+        assert_eq!(grads.get(&w).unwrap().to_vec::<f32>()?, vec![2.0, -4.0]);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn indexing_and_joining() {
+    check("index_select with repeats", vec![input(&[4, 3], 27, -1.0, 1.0)], |v| {
+        let idx = v[0].tape().scope().from_slice(&[3i64, 0, 3], &[3])?;
+        v[0].index_select(0, &idx)
+    });
+    check("gather", vec![input(&[3, 4], 28, -1.0, 1.0)], |v| {
+        let idx = v[0].tape().scope().from_slice(&[1i64, 1, 0, 3, 2, 2], &[3, 2])?;
+        v[0].gather(1, &idx)
+    });
+    let pair = || vec![input(&[2, 3], 29, -1.0, 1.0), input(&[2, 2], 30, -1.0, 1.0)];
+    check("concat", pair(), |v| Var::concat(&[&v[0], &v[1]], 1));
+    let same = || vec![input(&[2, 3], 31, -1.0, 1.0), input(&[2, 3], 32, -1.0, 1.0)];
+    check("stack", same(), |v| Var::stack(&[&v[0], &v[1]], 1));
+}
+
+#[test]
+fn a_small_network_end_to_end() {
+    let inputs = vec![
+        input(&[4, 3], 33, -1.0, 1.0), // weights 1
+        input(&[3], 34, -0.5, 0.5),    // bias 1
+        input(&[3, 2], 35, -1.0, 1.0), // weights 2
+    ];
+    check("mlp", inputs, |v| {
+        let x = v[0].tape().scope().from_slice(&values(20, 36, -1.0, 1.0), &[5, 4])?;
+        let labels = v[0].tape().scope().from_slice(&[0i64, 1, 1, 0, 1], &[5])?;
+        let x = v[0].tape().constant(&x);
+        let h = x.matmul(&v[0])?.add(&v[1])?.tanh()?;
+        h.matmul(&v[2])?.cross_entropy(&labels)
+    });
+}
+
+#[test]
+fn a_parameter_watched_twice_gets_the_sum_of_both_uses() {
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&[2.0f32, 3.0], &[2])?;
+        s.scope(|batch| {
+            let tape = Tape::new(batch);
+            let a = tape.param(&w).sum_all()?;
+            let b = tape.param(&w).square()?.sum_all()?;
+            let grads = tape.backward(&a.add(&b)?)?;
+            assert_eq!(grads.len(), 1);
+            assert_eq!(grads.get(&w).unwrap().to_vec::<f32>()?, vec![5.0, 7.0]);
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}
+
+#[test]
+fn gradients_and_saved_tensors_live_in_the_batch_scope() {
+    root(Device::Cpu, |model| {
+        let w = model.randn(&[64, 32])?;
+        let before = model.stats();
+        model.scope(|batch| {
+            let tape = Tape::new(batch);
+            let x = tape.constant(&batch.randn(&[16, 64])?);
+            let loss = x.matmul(&tape.param(&w))?.relu()?.mean_all()?;
+            let grads = tape.backward(&loss)?;
+            assert_eq!(grads.get(&w).unwrap().shape(), &[64, 32]);
+            assert!(batch.stats().live_tensors >= 1);
+            // Nothing of the step landed in the model scope.
+            assert_eq!(model.stats().allocations, before.allocations);
+            assert_eq!(model.stats().live_bytes, before.live_bytes);
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}
+
+#[test]
+fn backward_errors_say_what_to_do() {
+    root(Device::Cpu, |s| {
+        let w = s.ones(&[3])?;
+        let tape = Tape::new(s);
+        let y = tape.param(&w).mul_scalar(2.0)?;
+        let err = tape.backward(&y).unwrap_err();
+        assert!(matches!(err, Error::Autograd { .. }), "{err}");
+        assert!(err.to_string().contains("mean_all"), "{err}");
+
+        let constant = tape.constant(&w).sum_all()?;
+        let err = tape.backward(&constant).unwrap_err();
+        assert!(err.to_string().contains("tape.param"), "{err}");
+
+        let other = Tape::new(s);
+        let foreign = other.param(&w).sum_all()?;
+        let err = tape.backward(&foreign).unwrap_err();
+        assert!(err.to_string().contains("another tape"), "{err}");
+        let err = y.add(&other.param(&w)).unwrap_err();
+        assert!(err.to_string().contains("different tapes"), "{err}");
+
+        let loss = y.sum_all()?;
+        tape.backward(&loss)?;
+        let err = tape.backward(&loss).unwrap_err();
+        assert!(err.to_string().contains("already ran backward"), "{err}");
+
+        let ints = s.from_slice(&[1i64, 2], &[2])?;
+        let err = Tape::new(s).param(&ints).exp().unwrap_err();
+        assert!(matches!(err, Error::UnsupportedDType { .. }), "{err}");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn scatter_ops_reject_bad_indices_and_shapes() {
+    root(Device::Cpu, |s| {
+        let base = s.zeros(&[2, 3])?;
+        let src = s.ones(&[2, 1])?;
+        let bad = s.from_slice(&[0i64, 3], &[2, 1])?;
+        assert!(matches!(
+            base.scatter_add(1, &bad, &src).unwrap_err(),
+            Error::IndexOutOfRange { index: 3, size: 3, .. }
+        ));
+        let wrong_shape = s.from_slice(&[0i64, 1, 2], &[3, 1])?;
+        assert!(matches!(
+            base.scatter_add(1, &wrong_shape, &src).unwrap_err(),
+            Error::ShapeMismatch { .. }
+        ));
+        let rows = s.from_slice(&[1i64, 1], &[2])?;
+        let added = base.index_add(0, &rows, &s.ones(&[2, 3])?)?;
+        assert_eq!(added.to_vec::<f32>()?, vec![0.0, 0.0, 0.0, 2.0, 2.0, 2.0]);
+        assert!(matches!(
+            base.index_add(0, &rows, &s.ones(&[3, 3])?).unwrap_err(),
+            Error::ShapeMismatch { .. }
+        ));
+        let _: &Tensor = &added;
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
