@@ -3,13 +3,17 @@
 #![warn(missing_debug_implementations, missing_docs)]
 
 mod autograd;
+pub mod checkpoint;
+pub mod data;
 mod device;
 mod dtype;
 mod error;
 mod fastmath;
 mod layout;
 mod memory;
+pub mod nn;
 mod ops;
+pub mod optim;
 mod rng;
 mod scope;
 mod tensor;

@@ -78,6 +78,8 @@ pub struct Tape<'s> {
     scope: &'s Scope<'s>,
     nodes: RefCell<Vec<Node<'s>>>,
     backward_done: Cell<bool>,
+    /// False for an inference tape: parameters are watched as constants and nothing is recorded.
+    records: bool,
 }
 
 impl fmt::Debug for Tape<'_> {
@@ -123,6 +125,16 @@ impl<'s> Tape<'s> {
             scope,
             nodes: RefCell::new(Vec::new()),
             backward_done: Cell::new(false),
+            records: true,
+        }
+    }
+
+    /// A tape for inference (evaluation): [`param`](Self::param) returns constants, nothing is
+    /// recorded and no tensor is kept for a backward pass, which it cannot run.
+    pub fn no_grad(scope: &'s Scope<'s>) -> Tape<'s> {
+        Tape {
+            records: false,
+            ..Tape::new(scope)
         }
     }
 
@@ -144,6 +156,9 @@ impl<'s> Tape<'s> {
     /// gradient, which [`Gradients::get`] finds by the parameter itself. Watching the same parameter
     /// twice sums both uses' gradients.
     pub fn param<'t>(&'t self, value: &Tensor<'s>) -> Var<'t, 's> {
+        if !self.records {
+            return self.constant(value);
+        }
         let node = self.push(Node {
             inputs: SmallVec::new(),
             backward: None,
@@ -185,6 +200,12 @@ impl<'s> Tape<'s> {
             return Err(Error::Autograd {
                 op: OP,
                 reason: "the loss was recorded on another tape; call backward on the tape that made it".into(),
+            });
+        }
+        if !self.records {
+            return Err(Error::Autograd {
+                op: OP,
+                reason: "a `Tape::no_grad` tape records nothing to differentiate; use `Tape::new` for training".into(),
             });
         }
         if loss.value.numel() != 1 {

@@ -451,6 +451,34 @@ impl<'s> Tensor<'s> {
         with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>(move |x| x.add(v)) })
     }
 
+    /// Overwrites the elements, in row-major order, with `data` (as many values as the tensor holds,
+    /// of its element type). A data loader fills one batch tensor this way without allocating.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let mut t = s.zeros(&[2, 2])?;
+    /// t.copy_from_slice_(&[1.0f32, 2.0, 3.0, 4.0])?;
+    /// assert_eq!(t.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::ElementType`] when `T` is not the tensor's dtype; [`Error::DataLength`] when `data`
+    /// has the wrong length.
+    pub fn copy_from_slice_<T: Element>(&mut self, data: &[T]) -> Result<()> {
+        self.check_dtype::<T>("copy_from_slice_")?;
+        if data.len() != self.numel() {
+            return Err(Error::DataLength {
+                op: "copy_from_slice_",
+                expected: self.numel(),
+                got: data.len(),
+            });
+        }
+        self.make_unique_contiguous()?;
+        self.fresh_mut::<T>().copy_from_slice(data);
+        Ok(())
+    }
+
     /// Sets every element to `value` in place.
     pub fn fill_(&mut self, value: f64) -> Result<()> {
         self.make_unique_contiguous()?;

@@ -1,0 +1,306 @@
+//! Trains a multilayer perceptron on handwritten digits on the CPU: the bundled 8x8 digits by default,
+//! or MNIST from IDX files with `--data DIR`.
+//!
+//! Parameters and optimizer state live in a `model` scope; each batch's inputs, activations, tape and
+//! gradients live in a batch scope (an arena workspace by default) that closes after the step. The
+//! per-epoch lines show that the model scope's memory stays the same and the batch scope's peak is
+//! flat.
+//!
+//! ```text
+//! cargo run --release --example train -- --help
+//! ```
+
+use std::io::{IsTerminal, Write};
+use std::time::Instant;
+
+use ndscope::data::{Batch, Dataset, Loader};
+use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
+use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ndscope::{Device, Error, Result, Scope, Tape, Workspace, checkpoint, root};
+
+const USAGE: &str = "\
+Train an MLP on handwritten digits with ndscope.
+
+USAGE: cargo run --release --example train -- [OPTIONS]
+
+OPTIONS:
+  --epochs N           passes over the training set        [default: 40]
+  --batch-size N       examples per step                    [default: 64]
+  --lr X               learning rate                        [default: 0.003]
+  --hidden N           hidden units                         [default: 128]
+  --optimizer NAME     adam, adamw or sgd (momentum 0.9)    [default: adamw]
+  --workspace on|off   batch scopes in a reused arena       [default: on]
+  --seed N             initialisation, split and shuffling  [default: 42]
+  --data DIR           MNIST IDX files in DIR instead of the bundled digits
+  --checkpoint FILE    write the trained parameters as safetensors
+  --help               this text";
+
+/// The command line, parsed.
+#[derive(Debug)]
+struct Options {
+    epochs: u64,
+    batch_size: usize,
+    lr: f64,
+    hidden: usize,
+    optimizer: String,
+    workspace: bool,
+    seed: u64,
+    data: Option<String>,
+    checkpoint: Option<String>,
+}
+
+impl Options {
+    fn parse(args: impl Iterator<Item = String>) -> std::result::Result<Options, String> {
+        let mut o = Options {
+            epochs: 40,
+            batch_size: 64,
+            lr: 0.003,
+            hidden: 128,
+            optimizer: "adamw".into(),
+            workspace: true,
+            seed: 42,
+            data: None,
+            checkpoint: None,
+        };
+        let mut args = args.peekable();
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(String::new());
+            }
+            let value = args
+                .next()
+                .ok_or_else(|| format!("{flag} needs a value"))?;
+            let bad = |what: &str| format!("{flag}: {value:?} is not {what}");
+            match flag.as_str() {
+                "--epochs" => o.epochs = value.parse().map_err(|_| bad("a count"))?,
+                "--batch-size" => o.batch_size = value.parse().map_err(|_| bad("a count"))?,
+                "--lr" => o.lr = value.parse().map_err(|_| bad("a number"))?,
+                "--hidden" => o.hidden = value.parse().map_err(|_| bad("a count"))?,
+                "--optimizer" => {
+                    if !["adam", "adamw", "sgd"].contains(&value.as_str()) {
+                        return Err(bad("adam, adamw or sgd"));
+                    }
+                    o.optimizer = value;
+                }
+                "--workspace" => {
+                    o.workspace = match value.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("on or off")),
+                    }
+                }
+                "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
+                "--data" => o.data = Some(value),
+                "--checkpoint" => o.checkpoint = Some(value),
+                _ => return Err(format!("unknown option {flag}")),
+            }
+        }
+        if o.epochs == 0 || o.batch_size == 0 || o.hidden == 0 {
+            return Err("--epochs, --batch-size and --hidden must be at least 1".into());
+        }
+        Ok(o)
+    }
+}
+
+/// Either optimizer, chosen on the command line.
+enum AnyOptimizer<'m> {
+    Adam(Adam<'m>),
+    Sgd(Sgd<'m>),
+}
+
+impl<'m> AnyOptimizer<'m> {
+    fn step(&mut self, model: &mut Sequential<'m>, grads: &ndscope::Gradients<'_>) -> Result<()> {
+        match self {
+            AnyOptimizer::Adam(o) => o.step(model, grads),
+            AnyOptimizer::Sgd(o) => o.step(model, grads),
+        }
+    }
+}
+
+/// One training step in the batch scope `b`: forward, backward, update. Returns the loss and the
+/// batch scope's peak bytes.
+fn train_step<'m: 'b, 'b>(
+    b: &'b Scope<'b>,
+    model: &mut Sequential<'m>,
+    opt: &mut AnyOptimizer<'m>,
+    batch: &Batch,
+) -> Result<(f32, usize)> {
+    let x = b.from_slice(batch.features(), &batch.feature_shape())?;
+    let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
+    let tape = Tape::new(b);
+    let loss = model
+        .forward(&tape.constant(&x), Mode::Train)?
+        .cross_entropy(&labels)?;
+    let grads = tape.backward(&loss)?;
+    opt.step(model, &grads)?;
+    Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
+}
+
+/// Fraction of `data` the model classifies correctly, computed in a scope of `s`.
+fn accuracy<'m>(s: &Scope<'m>, model: &Sequential<'m>, data: &Dataset) -> Result<f64> {
+    s.named_scope("eval", |e| {
+        let x = e.from_slice(data.features(), &[data.len(), data.dim()])?;
+        let tape = Tape::no_grad(e);
+        let logits = model.forward(&tape.constant(&x), Mode::Eval)?;
+        let predicted = logits.value().argmax(-1, false)?.to_vec::<i64>()?;
+        let correct = predicted
+            .iter()
+            .zip(data.labels())
+            .filter(|(p, l)| p == l)
+            .count();
+        Ok(correct as f64 / data.len() as f64)
+    })
+}
+
+/// Redraws a one-line progress bar on a terminal.
+struct Progress {
+    on_terminal: bool,
+}
+
+impl Progress {
+    fn draw(&self, epoch: u64, epochs: u64, done: usize, total: usize) {
+        if !self.on_terminal {
+            return;
+        }
+        let width = 30;
+        let filled = done * width / total.max(1);
+        eprint!(
+            "\r  epoch {epoch:>3}/{epochs} [{}{}] {done}/{total}",
+            "#".repeat(filled),
+            ".".repeat(width - filled)
+        );
+        let _ = std::io::stderr().flush();
+    }
+
+    fn clear(&self) {
+        if self.on_terminal {
+            eprint!("\r{:72}\r", "");
+        }
+    }
+}
+
+fn load_data(o: &Options) -> Result<(Dataset, Dataset, String)> {
+    match &o.data {
+        Some(dir) => {
+            let (train, test) = Dataset::mnist(dir)?;
+            Ok((train, test, format!("MNIST from {dir}")))
+        }
+        None => {
+            let (train, test) = Dataset::digits()?.split(0.2, o.seed)?;
+            Ok((train, test, "bundled 8x8 digits".into()))
+        }
+    }
+}
+
+fn run(o: &Options) -> Result<()> {
+    let started = Instant::now();
+    let (train, test, source) = load_data(o)?;
+    println!(
+        "data: {source}: {} training and {} test examples of {} features, {} classes",
+        train.len(),
+        test.len(),
+        train.dim(),
+        train.classes()
+    );
+    let loader = Loader::new(&train, o.batch_size)?.shuffle(o.seed);
+    let steps_per_epoch = loader.batches_per_epoch();
+    let progress = Progress {
+        on_terminal: std::io::stderr().is_terminal(),
+    };
+    let mut ws = Workspace::new("batch");
+
+    root(Device::Cpu, |s| {
+        s.set_seed(o.seed);
+        s.named_scope("model", |m| {
+            let sizes = [train.dim(), o.hidden, train.classes()];
+            let mut model = nn::mlp(m, &sizes, Activation::Relu, Init::KaimingUniform)?;
+            let mut opt = match o.optimizer.as_str() {
+                "sgd" => AnyOptimizer::Sgd(Sgd::new(m, &model, SgdConfig::new(o.lr).momentum(0.9))?),
+                "adam" => AnyOptimizer::Adam(Adam::new(m, &model, AdamConfig::adam(o.lr))?),
+                _ => AnyOptimizer::Adam(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?),
+            };
+            println!(
+                "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, seed {}",
+                model.parameter_elements(),
+                o.optimizer,
+                o.batch_size,
+                o.lr,
+                if o.workspace { "workspace" } else { "pool" },
+                o.seed
+            );
+            let model_at_start = m.stats();
+            for epoch in 1..=o.epochs {
+                let mut loss_sum = 0.0f64;
+                let mut batch_peak = 0;
+                let before = m.stats();
+                loader.for_each_batch(epoch, true, |batch| {
+                    let (loss, peak) = if o.workspace {
+                        m.workspace(&mut ws, |b| train_step(b, &mut model, &mut opt, batch))?
+                    } else {
+                        m.named_scope("batch", |b| train_step(b, &mut model, &mut opt, batch))?
+                    };
+                    batch_peak = batch_peak.max(peak);
+                    loss_sum += f64::from(loss);
+                    progress.draw(epoch, o.epochs, batch.index() + 1, steps_per_epoch);
+                    Ok(())
+                })?;
+                let acc = accuracy(m, &model, &test)?;
+                progress.clear();
+                let after = m.stats();
+                println!(
+                    "epoch {epoch:>3}  loss {:.4}  test acc {:5.1}%  | model: {} tensors, {} B live | \
+                     batch: peak {} B, {} allocs/step, {} from system this epoch",
+                    loss_sum / steps_per_epoch as f64,
+                    acc * 100.0,
+                    after.live_tensors,
+                    after.live_bytes,
+                    batch_peak,
+                    (after.allocations - before.allocations) / steps_per_epoch as u64,
+                    after.system_allocations - before.system_allocations,
+                );
+            }
+            let end = m.stats();
+            println!(
+                "\nmodel scope: {} live bytes at the start, {} at the end; workspace arena {} B after {} cycles ({} spills, {} in the last cycle)",
+                model_at_start.live_bytes,
+                end.live_bytes,
+                ws.capacity(),
+                ws.cycles(),
+                ws.spills(),
+                ws.last_cycle_spills()
+            );
+            if let Some(path) = &o.checkpoint {
+                checkpoint::save(&model, path)?;
+                println!("checkpoint: wrote {path} (safetensors; names {:?})", names(&model));
+            }
+            println!("\nscope tree at the end of training:\n{}", s.dump());
+            Ok::<_, Error>(())
+        })
+    })?;
+    println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn names(model: &Sequential<'_>) -> Vec<String> {
+    let mut names = Vec::new();
+    model.visit("", &mut |n, _| names.push(n.to_string()));
+    names
+}
+
+fn main() {
+    let options = match Options::parse(std::env::args().skip(1)) {
+        Ok(o) => o,
+        Err(message) => {
+            if message.is_empty() {
+                println!("{USAGE}");
+                return;
+            }
+            eprintln!("error: {message}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&options) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

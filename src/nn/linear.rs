@@ -1,0 +1,88 @@
+//! The fully connected layer.
+
+use super::{Init, Mode, Module, Parameters};
+use crate::autograd::Var;
+use crate::error::{Error, Result};
+use crate::scope::{Movable, Scope};
+use crate::tensor::Tensor;
+
+/// `y = x Wᵀ + b`, with `W` of shape `[out_features, in_features]` (PyTorch's layout, so checkpoints
+/// load in other frameworks) and `b` of shape `[out_features]`.
+#[derive(Debug)]
+pub struct Linear<'m> {
+    /// `[out_features, in_features]`.
+    pub weight: Tensor<'m>,
+    /// `[out_features]`.
+    pub bias: Tensor<'m>,
+}
+
+impl<'m> Linear<'m> {
+    /// A layer in `scope` with `init`ialised weights and zero bias.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a zero feature count; allocation errors.
+    #[track_caller]
+    pub fn new(
+        scope: &Scope<'m>,
+        in_features: usize,
+        out_features: usize,
+        init: Init,
+    ) -> Result<Linear<'m>> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::InvalidShape {
+                op: "Linear::new",
+                shape: vec![out_features, in_features],
+                reason: "a linear layer needs at least one input and one output feature".into(),
+            });
+        }
+        Ok(Linear {
+            weight: init
+                .tensor(scope, &[out_features, in_features])?
+                .named("weight"),
+            bias: scope.zeros(&[out_features])?.named("bias"),
+        })
+    }
+
+    /// Input features.
+    pub fn in_features(&self) -> usize {
+        self.weight.shape()[1]
+    }
+
+    /// Output features.
+    pub fn out_features(&self) -> usize {
+        self.weight.shape()[0]
+    }
+}
+
+impl<'m> Module<'m> for Linear<'m> {
+    fn forward<'t, 's>(&self, x: &Var<'t, 's>, _mode: Mode) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let tape = x.tape();
+        x.matmul(&tape.param(&self.weight).t()?)?
+            .add(&tape.param(&self.bias))
+    }
+}
+
+impl<'m> Parameters<'m> for Linear<'m> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
+        f(&format!("{prefix}weight"), &self.weight);
+        f(&format!("{prefix}bias"), &self.bias);
+    }
+
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
+        f(&mut self.weight)?;
+        f(&mut self.bias)
+    }
+}
+
+impl<'m> Movable<'m> for Linear<'m> {
+    type Moved<'b> = Linear<'b>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Linear<'b>> {
+        Ok(Linear {
+            weight: self.weight.move_into(target)?,
+            bias: self.bias.move_into(target)?,
+        })
+    }
+}

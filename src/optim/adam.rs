@@ -1,0 +1,148 @@
+//! Adam and AdamW.
+
+use super::{Optimizer, for_each_param, zeros_like_each};
+use crate::autograd::Gradients;
+use crate::dtype::{Element, with_float_dtype};
+use crate::error::{Error, Result};
+use crate::nn::Parameters;
+use crate::ops::fused::update_in_place;
+use crate::scope::Scope;
+use crate::tensor::Tensor;
+
+/// Settings of [`Adam`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    /// Learning rate.
+    pub lr: f64,
+    /// Decay rates of the first and second moment estimates.
+    pub betas: (f64, f64),
+    /// Added to the denominator for numerical stability.
+    pub eps: f64,
+    /// Weight decay: an L2 penalty added to the gradient (Adam), or decoupled from it (AdamW).
+    pub weight_decay: f64,
+    /// AdamW (Loshchilov & Hutter, 2019): decay the weights directly instead of through the gradient.
+    pub decoupled_weight_decay: bool,
+}
+
+impl AdamConfig {
+    /// Adam with learning rate `lr` and the usual `betas = (0.9, 0.999)`, `eps = 1e-8`.
+    pub fn adam(lr: f64) -> AdamConfig {
+        AdamConfig {
+            lr,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+            decoupled_weight_decay: false,
+        }
+    }
+
+    /// AdamW with learning rate `lr` and decoupled weight decay `weight_decay`.
+    pub fn adamw(lr: f64, weight_decay: f64) -> AdamConfig {
+        AdamConfig {
+            weight_decay,
+            decoupled_weight_decay: true,
+            ..AdamConfig::adam(lr)
+        }
+    }
+}
+
+/// Adam / AdamW, as PyTorch defines them. Both moment estimates live in the model scope.
+#[derive(Debug)]
+pub struct Adam<'m> {
+    config: AdamConfig,
+    steps: u64,
+    first_moment: Vec<Tensor<'m>>,
+    second_moment: Vec<Tensor<'m>>,
+}
+
+impl<'m> Adam<'m> {
+    /// An optimizer for `params`, with its state allocated in `scope` (the model scope).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a negative learning rate, weight decay or eps, or betas outside
+    /// `[0, 1)`; allocation errors.
+    #[track_caller]
+    pub fn new(
+        scope: &Scope<'m>,
+        params: &(impl Parameters<'m> + ?Sized),
+        config: AdamConfig,
+    ) -> Result<Adam<'m>> {
+        let (b1, b2) = config.betas;
+        let valid = config.lr >= 0.0
+            && config.weight_decay >= 0.0
+            && config.eps >= 0.0
+            && (0.0..1.0).contains(&b1)
+            && (0.0..1.0).contains(&b2);
+        if !valid {
+            return Err(Error::InvalidShape {
+                op: "Adam::new",
+                shape: Vec::new(),
+                reason: format!(
+                    "needs lr, weight decay and eps >= 0 and betas in [0, 1), got {config:?}"
+                ),
+            });
+        }
+        Ok(Adam {
+            config,
+            steps: 0,
+            first_moment: zeros_like_each(scope, params, "adam.m")?,
+            second_moment: zeros_like_each(scope, params, "adam.v")?,
+        })
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+impl<'m> Optimizer<'m> for Adam<'m> {
+    fn step<P: Parameters<'m> + ?Sized>(
+        &mut self,
+        params: &mut P,
+        grads: &Gradients<'_>,
+    ) -> Result<()> {
+        let c = self.config;
+        let t = self.steps + 1;
+        let (b1, b2) = c.betas;
+        // Bias corrections folded into the step size and the denominator's scale.
+        let step_size = c.lr / (1.0 - b1.powi(t.min(i32::MAX as u64) as i32));
+        let v_scale = 1.0 / (1.0 - b2.powi(t.min(i32::MAX as u64) as i32)).sqrt();
+        let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
+        for_each_param("Adam::step", params, ms.len(), |i, p| {
+            let Some(g) = grads.get(p) else {
+                return Ok(());
+            };
+            with_float_dtype!(p.dtype(), T => {
+                let [b1, b2, eps, step_size, v_scale] = [b1, b2, c.eps, step_size, v_scale].map(T::from_f64);
+                let (l2, decay) = if c.decoupled_weight_decay {
+                    (T::zero(), T::from_f64(1.0 - c.lr * c.weight_decay))
+                } else {
+                    (T::from_f64(c.weight_decay), T::one())
+                };
+                let (one_b1, one_b2) = (T::one().sub(b1), T::one().sub(b2));
+                update_in_place::<T, 3>("Adam::step", [p, &mut ms[i], &mut vs[i]], g, |[p, m, v], g| {
+                    let g = g.add(l2.mul(*p));
+                    *m = b1.mul(*m).add(one_b1.mul(g));
+                    *v = b2.mul(*v).add(one_b2.mul(g).mul(g));
+                    let denom = v.sqrt().mul(v_scale).add(eps);
+                    *p = decay.mul(*p).sub(step_size.mul(*m).div(denom));
+                })
+            }, else Err(Error::UnsupportedDType {
+                op: "Adam::step",
+                dtype: p.dtype(),
+                expected: "float parameters (f32 or f64)",
+            }))
+        })?;
+        self.steps = t;
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.config.lr
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        self.config.lr = lr;
+    }
+}
