@@ -1,6 +1,6 @@
 //! Adam and AdamW.
 
-use super::{Optimizer, for_each_param, zeros_like_each};
+use super::{Optimizer, check_param_set, for_each_param, zeros_like_each};
 use crate::autograd::Gradients;
 use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
@@ -108,8 +108,9 @@ impl<'m> Optimizer<'m> for Adam<'m> {
         // Bias corrections folded into the step size and the denominator's scale.
         let step_size = c.lr / (1.0 - b1.powi(t.min(i32::MAX as u64) as i32));
         let v_scale = 1.0 / (1.0 - b2.powi(t.min(i32::MAX as u64) as i32)).sqrt();
+        check_param_set("Adam::step", params, &self.first_moment)?;
         let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
-        for_each_param("Adam::step", params, ms.len(), |i, p| {
+        for_each_param(params, |i, p| {
             let Some(g) = grads.get(p) else {
                 return Ok(());
             };

@@ -77,35 +77,43 @@ pub(crate) fn zeros_like_each<'m>(
     Ok(state)
 }
 
-/// Visits `params` with each one's index, failing when there are more parameters than states.
-pub(crate) fn for_each_param<'m, P: Parameters<'m> + ?Sized>(
+/// Checks that `params` is the set `states` was made for (same count, shapes and dtypes), so that a
+/// wrong set is refused before anything is written.
+pub(crate) fn check_param_set<'m, P: Parameters<'m> + ?Sized>(
     op: &'static str,
-    params: &mut P,
-    states: usize,
-    mut f: impl FnMut(usize, &mut Tensor<'m>) -> Result<()>,
+    params: &P,
+    states: &[Tensor<'m>],
 ) -> Result<()> {
-    let mut i = 0;
-    params.visit_mut(&mut |p| {
-        if i >= states {
-            return Err(wrong_set(op, states));
-        }
-        f(i, p)?;
-        i += 1;
-        Ok(())
-    })?;
-    if i != states {
-        return Err(wrong_set(op, states));
+    let (mut count, mut matching) = (0, true);
+    params.visit("", &mut |_, p| {
+        matching &= states
+            .get(count)
+            .is_some_and(|s| s.shape() == p.shape() && s.dtype() == p.dtype());
+        count += 1;
+    });
+    if !matching || count != states.len() {
+        return Err(Error::InvalidShape {
+            op,
+            shape: Vec::new(),
+            reason: format!(
+                "the optimizer was created for {} parameters and got a different set ({count} \
+                 parameters, or other shapes); step it with the model it was created for",
+                states.len()
+            ),
+        });
     }
     Ok(())
 }
 
-fn wrong_set(op: &'static str, states: usize) -> Error {
-    Error::InvalidShape {
-        op,
-        shape: Vec::new(),
-        reason: format!(
-            "the optimizer was created for {states} parameters and got a different set; step it with \
-             the model it was created for"
-        ),
-    }
+/// Visits `params` mutably with each one's index.
+pub(crate) fn for_each_param<'m, P: Parameters<'m> + ?Sized>(
+    params: &mut P,
+    mut f: impl FnMut(usize, &mut Tensor<'m>) -> Result<()>,
+) -> Result<()> {
+    let mut i = 0;
+    params.visit_mut(&mut |p| {
+        f(i, p)?;
+        i += 1;
+        Ok(())
+    })
 }

@@ -1,6 +1,6 @@
 //! Stochastic gradient descent with momentum.
 
-use super::{Optimizer, for_each_param, zeros_like_each};
+use super::{Optimizer, check_param_set, for_each_param, zeros_like_each};
 use crate::autograd::Gradients;
 use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
@@ -84,8 +84,9 @@ impl<'m> Optimizer<'m> for Sgd<'m> {
             weight_decay,
             nesterov,
         } = self.config;
+        check_param_set("Sgd::step", params, &self.velocity)?;
         let velocity = &mut self.velocity;
-        for_each_param("Sgd::step", params, velocity.len(), |i, p| {
+        for_each_param(params, |i, p| {
             let Some(g) = grads.get(p) else {
                 return Ok(());
             };
