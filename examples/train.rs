@@ -67,9 +67,7 @@ impl Options {
             if flag == "--help" || flag == "-h" {
                 return Err(String::new());
             }
-            let value = args
-                .next()
-                .ok_or_else(|| format!("{flag} needs a value"))?;
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let bad = |what: &str| format!("{flag}: {value:?} is not {what}");
             match flag.as_str() {
                 "--epochs" => o.epochs = value.parse().map_err(|_| bad("a count"))?,

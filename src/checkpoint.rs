@@ -79,7 +79,9 @@ fn our_dtype(name: &str, dtype: Dtype) -> Result<DType> {
         Dtype::I64 => Ok(DType::I64),
         other => Err(Error::Format {
             format: "safetensors",
-            reason: format!("tensor \"{name}\" has dtype {other:?}; ndscope reads F32, F64 and I64"),
+            reason: format!(
+                "tensor \"{name}\" has dtype {other:?}; ndscope reads F32, F64 and I64"
+            ),
         }),
     }
 }
@@ -120,7 +122,10 @@ pub fn to_bytes<'m>(params: &(impl Parameters<'m> + ?Sized)) -> Result<Vec<u8>> 
     if let Some(pair) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::Format {
             format: "safetensors",
-            reason: format!("two parameters are named \"{}\"; give them distinct prefixes", pair[0]),
+            reason: format!(
+                "two parameters are named \"{}\"; give them distinct prefixes",
+                pair[0]
+            ),
         });
     }
     safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), None).map_err(format_error)
@@ -180,7 +185,9 @@ pub fn load_bytes<'m>(params: &mut (impl Parameters<'m> + ?Sized), bytes: &[u8])
     }
     let mut next = views.iter();
     params.visit_mut(&mut |p| {
-        let view = next.next().expect("visit_mut visits the parameters visit named");
+        let view = next
+            .next()
+            .expect("visit_mut visits the parameters visit named");
         with_dtype!(p.dtype(), T => p.copy_from_slice_(&decode::<T>(view.data())))
     })
 }

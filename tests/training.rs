@@ -2,7 +2,9 @@
 //! path.
 
 use ndscope::data::{Dataset, Loader};
-use ndscope::nn::{self, Activation, Dropout, Init, Layer, Linear, Mode, Module, Parameters, Sequential};
+use ndscope::nn::{
+    self, Activation, Dropout, Init, Layer, Linear, Mode, Module, Parameters, Sequential,
+};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ndscope::{DType, Device, Error, Movable, Result, Scope, Tape, Tensor, checkpoint, root};
 
@@ -21,7 +23,10 @@ fn run_optimizer(
             m.scope(|b| {
                 // Loss g . p has gradient g for p.
                 let tape = Tape::new(b);
-                let loss = tape.param(&p).mul(&tape.constant(&b.from_slice(g, &[2])?))?.sum_all()?;
+                let loss = tape
+                    .param(&p)
+                    .mul(&tape.constant(&b.from_slice(g, &[2])?))?
+                    .sum_all()?;
                 let grads = tape.backward(&loss)?;
                 opt.step_once(&mut p, &grads)
             })?;
@@ -58,7 +63,12 @@ fn sgd_with_momentum_and_weight_decay_matches_its_definition() {
     let (lr, mu, wd) = (0.1, 0.9, 0.01);
     for nesterov in [false, true] {
         let got = run_optimizer(&[1.0, -2.0], &GRADS, |m, p| {
-            let config = SgdConfig { lr, momentum: mu, weight_decay: wd, nesterov };
+            let config = SgdConfig {
+                lr,
+                momentum: mu,
+                weight_decay: wd,
+                nesterov,
+            };
             Ok(Box::new(Sgd::new(m, p, config)?))
         });
         let (mut p, mut v) = ([1.0f64, -2.0], [0.0f64; 2]);
@@ -86,7 +96,9 @@ fn adam_and_adamw_match_their_definitions() {
             weight_decay: wd,
             decoupled_weight_decay: decoupled,
         };
-        let got = run_optimizer(&[1.0, -2.0], &GRADS, |m, p| Ok(Box::new(Adam::new(m, p, config)?)));
+        let got = run_optimizer(&[1.0, -2.0], &GRADS, |m, p| {
+            Ok(Box::new(Adam::new(m, p, config)?))
+        });
         let (mut p, mut mo, mut v) = ([1.0f64, -2.0], [0.0f64; 2], [0.0f64; 2]);
         let mut want = Vec::new();
         for (t, g) in GRADS.iter().enumerate() {
@@ -114,8 +126,14 @@ fn adam_and_adamw_match_their_definitions() {
 fn optimizers_refuse_bad_settings_and_a_foreign_parameter_set() {
     root(Device::Cpu, |m| {
         let model = nn::mlp(m, &[3, 4, 2], Activation::Relu, Init::KaimingNormal)?;
-        assert!(matches!(Sgd::new(m, &model, SgdConfig::new(-1.0)), Err(Error::InvalidShape { .. })));
-        let bad_betas = AdamConfig { betas: (1.0, 0.9), ..AdamConfig::adam(0.1) };
+        assert!(matches!(
+            Sgd::new(m, &model, SgdConfig::new(-1.0)),
+            Err(Error::InvalidShape { .. })
+        ));
+        let bad_betas = AdamConfig {
+            betas: (1.0, 0.9),
+            ..AdamConfig::adam(0.1)
+        };
         assert!(Adam::new(m, &model, bad_betas).is_err());
 
         let mut opt = Adam::new(m, &model, AdamConfig::adam(0.1))?;
@@ -126,7 +144,10 @@ fn optimizers_refuse_bad_settings_and_a_foreign_parameter_set() {
             let loss = other.forward(&x, Mode::Train)?.sum_all()?;
             let grads = tape.backward(&loss)?;
             let err = opt.step(&mut other, &grads).unwrap_err();
-            assert!(err.to_string().contains("created for 4 parameters"), "{err}");
+            assert!(
+                err.to_string().contains("created for 4 parameters"),
+                "{err}"
+            );
             Ok::<_, Error>(())
         })
     })
@@ -146,7 +167,9 @@ fn a_parameter_without_a_gradient_is_left_alone() {
         m.scope(|b| {
             let tape = Tape::new(b);
             // Only the first layer is watched: the second gets no gradient.
-            let Layer::Linear(first) = &model.layers()[0] else { unreachable!() };
+            let Layer::Linear(first) = &model.layers()[0] else {
+                unreachable!()
+            };
             let x = tape.constant(&b.ones(&[1, 2])?);
             let loss = first.forward(&x, Mode::Train)?.sum_all()?;
             let grads = tape.backward(&loss)?;
@@ -187,14 +210,25 @@ fn a_model_moves_between_scopes_in_one_call() {
 fn linear_layers_compute_x_w_transpose_plus_b() {
     root(Device::Cpu, |s| {
         let mut layer = Linear::new(s, 2, 3, Init::Constant(0.0))?;
-        layer.weight.copy_from_slice_(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+        layer
+            .weight
+            .copy_from_slice_(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
         layer.bias.copy_from_slice_(&[0.5f32, 0.0, -0.5])?;
         let tape = Tape::no_grad(s);
-        let y = layer.forward(&tape.constant(&s.from_slice(&[1.0f32, 1.0], &[1, 2])?), Mode::Eval)?;
+        let y = layer.forward(
+            &tape.constant(&s.from_slice(&[1.0f32, 1.0], &[1, 2])?),
+            Mode::Eval,
+        )?;
         assert_eq!(y.value().to_vec::<f32>()?, vec![3.5, 7.0, 10.5]);
         assert_eq!((layer.in_features(), layer.out_features()), (2, 3));
-        assert!(matches!(Linear::new(s, 0, 3, Init::KaimingUniform), Err(Error::InvalidShape { .. })));
-        assert!(matches!(nn::mlp(s, &[3], Activation::Relu, Init::KaimingUniform), Err(Error::InvalidShape { .. })));
+        assert!(matches!(
+            Linear::new(s, 0, 3, Init::KaimingUniform),
+            Err(Error::InvalidShape { .. })
+        ));
+        assert!(matches!(
+            nn::mlp(s, &[3], Activation::Relu, Init::KaimingUniform),
+            Err(Error::InvalidShape { .. })
+        ));
         Ok::<_, Error>(())
     })
     .unwrap();
@@ -204,12 +238,19 @@ fn linear_layers_compute_x_w_transpose_plus_b() {
 fn initialisers_respect_their_bounds_and_the_seed() {
     root(Device::Cpu, |s| {
         s.set_seed(3);
-        let a = Init::KaimingUniform.tensor(s, &[100, 50])?.to_vec::<f32>()?;
+        let a = Init::KaimingUniform
+            .tensor(s, &[100, 50])?
+            .to_vec::<f32>()?;
         let bound = (6.0f32 / 50.0).sqrt();
         assert!(a.iter().all(|v| v.abs() <= bound));
         assert!(a.iter().any(|v| v.abs() > 0.9 * bound));
         s.set_seed(3);
-        assert_eq!(Init::KaimingUniform.tensor(s, &[100, 50])?.to_vec::<f32>()?, a);
+        assert_eq!(
+            Init::KaimingUniform
+                .tensor(s, &[100, 50])?
+                .to_vec::<f32>()?,
+            a
+        );
         let n = Init::XavierNormal.tensor(s, &[200, 300])?.to_vec::<f32>()?;
         let var = n.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n.len() as f64;
         assert!((var / (2.0 / 500.0) - 1.0).abs() < 0.05, "variance {var}");
@@ -229,7 +270,11 @@ fn dropout_drops_in_training_and_passes_through_in_evaluation() {
         let values = train.value().to_vec::<f32>()?;
         let zeros = values.iter().filter(|v| **v == 0.0).count();
         assert!((2_200..2_800).contains(&zeros), "{zeros} of 10000 dropped");
-        assert!(values.iter().all(|v| *v == 0.0 || (*v - 4.0 / 3.0).abs() < 1e-6));
+        assert!(
+            values
+                .iter()
+                .all(|v| *v == 0.0 || (*v - 4.0 / 3.0).abs() < 1e-6)
+        );
         let eval = <Dropout as Module<'_>>::forward(&drop, &tape.constant(&x), Mode::Eval)?;
         assert!(eval.value().shares_storage(&x));
         assert!(Dropout::new(1.0).is_err());
@@ -280,14 +325,21 @@ fn checkpoints_round_trip_and_other_readers_see_the_names() {
         let mut fresh = nn::mlp(s, &[3, 4, 2], Activation::Relu, Init::Constant(0.0))?;
         checkpoint::load(&mut fresh, &path)?;
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        trained.visit("", &mut |n, t| a.push((n.to_string(), t.to_vec::<f32>().unwrap())));
-        fresh.visit("", &mut |n, t| b.push((n.to_string(), t.to_vec::<f32>().unwrap())));
+        trained.visit("", &mut |n, t| {
+            a.push((n.to_string(), t.to_vec::<f32>().unwrap()))
+        });
+        fresh.visit("", &mut |n, t| {
+            b.push((n.to_string(), t.to_vec::<f32>().unwrap()))
+        });
         assert_eq!(a, b);
         let names: Vec<String> = checkpoint::read_bytes(s, &std::fs::read(&path).unwrap())?
             .into_iter()
             .map(|(n, t)| format!("{n}{:?}", t.shape()))
             .collect();
-        assert_eq!(names, ["0.bias[4]", "0.weight[4, 3]", "2.bias[2]", "2.weight[2, 4]"]);
+        assert_eq!(
+            names,
+            ["0.bias[4]", "0.weight[4, 3]", "2.bias[2]", "2.weight[2, 4]"]
+        );
         std::fs::remove_dir_all(&dir).unwrap();
         Ok::<_, Error>(())
     })
@@ -334,9 +386,12 @@ fn a_bad_checkpoint_is_refused_without_touching_the_model() {
 #[test]
 fn the_bundled_digits_load_with_scaled_pixels() {
     let digits = Dataset::digits().unwrap();
-    assert_eq!((digits.len(), digits.dim(), digits.classes()), (1797, 64, 10));
+    assert_eq!(
+        (digits.len(), digits.dim(), digits.classes()),
+        (1797, 64, 10)
+    );
     assert!(digits.features().iter().all(|v| (0.0..=1.0).contains(v)));
-    assert!(digits.features().iter().any(|v| *v == 1.0));
+    assert!(digits.features().contains(&1.0));
     for class in 0..10 {
         assert!(digits.labels().iter().filter(|l| **l == class).count() > 150);
     }
@@ -349,8 +404,17 @@ fn splits_are_seeded_and_partition_the_examples() {
     assert_eq!((train.len(), test.len()), (1438, 359));
     assert_eq!(digits.split(0.2, 1).unwrap(), (train.clone(), test.clone()));
     assert_ne!(digits.split(0.2, 2).unwrap().1, test);
-    let mut sums: Vec<f32> = train.features().chunks(64).chain(test.features().chunks(64)).map(|r| r.iter().sum()).collect();
-    let mut all: Vec<f32> = digits.features().chunks(64).map(|r| r.iter().sum()).collect();
+    let mut sums: Vec<f32> = train
+        .features()
+        .chunks(64)
+        .chain(test.features().chunks(64))
+        .map(|r| r.iter().sum())
+        .collect();
+    let mut all: Vec<f32> = digits
+        .features()
+        .chunks(64)
+        .map(|r| r.iter().sum())
+        .collect();
     sums.sort_by(f32::total_cmp);
     all.sort_by(f32::total_cmp);
     assert_eq!(sums, all);
@@ -379,7 +443,13 @@ fn csv_errors_name_the_line() {
 
 #[test]
 fn the_loader_covers_every_example_once_per_epoch_in_a_seeded_order() {
-    let data = Dataset::new((0..20).map(|v| v as f32).collect(), (0..10).map(|v| v % 3).collect(), 2, 3).unwrap();
+    let data = Dataset::new(
+        (0..20).map(|v| v as f32).collect(),
+        (0..10).map(|v| v % 3).collect(),
+        2,
+        3,
+    )
+    .unwrap();
     let loader = Loader::new(&data, 4).unwrap().shuffle(9);
     assert_eq!(loader.batches_per_epoch(), 3);
     let epoch = |e: u64, background: bool| {
@@ -397,9 +467,19 @@ fn the_loader_covers_every_example_once_per_epoch_in_a_seeded_order() {
     let mut sorted = first.clone();
     sorted.sort_unstable();
     assert_eq!(sorted, (0..10).collect::<Vec<_>>());
-    assert_eq!(epoch(0, true), first, "the background thread yields the same batches");
+    assert_eq!(
+        epoch(0, true),
+        first,
+        "the background thread yields the same batches"
+    );
     assert_ne!(epoch(1, false), first, "each epoch has its own order");
-    assert_eq!(Loader::new(&data, 4).unwrap().drop_last(true).batches_per_epoch(), 2);
+    assert_eq!(
+        Loader::new(&data, 4)
+            .unwrap()
+            .drop_last(true)
+            .batches_per_epoch(),
+        2
+    );
     assert!(Loader::new(&data, 0).is_err());
     // An error stops the epoch, also with the background thread.
     let mut calls = 0;
@@ -413,9 +493,18 @@ fn the_loader_covers_every_example_once_per_epoch_in_a_seeded_order() {
 
 #[test]
 fn datasets_check_their_arguments() {
-    assert!(matches!(Dataset::new(vec![0.0; 5], vec![0, 1], 2, 2), Err(Error::DataLength { .. })));
-    assert!(matches!(Dataset::new(vec![0.0; 4], vec![0, 2], 2, 2), Err(Error::IndexOutOfRange { .. })));
-    assert!(matches!(Dataset::new(vec![], vec![0], 0, 2), Err(Error::InvalidShape { .. })));
+    assert!(matches!(
+        Dataset::new(vec![0.0; 5], vec![0, 1], 2, 2),
+        Err(Error::DataLength { .. })
+    ));
+    assert!(matches!(
+        Dataset::new(vec![0.0; 4], vec![0, 2], 2, 2),
+        Err(Error::IndexOutOfRange { .. })
+    ));
+    assert!(matches!(
+        Dataset::new(vec![], vec![0], 0, 2),
+        Err(Error::InvalidShape { .. })
+    ));
 }
 
 /// Writes an IDX file of unsigned bytes.
@@ -431,8 +520,16 @@ fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
 fn write_mnist(dir: &std::path::Path, images: &[u8], labels: &[u8]) {
     std::fs::create_dir_all(dir).unwrap();
     for (prefix, n) in [("train", 3u32), ("t10k", 2u32)] {
-        std::fs::write(dir.join(format!("{prefix}-images-idx3-ubyte")), idx(&[n, 2, 2], &images[..4 * n as usize])).unwrap();
-        std::fs::write(dir.join(format!("{prefix}-labels-idx1-ubyte")), idx(&[n], &labels[..n as usize])).unwrap();
+        std::fs::write(
+            dir.join(format!("{prefix}-images-idx3-ubyte")),
+            idx(&[n, 2, 2], &images[..4 * n as usize]),
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join(format!("{prefix}-labels-idx1-ubyte")),
+            idx(&[n], &labels[..n as usize]),
+        )
+        .unwrap();
     }
 }
 
@@ -444,12 +541,19 @@ fn mnist_idx_files_are_read_and_corrupt_ones_refused() {
     let (train, test) = Dataset::mnist(&dir).unwrap();
     assert_eq!((train.len(), train.dim(), test.len()), (3, 4, 2));
     assert_eq!(train.labels(), &[3, 1, 4]);
-    assert_eq!(train.row(1), &[80.0 / 255.0, 100.0 / 255.0, 120.0 / 255.0, 140.0 / 255.0]);
+    assert_eq!(
+        train.row(1),
+        &[80.0 / 255.0, 100.0 / 255.0, 120.0 / 255.0, 140.0 / 255.0]
+    );
 
     let labels = dir.join("train-labels-idx1-ubyte");
     let images_file = dir.join("train-images-idx3-ubyte");
     let cases: [(&std::path::Path, Vec<u8>, &str); 6] = [
-        (&images_file, idx(&[3, 2, 2], &images[..11]), "need 12 bytes"),
+        (
+            &images_file,
+            idx(&[3, 2, 2], &images[..11]),
+            "need 12 bytes",
+        ),
         (&images_file, vec![0, 0, 0x08], "shorter than"),
         (&images_file, vec![1, 0, 0x08, 3, 0, 0, 0, 1], "magic"),
         (&images_file, idx(&[3, 4], &images), "rank 2, expected 3"),

@@ -130,7 +130,11 @@ fn soak(workspace: bool) -> Result<(Vec<Snapshot>, f64, Vec<u64>)> {
                     .value()
                     .argmax(-1, false)?
                     .to_vec::<i64>()?;
-                let correct = predicted.iter().zip(test.labels()).filter(|(p, l)| p == l).count();
+                let correct = predicted
+                    .iter()
+                    .zip(test.labels())
+                    .filter(|(p, l)| p == l)
+                    .count();
                 Ok::<_, Error>(correct as f64 / test.len() as f64)
             })?;
             Ok((snapshots, accuracy, process_allocs_per_epoch))
@@ -141,12 +145,24 @@ fn soak(workspace: bool) -> Result<(Vec<Snapshot>, f64, Vec<u64>)> {
 fn assert_flat(mode: &str, snapshots: &[Snapshot], accuracy: f64, process: &[u64]) {
     let warm = snapshots[WARMUP_EPOCHS as usize - 1];
     let last = *snapshots.last().unwrap();
-    assert!(accuracy > 0.9, "{mode}: the run did not learn (accuracy {accuracy})");
+    assert!(
+        accuracy > 0.9,
+        "{mode}: the run did not learn (accuracy {accuracy})"
+    );
     for (epoch, s) in snapshots.iter().enumerate() {
-        assert_eq!(s.model_live_bytes, snapshots[0].model_live_bytes, "{mode}: model live bytes changed in epoch {epoch}");
-        assert_eq!(s.model_live_tensors, snapshots[0].model_live_tensors, "{mode}: model tensors changed in epoch {epoch}");
+        assert_eq!(
+            s.model_live_bytes, snapshots[0].model_live_bytes,
+            "{mode}: model live bytes changed in epoch {epoch}"
+        );
+        assert_eq!(
+            s.model_live_tensors, snapshots[0].model_live_tensors,
+            "{mode}: model tensors changed in epoch {epoch}"
+        );
     }
-    assert_eq!(last.peak_bytes, warm.peak_bytes, "{mode}: peak bytes grew after warm-up: {snapshots:#?}");
+    assert_eq!(
+        last.peak_bytes, warm.peak_bytes,
+        "{mode}: peak bytes grew after warm-up: {snapshots:#?}"
+    );
     assert_eq!(
         last.system_allocations, warm.system_allocations,
         "{mode}: the pool went to the system after warm-up: {snapshots:#?}"
@@ -158,7 +174,10 @@ fn assert_flat(mode: &str, snapshots: &[Snapshot], accuracy: f64, process: &[u64
     // Other process allocations (the tape's records, gemm's packing buffers) do not grow with the run.
     let steady = &process[WARMUP_EPOCHS as usize..];
     let (lo, hi) = (*steady.iter().min().unwrap(), *steady.iter().max().unwrap());
-    assert!(hi <= lo + lo / 4 + 64, "{mode}: process allocations per epoch drift: {process:?}");
+    assert!(
+        hi <= lo + lo / 4 + 64,
+        "{mode}: process allocations per epoch drift: {process:?}"
+    );
 }
 
 #[test]

@@ -199,7 +199,9 @@ impl<'s> Tape<'s> {
         if !std::ptr::eq(loss.tape, self) {
             return Err(Error::Autograd {
                 op: OP,
-                reason: "the loss was recorded on another tape; call backward on the tape that made it".into(),
+                reason:
+                    "the loss was recorded on another tape; call backward on the tape that made it"
+                        .into(),
             });
         }
         if !self.records {
@@ -236,7 +238,9 @@ impl<'s> Tape<'s> {
             self.scope
                 .full_dtype(loss.value.shape(), 1.0, loss.value.dtype())?,
         );
-        let mut found = Gradients { entries: Vec::new() };
+        let mut found = Gradients {
+            entries: Vec::new(),
+        };
         for id in (0..=root).rev() {
             let Some(grad) = grads[id].take() else {
                 continue;
@@ -328,7 +332,11 @@ impl<'s> Gradients<'s> {
     pub fn global_norm(&self) -> Result<f64> {
         let mut total = 0.0;
         for g in self.iter() {
-            total += g.square()?.sum_all()?.to_dtype(crate::DType::F64)?.to_scalar::<f64>()?;
+            total += g
+                .square()?
+                .sum_all()?
+                .to_dtype(crate::DType::F64)?
+                .to_scalar::<f64>()?;
         }
         Ok(total.sqrt())
     }

@@ -117,7 +117,9 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn add_scalar(&self, value: f64) -> Result<Var<'t, 's>> {
         let out = self.value.add_scalar(value)?;
-        Var::record(&[self], "add_scalar", out, |g, _| Ok(smallvec![Some(g.clone())]))
+        Var::record(&[self], "add_scalar", out, |g, _| {
+            Ok(smallvec![Some(g.clone())])
+        })
     }
 
     /// `self * value`.
@@ -171,7 +173,11 @@ impl<'t, 's> Var<'t, 's> {
         let x = self.value.clone();
         Var::record(&[self], "clamp", out, move |g, _| {
             let d = chain!("clamp", g, &x, |g, x| {
-                if x >= T::from_f64(min) && x <= T::from_f64(max) { g } else { T::zero() }
+                if x >= T::from_f64(min) && x <= T::from_f64(max) {
+                    g
+                } else {
+                    T::zero()
+                }
             })?;
             Ok(smallvec![Some(d)])
         })
@@ -189,7 +195,8 @@ impl<'t, 's> Var<'t, 's> {
         let shapes = [self.value.shape().to_vec(), other.value.shape().to_vec()];
         Var::record(&[self, other], op, value, move |g, needs| {
             let [ga, gb] = grads(g, needs)?;
-            let reduce = |gr: Option<Tensor<'s>>, shape: &[usize]| gr.map(|t| sum_to(&t, shape)).transpose();
+            let reduce =
+                |gr: Option<Tensor<'s>>, shape: &[usize]| gr.map(|t| sum_to(&t, shape)).transpose();
             Ok(smallvec![reduce(ga, &shapes[0])?, reduce(gb, &shapes[1])?])
         })
     }
@@ -201,7 +208,9 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn add(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
         let out = self.value.add(&other.value)?;
-        self.binary(other, "add", out, |g, _| Ok([Some(g.clone()), Some(g.clone())]))
+        self.binary(other, "add", out, |g, _| {
+            Ok([Some(g.clone()), Some(g.clone())])
+        })
     }
 
     /// `self - other`, broadcasting.
@@ -243,7 +252,11 @@ impl<'t, 's> Var<'t, 's> {
         self.binary(other, "div", out, move |g, needs| {
             let ga = g.div(&b)?;
             // d(a/b)/db = -(a/b)/b, so gb = -(g/b) * y.
-            let gb = if needs[1] { Some(ga.mul(&y)?.neg()?) } else { None };
+            let gb = if needs[1] {
+                Some(ga.mul(&y)?.neg()?)
+            } else {
+                None
+            };
             Ok([needs[0].then_some(ga), gb])
         })
     }
@@ -305,7 +318,11 @@ impl<'t, 's> Var<'t, 's> {
         mask: Tensor<'s>,
     ) -> Result<Var<'t, 's>> {
         self.binary(other, op, out, move |g, needs| {
-            let ga = if needs[0] { Some(chain!(op, g, &mask, |g, m| g.mul(m))?) } else { None };
+            let ga = if needs[0] {
+                Some(chain!(op, g, &mask, |g, m| g.mul(m))?)
+            } else {
+                None
+            };
             let gb = if needs[1] {
                 Some(chain!(op, g, &mask, |g, m| g.mul(T::one().sub(m)))?)
             } else {
@@ -340,8 +357,16 @@ impl<'t, 's> Var<'t, 's> {
         let (a, b) = (self.value.clone(), other.value.clone());
         Var::record(&[self, other], "matmul", out, move |g, needs| {
             // Work on matrices: a 1-D `a` is a row, a 1-D `b` a column, as in the forward pass.
-            let a2 = if a.rank() == 1 { a.unsqueeze(0)? } else { a.clone() };
-            let b2 = if b.rank() == 1 { b.unsqueeze(-1)? } else { b.clone() };
+            let a2 = if a.rank() == 1 {
+                a.unsqueeze(0)?
+            } else {
+                a.clone()
+            };
+            let b2 = if b.rank() == 1 {
+                b.unsqueeze(-1)?
+            } else {
+                b.clone()
+            };
             let mut g2 = g.clone();
             if a.rank() == 1 {
                 g2 = g2.unsqueeze(if b.rank() == 1 { 0 } else { -2 })?;
@@ -398,7 +423,12 @@ impl<'t, 's> Var<'t, 's> {
         let out = self.value.mean(axes, keepdim)?;
         let reduced = self.reduced_axes("mean", axes)?;
         let shape = self.value.shape().to_vec();
-        let count = self.value.numel().checked_div(out.numel()).unwrap_or(1).max(1);
+        let count = self
+            .value
+            .numel()
+            .checked_div(out.numel())
+            .unwrap_or(1)
+            .max(1);
         Var::record(&[self], "mean", out, move |g, _| {
             let g = g.div_scalar(count as f64)?;
             Ok(smallvec![Some(spread(&g, &reduced, keepdim, &shape)?)])
@@ -458,7 +488,12 @@ impl<'t, 's> Var<'t, 's> {
         let kept = spread(&out, &reduced, keepdim, &shape)?;
         Var::record(&[self], op, out, move |g, _| {
             let mask = x.eq(&kept)?;
-            let ties = spread(&mask.sum(&to_isize(&reduced), keepdim)?, &reduced, keepdim, &shape)?;
+            let ties = spread(
+                &mask.sum(&to_isize(&reduced), keepdim)?,
+                &reduced,
+                keepdim,
+                &shape,
+            )?;
             let g = spread(g, &reduced, keepdim, &shape)?;
             Ok(smallvec![Some(g.mul(&mask)?.div(&ties)?)])
         })
@@ -538,7 +573,9 @@ impl<'t, 's> Var<'t, 's> {
     pub fn reshape(&self, shape: &[usize]) -> Result<Var<'t, 's>> {
         let out = self.value.reshape(shape)?;
         let from = self.value.shape().to_vec();
-        Var::record(&[self], "reshape", out, move |g, _| Ok(smallvec![Some(g.reshape(&from)?)]))
+        Var::record(&[self], "reshape", out, move |g, _| {
+            Ok(smallvec![Some(g.reshape(&from)?)])
+        })
     }
 
     /// The value as one dimension.
@@ -557,7 +594,9 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn transpose(&self, a: isize, b: isize) -> Result<Var<'t, 's>> {
         let out = self.value.transpose(a, b)?;
-        Var::record(&[self], "transpose", out, move |g, _| Ok(smallvec![Some(g.transpose(a, b)?)]))
+        Var::record(&[self], "transpose", out, move |g, _| {
+            Ok(smallvec![Some(g.transpose(a, b)?)])
+        })
     }
 
     /// Transpose of a 2-D value.
@@ -581,7 +620,9 @@ impl<'t, 's> Var<'t, 's> {
         for (i, &p) in perm.iter().enumerate() {
             inverse[p] = i;
         }
-        Var::record(&[self], "permute", out, move |g, _| Ok(smallvec![Some(g.permute(&inverse)?)]))
+        Var::record(&[self], "permute", out, move |g, _| {
+            Ok(smallvec![Some(g.permute(&inverse)?)])
+        })
     }
 
     /// `len` entries along `axis` from `start`.
@@ -629,7 +670,9 @@ impl<'t, 's> Var<'t, 's> {
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Var<'t, 's>> {
         let out = self.value.broadcast_to(shape)?;
         let from = self.value.shape().to_vec();
-        Var::record(&[self], "broadcast_to", out, move |g, _| Ok(smallvec![Some(sum_to(g, &from)?)]))
+        Var::record(&[self], "broadcast_to", out, move |g, _| {
+            Ok(smallvec![Some(sum_to(g, &from)?)])
+        })
     }
 
     /// Removes axis `axis` of size 1.
@@ -640,7 +683,9 @@ impl<'t, 's> Var<'t, 's> {
     pub fn squeeze(&self, axis: isize) -> Result<Var<'t, 's>> {
         let out = self.value.squeeze(axis)?;
         let from = self.value.shape().to_vec();
-        Var::record(&[self], "squeeze", out, move |g, _| Ok(smallvec![Some(g.reshape(&from)?)]))
+        Var::record(&[self], "squeeze", out, move |g, _| {
+            Ok(smallvec![Some(g.reshape(&from)?)])
+        })
     }
 
     /// Inserts an axis of size 1 at `axis`.
@@ -651,7 +696,9 @@ impl<'t, 's> Var<'t, 's> {
     pub fn unsqueeze(&self, axis: isize) -> Result<Var<'t, 's>> {
         let out = self.value.unsqueeze(axis)?;
         let from = self.value.shape().to_vec();
-        Var::record(&[self], "unsqueeze", out, move |g, _| Ok(smallvec![Some(g.reshape(&from)?)]))
+        Var::record(&[self], "unsqueeze", out, move |g, _| {
+            Ok(smallvec![Some(g.reshape(&from)?)])
+        })
     }
 
     /// A contiguous copy (or the value itself when it already is contiguous).
@@ -661,7 +708,9 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn contiguous(&self) -> Result<Var<'t, 's>> {
         let out = self.value.contiguous()?;
-        Var::record(&[self], "contiguous", out, |g, _| Ok(smallvec![Some(g.clone())]))
+        Var::record(&[self], "contiguous", out, |g, _| {
+            Ok(smallvec![Some(g.clone())])
+        })
     }
 
     /// Converts between float dtypes; the gradient is converted back.
@@ -672,10 +721,15 @@ impl<'t, 's> Var<'t, 's> {
     pub fn to_dtype(&self, dtype: DType) -> Result<Var<'t, 's>> {
         let from = self.value.dtype();
         if !from.is_float() || !dtype.is_float() {
-            return Err(not_float("to_dtype", if from.is_float() { dtype } else { from }));
+            return Err(not_float(
+                "to_dtype",
+                if from.is_float() { dtype } else { from },
+            ));
         }
         let out = self.value.to_dtype(dtype)?;
-        Var::record(&[self], "to_dtype", out, move |g, _| Ok(smallvec![Some(g.to_dtype(from)?)]))
+        Var::record(&[self], "to_dtype", out, move |g, _| {
+            Ok(smallvec![Some(g.to_dtype(from)?)])
+        })
     }
 
     /// The slices `indices[k]` along `axis`.
@@ -721,7 +775,11 @@ impl<'t, 's> Var<'t, 's> {
             let mut start = 0;
             let mut grads = InputGrads::new();
             for (&len, &need) in sizes.iter().zip(needs) {
-                grads.push(if need { Some(g.narrow(axis, start, len)?) } else { None });
+                grads.push(if need {
+                    Some(g.narrow(axis, start, len)?)
+                } else {
+                    None
+                });
                 start += len;
             }
             Ok(grads)
@@ -741,7 +799,11 @@ impl<'t, 's> Var<'t, 's> {
         Var::record(vars, "stack", out, move |g, needs| {
             let mut grads = InputGrads::new();
             for (i, &need) in needs.iter().enumerate() {
-                grads.push(if need { Some(g.narrow(ax, i, 1)?.squeeze(ax)?) } else { None });
+                grads.push(if need {
+                    Some(g.narrow(ax, i, 1)?.squeeze(ax)?)
+                } else {
+                    None
+                });
             }
             Ok(grads)
         })
@@ -772,12 +834,8 @@ impl<'s> Tensor<'s> {
     /// A new tensor of `shape` filled with `value`, with this tensor's dtype and owner.
     #[track_caller]
     fn full_like_scalar(&self, shape: &[usize], value: f64) -> Result<Tensor<'s>> {
-        let mut out = Tensor::output_of(
-            &[self],
-            self.dtype(),
-            shape,
-            std::panic::Location::caller(),
-        )?;
+        let mut out =
+            Tensor::output_of(&[self], self.dtype(), shape, std::panic::Location::caller())?;
         out.fill_(value)?;
         Ok(out)
     }

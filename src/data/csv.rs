@@ -38,7 +38,12 @@ pub(super) fn gunzip(bytes: &[u8]) -> Result<String> {
 }
 
 /// Rows of `dim` numbers and a label; features are divided by `scale`.
-pub(super) fn parse_labelled(text: &str, dim: usize, classes: usize, scale: f32) -> Result<Dataset> {
+pub(super) fn parse_labelled(
+    text: &str,
+    dim: usize,
+    classes: usize,
+    scale: f32,
+) -> Result<Dataset> {
     let mut features = Vec::new();
     let mut labels = Vec::new();
     for (i, line) in text.lines().enumerate() {
@@ -51,21 +56,25 @@ pub(super) fn parse_labelled(text: &str, dim: usize, classes: usize, scale: f32)
         for (k, field) in line.split(',').enumerate() {
             fields += 1;
             if k < dim {
-                let v: f32 = field
-                    .trim()
-                    .parse()
-                    .map_err(|_| csv_error(line_no, format!("field {} is {field:?}, not a number", k + 1)))?;
+                let v: f32 = field.trim().parse().map_err(|_| {
+                    csv_error(
+                        line_no,
+                        format!("field {} is {field:?}, not a number", k + 1),
+                    )
+                })?;
                 if !v.is_finite() {
                     return Err(csv_error(line_no, format!("field {} is not finite", k + 1)));
                 }
                 features.push(v / scale);
             } else if k == dim {
-                let label: i64 = field
-                    .trim()
-                    .parse()
-                    .map_err(|_| csv_error(line_no, format!("the label is {field:?}, not an integer")))?;
+                let label: i64 = field.trim().parse().map_err(|_| {
+                    csv_error(line_no, format!("the label is {field:?}, not an integer"))
+                })?;
                 if label < 0 || label as u64 >= classes as u64 {
-                    return Err(csv_error(line_no, format!("label {label} is outside 0..{classes}")));
+                    return Err(csv_error(
+                        line_no,
+                        format!("label {label} is outside 0..{classes}"),
+                    ));
                 }
                 labels.push(label);
             }

@@ -25,16 +25,25 @@ pub(super) fn parse(bytes: &[u8], rank: usize, file: &Path) -> Result<IdxBytes> 
         return Err(idx_error(file, "shorter than the 4-byte magic number"));
     }
     if bytes[0] != 0 || bytes[1] != 0 {
-        return Err(idx_error(file, "the magic number does not start with two zero bytes"));
+        return Err(idx_error(
+            file,
+            "the magic number does not start with two zero bytes",
+        ));
     }
     if bytes[2] != 0x08 {
         return Err(idx_error(
             file,
-            format!("element type 0x{:02x}; only unsigned bytes (0x08) are supported", bytes[2]),
+            format!(
+                "element type 0x{:02x}; only unsigned bytes (0x08) are supported",
+                bytes[2]
+            ),
         ));
     }
     if bytes[3] as usize != rank {
-        return Err(idx_error(file, format!("rank {}, expected {rank}", bytes[3])));
+        return Err(idx_error(
+            file,
+            format!("rank {}, expected {rank}", bytes[3]),
+        ));
     }
     let header = 4 + 4 * rank;
     if bytes.len() < header {
@@ -52,7 +61,10 @@ pub(super) fn parse(bytes: &[u8], rank: usize, file: &Path) -> Result<IdxBytes> 
     if data.len() != count {
         return Err(idx_error(
             file,
-            format!("dimensions {dims:?} need {count} bytes of data, the file has {}", data.len()),
+            format!(
+                "dimensions {dims:?} need {count} bytes of data, the file has {}",
+                data.len()
+            ),
         ));
     }
     Ok(IdxBytes {
@@ -98,7 +110,10 @@ pub(super) fn images_and_labels(
     let features = images.data.iter().map(|&p| f32::from(p) / 255.0).collect();
     let labels: Vec<i64> = labels.data.iter().map(|&l| i64::from(l)).collect();
     if let Some(bad) = labels.iter().find(|&&l| l > 9) {
-        return Err(idx_error(labels_file, format!("label {bad} is not a digit")));
+        return Err(idx_error(
+            labels_file,
+            format!("label {bad} is not a digit"),
+        ));
     }
     Dataset::new(features, labels, dim, 10)
 }

@@ -149,7 +149,8 @@ impl<'d> Loader<'d> {
     ) -> Result<()> {
         let order = self.order(epoch);
         let count = self.batches_per_epoch();
-        let rows = |i: usize| &order[i * self.batch_size..((i + 1) * self.batch_size).min(order.len())];
+        let rows =
+            |i: usize| &order[i * self.batch_size..((i + 1) * self.batch_size).min(order.len())];
         if !background {
             let mut batch = Batch::empty();
             for i in 0..count {

@@ -47,7 +47,12 @@ impl Dataset {
     /// [`Error::DataLength`] when the feature count is not `labels.len() * dim`;
     /// [`Error::IndexOutOfRange`] for a label outside `0..classes`; [`Error::InvalidShape`] for
     /// `dim == 0`.
-    pub fn new(features: Vec<f32>, labels: Vec<i64>, dim: usize, classes: usize) -> Result<Dataset> {
+    pub fn new(
+        features: Vec<f32>,
+        labels: Vec<i64>,
+        dim: usize,
+        classes: usize,
+    ) -> Result<Dataset> {
         if dim == 0 {
             return Err(Error::InvalidShape {
                 op: "Dataset::new",
@@ -66,7 +71,10 @@ impl Dataset {
                 got: features.len(),
             });
         }
-        if let Some(&bad) = labels.iter().find(|&&l| l < 0 || l as u64 >= classes as u64) {
+        if let Some(&bad) = labels
+            .iter()
+            .find(|&&l| l < 0 || l as u64 >= classes as u64)
+        {
             return Err(Error::IndexOutOfRange {
                 op: "Dataset::new",
                 index: bad,

@@ -81,6 +81,8 @@ impl<'m> Module<'m> for Dropout {
 }
 
 /// One stage of a [`Sequential`].
+// A model holds a handful of layers, built once: boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Layer<'m> {
     /// A fully connected layer.

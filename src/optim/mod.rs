@@ -50,8 +50,11 @@ pub trait Optimizer<'m> {
     /// # Errors
     /// [`Error::InvalidShape`] when `params` is not the set the optimizer was created for; shape or
     /// dtype mismatches between a parameter and its gradient.
-    fn step<P: Parameters<'m> + ?Sized>(&mut self, params: &mut P, grads: &Gradients<'_>)
-    -> Result<()>;
+    fn step<P: Parameters<'m> + ?Sized>(
+        &mut self,
+        params: &mut P,
+        grads: &Gradients<'_>,
+    ) -> Result<()>;
 
     /// The learning rate.
     fn learning_rate(&self) -> f64;

@@ -62,7 +62,9 @@ impl<'m> Sgd<'m> {
             return Err(Error::InvalidShape {
                 op: "Sgd::new",
                 shape: Vec::new(),
-                reason: format!("learning rate, momentum and weight decay must be >= 0, got {config:?}"),
+                reason: format!(
+                    "learning rate, momentum and weight decay must be >= 0, got {config:?}"
+                ),
             });
         }
         Ok(Sgd {
