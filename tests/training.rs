@@ -572,3 +572,48 @@ fn mnist_idx_files_are_read_and_corrupt_ones_refused() {
     assert!(matches!(err, Error::Io { .. }), "{err}");
     assert!(err.to_string().contains(".gz"), "{err}");
 }
+
+/// A training step that panics after backward, with the tape and the gradients alive, when `fail`.
+fn step_that_may_panic<'m>(
+    m: &Scope<'m>,
+    model: &mut Sequential<'m>,
+    opt: &mut Adam<'m>,
+    fail: bool,
+) -> Result<f32> {
+    m.scope(|b| {
+        let tape = Tape::new(b);
+        let x = tape.constant(&b.randn(&[5, 8])?);
+        let y = b.from_slice(&[0i64, 1, 2, 3, 0], &[5])?;
+        let loss = model.forward(&x, Mode::Train)?.cross_entropy(&y)?;
+        let grads = tape.backward(&loss)?;
+        assert!(!fail, "injected failure with the tape and gradients alive");
+        opt.step(model, &grads)?;
+        loss.value().to_scalar::<f32>()
+    })
+}
+
+#[test]
+fn a_panic_in_a_training_step_returns_every_byte_and_the_next_step_runs() {
+    root(Device::Cpu, |m| {
+        let mut model = nn::mlp(m, &[8, 16, 4], Activation::Relu, Init::KaimingUniform)?;
+        let mut opt = Adam::new(m, &model, AdamConfig::adam(1e-2))?;
+        let model_bytes = m.stats().live_bytes;
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            step_that_may_panic(m, &mut model, &mut opt, true)
+        }));
+        assert!(caught.is_err());
+        let st = m.stats();
+        assert_eq!(
+            st.live_bytes, model_bytes,
+            "the failed step left bytes in the model scope"
+        );
+        assert_eq!(
+            st.subtree_bytes, model_bytes,
+            "the failed step's batch scope kept bytes"
+        );
+        assert!(step_that_may_panic(m, &mut model, &mut opt, false)?.is_finite());
+        assert_eq!(opt.steps(), 1);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
