@@ -6,6 +6,7 @@
 //! for what the compiler's messages mean.
 
 pub(crate) mod dump;
+mod fault;
 mod movable;
 pub(crate) mod node;
 pub(crate) mod system;
@@ -14,6 +15,7 @@ use std::marker::PhantomData;
 use std::ops::Deref;
 use std::panic::Location;
 
+pub use fault::Fault;
 pub use movable::Movable;
 pub use system::system_stats;
 
@@ -270,6 +272,36 @@ impl<'s> Scope<'s> {
     /// ```
     pub fn trim_cache(&self, max_cached: usize) -> usize {
         self.node.tree().pool.borrow_mut().trim(max_cached)
+    }
+
+    /// Fault injection for tests: the `nth` allocation from now anywhere in this scope's tree
+    /// (counting from 1) fails with `fault`, once. Run a step once to count its allocations
+    /// (`stats().allocations`), then inject a fault at each of them in turn to check that every failure
+    /// point leaves the tree consistent. `nth == 0` disarms.
+    ///
+    /// ```
+    /// use ndscope::{Device, Error, Fault, root};
+    /// root(Device::Cpu, |s| {
+    ///     s.inject_fault(2, Fault::OutOfBudget);
+    ///     let a = s.zeros(&[4])?;                   // the first allocation succeeds
+    ///     let b = a.add_scalar(1.0);                // the second is refused
+    ///     assert!(matches!(b, Err(Error::OutOfMemory { .. })));
+    ///     assert!(a.add_scalar(1.0).is_ok());       // the fault fired once
+    ///     Ok::<_, Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn inject_fault(&self, nth: u64, fault: Fault) {
+        self.node.tree().faults.arm(nth, fault);
+    }
+
+    /// Disarms a fault set with [`inject_fault`](Self::inject_fault) that has not fired yet; returns
+    /// whether one was armed.
+    pub fn clear_fault(&self) -> bool {
+        let faults = &self.node.tree().faults;
+        let armed = faults.is_armed();
+        faults.disarm();
+        armed
     }
 
     /// Reseeds the tree's random generator (used by [`rand`](Self::rand) and [`randn`](Self::randn)).

@@ -16,6 +16,7 @@ use crate::layout::checked_numel;
 use crate::memory::arena::Workspace;
 use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region, ShapeSummary};
 use crate::memory::pool::{ALIGN, Pool, Source};
+use crate::scope::fault::FaultPlan;
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
 
@@ -30,6 +31,7 @@ pub(crate) struct TreeState {
     pub(crate) slab: RefCell<HeaderSlab>,
     pub(crate) rng: Cell<Rng>,
     pub(crate) root: Cell<*const ScopeNode>,
+    pub(crate) faults: FaultPlan,
 }
 
 impl TreeState {
@@ -39,6 +41,7 @@ impl TreeState {
             slab: RefCell::new(HeaderSlab::default()),
             rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
             root: Cell::new(ptr::null()),
+            faults: FaultPlan::default(),
         }
     }
 }
@@ -249,6 +252,7 @@ impl ScopeNode {
         at: &'static Location<'static>,
     ) -> Result<BlockRef> {
         let bytes = checked_numel(shape, dtype.size())? * dtype.size();
+        self.tree().faults.on_alloc(self, bytes)?;
         self.admit(bytes, None)?;
         let region = if bytes == 0 {
             Region::empty()
