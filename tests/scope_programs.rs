@@ -1,11 +1,14 @@
 //! Random programs of nested scopes (pool and workspace), checked against a simple model.
 //!
-//! A program allocates, computes, clones, drops, forgets, returns (`ret`) and detaches tensors, opens
-//! child scopes and panics inside them. After every step each live handle must still hold the values
-//! the model says (a use-after-free, a double free or an arena overwrite would change them); every
-//! closing scope must hand exactly its remaining blocks to the reclaim count; a subtree that forgot
-//! nothing must close with nothing left; and detached tensors must keep their values after the tree is
-//! gone. `PROPTEST_CASES=20000 cargo test --release --test scope_programs` runs a longer campaign.
+//! A program allocates, computes (arithmetic, views, reductions), clones, drops, forgets, returns
+//! (`ret`), moves (`move_to`) and detaches tensors, caps its scope or sets a budget and allocates
+//! anyway, opens child scopes and panics inside them. After every step each live handle must still hold
+//! the values the model says (a use-after-free, a double free or an arena overwrite would change them);
+//! a scope never owns more blocks than its handles and forgotten handles account for; every closing
+//! scope must hand exactly its remaining blocks to the reclaim count; a subtree that forgot nothing must
+//! close with nothing left; and detached tensors must keep their values after the tree is gone, and
+//! free them when dropped. CI runs 4,096 programs;
+//! `PROPTEST_CASES=100000 cargo test --release --test scope_programs` runs a longer campaign.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -21,6 +24,18 @@ enum Action {
     },
     /// `3 * t` through two temporaries.
     Compute(usize),
+    /// A view of the first half (sharing the block).
+    View(usize),
+    /// `max(-t, 0)` through two temporaries.
+    NegRelu(usize),
+    /// The sum of all elements (when it is exact in `f32`).
+    SumAll(usize),
+    /// `move_to` the parent scope.
+    MoveUp(usize),
+    /// Cap the scope, check that an allocation is refused, uncap.
+    CappedAlloc,
+    /// Set a budget of exactly the live bytes, check that an allocation is refused, lift it.
+    OverBudgetAlloc,
     Clone(usize),
     Drop(usize),
     Forget(usize),
@@ -38,6 +53,12 @@ fn program() -> impl Strategy<Value = Vec<Action>> {
     let leaf = prop_oneof![
         4 => (0usize..40, any::<i8>()).prop_map(|(len, value)| Action::Alloc { len, value }),
         2 => any::<usize>().prop_map(Action::Compute),
+        1 => any::<usize>().prop_map(Action::View),
+        1 => any::<usize>().prop_map(Action::NegRelu),
+        1 => any::<usize>().prop_map(Action::SumAll),
+        1 => any::<usize>().prop_map(Action::MoveUp),
+        1 => Just(Action::CappedAlloc),
+        1 => Just(Action::OverBudgetAlloc),
         2 => any::<usize>().prop_map(Action::Clone),
         2 => any::<usize>().prop_map(Action::Drop),
         1 => any::<usize>().prop_map(Action::Forget),
@@ -89,6 +110,7 @@ fn exec<'c, 'p>(
 ) -> Result<bool> {
     let mut local: Vec<Held<'c>> = Vec::new();
     let mut forgot = false;
+    let mut forgotten_here = 0;
     for action in program {
         let n = local.len();
         match action {
@@ -105,6 +127,60 @@ fn exec<'c, 'p>(
                 let want = h.want.iter().map(|v| v * 3.0).collect();
                 local.push(Held { t, want });
             }
+            Action::View(i) if n > 0 => {
+                let h = &local[i % n];
+                let half = h.want.len() / 2;
+                local.push(Held {
+                    t: h.t.narrow(0, 0, half)?,
+                    want: h.want[..half].to_vec(),
+                });
+            }
+            Action::NegRelu(i) if n > 0 => {
+                let h = &local[i % n];
+                let want = h.want.iter().map(|v| (-v).max(0.0)).collect();
+                local.push(Held {
+                    t: h.t.neg()?.relu()?,
+                    want,
+                });
+            }
+            Action::SumAll(i) if n > 0 => {
+                let h = &local[i % n];
+                // Exact in f32 whatever the summation order: every partial sum is an integer < 2^24.
+                let exact = h.want.iter().map(|v| f64::from(v.abs())).sum::<f64>() < f64::from(1u32 << 24);
+                if exact {
+                    local.push(Held {
+                        t: h.t.sum_all()?.reshape(&[1])?,
+                        want: vec![h.want.iter().sum()],
+                    });
+                }
+            }
+            Action::MoveUp(i) if n > 0 => {
+                let h = local.swap_remove(i % n);
+                up.push(Held {
+                    t: h.t.move_to(c.parent())?,
+                    want: h.want,
+                });
+            }
+            Action::CappedAlloc => {
+                let before = c.stats();
+                c.cap();
+                let refused = c.full(&[4], 1.0);
+                c.uncap();
+                assert!(matches!(refused, Err(ndscope::Error::Capped { .. })), "a capped scope allocated");
+                assert_eq!(c.stats().live_bytes, before.live_bytes);
+            }
+            Action::OverBudgetAlloc => {
+                let before = c.stats();
+                c.set_budget(Some(before.subtree_bytes));
+                let refused = c.full(&[4], 1.0);
+                c.set_budget(None);
+                assert!(
+                    matches!(refused, Err(ndscope::Error::OutOfMemory { .. })),
+                    "an allocation past the budget succeeded"
+                );
+                let after = c.stats();
+                assert_eq!((after.live_bytes, after.ooms), (before.live_bytes, before.ooms + 1));
+            }
             Action::Clone(i) if n > 0 => {
                 let h = &local[i % n];
                 local.push(Held {
@@ -116,6 +192,7 @@ fn exec<'c, 'p>(
             Action::Forget(i) if n > 0 => {
                 std::mem::forget(local.swap_remove(i % n).t);
                 forgot = true;
+                forgotten_here += 1;
             }
             Action::Ret(i) if n > 0 => {
                 let h = local.swap_remove(i % n);
@@ -176,6 +253,14 @@ fn exec<'c, 'p>(
         }
         check(&local);
         check(up);
+        // Every block this scope owns is reachable from a handle here, or was forgotten here (or
+        // in a child whose forgotten block was returned with `ret` by a clone).
+        let owned = c.stats().live_tensors;
+        assert!(
+            owned <= local.len() + forgotten_here || forgot,
+            "scope owns {owned} blocks with {} handles and nothing forgotten",
+            local.len()
+        );
     }
     Ok(forgot)
 }
@@ -203,7 +288,7 @@ fn quiet_deliberate_panics() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
 
     #[test]
     fn scope_programs_keep_values_and_return_every_byte(program in program()) {
@@ -211,6 +296,7 @@ proptest! {
         // Small arenas: programs both fit in them and spill out of them.
         let mut workspaces: Vec<Workspace> = (0..4).map(|_| Workspace::with_capacity("cycle", 1024)).collect();
         let mut run = Run::default();
+        let detached_before = ndscope::system_stats();
         let kept = root(Device::Cpu, |s| -> Result<Vec<Vec<f32>>> {
             let mut top: Vec<Held<'_>> = Vec::new();
             let outcome = catch_unwind(AssertUnwindSafe(|| {
@@ -239,7 +325,11 @@ proptest! {
         })
         .unwrap();
         let _ = kept;
-        // Detached tensors outlive the tree with their values.
+        // Detached tensors outlive the tree with their values, and free them when dropped.
         check(&run.detached);
+        drop(run);
+        let detached_after = ndscope::system_stats();
+        prop_assert_eq!(detached_after.live_tensors, detached_before.live_tensors);
+        prop_assert_eq!(detached_after.live_bytes, detached_before.live_bytes);
     }
 }
