@@ -21,18 +21,22 @@ pub struct Layout {
 }
 
 /// Number of elements of `shape`, or an error when it overflows `usize` (with the byte count).
+///
+/// The limit applies to the product of the non-zero dimensions too: a shape like `[0, 2, usize::MAX]`
+/// holds no element, but its strides would overflow, so it is refused like any oversized shape.
 pub(crate) fn checked_numel(shape: &[usize], element_bytes: usize) -> Result<usize> {
     let overflow = || Error::SizeOverflow {
         shape: shape.to_vec(),
         element_bytes,
     };
-    let n = shape
+    let nonzero = shape
         .iter()
+        .filter(|&&d| d != 0)
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
         .ok_or_else(overflow)?;
     // Allocations are limited to isize::MAX bytes.
-    match n.checked_mul(element_bytes) {
-        Some(b) if b <= isize::MAX as usize => Ok(n),
+    match nonzero.checked_mul(element_bytes.max(1)) {
+        Some(b) if b <= isize::MAX as usize => Ok(if shape.contains(&0) { 0 } else { nonzero }),
         _ => Err(overflow()),
     }
 }
@@ -136,7 +140,7 @@ impl Layout {
             if d != 1 && s != expected {
                 return false;
             }
-            expected *= d;
+            expected = expected.saturating_mul(d);
         }
         true
     }
@@ -223,6 +227,7 @@ impl Layout {
         if shape.len() < self.rank() {
             return Err(mismatch());
         }
+        checked_numel(shape, 1)?;
         let lead = shape.len() - self.rank();
         let mut strides: Shape = SmallVec::from_elem(0, shape.len());
         for (i, &d) in shape.iter().enumerate().skip(lead) {

@@ -74,7 +74,10 @@ fn every_fault_point(workspace: bool) -> usize {
             let before = m.stats().allocations;
             run_step(m, &mut model, &mut opt, workspace.then_some(&mut ws))?;
             let points = m.stats().allocations - before;
-            assert!(points >= 20, "a step should allocate at many points, got {points}");
+            assert!(
+                points >= 20,
+                "a step should allocate at many points, got {points}"
+            );
             let mut injected = 0;
             for fault in [Fault::OutOfBudget, Fault::Panic] {
                 for k in 1..=points {
@@ -86,21 +89,42 @@ fn every_fault_point(workspace: bool) -> usize {
                     match (fault, outcome) {
                         (Fault::OutOfBudget, Ok(Err(Error::OutOfMemory { .. }))) => {}
                         (Fault::Panic, Err(payload)) => {
-                            let message = payload.downcast_ref::<String>().cloned().unwrap_or_default();
+                            let message = payload
+                                .downcast_ref::<String>()
+                                .cloned()
+                                .unwrap_or_default();
                             assert!(message.starts_with(INJECTED), "another panic: {message}");
                         }
-                        (_, other) => panic!("fault {fault:?} at allocation {k}: the step ended with {other:?}"),
+                        (_, other) => panic!(
+                            "fault {fault:?} at allocation {k}: the step ended with {other:?}"
+                        ),
                     }
                     injected += 1;
                     assert!(!m.clear_fault(), "the fault at allocation {k} did not fire");
                     let after = m.stats();
-                    assert_eq!(after.live_bytes, model_stats.live_bytes, "{fault:?} at {k}: model bytes changed");
-                    assert_eq!(after.live_tensors, model_stats.live_tensors, "{fault:?} at {k}: model tensors changed");
-                    assert_eq!(after.subtree_bytes, after.live_bytes, "{fault:?} at {k}: a batch scope kept bytes");
-                    assert_eq!(after.reclaimed_tensors, 0, "{fault:?} at {k}: a handle was lost and reclaimed");
+                    assert_eq!(
+                        after.live_bytes, model_stats.live_bytes,
+                        "{fault:?} at {k}: model bytes changed"
+                    );
+                    assert_eq!(
+                        after.live_tensors, model_stats.live_tensors,
+                        "{fault:?} at {k}: model tensors changed"
+                    );
+                    assert_eq!(
+                        after.subtree_bytes, after.live_bytes,
+                        "{fault:?} at {k}: a batch scope kept bytes"
+                    );
+                    assert_eq!(
+                        after.reclaimed_tensors, 0,
+                        "{fault:?} at {k}: a handle was lost and reclaimed"
+                    );
                     // The optimizer writes only after every allocation of the step: a failed step
                     // leaves the model as it was.
-                    assert_eq!(parameters(&model), params, "{fault:?} at {k}: a failed step changed parameters");
+                    assert_eq!(
+                        parameters(&model),
+                        params,
+                        "{fault:?} at {k}: a failed step changed parameters"
+                    );
                     assert_eq!(opt.steps(), steps);
                     let loss = run_step(m, &mut model, &mut opt, workspace.then_some(&mut ws))?;
                     assert!(loss.is_finite(), "{fault:?} at {k}: the next step failed");
@@ -143,7 +167,17 @@ fn a_fault_fires_once_and_can_be_disarmed() {
         assert!(!s.clear_fault(), "nth = 0 disarms");
         s.inject_fault(1, Fault::OutOfBudget);
         let err = s.zeros(&[4]).unwrap_err();
-        assert!(matches!(err, Error::OutOfMemory { requested: 16, budget: Some(_), .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                Error::OutOfMemory {
+                    requested: 16,
+                    budget: Some(_),
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("budget"), "{err}");
         assert!(s.zeros(&[4]).is_ok());
         Ok::<_, Error>(())

@@ -146,7 +146,8 @@ fn exec<'c, 'p>(
             Action::SumAll(i) if n > 0 => {
                 let h = &local[i % n];
                 // Exact in f32 whatever the summation order: every partial sum is an integer < 2^24.
-                let exact = h.want.iter().map(|v| f64::from(v.abs())).sum::<f64>() < f64::from(1u32 << 24);
+                let exact =
+                    h.want.iter().map(|v| f64::from(v.abs())).sum::<f64>() < f64::from(1u32 << 24);
                 if exact {
                     local.push(Held {
                         t: h.t.sum_all()?.reshape(&[1])?,
@@ -166,7 +167,10 @@ fn exec<'c, 'p>(
                 c.cap();
                 let refused = c.full(&[4], 1.0);
                 c.uncap();
-                assert!(matches!(refused, Err(ndscope::Error::Capped { .. })), "a capped scope allocated");
+                assert!(
+                    matches!(refused, Err(ndscope::Error::Capped { .. })),
+                    "a capped scope allocated"
+                );
                 assert_eq!(c.stats().live_bytes, before.live_bytes);
             }
             Action::OverBudgetAlloc => {
@@ -179,7 +183,10 @@ fn exec<'c, 'p>(
                     "an allocation past the budget succeeded"
                 );
                 let after = c.stats();
-                assert_eq!((after.live_bytes, after.ooms), (before.live_bytes, before.ooms + 1));
+                assert_eq!(
+                    (after.live_bytes, after.ooms),
+                    (before.live_bytes, before.ooms + 1)
+                );
             }
             Action::Clone(i) if n > 0 => {
                 let h = &local[i % n];

@@ -110,6 +110,24 @@ impl Dataset {
         csv::parse_labelled(text, dim, classes, scale)
     }
 
+    /// Parses gzip-compressed CSV bytes as [`from_csv`](Self::from_csv) does.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for bytes that are not gzip or not valid UTF-8 text, and as for `from_csv`.
+    pub fn from_csv_gz(bytes: &[u8], dim: usize, classes: usize, scale: f32) -> Result<Dataset> {
+        csv::parse_labelled(&csv::gunzip(bytes)?, dim, classes, scale)
+    }
+
+    /// A data set from the bytes of an IDX image file (`[n, rows, cols]` unsigned bytes) and an IDX
+    /// label file (`[n]` digits), pixels scaled to `0..=1`.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for a corrupt or truncated file, counts that differ, or a label above 9.
+    pub fn from_idx(images: &[u8], labels: &[u8]) -> Result<Dataset> {
+        let unnamed = std::path::Path::new("(bytes)");
+        idx::images_and_labels(images, unnamed, labels, unnamed)
+    }
+
     /// The MNIST training and test sets from the IDX files in `dir` (`train-images-idx3-ubyte`,
     /// `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte`, `t10k-labels-idx1-ubyte`, optionally
     /// gzip-compressed with a `.gz` suffix), pixels scaled to `0..=1`.

@@ -16,9 +16,9 @@ use crate::layout::checked_numel;
 use crate::memory::arena::Workspace;
 use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region, ShapeSummary};
 use crate::memory::pool::{ALIGN, Pool, Source};
-use crate::scope::fault::FaultPlan;
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
+use crate::scope::fault::FaultPlan;
 
 thread_local! {
     /// Scopes opened so far on this thread; a scope opened later closes earlier (LIFO).
