@@ -16,7 +16,7 @@ use std::time::Instant;
 use ndscope::data::{Batch, Dataset, Loader};
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ndscope::{Device, Error, Result, Scope, Tape, Workspace, checkpoint, root};
+use ndscope::{Device, Error, Result, Scope, Tape, Tensor, Workspace, checkpoint, root};
 
 const USAGE: &str = "\
 Train an MLP on handwritten digits with ndscope.
@@ -33,6 +33,9 @@ OPTIONS:
   --seed N             initialisation, split and shuffling  [default: 42]
   --data DIR           MNIST IDX files in DIR instead of the bundled digits
   --checkpoint FILE    write the trained parameters as safetensors
+  --timeline PREFIX    record the memory timeline: PREFIX.json and a chart, PREFIX.svg
+  --leak               keep every batch's logits in the model scope (with `move_to`),
+                       to see what a leak looks like in the stats and the timeline
   --help               this text";
 
 /// The command line, parsed.
@@ -47,6 +50,8 @@ struct Options {
     seed: u64,
     data: Option<String>,
     checkpoint: Option<String>,
+    timeline: Option<String>,
+    leak: bool,
 }
 
 impl Options {
@@ -61,11 +66,17 @@ impl Options {
             seed: 42,
             data: None,
             checkpoint: None,
+            timeline: None,
+            leak: false,
         };
         let mut args = args.peekable();
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
                 return Err(String::new());
+            }
+            if flag == "--leak" {
+                o.leak = true;
+                continue;
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let bad = |what: &str| format!("{flag}: {value:?} is not {what}");
@@ -90,6 +101,7 @@ impl Options {
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
                 "--data" => o.data = Some(value),
                 "--checkpoint" => o.checkpoint = Some(value),
+                "--timeline" => o.timeline = Some(value),
                 _ => return Err(format!("unknown option {flag}")),
             }
         }
@@ -115,22 +127,27 @@ impl<'m> AnyOptimizer<'m> {
     }
 }
 
-/// One training step in the batch scope `b`: forward, backward, update. Returns the loss and the
-/// batch scope's peak bytes.
+/// One training step in the batch scope `b` of the model scope `m`: forward, backward, update. Returns
+/// the loss and the batch scope's peak bytes. With `leak`, the batch's logits are moved into the model
+/// scope and kept: legal (the move is explicit), and exactly the leak the stats and timeline expose.
 fn train_step<'m: 'b, 'b>(
+    m: &Scope<'m>,
     b: &'b Scope<'b>,
     model: &mut Sequential<'m>,
     opt: &mut AnyOptimizer<'m>,
     batch: &Batch,
+    leak: Option<&mut Vec<Tensor<'m>>>,
 ) -> Result<(f32, usize)> {
     let x = b.from_slice(batch.features(), &batch.feature_shape())?;
     let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
     let tape = Tape::new(b);
-    let loss = model
-        .forward(&tape.constant(&x), Mode::Train)?
-        .cross_entropy(&labels)?;
+    let logits = model.forward(&tape.constant(&x), Mode::Train)?;
+    let loss = logits.cross_entropy(&labels)?;
     let grads = tape.backward(&loss)?;
     opt.step(model, &grads)?;
+    if let Some(kept) = leak {
+        kept.push(logits.into_value().move_to(m)?.named("leaked logits"));
+    }
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 
@@ -227,16 +244,26 @@ fn run(o: &Options) -> Result<()> {
                 o.seed
             );
             let model_at_start = m.stats();
+            let mut leaked: Vec<Tensor<'_>> = Vec::new();
+            if o.timeline.is_some() {
+                s.record_timeline();
+            }
             for epoch in 1..=o.epochs {
                 let mut loss_sum = 0.0f64;
                 let mut batch_peak = 0;
                 let before = m.stats();
                 loader.for_each_batch(epoch, true, |batch| {
+                    let leak = o.leak.then_some(&mut leaked);
                     let (loss, peak) = if o.workspace {
-                        m.workspace(&mut ws, |b| train_step(b, &mut model, &mut opt, batch))?
+                        m.workspace(&mut ws, |b| {
+                            train_step(m, b, &mut model, &mut opt, batch, leak)
+                        })?
                     } else {
-                        m.named_scope("batch", |b| train_step(b, &mut model, &mut opt, batch))?
+                        m.named_scope("batch", |b| {
+                            train_step(m, b, &mut model, &mut opt, batch, leak)
+                        })?
                     };
+                    m.mark_step();
                     batch_peak = batch_peak.max(peak);
                     loss_sum += f64::from(loss);
                     progress.draw(epoch, o.epochs, batch.index() + 1, steps_per_epoch);
@@ -267,6 +294,27 @@ fn run(o: &Options) -> Result<()> {
                 ws.spills(),
                 ws.last_cycle_spills()
             );
+            if let Some(prefix) = &o.timeline {
+                let timeline = s.take_timeline();
+                let title = if o.leak {
+                    "live bytes per scope: a loop that keeps every batch's logits"
+                } else {
+                    "live bytes per scope: a healthy training loop"
+                };
+                write_file(&format!("{prefix}.json"), &timeline.to_json())?;
+                write_file(&format!("{prefix}.svg"), &timeline.to_svg(title))?;
+                println!(
+                    "timeline: {} events in {prefix}.json, chart in {prefix}.svg",
+                    timeline.events().len()
+                );
+            }
+            if o.leak {
+                println!(
+                    "leak: {} batches of logits kept in the model scope ({} B)",
+                    leaked.len(),
+                    leaked.iter().map(|t| t.numel() * 4).sum::<usize>()
+                );
+            }
             if let Some(path) = &o.checkpoint {
                 checkpoint::save(&model, path)?;
                 println!("checkpoint: wrote {path} (safetensors; names {:?})", names(&model));
@@ -277,6 +325,13 @@ fn run(o: &Options) -> Result<()> {
     })?;
     println!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+fn write_file(path: &str, text: &str) -> Result<()> {
+    std::fs::write(path, text).map_err(|e| Error::Io {
+        path: path.to_string(),
+        reason: e.to_string(),
+    })
 }
 
 fn names(model: &Sequential<'_>) -> Vec<String> {

@@ -26,5 +26,7 @@ pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
 pub use memory::stats::ScopeStats;
 pub use rng::DEFAULT_SEED;
-pub use scope::{Child, Fault, Movable, Scope, root, system_stats};
+pub use scope::{
+    Child, EventKind, Fault, MemoryEvent, Movable, Scope, Timeline, root, system_stats,
+};
 pub use tensor::Tensor;

@@ -7,6 +7,7 @@
 
 pub(crate) mod dump;
 mod fault;
+mod timeline;
 mod movable;
 pub(crate) mod node;
 pub(crate) mod system;
@@ -16,6 +17,7 @@ use std::ops::Deref;
 use std::panic::Location;
 
 pub use fault::Fault;
+pub use timeline::{EventKind, MemoryEvent, Timeline};
 pub use movable::Movable;
 pub use system::system_stats;
 
@@ -302,6 +304,42 @@ impl<'s> Scope<'s> {
         let armed = faults.is_armed();
         faults.disarm();
         armed
+    }
+
+    /// Starts recording a memory timeline for this scope's whole tree: every allocation, free, move
+    /// and reclaim, with its time, scope, bytes and tensor. Restarting discards what was recorded.
+    /// Recording costs one small record per event; it is off unless started.
+    ///
+    /// ```
+    /// use ndscope::{Device, root};
+    /// root(Device::Cpu, |model| {
+    ///     model.record_timeline();
+    ///     for _ in 0..3 {
+    ///         model.named_scope("batch", |b| b.ones(&[256]).map(drop))?;
+    ///         model.mark_step();
+    ///     }
+    ///     let timeline = model.take_timeline();
+    ///     assert_eq!(timeline.events().len(), 6); // an alloc and a free per step
+    ///     assert_eq!(timeline.live_bytes_by_scope()["batch"].last(), Some(&(timeline.events()[5].time_us, 0)));
+    ///     assert!(timeline.to_svg("batches").starts_with("<svg"));
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn record_timeline(&self) {
+        self.node.tree().timeline.start(self.node.root());
+    }
+
+    /// Stops recording and returns the timeline recorded since [`record_timeline`](Self::record_timeline)
+    /// (empty if it was not started).
+    pub fn take_timeline(&self) -> Timeline {
+        self.node.tree().timeline.stop()
+    }
+
+    /// Advances the step counter that recorded events carry (call it once per training step); returns
+    /// the new step number.
+    pub fn mark_step(&self) -> u64 {
+        self.node.tree().timeline.mark_step()
     }
 
     /// Reseeds the tree's random generator (used by [`rand`](Self::rand) and [`randn`](Self::randn)).

@@ -19,6 +19,7 @@ use crate::memory::pool::{ALIGN, Pool, Source};
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
 use crate::scope::fault::FaultPlan;
+use crate::scope::timeline::{EventKind, Recorder};
 
 thread_local! {
     /// Scopes opened so far on this thread; a scope opened later closes earlier (LIFO).
@@ -32,6 +33,7 @@ pub(crate) struct TreeState {
     pub(crate) rng: Cell<Rng>,
     pub(crate) root: Cell<*const ScopeNode>,
     pub(crate) faults: FaultPlan,
+    pub(crate) timeline: Recorder,
 }
 
 impl TreeState {
@@ -42,6 +44,7 @@ impl TreeState {
             rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
             root: Cell::new(ptr::null()),
             faults: FaultPlan::default(),
+            timeline: Recorder::default(),
         }
     }
 }
@@ -299,13 +302,14 @@ impl ScopeNode {
         if grew {
             self.stats.borrow_mut().system_allocations += 1;
         }
-        self.attach(header_ref);
+        self.attach(header_ref, EventKind::Alloc);
         // SAFETY: initialised above with `refs == 1`; slab headers live as long as the tree.
         Ok(unsafe { BlockRef::adopt(header) })
     }
 
     /// Links a block into this scope's list and counts it.
-    fn attach(&self, h: &BlockHeader) {
+    fn attach(&self, h: &BlockHeader, event: EventKind) {
+        self.tree().timeline.record(self.name, event, h);
         h.owner.set(self);
         h.prev.set(ptr::null());
         h.next.set(self.blocks.get());
@@ -328,7 +332,8 @@ impl ScopeNode {
     }
 
     /// Unlinks a block from this scope's list and uncounts it.
-    fn detach(&self, h: &BlockHeader) {
+    fn detach(&self, h: &BlockHeader, event: EventKind) {
+        self.tree().timeline.record(self.name, event, h);
         let (prev, next) = (h.prev.get(), h.next.get());
         // SAFETY: neighbours in the list are live headers of this scope.
         unsafe {
@@ -355,7 +360,7 @@ impl ScopeNode {
 
     /// Returns a block whose last handle dropped.
     pub(crate) fn release(&self, h: &BlockHeader) {
-        self.detach(h);
+        self.detach(h, EventKind::Free);
         self.free_bytes(h);
         self.tree().slab.borrow().give(h);
     }
@@ -389,8 +394,8 @@ impl ScopeNode {
             "arena blocks are copied, never adopted"
         );
         self.admit(h.bytes.get(), Some(from))?;
-        from.detach(h);
-        self.attach(h);
+        from.detach(h, EventKind::MoveOut);
+        self.attach(h, EventKind::MoveIn);
         self.stats.borrow_mut().moved_in += 1;
         Ok(())
     }
@@ -399,7 +404,7 @@ impl ScopeNode {
     /// without freeing the bytes. Returns `(ptr, capacity)`.
     pub(crate) fn surrender(&self, h: &BlockHeader) -> (NonNull<u8>, usize) {
         debug_assert!(h.home.get() == Home::Heap && h.is_unique());
-        self.detach(h);
+        self.detach(h, EventKind::Detach);
         let out = (h.ptr.get(), h.capacity.get());
         self.tree().slab.borrow().give(h);
         out
@@ -410,7 +415,7 @@ impl ScopeNode {
     pub(crate) fn close(&self) {
         while let Some(h) = self.blocks().next() {
             let bytes = h.bytes.get() as u64;
-            self.detach(h);
+            self.detach(h, EventKind::Reclaim);
             self.free_bytes(h);
             self.tree().slab.borrow().give(h);
             let mut s = self.stats.borrow_mut();

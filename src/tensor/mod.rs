@@ -385,7 +385,12 @@ impl<'s> Tensor<'s> {
                 target.adopt_block(h)?;
                 return Ok(self.rebrand());
             }
-            return self.copy_to_owner(Owner::Node(target));
+            // A copy is the same tensor to the user: it keeps the original's name and creation site.
+            let copy: Tensor<'b> = self.copy_to_owner(Owner::Node(target))?;
+            let made = copy.block.header();
+            made.name.set(h.name.get());
+            made.created_at.set(h.created_at.get());
+            return Ok(copy);
         }
         // `target` closes before the owner, so the owner already outlives the new brand; hand the block
         // over only when no other handle could still need the owner's lifetime.
