@@ -38,17 +38,32 @@ fn every_kind_of_event_is_recorded_with_its_scope_and_tensor() {
         );
         let e = &timeline.events()[0];
         assert_eq!(e.tensor, None, "the name is given after the allocation");
-        assert_eq!(timeline.events()[6].tensor, Some("kept"), "later events carry it");
-        assert!(e.created_at.starts_with("tests/timeline.rs:"), "{}", e.created_at);
+        assert_eq!(
+            timeline.events()[6].tensor,
+            Some("kept"),
+            "later events carry it"
+        );
+        assert!(
+            e.created_at.starts_with("tests/timeline.rs:"),
+            "{}",
+            e.created_at
+        );
         assert_eq!(timeline.events()[8].tensor, Some("forgotten"));
-        assert_eq!(timeline.baseline()["root"], 32, "the baseline holds what lived before recording");
+        assert_eq!(
+            timeline.baseline()["root"],
+            32,
+            "the baseline holds what lived before recording"
+        );
         let series = timeline.live_bytes_by_scope();
         assert_eq!(series["root"].first().map(|p| p.1), Some(32));
         assert_eq!(series["root"].last().map(|p| p.1), Some(32 + 64));
         assert_eq!(series["batch"].last().map(|p| p.1), Some(0));
         assert!(s.take_timeline().events().is_empty(), "recording stopped");
         drop((before, kept));
-        assert!(s.take_timeline().events().is_empty(), "nothing is recorded after stopping");
+        assert!(
+            s.take_timeline().events().is_empty(),
+            "nothing is recorded after stopping"
+        );
         Ok::<_, Error>(())
     })
     .unwrap();
@@ -70,7 +85,11 @@ fn steps_are_marked_and_workspace_cycles_show_as_a_sawtooth() {
         let timeline = s.take_timeline();
         let series = &timeline.live_bytes_by_scope()["cycle"];
         let levels: Vec<usize> = series.iter().map(|p| p.1).collect();
-        assert_eq!(levels, [256, 512, 256, 0].repeat(4), "up and down within every step");
+        assert_eq!(
+            levels,
+            [256, 512, 256, 0].repeat(4),
+            "up and down within every step"
+        );
         let steps: Vec<u64> = timeline.events().iter().map(|e| e.step).collect();
         assert_eq!(steps, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
         Ok::<_, Error>(())
@@ -86,7 +105,10 @@ fn json_and_svg_are_well_formed_and_escape_names() {
         let timeline = s.take_timeline();
         let json = timeline.to_json();
         assert!(json.starts_with("{\"baseline\": {"), "{json}");
-        assert!(json.contains("\"scope\": \"say \\\"hi\\\" <now>\""), "{json}");
+        assert!(
+            json.contains("\"scope\": \"say \\\"hi\\\" <now>\""),
+            "{json}"
+        );
         assert!(json.contains("\"kind\": \"alloc\"") && json.contains("\"kind\": \"free\""));
         assert_eq!(json.matches('{').count(), json.matches('}').count());
         assert_eq!(json.matches('[').count(), json.matches(']').count());
@@ -110,7 +132,11 @@ fn a_long_recording_draws_a_bounded_chart() {
         let timeline = s.take_timeline();
         assert_eq!(timeline.events().len(), 40_000);
         let svg = timeline.to_svg("many steps");
-        assert!(svg.len() < 64 * 1024, "the chart is bucketed per pixel: {} bytes", svg.len());
+        assert!(
+            svg.len() < 64 * 1024,
+            "the chart is bucketed per pixel: {} bytes",
+            svg.len()
+        );
         Ok::<_, Error>(())
     })
     .unwrap();

@@ -375,13 +375,13 @@ impl<'t, 's> Var<'t, 's> {
                 g2 = g2.unsqueeze(-1)?;
             }
             let ga = if needs[0] {
-                let ga2 = g2.matmul(&b2.transpose(-1, -2)?)?;
+                let ga2 = product_in_layout_of(&a2, &g2, &b2.transpose(-1, -2)?)?;
                 Some(sum_to(&ga2, a2.shape())?.reshape(a.shape())?)
             } else {
                 None
             };
             let gb = if needs[1] {
-                let gb2 = a2.transpose(-1, -2)?.matmul(&g2)?;
+                let gb2 = product_in_layout_of(&b2, &a2.transpose(-1, -2)?, &g2)?;
                 Some(sum_to(&gb2, b2.shape())?.reshape(b.shape())?)
             } else {
                 None
@@ -808,6 +808,22 @@ impl<'t, 's> Var<'t, 's> {
             Ok(grads)
         })
     }
+}
+
+/// `l @ r`, laid out like `like` when `like` is a transposed matrix (a `W.t()` view): then the product is
+/// computed as `(rᵀ @ lᵀ)ᵀ`, so the gradient of a transposed weight comes out as a transposed view of a
+/// contiguous block — after the transpose's own backward, contiguous in the weight's layout, which the
+/// optimizer updates in one streaming pass instead of a strided one.
+fn product_in_layout_of<'s>(
+    like: &Tensor<'s>,
+    l: &Tensor<'s>,
+    r: &Tensor<'s>,
+) -> Result<Tensor<'s>> {
+    let transposed = like.rank() == 2 && !like.is_contiguous() && like.t()?.is_contiguous();
+    if transposed && l.rank() == 2 && r.rank() == 2 {
+        return r.t()?.matmul(&l.t()?)?.t();
+    }
+    l.matmul(r)
 }
 
 fn to_isize(axes: &[usize]) -> SmallVec<[isize; 6]> {

@@ -1,10 +1,12 @@
 //! Fused in-place updates: one pass that rewrites several tensors from one source, as optimizers need
 //! (a parameter and its moment estimates from a gradient) without a temporary per term.
 
+use rayon::prelude::*;
+
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::layout::RowWalk;
-use crate::ops::{same_device, same_dtype};
+use crate::ops::{CHUNK, PARALLEL_MIN, same_device, same_dtype};
 use crate::tensor::Tensor;
 
 /// Calls `f(targets' elements, source element)` for every position, writing the targets in place.
@@ -16,7 +18,7 @@ pub(crate) fn update_in_place<T: Element, const M: usize>(
     op: &'static str,
     targets: [&mut Tensor<'_>; M],
     source: &Tensor<'_>,
-    f: impl Fn([&mut T; M], T),
+    f: impl Fn([&mut T; M], T) + Sync,
 ) -> Result<()> {
     for t in &targets {
         same_dtype(op, t, source)?;
@@ -35,19 +37,68 @@ pub(crate) fn update_in_place<T: Element, const M: usize>(
     for t in targets.iter_mut() {
         t.make_unique_contiguous()?;
     }
-    let mut slices: [&mut [T]; M] = targets.map(|t| t.fresh_mut::<T>());
+    let slices: [&mut [T]; M] = targets.map(|t| t.fresh_mut::<T>());
+    let src = source.block_data::<T>();
+    let n = source.numel();
+    if source.is_contiguous() {
+        let offset = source.layout().offset();
+        update_contiguous(slices, &src[offset..offset + n], &f);
+        return Ok(());
+    }
+    let mut slices = slices;
     let walk = RowWalk::new(
         source.shape(),
         [source.strides()],
         [source.layout().offset()],
     );
     let [ss] = walk.row_strides();
-    let src = source.block_data::<T>();
-    walk.for_segments(0, source.numel(), |pos, [is], len| {
+    walk.for_segments(0, n, |pos, [is], len| {
         for j in 0..len {
             let at = pos + j;
             f(slices.each_mut().map(|s| &mut s[at]), src[is + j * ss]);
         }
     });
     Ok(())
+}
+
+/// The update over contiguous elements: split into chunks that rayon's threads take when there are
+/// enough elements (an optimizer step over a large weight), on the calling thread otherwise.
+fn update_contiguous<T: Element, const M: usize>(
+    targets: [&mut [T]; M],
+    source: &[T],
+    f: &(impl Fn([&mut T; M], T) + Sync),
+) {
+    if source.len() < PARALLEL_MIN {
+        update_chunk(targets, source, f);
+        return;
+    }
+    let mut pieces = Vec::with_capacity(source.len().div_ceil(CHUNK));
+    let (mut rest, mut src) = (targets, source);
+    while !src.is_empty() {
+        let take = CHUNK.min(src.len());
+        let mut halves = rest.map(|s| s.split_at_mut(take));
+        // `&mut [T]` defaults to an empty slice, so the heads can be taken out of the pairs.
+        let heads = halves.each_mut().map(|(head, _)| std::mem::take(head));
+        rest = halves.map(|(_, tail)| tail);
+        pieces.push((heads, &src[..take]));
+        src = &src[take..];
+    }
+    pieces
+        .into_par_iter()
+        .for_each(|(targets, source)| update_chunk(targets, source, f));
+}
+
+/// One pass over a chunk; every target has the source's length.
+#[inline]
+fn update_chunk<T: Element, const M: usize>(
+    mut targets: [&mut [T]; M],
+    source: &[T],
+    f: &impl Fn([&mut T; M], T),
+) {
+    let n = source.len();
+    // Re-slicing to exactly `n` lets the compiler drop the bounds checks in the loop.
+    let mut targets = targets.each_mut().map(|t| &mut t[..n]);
+    for (j, &g) in source.iter().enumerate() {
+        f(targets.each_mut().map(|t| &mut t[j]), g);
+    }
 }

@@ -21,7 +21,7 @@ use crate::tensor::Tensor;
 /// workers costs more than the work (measured on the 2-core CI machine; see BENCHMARKS.md).
 pub(crate) const PARALLEL_MIN: usize = 1 << 16;
 /// Elements per parallel task.
-const CHUNK: usize = 1 << 14;
+pub(crate) const CHUNK: usize = 1 << 14;
 
 /// Fills the contiguous `out` from a walk over the same elements: `f(out_piece, starts)` computes one
 /// row piece, reading operand `k` from `starts[k]` with the walk's row strides. Large outputs are split

@@ -7,19 +7,19 @@
 
 pub(crate) mod dump;
 mod fault;
-mod timeline;
 mod movable;
 pub(crate) mod node;
 pub(crate) mod system;
+mod timeline;
 
 use std::marker::PhantomData;
 use std::ops::Deref;
 use std::panic::Location;
 
 pub use fault::Fault;
-pub use timeline::{EventKind, MemoryEvent, Timeline};
 pub use movable::Movable;
 pub use system::system_stats;
+pub use timeline::{EventKind, MemoryEvent, Timeline};
 
 use crate::device::Device;
 use crate::error::Result;
