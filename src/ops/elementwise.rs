@@ -10,7 +10,9 @@ use std::panic::Location;
 use crate::dtype::{DType, Element, Float, with_dtype, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{RowWalk, broadcast_shapes, contiguous_strides};
-use crate::ops::{fill_segments, same_device, same_dtype};
+use rayon::prelude::*;
+
+use crate::ops::{CHUNK, PARALLEL_MIN, fill_segments, same_device, same_dtype};
 use crate::tensor::Tensor;
 
 /// One output row from two operand rows.
@@ -68,6 +70,32 @@ fn unary_row<T: Copy, U>(out: &mut [U], a: &[T], ia: usize, sa: usize, f: impl F
     }
 }
 
+/// `out[i] = f(a[i], b[i])` over equal-length contiguous slices, on rayon's threads when large.
+fn zip_contiguous<T: Element>(out: &mut [T], a: &[T], b: &[T], f: &(impl Fn(T, T) -> T + Sync)) {
+    if out.len() < PARALLEL_MIN {
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+        return;
+    }
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(o, (a, b))| zip_contiguous(o, a, b, f));
+}
+
+/// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads when large.
+fn map_contiguous<T: Element>(out: &mut [T], a: &[T], f: &(impl Fn(T) -> T + Sync)) {
+    if out.len() < PARALLEL_MIN {
+        for (o, &x) in out.iter_mut().zip(a) {
+            *o = f(x);
+        }
+        return;
+    }
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK))
+        .for_each(|(o, a)| map_contiguous(o, a, f));
+}
+
 macro_rules! binary_ops {
     ($($(#[$doc:meta])* $name:ident => |$a:ident, $b:ident| $body:expr;)*) => {$(
         $(#[$doc])*
@@ -113,6 +141,14 @@ impl<'s> Tensor<'s> {
     ) -> Result<Tensor<'s>> {
         same_dtype(op, self, other)?;
         same_device(op, self, other)?;
+        if self.shape() == other.shape() && self.is_contiguous() && other.is_contiguous() {
+            // The common case, without broadcasting or a strided walk.
+            let mut out =
+                Tensor::output_of(&[self, other], T::DTYPE, self.shape(), Location::caller())?;
+            let (a, b) = (self.contiguous_data::<T>(), other.contiguous_data::<T>());
+            zip_contiguous(out.fresh_mut::<T>(), a, b, &f);
+            return Ok(out);
+        }
         let shape = broadcast_shapes(op, self.shape(), other.shape())?;
         let (la, lb) = (
             self.layout().broadcast_to(&shape)?,
@@ -136,6 +172,10 @@ impl<'s> Tensor<'s> {
     #[track_caller]
     fn map<T: Element>(&self, f: impl Fn(T) -> T + Sync) -> Result<Tensor<'s>> {
         let mut out = Tensor::output_of(&[self], T::DTYPE, self.shape(), Location::caller())?;
+        if self.is_contiguous() {
+            map_contiguous(out.fresh_mut::<T>(), self.contiguous_data::<T>(), &f);
+            return Ok(out);
+        }
         let a = self.block_data::<T>();
         let walk = RowWalk::new(self.shape(), [self.strides()], [self.layout().offset()]);
         let [sa] = walk.row_strides();

@@ -209,10 +209,10 @@ impl Timeline {
             let tensor = e
                 .tensor
                 .map_or_else(|| "null".to_string(), |t| format!("\"{}\"", escape(t)));
-            let _ = write!(
+            let _ = writeln!(
                 out,
                 "  {{\"time_us\": {}, \"step\": {}, \"scope\": \"{}\", \"kind\": \"{}\", \"bytes\": {}, \
-                 \"tensor\": {}, \"created_at\": \"{}\"}}{}\n",
+                 \"tensor\": {}, \"created_at\": \"{}\"}}{}",
                 e.time_us,
                 e.step,
                 escape(&e.scope),

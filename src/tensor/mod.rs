@@ -242,6 +242,14 @@ impl<'s> Tensor<'s> {
         (self.block.as_ptr() as usize, self.layout.offset())
     }
 
+    /// The elements of a contiguous tensor, in order (the caller checked `is_contiguous`).
+    #[inline]
+    pub(crate) fn contiguous_data<T: Element>(&self) -> &[T] {
+        debug_assert!(self.is_contiguous());
+        let offset = self.layout.offset();
+        &self.block_data::<T>()[offset..offset + self.numel()]
+    }
+
     /// The whole block as a mutable slice; `None` unless this handle is the block's only one.
     pub(crate) fn block_data_mut<T: Element>(&mut self) -> Option<&mut [T]> {
         debug_assert_eq!(T::DTYPE, self.dtype);
