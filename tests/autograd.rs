@@ -191,6 +191,34 @@ fn matmul_in_every_rank_combination() {
 }
 
 #[test]
+fn matmul_with_transposed_weights() {
+    // Linear layers multiply by `W.t()`; the gradient is computed in W's own layout.
+    check(
+        "x @ w.t()",
+        vec![input(&[3, 4], 41, -1.0, 1.0), input(&[5, 4], 42, -1.0, 1.0)],
+        |v| v[0].matmul(&v[1].t()?),
+    );
+    check(
+        "w.t() @ x",
+        vec![input(&[4, 3], 43, -1.0, 1.0), input(&[4, 2], 44, -1.0, 1.0)],
+        |v| v[0].t()?.matmul(&v[1]),
+    );
+    root(Device::Cpu, |s| {
+        let w = s.randn(&[5, 4])?;
+        let tape = Tape::new(s);
+        let x = tape.constant(&s.randn(&[3, 4])?);
+        let loss = x.matmul(&tape.param(&w).t()?)?.sum_all()?;
+        let grads = tape.backward(&loss)?;
+        assert!(
+            grads.get(&w).unwrap().is_contiguous(),
+            "the gradient has the weight's layout"
+        );
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
 fn reductions() {
     let x = || vec![input(&[2, 3, 4], 21, -2.0, 2.0)];
     check("sum keepdim", x(), |v| v[0].sum(&[1], true));

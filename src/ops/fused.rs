@@ -37,15 +37,12 @@ pub(crate) fn update_in_place<T: Element, const M: usize>(
     for t in targets.iter_mut() {
         t.make_unique_contiguous()?;
     }
-    let slices: [&mut [T]; M] = targets.map(|t| t.fresh_mut::<T>());
-    let src = source.block_data::<T>();
-    let n = source.numel();
+    let mut slices: [&mut [T]; M] = targets.map(|t| t.fresh_mut::<T>());
     if source.is_contiguous() {
-        let offset = source.layout().offset();
-        update_contiguous(slices, &src[offset..offset + n], &f);
+        update_contiguous(slices, source.contiguous_data::<T>(), &f);
         return Ok(());
     }
-    let mut slices = slices;
+    let (src, n) = (source.block_data::<T>(), source.numel());
     let walk = RowWalk::new(
         source.shape(),
         [source.strides()],
