@@ -572,8 +572,14 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn reshape(&self, shape: &[usize]) -> Result<Var<'t, 's>> {
         let out = self.value.reshape(shape)?;
+        self.relabelled("reshape", out)
+    }
+
+    /// Records `out`, the same elements as `self` under another shape: the derivative reshapes the
+    /// gradient back to `self`'s shape.
+    fn relabelled(&self, op: &'static str, out: Tensor<'s>) -> Result<Var<'t, 's>> {
         let from = self.value.shape().to_vec();
-        Var::record(&[self], "reshape", out, move |g, _| {
+        Var::record(&[self], op, out, move |g, _| {
             Ok(smallvec![Some(g.reshape(&from)?)])
         })
     }
@@ -682,10 +688,7 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn squeeze(&self, axis: isize) -> Result<Var<'t, 's>> {
         let out = self.value.squeeze(axis)?;
-        let from = self.value.shape().to_vec();
-        Var::record(&[self], "squeeze", out, move |g, _| {
-            Ok(smallvec![Some(g.reshape(&from)?)])
-        })
+        self.relabelled("squeeze", out)
     }
 
     /// Inserts an axis of size 1 at `axis`.
@@ -695,10 +698,7 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn unsqueeze(&self, axis: isize) -> Result<Var<'t, 's>> {
         let out = self.value.unsqueeze(axis)?;
-        let from = self.value.shape().to_vec();
-        Var::record(&[self], "unsqueeze", out, move |g, _| {
-            Ok(smallvec![Some(g.reshape(&from)?)])
-        })
+        self.relabelled("unsqueeze", out)
     }
 
     /// A contiguous copy (or the value itself when it already is contiguous).
