@@ -34,6 +34,45 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()
     }
 }
 
+/// Checks that `indices` is 1-D (one index per selected slice).
+fn check_1d(op: &'static str, indices: &Tensor<'_>) -> Result<()> {
+    if indices.rank() != 1 {
+        return Err(Error::InvalidShape {
+            op,
+            shape: indices.shape().to_vec(),
+            reason: "indices must be 1-D".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `index` has `target`'s rank and is no larger than `target` on any axis but `axis`
+/// (the one it indexes); `hint` is the error's rule, naming what happens along `axis`.
+fn check_index_fits(
+    op: &'static str,
+    target: &Tensor<'_>,
+    index: &Tensor<'_>,
+    axis: usize,
+    hint: &'static str,
+) -> Result<()> {
+    let fits = index.rank() == target.rank()
+        && index
+            .shape()
+            .iter()
+            .zip(target.shape())
+            .enumerate()
+            .all(|(d, (&i, &t))| d == axis || i <= t);
+    if !fits {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: target.shape().to_vec(),
+            rhs: index.shape().to_vec(),
+            hint,
+        });
+    }
+    Ok(())
+}
+
 impl<'s> Tensor<'s> {
     /// The slices `indices[i]` along `axis`, in order: the result has `indices.numel()` entries along
     /// `axis`. `indices` is a 1-D `i64` tensor.
@@ -54,13 +93,7 @@ impl<'s> Tensor<'s> {
         const OP: &str = "index_select";
         same_device(OP, self, indices)?;
         let axis = resolve_axis(OP, axis, self.rank())?;
-        if indices.rank() != 1 {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: indices.shape().to_vec(),
-                reason: "indices must be 1-D".into(),
-            });
-        }
+        check_1d(OP, indices)?;
         check_indices(OP, indices, self.shape()[axis])?;
         let mut shape: Shape = self.shape().into();
         shape[axis] = indices.numel();
@@ -103,21 +136,13 @@ impl<'s> Tensor<'s> {
         const OP: &str = "gather";
         same_device(OP, self, index)?;
         let axis = resolve_axis(OP, axis, self.rank())?;
-        let fits = index.rank() == self.rank()
-            && index
-                .shape()
-                .iter()
-                .zip(self.shape())
-                .enumerate()
-                .all(|(d, (&i, &s))| d == axis || i <= s);
-        if !fits {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: self.shape().to_vec(),
-                rhs: index.shape().to_vec(),
-                hint: "the index must have the same rank, and no larger size on any axis but the gathered one",
-            });
-        }
+        check_index_fits(
+            OP,
+            self,
+            index,
+            axis,
+            "the index must have the same rank, and no larger size on any axis but the gathered one",
+        )?;
         check_indices(OP, index, self.shape()[axis])?;
         let mut out = Tensor::output_of(
             &[self, index],
@@ -221,16 +246,13 @@ impl<'s> Tensor<'s> {
                 hint: "the index and the source must have the same shape",
             });
         }
-        let fits = index.rank() == self.rank()
-            && (0..self.rank()).all(|d| d == axis_u || index.shape()[d] <= self.shape()[d]);
-        if !fits {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: self.shape().to_vec(),
-                rhs: index.shape().to_vec(),
-                hint: "the index must have the same rank, and no larger size on any axis but the scattered one",
-            });
-        }
+        check_index_fits(
+            OP,
+            self,
+            index,
+            axis_u,
+            "the index must have the same rank, and no larger size on any axis but the scattered one",
+        )?;
         check_indices(OP, index, self.shape()[axis_u])?;
         scatter_add_walk(self, axis_u, index, index.strides(), src)
     }
@@ -253,13 +275,7 @@ impl<'s> Tensor<'s> {
         same_device(OP, self, indices)?;
         same_device(OP, self, src)?;
         let axis_u = resolve_axis(OP, axis, self.rank())?;
-        if indices.rank() != 1 {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: indices.shape().to_vec(),
-                reason: "indices must be 1-D".into(),
-            });
-        }
+        check_1d(OP, indices)?;
         let mut expected: Shape = self.shape().into();
         expected[axis_u] = indices.numel();
         if src.shape() != expected.as_slice() {
