@@ -30,11 +30,10 @@ pub(super) fn gunzip_bytes(bytes: &[u8]) -> Result<Vec<u8>> {
 
 /// Decompresses gzip bytes into text.
 pub(super) fn gunzip(bytes: &[u8]) -> Result<String> {
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(bytes)
-        .read_to_string(&mut text)
-        .map_err(gzip_error)?;
-    Ok(text)
+    String::from_utf8(gunzip_bytes(bytes)?).map_err(|e| Error::Format {
+        format: "gzip",
+        reason: format!("the decompressed data is not UTF-8 text: {e}"),
+    })
 }
 
 /// Rows of `dim` numbers and a label; features are divided by `scale`.
