@@ -3,6 +3,10 @@
 //! abort or an attempt to allocate what the input merely claims. `PROPTEST_CASES=100000 cargo test
 //! --release --test fuzz` runs a longer campaign.
 
+mod common;
+
+use common::idx;
+
 use ndscope::data::Dataset;
 use ndscope::nn::{self, Activation, Init};
 use ndscope::{Device, Error, Tensor, checkpoint, root};
@@ -43,15 +47,6 @@ fn valid_checkpoint() -> Vec<u8> {
         )?)
     })
     .unwrap()
-}
-
-fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
-    let mut bytes = vec![0, 0, 0x08, dims.len() as u8];
-    for d in dims {
-        bytes.extend_from_slice(&d.to_be_bytes());
-    }
-    bytes.extend_from_slice(data);
-    bytes
 }
 
 fn gzip(bytes: &[u8]) -> Vec<u8> {

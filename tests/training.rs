@@ -1,6 +1,10 @@
 //! nn, optimizers, checkpoints and data: behaviour against hand-computed references and every error
 //! path.
 
+mod common;
+
+use common::idx;
+
 use ndscope::data::{Dataset, Loader};
 use ndscope::nn::{
     self, Activation, Dropout, Init, Layer, Linear, Mode, Module, Parameters, Sequential,
@@ -505,16 +509,6 @@ fn datasets_check_their_arguments() {
         Dataset::new(vec![], vec![0], 0, 2),
         Err(Error::InvalidShape { .. })
     ));
-}
-
-/// Writes an IDX file of unsigned bytes.
-fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
-    let mut bytes = vec![0, 0, 0x08, dims.len() as u8];
-    for d in dims {
-        bytes.extend_from_slice(&d.to_be_bytes());
-    }
-    bytes.extend_from_slice(data);
-    bytes
 }
 
 fn write_mnist(dir: &std::path::Path, images: &[u8], labels: &[u8]) {

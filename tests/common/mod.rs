@@ -1,5 +1,6 @@
-//! Plain f64 reference implementations that the tensor ops are checked against: nested loops over
-//! multi-indices, written for clarity, not speed.
+//! Helpers shared by the integration tests: plain f64 reference implementations that the tensor ops
+//! are checked against (nested loops over
+//! multi-indices, written for clarity, not speed), and the bytes of test files.
 #![allow(dead_code)]
 
 /// Row-major strides of `shape`.
@@ -132,4 +133,14 @@ pub fn assert_close(got: &[f64], want: &[f64], tol: f64) {
             "element {i}: got {g}, want {w} (tolerance {tol})\n got: {got:?}\nwant: {want:?}"
         );
     }
+}
+
+/// The bytes of an IDX file (MNIST's format) of unsigned bytes with dimensions `dims`.
+pub fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
+    let mut bytes = vec![0, 0, 0x08, dims.len() as u8];
+    for d in dims {
+        bytes.extend_from_slice(&d.to_be_bytes());
+    }
+    bytes.extend_from_slice(data);
+    bytes
 }
