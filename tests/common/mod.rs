@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests: plain f64 reference implementations that the tensor ops
-//! are checked against (nested loops over
-//! multi-indices, written for clarity, not speed), and the bytes of test files.
+//! are checked against (nested loops over multi-indices, written for clarity, not speed), and the
+//! bytes of test files.
 #![allow(dead_code)]
 
 /// Row-major strides of `shape`.
