@@ -5,19 +5,10 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ndscope::{Device, Result, Tensor, root};
+use ndscope::{Device, Result, root};
 
-/// Twenty elementwise ops, each producing a new temporary; `tanh` swaps one op of each group of four
-/// for a transcendental one.
-fn chain<'s>(x: &Tensor<'s>, tanh: bool) -> Result<Tensor<'s>> {
-    let mut y = x.clone();
-    for _ in 0..5 {
-        let z = y.add_scalar(1.0)?.mul_scalar(0.5)?;
-        let z = if tanh { z.tanh()? } else { z.maximum(x)? };
-        y = z.add(x)?;
-    }
-    Ok(y)
-}
+mod common;
+use common::chain;
 
 fn ops(c: &mut Criterion) {
     let mut group = c.benchmark_group("chain_20_ops");

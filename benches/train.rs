@@ -5,27 +5,12 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ndscope::nn::{self, Activation, Init, Mode, Module, Sequential};
-use ndscope::optim::{Adam, AdamConfig, Optimizer};
-use ndscope::{Device, Result, Scope, Tape, Tensor, Workspace, root};
+use ndscope::nn::{self, Activation, Init};
+use ndscope::optim::{Adam, AdamConfig};
+use ndscope::{Device, Result, Workspace, root};
 
-/// One step in the batch scope `b` on the inputs `x` and labels `y` (model-scope tensors, so that
-/// creating the batch is not measured).
-fn step<'m: 'b, 'b>(
-    b: &'b Scope<'b>,
-    model: &mut Sequential<'m>,
-    opt: &mut Adam<'m>,
-    x: &Tensor<'m>,
-    y: &Tensor<'m>,
-) -> Result<f32> {
-    let tape = Tape::new(b);
-    let loss = model
-        .forward(&tape.constant(x), Mode::Train)?
-        .cross_entropy(y)?;
-    let grads = tape.backward(&loss)?;
-    opt.step(model, &grads)?;
-    loss.value().to_scalar::<f32>()
-}
+mod common;
+use common::train_step;
 
 fn train(c: &mut Criterion) {
     let mut group = c.benchmark_group("train_step");
@@ -46,14 +31,14 @@ fn train(c: &mut Criterion) {
             let mut ws = Workspace::new("batch");
             group.bench_function(BenchmarkId::new("pool", label), |bench| {
                 bench.iter(|| {
-                    m.scope(|b| step(b, &mut model, &mut opt, &x, &y))
+                    m.scope(|b| train_step(b, &mut model, &mut opt, &x, &y))
                         .map(black_box)
                         .unwrap()
                 })
             });
             group.bench_function(BenchmarkId::new("workspace", label), |bench| {
                 bench.iter(|| {
-                    m.workspace(&mut ws, |b| step(b, &mut model, &mut opt, &x, &y))
+                    m.workspace(&mut ws, |b| train_step(b, &mut model, &mut opt, &x, &y))
                         .map(black_box)
                         .unwrap()
                 })

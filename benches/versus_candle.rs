@@ -11,20 +11,14 @@ use std::hint::black_box;
 
 use candle_core as candle;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use ndscope::nn::{self, Activation, Init, Mode, Module, Sequential};
-use ndscope::optim::{Adam, AdamConfig, Optimizer};
-use ndscope::{Device, Result, Scope, Tape, Tensor, root};
+use ndscope::nn::{self, Activation, Init};
+use ndscope::optim::{Adam, AdamConfig};
+use ndscope::{Device, Result, root};
 
-/// The chain of benches/ops.rs: `(y + 1) * 0.5`, `max(., x)`, `+ x`, five times (twenty ops).
-fn chain<'s>(x: &Tensor<'s>) -> Result<Tensor<'s>> {
-    let mut y = x.clone();
-    for _ in 0..5 {
-        let z = y.add_scalar(1.0)?.mul_scalar(0.5)?.maximum(x)?;
-        y = z.add(x)?;
-    }
-    Ok(y)
-}
+mod common;
+use common::{chain, train_step};
 
+/// `common::chain(x, false)` in candle-core: `(y + 1) * 0.5`, `max(., x)`, `+ x`, five times.
 fn candle_chain(x: &candle::Tensor) -> candle::Result<candle::Tensor> {
     let mut y = x.clone();
     for _ in 0..5 {
@@ -41,7 +35,7 @@ fn chains(c: &mut Criterion) {
         root(Device::Cpu, |s| -> Result<()> {
             let x = s.randn(&[n])?;
             group.bench_function(BenchmarkId::new("ndscope", label), |b| {
-                b.iter(|| s.scope(|_| chain(black_box(&x)).map(drop)).unwrap())
+                b.iter(|| s.scope(|_| chain(black_box(&x), false).map(drop)).unwrap())
             });
             Ok(())
         })
@@ -118,22 +112,6 @@ fn matmuls(c: &mut Criterion) {
 const SIZES: [usize; 3] = [784, 256, 10];
 const BATCH: usize = 128;
 
-fn ndscope_step<'m: 'b, 'b>(
-    b: &'b Scope<'b>,
-    model: &mut Sequential<'m>,
-    opt: &mut Adam<'m>,
-    x: &Tensor<'m>,
-    y: &Tensor<'m>,
-) -> Result<f32> {
-    let tape = Tape::new(b);
-    let loss = model
-        .forward(&tape.constant(x), Mode::Train)?
-        .cross_entropy(y)?;
-    let grads = tape.backward(&loss)?;
-    opt.step(model, &grads)?;
-    loss.value().to_scalar::<f32>()
-}
-
 /// A 784-256-10 MLP and AdamW in candle-core, written the way candle-nn writes them.
 struct CandleMlp {
     params: Vec<candle::Var>,
@@ -200,7 +178,7 @@ fn mlp_steps(c: &mut Criterion) {
         let y = m.from_slice(&labels, &[BATCH])?;
         group.bench_function("ndscope", |bench| {
             bench.iter(|| {
-                m.scope(|b| ndscope_step(b, &mut model, &mut opt, &x, &y))
+                m.scope(|b| train_step(b, &mut model, &mut opt, &x, &y))
                     .unwrap()
             })
         });

@@ -1,0 +1,36 @@
+//! Work shared by the benchmarks, so that each comparison measures the same code.
+#![allow(dead_code)]
+
+use ndscope::nn::{Mode, Module, Sequential};
+use ndscope::optim::{Adam, Optimizer};
+use ndscope::{Result, Scope, Tape, Tensor};
+
+/// Twenty elementwise ops, each producing a new temporary; `tanh` swaps one op of each group of four
+/// for a transcendental one.
+pub fn chain<'s>(x: &Tensor<'s>, tanh: bool) -> Result<Tensor<'s>> {
+    let mut y = x.clone();
+    for _ in 0..5 {
+        let z = y.add_scalar(1.0)?.mul_scalar(0.5)?;
+        let z = if tanh { z.tanh()? } else { z.maximum(x)? };
+        y = z.add(x)?;
+    }
+    Ok(y)
+}
+
+/// One step in the batch scope `b` on the inputs `x` and labels `y` (model-scope tensors, so that
+/// creating the batch is not measured).
+pub fn train_step<'m: 'b, 'b>(
+    b: &'b Scope<'b>,
+    model: &mut Sequential<'m>,
+    opt: &mut Adam<'m>,
+    x: &Tensor<'m>,
+    y: &Tensor<'m>,
+) -> Result<f32> {
+    let tape = Tape::new(b);
+    let loss = model
+        .forward(&tape.constant(x), Mode::Train)?
+        .cross_entropy(y)?;
+    let grads = tape.backward(&loss)?;
+    opt.step(model, &grads)?;
+    loss.value().to_scalar::<f32>()
+}
