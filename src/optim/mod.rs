@@ -81,19 +81,21 @@ pub(crate) fn zeros_like_each<'m>(
 }
 
 /// Checks that `params` is the set `states` was made for (same count, shapes and dtypes), so that a
-/// wrong set is refused before anything is written.
+/// wrong set is refused before anything is written. It reads through the unnamed visit: building
+/// parameter names on every step would allocate for nothing.
 pub(crate) fn check_param_set<'m, P: Parameters<'m> + ?Sized>(
     op: &'static str,
-    params: &P,
+    params: &mut P,
     states: &[Tensor<'m>],
 ) -> Result<()> {
     let (mut count, mut matching) = (0, true);
-    params.visit("", &mut |_, p| {
+    for_each_param(params, |i, p| {
         matching &= states
-            .get(count)
+            .get(i)
             .is_some_and(|s| s.shape() == p.shape() && s.dtype() == p.dtype());
-        count += 1;
-    });
+        count = i + 1;
+        Ok(())
+    })?;
     if !matching || count != states.len() {
         return Err(Error::InvalidShape {
             op,
