@@ -2,27 +2,54 @@
 
 use std::fmt;
 
-use crate::error::{Error, Result};
+#[cfg(not(feature = "cuda"))]
+use crate::error::Error;
+use crate::error::Result;
 
-/// A memory space. Every scope has one; its children inherit it.
+/// A memory space. Every scope has one; its children inherit it, and tensors created in a scope
+/// (`zeros`, `from_slice`, ...) live there. An op's result lives on its operands' device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     /// Host memory; always available.
     #[default]
     Cpu,
-    /// An NVIDIA GPU by ordinal.
+    /// An NVIDIA GPU by ordinal (needs the `cuda` feature, an NVIDIA driver and the device).
     Cuda(usize),
 }
 
 impl Device {
-    /// Checks that this build of ndscope can open scopes on the device.
-    pub(crate) fn check_available(self) -> Result<()> {
+    /// Whether this is a GPU.
+    pub const fn is_cuda(self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+
+    /// Checks that this build of ndscope, on this machine, can use the device: for a GPU, that the
+    /// `cuda` feature is on, the driver loads, the ordinal exists, and its context and kernels are
+    /// ready (the first call per GPU compiles the kernels; later calls are a lookup).
+    ///
+    /// ```
+    /// use ndscope::Device;
+    /// assert!(Device::Cpu.check_available().is_ok());
+    /// match Device::Cuda(0).check_available() {
+    ///     Ok(()) => println!("a GPU is ready"),
+    ///     Err(e) => println!("{e}"), // says why: no `cuda` feature, no driver, no such GPU, ...
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::DeviceUnavailable`] with the reason and what to do about it.
+    pub fn check_available(self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal).map(|_| ()),
+            #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => Err(Error::DeviceUnavailable {
                 device: self.to_string(),
-                reason: "this build of ndscope has no CUDA backend; only Device::Cpu is available"
-                    .into(),
+                reason:
+                    "this build of ndscope has no CUDA backend; rebuild with `--features cuda` \
+                         or use Device::Cpu"
+                        .into(),
             }),
         }
     }

@@ -73,6 +73,27 @@ pub enum Error {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A host-only access (a borrowed slice) to a tensor in GPU memory.
+    NotOnHost {
+        /// The operation.
+        op: &'static str,
+        /// Where the tensor lives.
+        device: String,
+    },
+    /// An op the device's backend has no kernel for.
+    UnsupportedOnDevice {
+        /// The operation.
+        op: &'static str,
+        /// The device, as `cuda:N`.
+        device: String,
+    },
+    /// The CUDA driver, NVRTC or cuBLAS reported an error while running an op.
+    Cuda {
+        /// What was being done.
+        op: &'static str,
+        /// The library's error.
+        reason: String,
+    },
     /// A shape that is not valid for the op (wrong rank, wrong element count for a reshape, ...).
     InvalidShape {
         /// The operation.
@@ -230,6 +251,17 @@ impl fmt::Display for Error {
             Error::DeviceUnavailable { device, reason } => {
                 write!(f, "device {device} cannot be used: {reason}")
             }
+            Error::NotOnHost { op, device } => write!(
+                f,
+                "{op}: the tensor lives on {device}, not in host memory; read it with `.to_vec()` or copy it \
+                 with `.to_device(Device::Cpu)` first"
+            ),
+            Error::UnsupportedOnDevice { op, device } => write!(
+                f,
+                "{op}: the {device} backend has no kernel for this op; copy the operands to the host with \
+                 `.to_device(Device::Cpu)` (the README lists the ops that run on a GPU)"
+            ),
+            Error::Cuda { op, reason } => write!(f, "{op}: CUDA error: {reason}"),
             Error::InvalidShape { op, shape, reason } => {
                 write!(f, "{op}: shape {shape:?} is not valid here: {reason}")
             }

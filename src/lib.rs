@@ -4,6 +4,8 @@
 
 mod autograd;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod data;
 mod device;
 mod dtype;
@@ -19,6 +21,8 @@ mod scope;
 mod tensor;
 
 pub use autograd::{Gradients, Tape, Var};
+#[cfg(feature = "cuda")]
+pub use cuda::{GpuMemory, gpu_memory, reset_gpu_memory_peak};
 pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

@@ -9,6 +9,7 @@ use super::{InputGrads, Var};
 use crate::dtype::{DType, Element, Float, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::layout::resolve_axis;
+use crate::ops::op_code::Binary;
 use crate::tensor::Tensor;
 
 fn not_float(op: &'static str, dtype: DType) -> Error {
@@ -22,15 +23,15 @@ fn not_float(op: &'static str, dtype: DType) -> Error {
 /// `|g, x| expr` elementwise over the output gradient and a saved tensor of the same shape, in the
 /// float type `T` of the gradient.
 macro_rules! chain {
-    ($op:expr, $g:expr, $x:expr, |$gv:ident, $xv:ident| $body:expr) => {
-        with_float_dtype!($g.dtype(), T => $g.zip_map::<T>($x, $op, |$gv: T, $xv: T| $body),
+    ($op:expr, $code:expr, $g:expr, $x:expr, |$gv:ident, $xv:ident| $body:expr) => {
+        with_float_dtype!($g.dtype(), T => $g.zip_map::<T>($x, $op, $code, |$gv: T, $xv: T| $body),
             else Err(not_float($op, $g.dtype())))
     };
 }
 
 /// Unary ops whose derivative is computed from the input `x`.
 macro_rules! unary_from_input {
-    ($($(#[$doc:meta])* $name:ident => |$g:ident, $x:ident| $d:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$g:ident, $x:ident| $d:expr;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
@@ -40,7 +41,7 @@ macro_rules! unary_from_input {
             let value = self.value.$name()?;
             let x = self.value.clone();
             Var::record(&[self], stringify!($name), value, move |g, _| {
-                Ok(smallvec![Some(chain!(stringify!($name), g, &x, |$g, $x| $d)?)])
+                Ok(smallvec![Some(chain!(stringify!($name), (Binary::$code, [0.0; 2]), g, &x, |$g, $x| $d)?)])
             })
         }
     )*};
@@ -48,7 +49,7 @@ macro_rules! unary_from_input {
 
 /// Unary ops whose derivative is computed from the output `y`.
 macro_rules! unary_from_output {
-    ($($(#[$doc:meta])* $name:ident => |$g:ident, $y:ident| $d:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$g:ident, $y:ident| $d:expr;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
@@ -58,7 +59,7 @@ macro_rules! unary_from_output {
             let value = self.value.$name()?;
             let y = value.clone();
             Var::record(&[self], stringify!($name), value, move |g, _| {
-                Ok(smallvec![Some(chain!(stringify!($name), g, &y, |$g, $y| $d)?)])
+                Ok(smallvec![Some(chain!(stringify!($name), (Binary::$code, [0.0; 2]), g, &y, |$g, $y| $d)?)])
             })
         }
     )*};
@@ -71,21 +72,21 @@ fn half<T: Element>() -> T {
 impl<'t, 's> Var<'t, 's> {
     unary_from_input! {
         /// `-self`.
-        neg => |g, _x| g.neg();
+        neg [NegGrad] => |g, _x| g.neg();
         /// `|self|`; the derivative at 0 is taken as 0.
-        abs => |g, x| if x > T::zero() { g } else if x < T::zero() { g.neg() } else { T::zero() };
+        abs [AbsGrad] => |g, x| if x > T::zero() { g } else if x < T::zero() { g.neg() } else { T::zero() };
         /// `self²`.
-        square => |g, x| g.mul(x).mul(T::from_f64(2.0));
+        square [SquareGrad] => |g, x| g.mul(x).mul(T::from_f64(2.0));
         /// Natural logarithm.
-        log => |g, x| g.div(x);
+        log [Div] => |g, x| g.div(x);
         /// Sine.
-        sin => |g, x| g.mul(x.cos());
+        sin [SinGrad] => |g, x| g.mul(x.cos());
         /// Cosine.
-        cos => |g, x| g.mul(x.sin()).neg();
+        cos [CosGrad] => |g, x| g.mul(x.sin()).neg();
         /// `max(self, 0)`; the derivative at 0 is taken as 0.
-        relu => |g, x| if x > T::zero() { g } else { T::zero() };
+        relu [ReluGrad] => |g, x| if x > T::zero() { g } else { T::zero() };
         /// GELU (tanh approximation).
-        gelu => |g, x| {
+        gelu [GeluGrad] => |g, x| {
             let c = T::from_f64((2.0 / std::f64::consts::PI).sqrt());
             let k = T::from_f64(0.044715);
             let u = c.mul(x.add(k.mul(x).mul(x).mul(x)));
@@ -99,15 +100,15 @@ impl<'t, 's> Var<'t, 's> {
 
     unary_from_output! {
         /// `e^self`.
-        exp => |g, y| g.mul(y);
+        exp [Mul] => |g, y| g.mul(y);
         /// Square root.
-        sqrt => |g, y| g.div(y.add(y));
+        sqrt [SqrtGrad] => |g, y| g.div(y.add(y));
         /// `1 / self`.
-        recip => |g, y| g.mul(y).mul(y).neg();
+        recip [RecipGrad] => |g, y| g.mul(y).mul(y).neg();
         /// Hyperbolic tangent.
-        tanh => |g, y| g.mul(T::one().sub(y.mul(y)));
+        tanh [TanhGrad] => |g, y| g.mul(T::one().sub(y.mul(y)));
         /// The logistic function.
-        sigmoid => |g, y| g.mul(y).mul(T::one().sub(y));
+        sigmoid [SigmoidGrad] => |g, y| g.mul(y).mul(T::one().sub(y));
     }
 
     /// `self + value`.
@@ -155,10 +156,16 @@ impl<'t, 's> Var<'t, 's> {
         let out = self.value.powf(exponent)?;
         let x = self.value.clone();
         Var::record(&[self], "powf", out, move |g, _| {
-            let d = chain!("powf", g, &x, |g, x| {
-                let e = T::from_f64(exponent);
-                g.mul(e).mul(x.powf(e.sub(T::one())))
-            })?;
+            let d = chain!(
+                "powf",
+                (Binary::PowfGrad, [exponent, 0.0]),
+                g,
+                &x,
+                |g, x| {
+                    let e = T::from_f64(exponent);
+                    g.mul(e).mul(x.powf(e.sub(T::one())))
+                }
+            )?;
             Ok(smallvec![Some(d)])
         })
     }
@@ -172,7 +179,7 @@ impl<'t, 's> Var<'t, 's> {
         let out = self.value.clamp(min, max)?;
         let x = self.value.clone();
         Var::record(&[self], "clamp", out, move |g, _| {
-            let d = chain!("clamp", g, &x, |g, x| {
+            let d = chain!("clamp", (Binary::ClampGrad, [min, max]), g, &x, |g, x| {
                 if x >= T::from_f64(min) && x <= T::from_f64(max) {
                     g
                 } else {
@@ -319,12 +326,18 @@ impl<'t, 's> Var<'t, 's> {
     ) -> Result<Var<'t, 's>> {
         self.binary(other, op, out, move |g, needs| {
             let ga = if needs[0] {
-                Some(chain!(op, g, &mask, |g, m| g.mul(m))?)
+                Some(chain!(op, (Binary::Mul, [0.0; 2]), g, &mask, |g, m| g.mul(m))?)
             } else {
                 None
             };
             let gb = if needs[1] {
-                Some(chain!(op, g, &mask, |g, m| g.mul(T::one().sub(m)))?)
+                Some(chain!(
+                    op,
+                    (Binary::MaskNot, [0.0; 2]),
+                    g,
+                    &mask,
+                    |g, m| g.mul(T::one().sub(m))
+                )?)
             } else {
                 None
             };
@@ -526,7 +539,13 @@ impl<'t, 's> Var<'t, 's> {
         Var::record(&[self], "log_softmax", out, move |g, _| {
             // dx = g - softmax * sum(g) along the axis.
             let total = g.sum(&[axis], true)?;
-            let p_total = chain!("log_softmax", &y, &total, |y, t| Float::exp(y).mul(t))?;
+            let p_total = chain!(
+                "log_softmax",
+                (Binary::ExpMul, [0.0; 2]),
+                &y,
+                &total,
+                |y, t| Float::exp(y).mul(t)
+            )?;
             Ok(smallvec![Some(g.sub(&p_total)?)])
         })
     }
@@ -556,8 +575,16 @@ impl<'t, 's> Var<'t, 's> {
         let column = labels.unsqueeze(-1)?;
         let picked = log_p.gather(1, &column)?;
         let out = picked.mean_all()?.neg()?;
+        #[cfg(feature = "cuda")]
+        let labels = labels.clone();
         Var::record(&[self], OP, out, move |g, _| {
             let scale = g.to_dtype(DType::F64)?.to_scalar::<f64>()? / batch.max(1) as f64;
+            #[cfg(feature = "cuda")]
+            if log_p.device().is_cuda() {
+                let at = std::panic::Location::caller();
+                let d = crate::cuda::ops::cross_entropy_grad(&log_p, &labels, scale, at)?;
+                return Ok(smallvec![Some(d)]);
+            }
             let p = log_p.exp()?;
             let minus_one = p.full_like_scalar(&[batch, 1], -1.0)?;
             let d = p.scatter_add(1, &column, &minus_one)?.mul_scalar(scale)?;

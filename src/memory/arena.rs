@@ -8,10 +8,15 @@
 //! that size (one system allocation), so from the next cycle on a steady loop runs entirely inside it.
 //! Resetting is safe without any run-time check because no tensor of a cycle can outlive it: the
 //! cycle's tensors carry the workspace scope's lifetime.
+//!
+//! The arena lives on the device of the scopes that cycle in it (a workspace used under a GPU scope
+//! learns a GPU arena). Requests for another device's memory during a cycle go to that device's pool.
 
 use std::ptr::NonNull;
 
-use crate::memory::pool::{self, ALIGN};
+use crate::device::Device;
+use crate::memory::pool::ALIGN;
+use crate::memory::raw;
 
 /// A reusable arena for a workspace scope; open a cycle with
 /// [`Scope::workspace`](crate::Scope::workspace).
@@ -36,6 +41,10 @@ use crate::memory::pool::{self, ALIGN};
 pub struct Workspace {
     name: &'static str,
     buf: Option<NonNull<u8>>,
+    /// Where `buf` lives.
+    buf_device: Device,
+    /// The device of the scope cycling now (or of the last cycle).
+    cycle_device: Device,
     capacity: usize,
     top: usize,
     /// Peak of (arena top + bytes spilled so far) during the current cycle.
@@ -57,6 +66,8 @@ impl Workspace {
         Workspace {
             name,
             buf: None,
+            buf_device: Device::Cpu,
+            cycle_device: Device::Cpu,
             capacity: 0,
             top: 0,
             demand: 0,
@@ -68,10 +79,10 @@ impl Workspace {
         }
     }
 
-    /// A workspace whose arena is allocated up front with `bytes` bytes.
+    /// A workspace whose host arena is allocated up front with `bytes` bytes.
     pub fn with_capacity(name: &'static str, bytes: usize) -> Workspace {
         let mut ws = Workspace::new(name);
-        ws.grow_to(bytes);
+        ws.grow_to(Device::Cpu, bytes);
         ws
     }
 
@@ -83,6 +94,11 @@ impl Workspace {
     /// Bytes of the arena.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// The device the arena lives on (the host until a cycle on a GPU scope learns a GPU arena).
+    pub fn device(&self) -> Device {
+        self.buf_device
     }
 
     /// Cycles completed.
@@ -106,10 +122,14 @@ impl Workspace {
         self.grows
     }
 
-    /// Bump-allocates `bytes` (> 0), or `None` if the arena is full (the caller spills).
-    pub(crate) fn bump(&mut self, bytes: usize) -> Option<NonNull<u8>> {
+    /// Bump-allocates `bytes` (> 0) of `device` memory, or `None` if the arena is full or on another
+    /// device (the caller spills).
+    pub(crate) fn bump(&mut self, device: Device, bytes: usize) -> Option<NonNull<u8>> {
         let size = bytes.next_multiple_of(ALIGN);
         let buf = self.buf?;
+        if device != self.buf_device {
+            return None;
+        }
         if self.capacity - self.top < size {
             return None;
         }
@@ -120,12 +140,17 @@ impl Workspace {
         Some(ptr)
     }
 
-    /// Records a spill of `bytes` that went to the pool instead.
-    pub(crate) fn note_spill(&mut self, bytes: usize) {
+    /// Records a spill of `bytes` of `device` memory that went to the pool instead; returns whether it
+    /// counts as a spill (requests for another device than the cycle's never fit the arena).
+    pub(crate) fn note_spill(&mut self, device: Device, bytes: usize) -> bool {
+        if device != self.cycle_device {
+            return false;
+        }
         self.spills += 1;
         self.last_cycle_spills += 1;
         self.spilled += bytes.next_multiple_of(ALIGN);
         self.demand = self.demand.max(self.top + self.spilled);
+        true
     }
 
     /// Frees an arena region; only the topmost region actually rolls the pointer back (a chain of
@@ -139,8 +164,9 @@ impl Workspace {
         }
     }
 
-    /// Starts a cycle.
-    pub(crate) fn begin_cycle(&mut self) {
+    /// Starts a cycle of a scope on `device`.
+    pub(crate) fn begin_cycle(&mut self, device: Device) {
+        self.cycle_device = device;
         self.top = 0;
         self.demand = 0;
         self.spilled = 0;
@@ -154,23 +180,25 @@ impl Workspace {
         self.top = 0;
         let needed = self.demand;
         self.spilled = 0;
-        if needed > self.capacity {
-            self.grow_to(needed);
+        let moved = self.buf_device != self.cycle_device && needed > 0;
+        if needed > self.capacity || moved {
+            self.grow_to(self.cycle_device, needed);
             return true;
         }
         false
     }
 
-    fn grow_to(&mut self, bytes: usize) {
+    fn grow_to(&mut self, device: Device, bytes: usize) {
         let bytes = bytes.next_multiple_of(ALIGN);
         if bytes == 0 {
             return;
         }
         self.release();
-        // An arena the system refuses stays empty: the workspace then spills everything, which is
+        // An arena the allocator refuses stays empty: the workspace then spills everything, which is
         // slower but correct.
-        self.buf = pool::system_alloc(bytes);
+        self.buf = raw::alloc(device, bytes);
         if self.buf.is_some() {
+            self.buf_device = device;
             self.capacity = bytes;
             self.grows += 1;
         }
@@ -178,8 +206,9 @@ impl Workspace {
 
     fn release(&mut self) {
         if let Some(buf) = self.buf.take() {
-            // SAFETY: `buf` came from `system_alloc(capacity)`; no tensor points into it between cycles.
-            unsafe { pool::system_free(buf, self.capacity) };
+            // SAFETY: `buf` came from `raw::alloc(buf_device, capacity)`; no tensor points into it
+            // between cycles.
+            unsafe { raw::free(self.buf_device, buf, self.capacity) };
         }
         self.capacity = 0;
     }
@@ -196,6 +225,7 @@ impl std::fmt::Debug for Workspace {
         f.debug_struct("Workspace")
             .field("name", &self.name)
             .field("capacity", &self.capacity)
+            .field("device", &self.buf_device)
             .field("cycles", &self.cycles)
             .field("spills", &self.spills)
             .finish()

@@ -16,8 +16,9 @@ use std::panic::Location;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicUsize, Ordering, fence};
 
+use crate::device::Device;
 use crate::dtype::DType;
-use crate::memory::pool;
+use crate::memory::{pool, raw};
 use crate::scope::node::ScopeNode;
 
 /// Where a block's bytes are.
@@ -25,7 +26,8 @@ use crate::scope::node::ScopeNode;
 pub(crate) enum Home {
     /// A zero-byte block: no memory behind the (dangling, aligned) pointer.
     Empty,
-    /// A pool-class allocation of `capacity` bytes from the system allocator.
+    /// A pool-class allocation of `capacity` bytes from the device's allocator (the system allocator
+    /// for host memory).
     Heap,
     /// A region of a workspace arena (reset when the workspace scope closes).
     Arena,
@@ -74,11 +76,13 @@ pub(crate) struct Region {
     /// Bytes of the allocation (a pool class for `Home::Heap`).
     pub(crate) capacity: usize,
     pub(crate) home: Home,
+    /// The memory space `ptr` points into (a device address for a GPU).
+    pub(crate) device: Device,
 }
 
 impl Region {
     /// The region of a zero-byte block: an aligned, non-null pointer that is never read through.
-    pub(crate) fn empty() -> Region {
+    pub(crate) fn empty(device: Device) -> Region {
         let ptr =
             NonNull::new(ptr::without_provenance_mut(pool::ALIGN)).expect("ALIGN is non-zero");
         Region {
@@ -86,6 +90,7 @@ impl Region {
             bytes: 0,
             capacity: 0,
             home: Home::Empty,
+            device,
         }
     }
 }
@@ -99,6 +104,7 @@ pub(crate) struct BlockHeader {
     /// Bytes of the allocation behind `ptr` (a pool class for `Home::Heap`).
     pub(crate) capacity: Cell<usize>,
     pub(crate) home: Cell<Home>,
+    pub(crate) device: Cell<Device>,
     /// The owning scope; null for the system scope.
     pub(crate) owner: Cell<*const ScopeNode>,
     /// Neighbours in the owner's list of blocks (and `next` links the slab's free list).
@@ -124,6 +130,7 @@ impl BlockHeader {
             bytes: Cell::new(0),
             capacity: Cell::new(0),
             home: Cell::new(Home::Empty),
+            device: Cell::new(Device::Cpu),
             owner: Cell::new(ptr::null()),
             prev: Cell::new(ptr::null()),
             next: Cell::new(ptr::null()),
@@ -147,6 +154,7 @@ impl BlockHeader {
         self.bytes.set(region.bytes);
         self.capacity.set(region.capacity);
         self.home.set(region.home);
+        self.device.set(region.device);
         self.owner.set(ptr::null());
         self.prev.set(ptr::null());
         self.next.set(ptr::null());
@@ -245,8 +253,9 @@ unsafe fn free_system_block(header: NonNull<BlockHeader>) {
     let boxed = unsafe { Box::from_raw(header.as_ptr()) };
     crate::scope::system::on_free(boxed.bytes.get());
     if boxed.home.get() == Home::Heap {
-        // SAFETY: heap blocks of system headers came from `pool::system_alloc(capacity)`.
-        unsafe { pool::system_free(boxed.ptr.get(), boxed.capacity.get()) };
+        // SAFETY: heap blocks of system headers came from `raw::alloc(device, capacity)` (directly,
+        // or from a tree's pool that handed them over in `surrender`), and have no user left.
+        unsafe { raw::free(boxed.device.get(), boxed.ptr.get(), boxed.capacity.get()) };
     }
 }
 

@@ -1,7 +1,9 @@
-//! Host memory: the caching pool, workspace arenas, block headers and statistics. Together with
-//! `scope::node`, the only place that handles raw memory.
+//! Memory: the caching pool, workspace arenas, block headers, statistics, and the raw allocators of
+//! each device. Together with `scope::node` and the CUDA backend's `memory`, the only place that
+//! handles raw memory.
 
 pub(crate) mod arena;
 pub(crate) mod block;
 pub(crate) mod pool;
+pub(crate) mod raw;
 pub(crate) mod stats;

@@ -1,12 +1,19 @@
-//! The caching pool: size-class free lists of host memory shared by every scope of one tree.
+//! The caching pool: size-class free lists of one device's memory, shared by every scope of one tree
+//! (a tree has one pool per device it has used).
 //!
 //! A freed block goes back on the free list of its size class and the next request of that class
-//! takes it without calling the system allocator. Classes are 64 bytes and up, four per power of two,
+//! takes it without calling the device's allocator. For a GPU that is what makes a steady training
+//! step free of `cuMemAlloc`/`cuMemFree`: every kernel runs on the device's one stream, so a block
+//! freed by a scope can be handed to the next op at once; the stream orders the new writes after the
+//! old reads. Classes are 64 bytes and up, four per power of two,
 //! so a block wastes at most a quarter of its size. `empty_cache` hands every cached block back to the
-//! system.
+//! device's allocator.
 
 use std::alloc::{self, Layout as AllocLayout};
 use std::ptr::NonNull;
+
+use crate::device::Device;
+use crate::memory::raw;
 
 /// Every block is aligned for the widest SIMD loads (and a cache line).
 pub(crate) const ALIGN: usize = 64;
@@ -58,11 +65,12 @@ pub(crate) unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
 pub(crate) enum Source {
     /// Taken from the pool's cache.
     Reused,
-    /// Taken from the system allocator.
+    /// Taken from the device's allocator (the system allocator for host memory).
     System,
 }
 
 pub(crate) struct Pool {
+    device: Device,
     /// One free list per class, indexed by class; every class a request can map to has one.
     free: Vec<Vec<NonNull<u8>>>,
     cached_bytes: usize,
@@ -72,9 +80,11 @@ pub(crate) struct Pool {
 /// largest allocation Rust allows).
 const CLASSES: usize = 1 + (usize::BITS - 1 - MIN_SHIFT) as usize * STEPS;
 
-impl Default for Pool {
-    fn default() -> Pool {
+impl Pool {
+    /// An empty pool of `device` memory.
+    pub(crate) fn new(device: Device) -> Pool {
         Pool {
+            device,
             free: (0..CLASSES).map(|_| Vec::new()).collect(),
             cached_bytes: 0,
         }
@@ -82,6 +92,10 @@ impl Default for Pool {
 }
 
 impl Pool {
+    pub(crate) fn device(&self) -> Device {
+        self.device
+    }
+
     /// A block of at least `bytes` (> 0) bytes, with its capacity; `None` when the system refuses.
     pub(crate) fn take(&mut self, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
         let (class, capacity) = size_class(bytes);
@@ -89,13 +103,14 @@ impl Pool {
             self.cached_bytes -= capacity;
             return Some((ptr, capacity, Source::Reused));
         }
-        system_alloc(capacity).map(|ptr| (ptr, capacity, Source::System))
+        raw::alloc(self.device, capacity).map(|ptr| (ptr, capacity, Source::System))
     }
 
     /// Caches a block for reuse.
     ///
     /// # Safety
-    /// `ptr` came from [`system_alloc`] with `capacity` (a class capacity) and nothing uses it any more.
+    /// `ptr` came from this pool's device allocator with `capacity` (a class capacity) and nothing
+    /// uses it any more (for a GPU: nothing queued after this point on the device's stream).
     pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, capacity: usize) {
         let (class, cap) = size_class(capacity);
         debug_assert_eq!(cap, capacity, "only class capacities are cached");
@@ -119,9 +134,9 @@ impl Pool {
             while self.cached_bytes > max_cached
                 && let Some(ptr) = list.pop()
             {
-                // SAFETY: cached blocks came from `system_alloc` with their class capacity and are
-                // referenced by nothing but this list.
-                unsafe { system_free(ptr, capacity) };
+                // SAFETY: cached blocks came from `raw::alloc(device)` with their class capacity and
+                // are referenced by nothing but this list.
+                unsafe { raw::free(self.device, ptr, capacity) };
                 self.cached_bytes -= capacity;
             }
         }
@@ -139,9 +154,9 @@ impl Pool {
         {
             let capacity = class_capacity(class);
             for ptr in list.drain(..) {
-                // SAFETY: cached blocks came from `system_alloc` with their class capacity and are
-                // referenced by nothing but this list.
-                unsafe { system_free(ptr, capacity) };
+                // SAFETY: cached blocks came from `raw::alloc(device)` with their class capacity and
+                // are referenced by nothing but this list.
+                unsafe { raw::free(self.device, ptr, capacity) };
             }
         }
         self.cached_bytes = 0;
@@ -187,7 +202,7 @@ mod tests {
 
     #[test]
     fn trim_releases_largest_blocks_first() {
-        let mut pool = Pool::default();
+        let mut pool = Pool::new(Device::Cpu);
         let blocks: Vec<_> = [100usize, 1000, 10_000]
             .iter()
             .map(|&b| pool.take(b).unwrap())
@@ -212,7 +227,7 @@ mod tests {
 
     #[test]
     fn freed_blocks_are_reused() {
-        let mut pool = Pool::default();
+        let mut pool = Pool::new(Device::Cpu);
         let (p, cap, src) = pool.take(1000).unwrap();
         assert!(matches!(src, Source::System));
         // SAFETY: `p` came from this pool with capacity `cap` and is not used again.

@@ -22,8 +22,11 @@ pub struct ScopeStats {
     pub allocations: u64,
     /// Allocations served from the tree's cache of freed blocks.
     pub reuses: u64,
-    /// Calls to the system allocator (block memory, arena growth, header chunks).
+    /// Calls to the system allocator (host block memory, host arena growth, header chunks).
     pub system_allocations: u64,
+    /// Calls to a GPU's memory allocator (GPU blocks the cache could not serve, GPU arena growth).
+    /// A steady-state training step on a GPU makes none.
+    pub device_allocations: u64,
     /// Bytes of freed blocks the tree keeps cached for reuse (the whole tree's cache).
     pub cached_bytes: usize,
     /// Workspace requests that did not fit the arena and went to the pool.
@@ -44,6 +47,7 @@ impl ScopeStats {
         self.allocations += child.allocations;
         self.reuses += child.reuses;
         self.system_allocations += child.system_allocations;
+        self.device_allocations += child.device_allocations;
         self.spills += child.spills;
         self.reclaimed_tensors += child.reclaimed_tensors;
         self.reclaimed_bytes += child.reclaimed_bytes;
@@ -83,6 +87,9 @@ impl fmt::Display for ScopeStats {
             self.reuses,
             self.system_allocations
         )?;
+        if self.device_allocations > 0 {
+            write!(f, ", {} from the GPU allocator", self.device_allocations)?;
+        }
         if self.spills > 0 {
             write!(f, ", {} spills", self.spills)?;
         }

@@ -12,6 +12,7 @@ use crate::error::{Error, Result};
 use crate::layout::{RowWalk, broadcast_shapes, contiguous_strides};
 use rayon::prelude::*;
 
+use crate::ops::op_code::{Binary, Unary};
 use crate::ops::{CHUNK, PARALLEL_MIN, fill_segments, same_device, same_dtype};
 use crate::tensor::Tensor;
 
@@ -97,27 +98,27 @@ fn map_contiguous<T: Element>(out: &mut [T], a: &[T], f: &(impl Fn(T) -> T + Syn
 }
 
 macro_rules! binary_ops {
-    ($($(#[$doc:meta])* $name:ident => |$a:ident, $b:ident| $body:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$a:ident, $b:ident| $body:expr;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
         /// When the shapes do not broadcast or the dtypes or devices differ.
         #[track_caller]
         pub fn $name(&self, other: &Tensor<'s>) -> Result<Tensor<'s>> {
-            with_dtype!(self.dtype(), T => self.zip_map::<T>(other, stringify!($name), |$a: T, $b: T| $body))
+            with_dtype!(self.dtype(), T => self.zip_map::<T>(other, stringify!($name), (Binary::$code, [0.0; 2]), |$a: T, $b: T| $body))
         }
     )*};
 }
 
 macro_rules! unary_float_ops {
-    ($($(#[$doc:meta])* $name:ident => |$x:ident| $body:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$x:ident| $body:expr;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
         /// [`Error::UnsupportedDType`] for integer tensors.
         #[track_caller]
         pub fn $name(&self) -> Result<Tensor<'s>> {
-            with_float_dtype!(self.dtype(), T => self.map::<T>(|$x: T| $body), else Err(Error::UnsupportedDType {
+            with_float_dtype!(self.dtype(), T => self.map::<T>((Unary::$code, [0.0; 2]), |$x: T| $body), else Err(Error::UnsupportedDType {
                 op: stringify!($name),
                 dtype: self.dtype(),
                 expected: "a float dtype (f32 or f64)",
@@ -131,16 +132,30 @@ fn bool_of<T: Element>(v: bool) -> T {
 }
 
 impl<'s> Tensor<'s> {
-    /// `f(self, other)` elementwise with broadcasting, into a new tensor of `T`.
+    /// `f(self, other)` elementwise with broadcasting, into a new tensor of `T`. On a GPU the
+    /// kernel computes `code` with the parameters `params`, which must be the same function as `f`.
     #[track_caller]
     pub(crate) fn zip_map<T: Element>(
         &self,
         other: &Tensor<'s>,
         op: &'static str,
+        (code, params): (Binary, [f64; 2]),
         f: impl Fn(T, T) -> T + Sync,
     ) -> Result<Tensor<'s>> {
         same_dtype(op, self, other)?;
         same_device(op, self, other)?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            let shape = broadcast_shapes(op, self.shape(), other.shape())?;
+            let (la, lb) = (
+                self.layout().broadcast_to(&shape)?,
+                other.layout().broadcast_to(&shape)?,
+            );
+            let operands = [(self, &la), (other, &lb)];
+            return crate::cuda::ops::binary(operands, &shape, code, params, Location::caller());
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (code, params);
         if self.shape() == other.shape() && self.is_contiguous() && other.is_contiguous() {
             // The common case, without broadcasting or a strided walk.
             let mut out =
@@ -168,9 +183,20 @@ impl<'s> Tensor<'s> {
         Ok(out)
     }
 
-    /// `f(self)` elementwise into a new tensor of `T`.
+    /// `f(self)` elementwise into a new tensor of `T`. On a GPU the kernel computes `code` with the
+    /// parameters `params`, which must be the same function as `f`.
     #[track_caller]
-    fn map<T: Element>(&self, f: impl Fn(T) -> T + Sync) -> Result<Tensor<'s>> {
+    fn map<T: Element>(
+        &self,
+        (code, params): (Unary, [f64; 2]),
+        f: impl Fn(T) -> T + Sync,
+    ) -> Result<Tensor<'s>> {
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::ops::unary(self, code, params, Location::caller());
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (code, params);
         let mut out = Tensor::output_of(&[self], T::DTYPE, self.shape(), Location::caller())?;
         if self.is_contiguous() {
             map_contiguous(out.fresh_mut::<T>(), self.contiguous_data::<T>(), &f);
@@ -187,27 +213,27 @@ impl<'s> Tensor<'s> {
 
     binary_ops! {
         /// `self + other`.
-        add => |a, b| a.add(b);
+        add [Add] => |a, b| a.add(b);
         /// `self - other`.
-        sub => |a, b| a.sub(b);
+        sub [Sub] => |a, b| a.sub(b);
         /// `self * other`.
-        mul => |a, b| a.mul(b);
+        mul [Mul] => |a, b| a.mul(b);
         /// The larger of the two, elementwise (NaN if either is NaN).
-        maximum => |a, b| a.max_nan(b);
+        maximum [Maximum] => |a, b| a.max_nan(b);
         /// The smaller of the two, elementwise (NaN if either is NaN).
-        minimum => |a, b| a.min_nan(b);
+        minimum [Minimum] => |a, b| a.min_nan(b);
         /// `1` where `self == other`, else `0`, in the operands' dtype.
-        eq => |a, b| bool_of::<T>(a == b);
+        eq [Eq] => |a, b| bool_of::<T>(a == b);
         /// `1` where `self != other`, else `0`.
-        ne => |a, b| bool_of::<T>(a != b);
+        ne [Ne] => |a, b| bool_of::<T>(a != b);
         /// `1` where `self < other`, else `0`.
-        lt => |a, b| bool_of::<T>(a < b);
+        lt [Lt] => |a, b| bool_of::<T>(a < b);
         /// `1` where `self <= other`, else `0`.
-        le => |a, b| bool_of::<T>(a <= b);
+        le [Le] => |a, b| bool_of::<T>(a <= b);
         /// `1` where `self > other`, else `0`.
-        gt => |a, b| bool_of::<T>(a > b);
+        gt [Gt] => |a, b| bool_of::<T>(a > b);
         /// `1` where `self >= other`, else `0`.
-        ge => |a, b| bool_of::<T>(a >= b);
+        ge [Ge] => |a, b| bool_of::<T>(a >= b);
     }
 
     /// `self / other`. Float division follows IEEE 754 (`x / 0` is infinite or NaN).
@@ -220,7 +246,7 @@ impl<'s> Tensor<'s> {
         if other.dtype() == DType::I64 && other.to_vec::<i64>()?.contains(&0) {
             return Err(Error::DivisionByZero { op: "div" });
         }
-        with_dtype!(self.dtype(), T => self.zip_map::<T>(other, "div", |a: T, b: T| a.div(b)))
+        with_dtype!(self.dtype(), T => self.zip_map::<T>(other, "div", (Binary::Div, [0.0; 2]), |a: T, b: T| a.div(b)))
     }
 
     /// `self ^ other` elementwise (floats).
@@ -229,58 +255,58 @@ impl<'s> Tensor<'s> {
     /// When the shapes do not broadcast, the dtypes differ, or the dtype is an integer.
     #[track_caller]
     pub fn pow(&self, other: &Tensor<'s>) -> Result<Tensor<'s>> {
-        with_float_dtype!(self.dtype(), T => self.zip_map::<T>(other, "pow", |a: T, b: T| a.powf(b)),
+        with_float_dtype!(self.dtype(), T => self.zip_map::<T>(other, "pow", (Binary::Pow, [0.0; 2]), |a: T, b: T| a.powf(b)),
             else Err(Error::UnsupportedDType { op: "pow", dtype: self.dtype(), expected: "a float dtype (f32 or f64)" }))
     }
 
     /// `-self`.
     #[track_caller]
     pub fn neg(&self) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| x.neg()))
+        with_dtype!(self.dtype(), T => self.map::<T>((Unary::Neg, [0.0; 2]), |x: T| x.neg()))
     }
 
     /// `|self|`.
     #[track_caller]
     pub fn abs(&self) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| x.abs()))
+        with_dtype!(self.dtype(), T => self.map::<T>((Unary::Abs, [0.0; 2]), |x: T| x.abs()))
     }
 
     /// `self * self`.
     #[track_caller]
     pub fn square(&self) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| x.mul(x)))
+        with_dtype!(self.dtype(), T => self.map::<T>((Unary::Square, [0.0; 2]), |x: T| x.mul(x)))
     }
 
     /// `max(self, 0)`.
     #[track_caller]
     pub fn relu(&self) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => self.map::<T>(|x: T| if x > T::zero() || x.partial_cmp(&x).is_none() { x } else { T::zero() }))
+        with_dtype!(self.dtype(), T => self.map::<T>((Unary::Relu, [0.0; 2]), |x: T| if x > T::zero() || x.partial_cmp(&x).is_none() { x } else { T::zero() }))
     }
 
     unary_float_ops! {
         /// `e^self` (for `f32` a vectorised approximation within 2 ulp).
-        exp => |x| Float::exp(x);
+        exp [Exp] => |x| Float::exp(x);
         /// Natural logarithm.
-        log => |x| x.ln();
+        log [Log] => |x| x.ln();
         /// Square root.
-        sqrt => |x| x.sqrt();
+        sqrt [Sqrt] => |x| x.sqrt();
         /// `1 / self`.
-        recip => |x| x.recip();
+        recip [Recip] => |x| x.recip();
         /// Hyperbolic tangent (for `f32` a vectorised approximation within 3 ulp).
-        tanh => |x| Float::tanh(x);
+        tanh [Tanh] => |x| Float::tanh(x);
         /// Sine.
-        sin => |x| x.sin();
+        sin [Sin] => |x| x.sin();
         /// Cosine.
-        cos => |x| x.cos();
+        cos [Cos] => |x| x.cos();
         /// The logistic function `1 / (1 + e^-x)`, computed without overflow for large `|x|`.
-        sigmoid => |x| {
+        sigmoid [Sigmoid] => |x| {
             // e = e^-|x| never overflows; both branches are computed so the loop stays branch-free.
             let e = Float::exp(x.abs().neg());
             let r = T::one().div(T::one().add(e));
             if x >= T::zero() { r } else { e.mul(r) }
         };
         /// GELU with the tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
-        gelu => |x| {
+        gelu [Gelu] => |x| {
             let c = T::from_f64((2.0 / std::f64::consts::PI).sqrt());
             let inner = c.mul(x.add(T::from_f64(0.044715).mul(x).mul(x).mul(x)));
             T::from_f64(0.5).mul(x).mul(T::one().add(Float::tanh(inner)))
@@ -290,13 +316,13 @@ impl<'s> Tensor<'s> {
     /// `self + value` (the scalar is converted to the dtype).
     #[track_caller]
     pub fn add_scalar(&self, value: f64) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>(move |x: T| x.add(v)) })
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>((Unary::AddScalar, [value, 0.0]), move |x: T| x.add(v)) })
     }
 
     /// `self * value`.
     #[track_caller]
     pub fn mul_scalar(&self, value: f64) -> Result<Tensor<'s>> {
-        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>(move |x: T| x.mul(v)) })
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>((Unary::MulScalar, [value, 0.0]), move |x: T| x.mul(v)) })
     }
 
     /// `self / value`.
@@ -308,13 +334,13 @@ impl<'s> Tensor<'s> {
         if self.dtype() == DType::I64 && value as i64 == 0 {
             return Err(Error::DivisionByZero { op: "div_scalar" });
         }
-        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>(move |x: T| x.div(v)) })
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.map::<T>((Unary::DivScalar, [value, 0.0]), move |x: T| x.div(v)) })
     }
 
     /// `self ^ exponent` (floats).
     #[track_caller]
     pub fn powf(&self, exponent: f64) -> Result<Tensor<'s>> {
-        with_float_dtype!(self.dtype(), T => { let e = T::from_f64(exponent); self.map::<T>(move |x: T| x.powf(e)) },
+        with_float_dtype!(self.dtype(), T => { let e = T::from_f64(exponent); self.map::<T>((Unary::Powf, [exponent, 0.0]), move |x: T| x.powf(e)) },
             else Err(Error::UnsupportedDType { op: "powf", dtype: self.dtype(), expected: "a float dtype (f32 or f64)" }))
     }
 
@@ -333,7 +359,7 @@ impl<'s> Tensor<'s> {
         }
         with_dtype!(self.dtype(), T => {
             let (lo, hi) = (T::from_f64(min), T::from_f64(max));
-            self.map::<T>(move |x: T| if x < lo { lo } else if x > hi { hi } else { x })
+            self.map::<T>((Unary::Clamp, [min, max]), move |x: T| if x < lo { lo } else if x > hi { hi } else { x })
         })
     }
 
@@ -365,6 +391,14 @@ impl<'s> Tensor<'s> {
             on_true.layout().broadcast_to(&shape)?,
             on_false.layout().broadcast_to(&shape)?,
         );
+        #[cfg(feature = "cuda")]
+        if on_true.device().is_cuda() {
+            // The kernel reads the condition in the branches' dtype.
+            let cond = cond.to_dtype(on_true.dtype())?;
+            let lc = cond.layout().broadcast_to(&shape)?;
+            let operands = [(&cond, &lc), (on_true, &lt), (on_false, &lf)];
+            return crate::cuda::ops::where_cond(operands, &shape, Location::caller());
+        }
         let mut out = Tensor::output_of(
             &[cond, on_true, on_false],
             on_true.dtype(),
@@ -395,6 +429,10 @@ impl<'s> Tensor<'s> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::ops::cast(self, dtype, Location::caller());
+        }
         let mut out = Tensor::output_of(&[self], dtype, self.shape(), Location::caller())?;
         let walk = RowWalk::new(self.shape(), [self.strides()], [self.layout().offset()]);
         let [sa] = walk.row_strides();
@@ -411,6 +449,7 @@ impl<'s> Tensor<'s> {
         &mut self,
         other: &Tensor<'_>,
         op: &'static str,
+        (code, p): (Binary, f64),
         f: impl Fn(T, T) -> T,
     ) -> Result<()> {
         same_dtype(op, self, other)?;
@@ -425,6 +464,12 @@ impl<'s> Tensor<'s> {
                 hint: "the operand of an in-place op must broadcast to the updated tensor's shape",
             })?;
         self.make_unique_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::ops::binary_in_place(self, other, &lb, code, p);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (code, p);
         let shape = self.layout().shape().to_vec();
         let walk = RowWalk::new(
             &shape,
@@ -448,47 +493,59 @@ impl<'s> Tensor<'s> {
     /// of it exists), `self` first gets a private copy. A borrowed view ([`as_slice`](Self::as_slice))
     /// blocks them at compile time.
     pub fn add_(&mut self, other: &Tensor<'_>) -> Result<()> {
-        with_dtype!(self.dtype(), T => self.update::<T>(other, "add_", |a: T, b: T| a.add(b)))
+        with_dtype!(self.dtype(), T => self.update::<T>(other, "add_", (Binary::Add, 0.0), |a: T, b: T| a.add(b)))
     }
 
     /// `self -= other` in place.
     pub fn sub_(&mut self, other: &Tensor<'_>) -> Result<()> {
-        with_dtype!(self.dtype(), T => self.update::<T>(other, "sub_", |a: T, b: T| a.sub(b)))
+        with_dtype!(self.dtype(), T => self.update::<T>(other, "sub_", (Binary::Sub, 0.0), |a: T, b: T| a.sub(b)))
     }
 
     /// `self *= other` in place.
     pub fn mul_(&mut self, other: &Tensor<'_>) -> Result<()> {
-        with_dtype!(self.dtype(), T => self.update::<T>(other, "mul_", |a: T, b: T| a.mul(b)))
+        with_dtype!(self.dtype(), T => self.update::<T>(other, "mul_", (Binary::Mul, 0.0), |a: T, b: T| a.mul(b)))
     }
 
     /// `self += alpha * other` in place (the optimizer's update).
     pub fn axpy_(&mut self, alpha: f64, other: &Tensor<'_>) -> Result<()> {
+        let alpha_f64 = alpha;
         with_dtype!(self.dtype(), T => {
             let alpha = T::from_f64(alpha);
-            self.update::<T>(other, "axpy_", move |a: T, b: T| a.add(alpha.mul(b)))
+            self.update::<T>(other, "axpy_", (Binary::Axpy, alpha_f64), move |a: T, b: T| a.add(alpha.mul(b)))
         })
     }
 
     /// Overwrites `self` with `src` (broadcast to `self`'s shape) in place.
     pub fn copy_from_(&mut self, src: &Tensor<'_>) -> Result<()> {
-        with_dtype!(self.dtype(), T => self.update::<T>(src, "copy_from_", |_: T, b: T| b))
+        with_dtype!(self.dtype(), T => self.update::<T>(src, "copy_from_", (Binary::Assign, 0.0), |_: T, b: T| b))
     }
 
-    /// Applies `f` to every element in place (after the copy-on-write step).
-    fn apply_<T: Element>(&mut self, f: impl Fn(T) -> T) -> Result<()> {
+    /// Applies `f` to every element in place (after the copy-on-write step); on a GPU the kernel
+    /// computes `code` with `params`, the same function.
+    fn apply_<T: Element>(
+        &mut self,
+        (code, params): (Unary, [f64; 2]),
+        f: impl Fn(T) -> T,
+    ) -> Result<()> {
         self.make_unique_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::ops::unary_in_place(self, code, params);
+        }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (code, params);
         self.fresh_mut::<T>().iter_mut().for_each(|x| *x = f(*x));
         Ok(())
     }
 
     /// `self *= value` in place.
     pub fn mul_scalar_(&mut self, value: f64) -> Result<()> {
-        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>(move |x| x.mul(v)) })
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>((Unary::MulScalar, [value, 0.0]), move |x| x.mul(v)) })
     }
 
     /// `self += value` in place.
     pub fn add_scalar_(&mut self, value: f64) -> Result<()> {
-        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>(move |x| x.add(v)) })
+        with_dtype!(self.dtype(), T => { let v = T::from_f64(value); self.apply_::<T>((Unary::AddScalar, [value, 0.0]), move |x| x.add(v)) })
     }
 
     /// Overwrites the elements, in row-major order, with `data` (as many values as the tensor holds,
@@ -515,14 +572,19 @@ impl<'s> Tensor<'s> {
             });
         }
         self.make_unique_contiguous()?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::transfer::upload(data, self);
+        }
         self.fresh_mut::<T>().copy_from_slice(data);
         Ok(())
     }
 
     /// Sets every element to `value` in place.
     pub fn fill_(&mut self, value: f64) -> Result<()> {
-        self.make_unique_contiguous()?;
-        with_dtype!(self.dtype(), T => self.fresh_mut::<T>().fill(T::from_f64(value)));
-        Ok(())
+        with_dtype!(self.dtype(), T => {
+            let v = T::from_f64(value);
+            self.apply_::<T>((Unary::Fill, [value, 0.0]), move |_| v)
+        })
     }
 }

@@ -9,7 +9,32 @@ use crate::layout::RowWalk;
 use crate::ops::{CHUNK, PARALLEL_MIN, same_device, same_dtype};
 use crate::tensor::Tensor;
 
-/// Calls `f(targets' elements, source element)` for every position, writing the targets in place.
+/// A fused update by name, for the GPU kernels (`kernels/optim.cu`); the host runs the closure
+/// given beside it, which must compute the same.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum FusedKernel {
+    /// Targets `[param, velocity]`.
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        weight_decay: f64,
+        nesterov: bool,
+    },
+    /// Targets `[param, first moment, second moment]`.
+    Adam {
+        b1: f64,
+        b2: f64,
+        eps: f64,
+        step_size: f64,
+        v_scale: f64,
+        l2: f64,
+        decay: f64,
+    },
+}
+
+/// Calls `f(targets' elements, source element)` for every position, writing the targets in place
+/// (on a GPU, `kernel` does the same).
 ///
 /// Every target must have `source`'s shape and all must hold `T`. A shared or strided target first
 /// gets a private contiguous copy (copy-on-write, like every in-place op); a unique contiguous one is
@@ -18,6 +43,7 @@ pub(crate) fn update_in_place<T: Element, const M: usize>(
     op: &'static str,
     targets: [&mut Tensor<'_>; M],
     source: &Tensor<'_>,
+    kernel: FusedKernel,
     f: impl Fn([&mut T; M], T) + Sync,
 ) -> Result<()> {
     for t in &targets {
@@ -37,6 +63,12 @@ pub(crate) fn update_in_place<T: Element, const M: usize>(
     for t in targets.iter_mut() {
         t.make_unique_contiguous()?;
     }
+    #[cfg(feature = "cuda")]
+    if source.device().is_cuda() {
+        return crate::cuda::ops::fused_update(op, kernel, &mut targets, &source.contiguous()?);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = kernel;
     let mut slices: [&mut [T]; M] = targets.map(|t| t.fresh_mut::<T>());
     if source.is_contiguous() {
         update_contiguous(slices, source.contiguous_data::<T>(), &f);

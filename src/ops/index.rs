@@ -23,11 +23,18 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()
         });
     }
     let mut bad = None;
-    index.for_each_element::<i64>(|i| {
+    let check = |i: i64| {
         if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
             bad = Some(i);
         }
-    });
+    };
+    if index.device().is_cuda() {
+        // GPU indices are checked on the host: one copy of (small) index data, so that a bad index
+        // is an error here instead of an out-of-bounds read in a kernel.
+        index.to_vec::<i64>()?.into_iter().for_each(check);
+    } else {
+        index.for_each_element::<i64>(check);
+    }
     match bad {
         Some(index) => Err(Error::IndexOutOfRange { op, index, size }),
         None => Ok(()),
@@ -97,6 +104,15 @@ impl<'s> Tensor<'s> {
         check_indices(OP, indices, self.shape()[axis])?;
         let mut shape: Shape = self.shape().into();
         shape[axis] = indices.numel();
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            // A gather whose index is `indices` along `axis`, broadcast over every other axis.
+            let mut along: Shape = smallvec::smallvec![1; self.rank()];
+            along[axis] = indices.numel();
+            let index = indices.reshape(&along)?;
+            let index_layout = index.layout().broadcast_to(&shape)?;
+            return crate::cuda::ops::gather(self, axis, &index, &index_layout, Location::caller());
+        }
         let mut out =
             Tensor::output_of(&[self, indices], self.dtype(), &shape, Location::caller())?;
         let out_strides: Shape = out.strides().into();
@@ -144,6 +160,11 @@ impl<'s> Tensor<'s> {
             "the index must have the same rank, and no larger size on any axis but the gathered one",
         )?;
         check_indices(OP, index, self.shape()[axis])?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            let at = Location::caller();
+            return crate::cuda::ops::gather(self, axis, index, index.layout(), at);
+        }
         let mut out = Tensor::output_of(
             &[self, index],
             self.dtype(),
@@ -234,6 +255,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         const OP: &str = "scatter_add";
+        crate::ops::host_only(OP, &[self])?;
         crate::ops::same_dtype(OP, self, src)?;
         same_device(OP, self, index)?;
         same_device(OP, self, src)?;
@@ -271,6 +293,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         const OP: &str = "index_add";
+        crate::ops::host_only(OP, &[self])?;
         crate::ops::same_dtype(OP, self, src)?;
         same_device(OP, self, indices)?;
         same_device(OP, self, src)?;

@@ -57,6 +57,17 @@ impl<'s> Tensor<'s> {
         let mut shape: Shape = first.shape().into();
         shape[axis] = total;
         let mut out = Tensor::output_of(tensors, first.dtype(), &shape, Location::caller())?;
+        #[cfg(feature = "cuda")]
+        if out.device().is_cuda() {
+            let mut at = 0;
+            for t in tensors {
+                let len = t.shape()[axis];
+                let part = out.narrow(axis as isize, at, len)?.layout().clone();
+                crate::cuda::ops::copy_into_view(t, t.layout(), &mut out, &part)?;
+                at += len;
+            }
+            return Ok(out);
+        }
         let strides: Shape = out.strides().into();
         with_dtype!(first.dtype(), T => {
             let dst = out.fresh_mut::<T>();

@@ -5,6 +5,7 @@ use std::panic::Location;
 
 use gemm::Parallelism;
 
+use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::{RowWalk, Shape, broadcast_shapes, contiguous_strides};
@@ -79,10 +80,12 @@ impl<'s> Tensor<'s> {
         out_shape.extend_from_slice(&[m, n]);
         let mut out =
             Tensor::output_of(&[self, other], self.dtype(), &out_shape, Location::caller())?;
-        match self.dtype() {
-            DType::F32 => matmul_into::<f32>(&a, &b, &batch, (m, k, n), out.fresh_mut::<f32>()),
-            DType::F64 => matmul_into::<f64>(&a, &b, &batch, (m, k, n), out.fresh_mut::<f64>()),
-            DType::I64 => unreachable!("rejected above"),
+        match out.device() {
+            Device::Cpu => Self::matmul_on_host(&a, &b, &batch, (m, k, n), &mut out),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => crate::cuda::matmul(&a, &b, &batch, (m, k, n), &mut out)?,
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => unreachable!("no GPU tensor exists without the CUDA backend"),
         }
         // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
         // right operand (at -1 whichever came before).
@@ -94,6 +97,21 @@ impl<'s> Tensor<'s> {
             out = out.squeeze(-1)?;
         }
         Ok(out)
+    }
+
+    /// The host product into the fresh contiguous `out` (float dtypes, checked by `matmul`).
+    fn matmul_on_host(
+        a: &Tensor<'_>,
+        b: &Tensor<'_>,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: &mut Tensor<'_>,
+    ) {
+        match out.dtype() {
+            DType::F32 => matmul_into::<f32>(a, b, batch, mkn, out.fresh_mut::<f32>()),
+            DType::F64 => matmul_into::<f64>(a, b, batch, mkn, out.fresh_mut::<f64>()),
+            DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
+        }
     }
 }
 

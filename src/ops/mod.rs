@@ -1,5 +1,6 @@
-//! Tensor operations on the CPU. Every op returns `Result`: shape, dtype and device mismatches, and
-//! allocations refused by a cap or budget, are errors, never panics.
+//! Tensor operations. The host kernels live here; an op whose operands are on a GPU hands them to
+//! the CUDA backend (`crate::cuda`) after the same checks. Every op returns `Result`: shape, dtype
+//! and device mismatches, and allocations refused by a cap or budget, are errors, never panics.
 
 pub(crate) mod copy;
 mod elementwise;
@@ -7,6 +8,7 @@ pub(crate) mod fused;
 mod index;
 mod join;
 mod matmul;
+pub(crate) mod op_code;
 mod reduce;
 mod softmax;
 mod view;
@@ -56,6 +58,17 @@ pub(crate) fn same_dtype(op: &'static str, a: &Tensor<'_>, b: &Tensor<'_>) -> Re
         });
     }
     Ok(())
+}
+
+/// Refuses operands in GPU memory, for ops that only have a host implementation.
+pub(crate) fn host_only(op: &'static str, tensors: &[&Tensor<'_>]) -> Result<()> {
+    match tensors.iter().map(|t| t.device()).find(|d| d.is_cuda()) {
+        None => Ok(()),
+        Some(device) => Err(Error::UnsupportedOnDevice {
+            op,
+            device: device.to_string(),
+        }),
+    }
 }
 
 pub(crate) fn same_device(op: &'static str, a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {

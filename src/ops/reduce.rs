@@ -9,18 +9,15 @@ use std::panic::Location;
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
+use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{RowWalk, Shape, contiguous_strides, resolve_axis};
 use crate::ops::PARALLEL_MIN;
 use crate::tensor::Tensor;
 
-#[derive(Clone, Copy, PartialEq)]
-enum Reduce {
-    Sum,
-    Max,
-    Min,
-}
+// Sum, max or min, under the names the GPU kernels take too.
+use crate::ops::op_code::Reduction as Reduce;
 
 impl Reduce {
     fn identity<T: Element>(self) -> T {
@@ -110,8 +107,19 @@ impl<'s> Tensor<'s> {
             .enumerate()
             .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
             .collect();
-        let mut out = Tensor::output_of(&[self], self.dtype(), &kept, Location::caller())?;
-        with_dtype!(self.dtype(), T => self.reduce_into::<T>(kind, &axes, &kept, out.fresh_mut::<T>()));
+        let out = match self.device() {
+            Device::Cpu => {
+                let mut out = Tensor::output_of(&[self], self.dtype(), &kept, Location::caller())?;
+                with_dtype!(self.dtype(), T => self.reduce_into::<T>(kind, &axes, &kept, out.fresh_mut::<T>()));
+                out
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                crate::cuda::ops::reduce(self, kind, &axes, &kept, Location::caller())?
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => unreachable!("no GPU tensor exists without the CUDA backend"),
+        };
         if keepdim {
             return Ok(out);
         }
@@ -244,6 +252,15 @@ impl<'s> Tensor<'s> {
         }
         let mut kept: Shape = SmallVec::from_slice(self.shape());
         kept[axis] = 1;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            let out = crate::cuda::ops::argmax(self, axis, &kept, Location::caller())?;
+            return if keepdim {
+                Ok(out)
+            } else {
+                out.squeeze(axis as isize)
+            };
+        }
         let mut out = Tensor::output_of(&[self], DType::I64, &kept, Location::caller())?;
         let step = self.strides()[axis];
         let walk = RowWalk::new(&kept, [self.strides()], [self.layout().offset()]);

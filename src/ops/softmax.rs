@@ -46,6 +46,22 @@ impl<'s> Tensor<'s> {
         } else {
             self.transpose(axis as isize, -1)?.contiguous()?
         };
+        if !self.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype: self.dtype(),
+                expected: "a float dtype (f32 or f64)",
+            });
+        }
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            let out = crate::cuda::ops::softmax_rows(self, &moved, log, Location::caller())?;
+            return if axis == last {
+                Ok(out)
+            } else {
+                out.transpose(axis as isize, -1)
+            };
+        }
         let mut out = Tensor::output_of(&[self], self.dtype(), moved.shape(), Location::caller())?;
         let n = moved.shape()[last];
         if n > 0 {

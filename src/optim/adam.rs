@@ -5,7 +5,7 @@ use crate::autograd::Gradients;
 use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
-use crate::ops::fused::update_in_place;
+use crate::ops::fused::{FusedKernel, update_in_place};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -108,6 +108,7 @@ impl<'m> Optimizer<'m> for Adam<'m> {
         // Bias corrections folded into the step size and the denominator's scale.
         let step_size = c.lr / (1.0 - b1.powi(t.min(i32::MAX as u64) as i32));
         let v_scale = 1.0 / (1.0 - b2.powi(t.min(i32::MAX as u64) as i32)).sqrt();
+        let (step_size_f64, v_scale_f64) = (step_size, v_scale);
         check_param_set("Adam::step", params, &self.first_moment)?;
         let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
         for_each_param(params, |i, p| {
@@ -122,7 +123,16 @@ impl<'m> Optimizer<'m> for Adam<'m> {
                     (T::from_f64(c.weight_decay), T::one())
                 };
                 let (one_b1, one_b2) = (T::one().sub(b1), T::one().sub(b2));
-                update_in_place::<T, 3>("Adam::step", [p, &mut ms[i], &mut vs[i]], g, |[p, m, v], g| {
+                let kernel = FusedKernel::Adam {
+                    b1: c.betas.0,
+                    b2: c.betas.1,
+                    eps: c.eps,
+                    step_size: step_size_f64,
+                    v_scale: v_scale_f64,
+                    l2: l2.to_f64(),
+                    decay: decay.to_f64(),
+                };
+                update_in_place::<T, 3>("Adam::step", [p, &mut ms[i], &mut vs[i]], g, kernel, |[p, m, v], g| {
                     let g = g.add(l2.mul(*p));
                     *m = b1.mul(*m).add(one_b1.mul(g));
                     *v = b2.mul(*v).add(one_b2.mul(g).mul(g));

@@ -5,7 +5,7 @@ use crate::autograd::Gradients;
 use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
-use crate::ops::fused::update_in_place;
+use crate::ops::fused::{FusedKernel, update_in_place};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -94,7 +94,8 @@ impl<'m> Optimizer<'m> for Sgd<'m> {
             };
             with_float_dtype!(p.dtype(), T => {
                 let (lr, mu, wd) = (T::from_f64(lr), T::from_f64(momentum), T::from_f64(weight_decay));
-                update_in_place::<T, 2>("Sgd::step", [p, &mut velocity[i]], g, |[p, v], g| {
+                let kernel = FusedKernel::Sgd { lr: self.config.lr, momentum, weight_decay, nesterov };
+                update_in_place::<T, 2>("Sgd::step", [p, &mut velocity[i]], g, kernel, |[p, v], g| {
                     let d = g.add(wd.mul(*p));
                     *v = mu.mul(*v).add(d);
                     let step = if nesterov { d.add(mu.mul(*v)) } else { *v };

@@ -2,6 +2,7 @@
 
 use std::fmt::Write;
 
+use crate::device::Device;
 use crate::memory::stats::Bytes;
 use crate::scope::node::ScopeNode;
 
@@ -15,7 +16,7 @@ pub(crate) fn dump_tree(root: &ScopeNode) -> String {
         out,
         "scope tree on {}: cache {} ({} header bytes)",
         root.device,
-        Bytes(tree.pool.borrow().cached_bytes()),
+        Bytes(tree.cached_bytes()),
         tree.slab.borrow().bytes()
     );
     node(&mut out, root, "");
@@ -45,11 +46,15 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
         let at = h.created_at.get();
         let _ = writeln!(
             out,
-            "{child_indent}tensor {} {} {:?} {} (refs {}), created at {}:{}:{}",
+            "{child_indent}tensor {} {}{} {:?} {} (refs {}), created at {}:{}:{}",
             h.name
                 .get()
                 .map_or_else(|| "_".to_string(), |s| format!("\"{s}\"")),
             h.dtype.get(),
+            match h.device.get() {
+                Device::Cpu => String::new(),
+                gpu => format!(" on {gpu}"),
+            },
             h.shape.get(),
             Bytes(h.bytes.get()),
             h.refs(),

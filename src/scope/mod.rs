@@ -211,7 +211,7 @@ impl<'s> Scope<'s> {
     /// A snapshot of the scope's memory counters.
     pub fn stats(&self) -> ScopeStats {
         let mut s = *self.node.stats.borrow();
-        s.cached_bytes = self.node.tree().pool.borrow().cached_bytes();
+        s.cached_bytes = self.node.tree().cached_bytes();
         s
     }
 
@@ -258,7 +258,7 @@ impl<'s> Scope<'s> {
     /// Hands every cached free block of the tree back to the system allocator and returns how many
     /// bytes that released. Live tensors are unaffected; later allocations refill the cache.
     pub fn empty_cache(&self) -> usize {
-        self.node.tree().pool.borrow_mut().empty()
+        self.node.tree().empty_cache()
     }
 
     /// Hands cached free blocks back to the system allocator, largest first, until at most
@@ -273,7 +273,7 @@ impl<'s> Scope<'s> {
     /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
     /// ```
     pub fn trim_cache(&self, max_cached: usize) -> usize {
-        self.node.tree().pool.borrow_mut().trim(max_cached)
+        self.node.tree().trim_cache(max_cached)
     }
 
     /// Fault injection for tests: the `nth` allocation from now anywhere in this scope's tree

@@ -26,9 +26,10 @@ thread_local! {
     static OPENED: Cell<u64> = const { Cell::new(0) };
 }
 
-/// State shared by every scope of one tree: the block cache, the header slab and the RNG.
+/// State shared by every scope of one tree: the block caches, the header slab and the RNG.
 pub(crate) struct TreeState {
-    pub(crate) pool: RefCell<Pool>,
+    /// One caching pool per device the tree has allocated on; the host's comes first.
+    pools: RefCell<Vec<Pool>>,
     pub(crate) slab: RefCell<HeaderSlab>,
     pub(crate) rng: Cell<Rng>,
     pub(crate) root: Cell<*const ScopeNode>,
@@ -39,13 +40,67 @@ pub(crate) struct TreeState {
 impl TreeState {
     pub(crate) fn new() -> TreeState {
         TreeState {
-            pool: RefCell::new(Pool::default()),
+            pools: RefCell::new(vec![Pool::new(Device::Cpu)]),
             slab: RefCell::new(HeaderSlab::default()),
             rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
             root: Cell::new(ptr::null()),
             faults: FaultPlan::default(),
             timeline: Recorder::default(),
         }
+    }
+
+    /// A cached or new block of `device` memory of at least `bytes` (> 0) bytes.
+    fn take(&self, device: Device, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
+        let mut pools = self.pools.borrow_mut();
+        let index = match pools.iter().position(|p| p.device() == device) {
+            Some(i) => i,
+            None => {
+                pools.push(Pool::new(device));
+                pools.len() - 1
+            }
+        };
+        pools[index].take(bytes)
+    }
+
+    /// Caches a block of `device` memory.
+    ///
+    /// # Safety
+    /// As for [`Pool::give`]: `ptr` came from [`TreeState::take`] on `device` with this class
+    /// `capacity`, and nothing uses it any more.
+    unsafe fn give(&self, device: Device, ptr: NonNull<u8>, capacity: usize) {
+        let mut pools = self.pools.borrow_mut();
+        let pool = pools
+            .iter_mut()
+            .find(|p| p.device() == device)
+            .expect("a block goes back to the pool of its device, created when it was taken");
+        // SAFETY: forwarded from the caller.
+        unsafe { pool.give(ptr, capacity) };
+    }
+
+    /// Bytes cached by every pool of the tree.
+    pub(crate) fn cached_bytes(&self) -> usize {
+        self.pools.borrow().iter().map(Pool::cached_bytes).sum()
+    }
+
+    /// Hands every cached block back to its device's allocator; returns the bytes released.
+    pub(crate) fn empty_cache(&self) -> usize {
+        self.pools.borrow_mut().iter_mut().map(Pool::empty).sum()
+    }
+
+    /// Hands cached blocks back (largest classes first, pool by pool) until at most `max_cached`
+    /// bytes stay cached in the whole tree; returns the bytes released.
+    pub(crate) fn trim_cache(&self, max_cached: usize) -> usize {
+        let mut excess = self.cached_bytes().saturating_sub(max_cached);
+        let mut released = 0;
+        for pool in self.pools.borrow_mut().iter_mut() {
+            if excess == 0 {
+                break;
+            }
+            let freed = pool.trim(pool.cached_bytes().saturating_sub(excess));
+            excess = excess.saturating_sub(freed);
+            released += freed;
+        }
+        released
     }
 }
 
@@ -124,7 +179,7 @@ impl ScopeNode {
     /// node sits at its final address.
     pub(crate) fn link(&self, arena: Option<&mut Workspace>) {
         if let Some(ws) = arena {
-            ws.begin_cycle();
+            ws.begin_cycle(self.device);
             self.arena.set(Some(NonNull::from(ws)));
         }
         match self.parent() {
@@ -247,9 +302,10 @@ impl ScopeNode {
         Ok(())
     }
 
-    /// Allocates a block for `shape` elements of `dtype` owned by this scope.
+    /// Allocates a block of `device` memory for `shape` elements of `dtype` owned by this scope.
     pub(crate) fn alloc(
         &self,
+        device: Device,
         dtype: DType,
         shape: &[usize],
         at: &'static Location<'static>,
@@ -258,19 +314,20 @@ impl ScopeNode {
         self.tree().faults.on_alloc(self, bytes)?;
         self.admit(bytes, None)?;
         let region = if bytes == 0 {
-            Region::empty()
-        } else if let Some(ptr) = self.with_arena(|a| a.bump(bytes)).flatten() {
+            Region::empty(device)
+        } else if let Some(ptr) = self.with_arena(|a| a.bump(device, bytes)).flatten() {
             Region {
                 ptr,
                 bytes,
                 capacity: bytes.next_multiple_of(ALIGN),
                 home: Home::Arena,
+                device,
             }
         } else {
-            if self.with_arena(|a| a.note_spill(bytes)).is_some() {
+            if self.with_arena(|a| a.note_spill(device, bytes)) == Some(true) {
                 self.stats.borrow_mut().spills += 1;
             }
-            let taken = self.tree().pool.borrow_mut().take(bytes);
+            let taken = self.tree().take(device, bytes);
             let Some((ptr, capacity, source)) = taken else {
                 self.stats.borrow_mut().ooms += 1;
                 return Err(Error::OutOfMemory {
@@ -282,15 +339,17 @@ impl ScopeNode {
                 });
             };
             let mut stats = self.stats.borrow_mut();
-            match source {
-                Source::Reused => stats.reuses += 1,
-                Source::System => stats.system_allocations += 1,
+            match (source, device) {
+                (Source::Reused, _) => stats.reuses += 1,
+                (Source::System, Device::Cpu) => stats.system_allocations += 1,
+                (Source::System, Device::Cuda(_)) => stats.device_allocations += 1,
             }
             Region {
                 ptr,
                 bytes,
                 capacity,
                 home: Home::Heap,
+                device,
             }
         };
         let (header, grew) = self.tree().slab.borrow_mut().take();
@@ -368,13 +427,12 @@ impl ScopeNode {
     fn free_bytes(&self, h: &BlockHeader) {
         match h.home.get() {
             Home::Empty => {}
-            // SAFETY: heap blocks came from the pool (`system_alloc` with a class capacity), and the
-            // block has no user left: its last handle dropped, or its scope is closing.
+            // SAFETY: heap blocks came from the tree's pool of their device with a class capacity,
+            // and the block has no user left: its last handle dropped, or its scope is closing (for a
+            // GPU, later users of the bytes are ordered after earlier ones by the device's stream).
             Home::Heap => unsafe {
                 self.tree()
-                    .pool
-                    .borrow_mut()
-                    .give(h.ptr.get(), h.capacity.get())
+                    .give(h.device.get(), h.ptr.get(), h.capacity.get())
             },
             Home::Arena => {
                 self.with_arena(|a| a.pop(h.ptr.get(), h.bytes.get()));
@@ -422,8 +480,12 @@ impl ScopeNode {
             s.reclaimed_tensors += 1;
             s.reclaimed_bytes += bytes;
         }
-        if self.with_arena(Workspace::end_cycle) == Some(true) {
-            self.stats.borrow_mut().system_allocations += 1;
+        if let Some((true, device)) = self.with_arena(|ws| (ws.end_cycle(), ws.device())) {
+            let mut stats = self.stats.borrow_mut();
+            match device {
+                Device::Cpu => stats.system_allocations += 1,
+                Device::Cuda(_) => stats.device_allocations += 1,
+            }
         }
         self.arena.set(None);
         if let Some(p) = self.parent() {

@@ -2,13 +2,34 @@
 
 use std::panic::Location;
 
-use crate::dtype::{DType, Element, with_dtype};
+use crate::device::Device;
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
 use crate::scope::Scope;
 use crate::tensor::{Owner, Tensor};
 
 impl<'s> Scope<'s> {
+    /// A new tensor of this scope on its device, whose elements `write` produces on the host (then
+    /// copied to a GPU in one transfer).
+    fn written<T: Element>(
+        &self,
+        shape: &[usize],
+        at: &'static Location<'static>,
+        write: impl FnOnce(&mut [T]),
+    ) -> Result<Tensor<'s>> {
+        let device = self.node.device;
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), device, T::DTYPE, shape, at)?;
+        if device == Device::Cpu {
+            write(t.fresh_mut::<T>());
+        } else {
+            let mut staged = vec![T::zero(); t.numel()];
+            write(&mut staged);
+            t.copy_from_slice_(&staged)?;
+        }
+        Ok(t)
+    }
+
     fn filled(
         &self,
         dtype: DType,
@@ -16,8 +37,8 @@ impl<'s> Scope<'s> {
         value: f64,
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
-        let mut t = Tensor::uninit_in(Owner::Node(&self.node), dtype, shape, at)?;
-        with_dtype!(dtype, T => t.fresh_mut::<T>().fill(T::from_f64(value)));
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), self.node.device, dtype, shape, at)?;
+        t.fill_(value)?;
         Ok(t)
     }
 
@@ -69,10 +90,7 @@ impl<'s> Scope<'s> {
                 got: data.len(),
             });
         }
-        let mut t =
-            Tensor::uninit_in(Owner::Node(&self.node), T::DTYPE, shape, Location::caller())?;
-        t.fresh_mut::<T>().copy_from_slice(data);
-        Ok(t)
+        self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))
     }
 
     /// A 1-D tensor `start, start + step, ...` up to `end` (exclusive), of `T`'s dtype.
@@ -99,11 +117,11 @@ impl<'s> Scope<'s> {
             });
         }
         let n = n as usize;
-        let mut t = Tensor::uninit_in(Owner::Node(&self.node), T::DTYPE, &[n], Location::caller())?;
-        for (i, v) in t.fresh_mut::<T>().iter_mut().enumerate() {
-            *v = T::from_f64(a + i as f64 * d);
-        }
-        Ok(t)
+        self.written::<T>(&[n], Location::caller(), |out| {
+            for (i, v) in out.iter_mut().enumerate() {
+                *v = T::from_f64(a + i as f64 * d);
+            }
+        })
     }
 
     /// An `f32` tensor whose elements are drawn one by one from the tree's generator.
@@ -113,13 +131,9 @@ impl<'s> Scope<'s> {
         draw: impl Fn(&mut crate::rng::Rng) -> f64,
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
-        let mut t = Tensor::uninit_in(Owner::Node(&self.node), DType::F32, shape, at)?;
-        self.with_rng(|rng| {
-            t.fresh_mut::<f32>()
-                .iter_mut()
-                .for_each(|v| *v = draw(rng) as f32)
-        });
-        Ok(t)
+        self.written::<f32>(shape, at, |out| {
+            self.with_rng(|rng| out.iter_mut().for_each(|v| *v = draw(rng) as f32))
+        })
     }
 
     /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator.

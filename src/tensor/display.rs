@@ -4,6 +4,7 @@
 
 use std::fmt;
 
+use crate::device::Device;
 use crate::dtype::{Element, with_dtype};
 use crate::tensor::Tensor;
 
@@ -13,12 +14,25 @@ const EDGE: usize = 3;
 impl fmt::Display for Tensor<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Tensor[{}; {:?}]", self.dtype(), self.shape())?;
+        if self.device() != Device::Cpu {
+            write!(f, " on {}", self.device())?;
+        }
         if let Some(name) = self.name() {
             write!(f, " \"{name}\"")?;
         }
         writeln!(f)?;
         if self.numel() == 0 {
             return f.write_str("[]");
+        }
+        if self.device() != Device::Cpu {
+            // Printed from a host copy of the elements (formatting has no way to report a failed
+            // copy but fmt::Error).
+            let host = self.to_device(Device::Cpu).map_err(|_| fmt::Error)?;
+            return with_dtype!(self.dtype(), T => {
+                let data = host.block_data::<T>();
+                let printer = Printer { data, shape: host.shape(), strides: host.strides() };
+                printer.write(f, 0, host.layout().offset(), 0)
+            });
         }
         with_dtype!(self.dtype(), T => {
             let data = self.block_data::<T>();

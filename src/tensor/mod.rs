@@ -11,7 +11,7 @@ use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{Layout, RowWalk};
 use crate::memory::block::{BlockRef, Home, Region, ShapeSummary, new_system_block};
-use crate::memory::pool;
+use crate::memory::{pool, raw};
 use crate::scope::Scope;
 use crate::scope::node::ScopeNode;
 
@@ -69,28 +69,29 @@ impl<'n> Owner<'n> {
         best
     }
 
-    /// Allocates a contiguous block for `shape` in this owner.
+    /// Allocates a contiguous block of `device` memory for `shape` in this owner.
     #[inline]
     pub(crate) fn alloc(
         self,
+        device: Device,
         dtype: DType,
         shape: &[usize],
         at: &'static Location<'static>,
     ) -> Result<BlockRef> {
         match self {
-            Owner::Node(node) => node.alloc(dtype, shape, at),
+            Owner::Node(node) => node.alloc(device, dtype, shape, at),
             Owner::System => {
                 let bytes = crate::layout::checked_numel(shape, dtype.size())? * dtype.size();
                 if bytes == 0 {
                     return Ok(new_system_block(
-                        Region::empty(),
+                        Region::empty(device),
                         dtype,
                         ShapeSummary::of(shape),
                         at,
                     ));
                 }
                 let capacity = bytes.next_multiple_of(pool::ALIGN);
-                let ptr = pool::system_alloc(capacity).ok_or_else(|| Error::OutOfMemory {
+                let ptr = raw::alloc(device, capacity).ok_or_else(|| Error::OutOfMemory {
                     scope: "system".into(),
                     requested: bytes,
                     live: crate::scope::system_stats().live_bytes,
@@ -102,6 +103,7 @@ impl<'n> Owner<'n> {
                     bytes,
                     capacity,
                     home: Home::Heap,
+                    device,
                 };
                 Ok(new_system_block(region, dtype, ShapeSummary::of(shape), at))
             }
@@ -120,26 +122,30 @@ impl<'s> Tensor<'s> {
         }
     }
 
-    /// A new contiguous tensor in `owner`; its contents are stale bytes that the caller overwrites.
+    /// A new contiguous tensor of `device` memory in `owner`; its contents are stale bytes that the
+    /// caller overwrites.
     #[inline]
     pub(crate) fn uninit_in(
         owner: Owner<'_>,
+        device: Device,
         dtype: DType,
         shape: &[usize],
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
-        let block = owner.alloc(dtype, shape, at)?;
+        let block = owner.alloc(device, dtype, shape, at)?;
         Ok(Tensor::from_parts(block, Layout::contiguous(shape), dtype))
     }
 
-    /// A new contiguous tensor owned by the innermost owner among `operands`.
+    /// A new contiguous tensor owned by the innermost owner among `operands`, on their device (the
+    /// caller checked that they share one).
     pub(crate) fn output_of(
         operands: &[&Tensor<'s>],
         dtype: DType,
         shape: &[usize],
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
-        Tensor::uninit_in(Owner::innermost(operands), dtype, shape, at)
+        let device = operands.first().map_or(Device::Cpu, |t| t.device());
+        Tensor::uninit_in(Owner::innermost(operands), device, dtype, shape, at)
     }
 
     /// A view of the same block with another layout.
@@ -191,8 +197,29 @@ impl<'s> Tensor<'s> {
     }
 
     /// Where the elements live.
+    #[inline]
     pub fn device(&self) -> Device {
-        Device::Cpu
+        self.block.header().device.get()
+    }
+
+    /// The device address of the first viewed element, for the CUDA backend's kernels.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_ptr(&self) -> u64 {
+        let h = self.block.header();
+        debug_assert!(h.device.get().is_cuda());
+        h.ptr.get().as_ptr() as u64 + (self.layout.offset() * self.dtype.size()) as u64
+    }
+
+    /// The device address of the block's first byte (views add their offset themselves).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_block_ptr(&self) -> u64 {
+        self.block.header().ptr.get().as_ptr() as u64
+    }
+
+    /// Whether this handle is the only one to its block (an in-place op may then write it).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn is_unique(&self) -> bool {
+        self.block.header().is_unique()
     }
 
     /// Whether the elements are row-major without gaps (see [`Layout::is_contiguous`]).
@@ -225,10 +252,18 @@ impl<'s> Tensor<'s> {
         self.block.header().is_system()
     }
 
-    /// The whole block as a slice of `T` (the caller checked the dtype).
+    /// The whole block as a slice of `T` (the caller checked the dtype and that the tensor is on the
+    /// host).
     pub(crate) fn block_data<T: Element>(&self) -> &[T] {
         debug_assert_eq!(T::DTYPE, self.dtype);
         let h = self.block.header();
+        // A GPU address read on the host would be undefined behaviour; every op sends GPU tensors to
+        // the CUDA backend or refuses them first, so this only fires on a bug in ndscope.
+        assert!(
+            h.device.get() == Device::Cpu,
+            "ndscope bug: host access to {} memory",
+            h.device.get()
+        );
         let len = h.bytes.get() / std::mem::size_of::<T>();
         // SAFETY: the block holds `bytes` initialised bytes (zeroed when first taken from the system,
         // written since), aligned to 64, valid while this handle lives. No `&mut` to it can exist at the
@@ -254,6 +289,11 @@ impl<'s> Tensor<'s> {
     pub(crate) fn block_data_mut<T: Element>(&mut self) -> Option<&mut [T]> {
         debug_assert_eq!(T::DTYPE, self.dtype);
         let h = self.block.header();
+        assert!(
+            h.device.get() == Device::Cpu,
+            "ndscope bug: host access to {} memory",
+            h.device.get()
+        );
         if !h.is_unique() {
             return None;
         }
@@ -277,9 +317,11 @@ impl<'s> Tensor<'s> {
     ///
     /// # Errors
     /// [`Error::ElementType`] when `T` is not the tensor's dtype, [`Error::NotContiguous`] for a
-    /// strided view (call [`contiguous`](Self::contiguous) first).
+    /// strided view (call [`contiguous`](Self::contiguous) first), [`Error::NotOnHost`] for a tensor
+    /// in GPU memory (use [`to_vec`](Self::to_vec), which copies).
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check_dtype::<T>("as_slice")?;
+        crate::ops::host_only("as_slice", &[self])?;
         if !self.is_contiguous() {
             return Err(Error::NotContiguous {
                 op: "as_slice",
@@ -302,12 +344,16 @@ impl<'s> Tensor<'s> {
         Ok(())
     }
 
-    /// The elements in row-major order.
+    /// The elements in row-major order (copied from GPU memory for a tensor on a GPU).
     ///
     /// # Errors
-    /// [`Error::ElementType`] when `T` is not the tensor's dtype.
+    /// [`Error::ElementType`] when `T` is not the tensor's dtype; for a GPU tensor, CUDA errors.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return crate::cuda::transfer::download::<T>(self);
+        }
         let mut out = Vec::with_capacity(self.numel());
         self.for_each_element::<T>(|v| out.push(v));
         Ok(out)
@@ -345,13 +391,29 @@ impl<'s> Tensor<'s> {
                 reason: format!("it holds {} elements, not exactly one", self.numel()),
             });
         }
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            return Ok(self.to_vec::<T>()?[0]);
+        }
         Ok(self.block_data::<T>()[self.layout.offset()])
     }
 
-    /// Copies the elements, in row-major order, into a new contiguous block of `owner`.
+    /// Copies the elements, in row-major order, into a new contiguous block of `owner` on the same
+    /// device.
     #[track_caller]
     pub(crate) fn copy_to_owner<'b>(&self, owner: Owner<'_>) -> Result<Tensor<'b>> {
-        let mut out = Tensor::uninit_in(owner, self.dtype, self.shape(), Location::caller())?;
+        let mut out = Tensor::uninit_in(
+            owner,
+            self.device(),
+            self.dtype,
+            self.shape(),
+            Location::caller(),
+        )?;
+        #[cfg(feature = "cuda")]
+        if self.device().is_cuda() {
+            crate::cuda::ops::copy_into(self, &mut out)?;
+            return Ok(out);
+        }
         with_dtype!(self.dtype, T => {
             crate::ops::copy::copy_strided::<T>(self, out.fresh_mut::<T>())
         });
@@ -436,6 +498,7 @@ impl<'s> Tensor<'s> {
                 bytes,
                 capacity,
                 home: Home::Heap,
+                device: h.device.get(),
             };
             let block = new_system_block(region, dtype, shape, at);
             block.header().name.set(name);
@@ -463,13 +526,72 @@ impl<'s> Tensor<'s> {
         self.detach()
     }
 
-    /// A copy on `device` (an alias when the tensor is already there).
+    /// A contiguous copy on `device`, owned by the same scope (an alias when the tensor is already
+    /// there). Copies between the host and a GPU go through the GPU's stream; the result is ready
+    /// for the next op on either side.
+    ///
+    /// ```
+    /// # use ndscope::{Device, root};
+    /// root(Device::Cpu, |s| {
+    ///     let x = s.from_slice(&[1.0f32, 2.0], &[2])?;
+    ///     assert!(x.to_device(Device::Cpu)?.shares_storage(&x));
+    ///     // Without a GPU (or a build without the `cuda` feature) the copy is refused with the reason.
+    ///     if let Err(e) = x.to_device(Device::Cuda(0)) {
+    ///         assert!(matches!(e, ndscope::Error::DeviceUnavailable { .. }));
+    ///     }
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
     ///
     /// # Errors
-    /// [`Error::DeviceUnavailable`] for a device this build cannot use.
+    /// [`Error::DeviceUnavailable`] for a device this build or machine cannot use; allocation errors
+    /// (the copy is charged to the tensor's scope); CUDA errors.
+    #[track_caller]
     pub fn to_device(&self, device: Device) -> Result<Tensor<'s>> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
         device.check_available()?;
-        Ok(self.clone())
+        let at = Location::caller();
+        let mut out = Tensor::uninit_in(
+            Owner::innermost(&[self]),
+            device,
+            self.dtype,
+            self.shape(),
+            at,
+        )?;
+        self.copy_across_devices(&mut out)?;
+        Ok(out)
+    }
+
+    /// Copies `self` into `out`, a fresh contiguous tensor of the same shape and dtype on another
+    /// device.
+    #[cfg(feature = "cuda")]
+    fn copy_across_devices(&self, out: &mut Tensor<'_>) -> Result<()> {
+        with_dtype!(self.dtype, T => match (self.device(), out.device()) {
+            (Device::Cpu, Device::Cuda(_)) => {
+                let host = self.contiguous()?;
+                crate::cuda::transfer::upload::<T>(host.contiguous_data::<T>(), out)
+            }
+            (Device::Cuda(_), Device::Cpu) => {
+                crate::cuda::transfer::download_into::<T>(self, out.fresh_mut::<T>())
+            }
+            _ => {
+                let staged = crate::cuda::transfer::download::<T>(self)?;
+                crate::cuda::transfer::upload::<T>(&staged, out)
+            }
+        })
+    }
+
+    /// Without the CUDA backend only the host exists, and `check_available` refused every other
+    /// device before this is reached.
+    #[cfg(not(feature = "cuda"))]
+    fn copy_across_devices(&self, out: &mut Tensor<'_>) -> Result<()> {
+        Err(Error::DeviceUnavailable {
+            device: out.device().to_string(),
+            reason: "this build of ndscope has no CUDA backend".into(),
+        })
     }
 
     /// Replaces `self` by a private contiguous copy unless it already is the only handle to a

@@ -1,0 +1,148 @@
+// Shared by every kernel file: element types, operand layouts, math for each element type, and the
+// op codes (src/cuda/kernels.rs holds the same numbers; a test compares the two lists).
+//
+// The files are concatenated in this order and compiled by NVRTC once per GPU, so there is no
+// #include and no host code here.
+
+typedef long long i64;
+
+// An operand as ndscope lays it out: shape, strides in elements (0 along broadcast axes) and the
+// offset of the first element. `contiguous` skips the index arithmetic for row-major operands.
+#define MAX_RANK 8
+struct Geo {
+    i64 shape[MAX_RANK];
+    i64 stride[MAX_RANK];
+    i64 offset;
+    int rank;
+    int contiguous;
+};
+
+// Position in memory of the i-th element in row-major order.
+__device__ __forceinline__ i64 geo_at(const Geo& g, i64 i) {
+    if (g.contiguous) {
+        return g.offset + i;
+    }
+    i64 at = g.offset;
+    for (int d = g.rank - 1; d >= 0; --d) {
+        i64 n = g.shape[d];
+        at += (i % n) * g.stride[d];
+        i /= n;
+    }
+    return at;
+}
+
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
+
+// Threads per block of the row kernels (reductions, softmax); a power of two.
+#define ROW_THREADS 256
+
+// Math for every element type. Integer versions exist so the templates compile for i64; ndscope
+// never calls them (transcendental ops refuse integer tensors before launching).
+#define MATH1(name, ffun, dfun) \
+    __device__ __forceinline__ float name(float x) { return ffun(x); } \
+    __device__ __forceinline__ double name(double x) { return dfun(x); } \
+    __device__ __forceinline__ i64 name(i64 x) { return (i64)dfun((double)x); }
+MATH1(k_exp, expf, exp)
+MATH1(k_log, logf, log)
+MATH1(k_sqrt, sqrtf, sqrt)
+MATH1(k_tanh, tanhf, tanh)
+MATH1(k_sin, sinf, sin)
+MATH1(k_cos, cosf, cos)
+MATH1(k_abs, fabsf, fabs)
+__device__ __forceinline__ i64 k_abs_int(i64 x) { return x < 0 ? -x : x; }
+__device__ __forceinline__ float k_pow(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double k_pow(double a, double b) { return pow(a, b); }
+__device__ __forceinline__ i64 k_pow(i64 a, i64 b) { return (i64)pow((double)a, (double)b); }
+
+// NVRTC has no INFINITY or NAN macros (it includes no system headers), so the limits are spelled
+// with their IEEE 754 bit patterns.
+template <typename T> struct Limits;
+template <> struct Limits<float> {
+    static __device__ __forceinline__ float lowest() { return __int_as_float(0xff800000); }
+    static __device__ __forceinline__ float highest() { return __int_as_float(0x7f800000); }
+    static __device__ __forceinline__ float nan() { return __int_as_float(0x7fc00000); }
+};
+template <> struct Limits<double> {
+    static __device__ __forceinline__ double lowest() { return __longlong_as_double(0xfff0000000000000LL); }
+    static __device__ __forceinline__ double highest() { return __longlong_as_double(0x7ff0000000000000LL); }
+    static __device__ __forceinline__ double nan() { return __longlong_as_double(0x7ff8000000000000LL); }
+};
+template <> struct Limits<i64> {
+    static __device__ __forceinline__ i64 lowest() { return (i64)(-9223372036854775807LL - 1); }
+    static __device__ __forceinline__ i64 highest() { return (i64)9223372036854775807LL; }
+    static __device__ __forceinline__ i64 nan() { return 0; }
+};
+
+template <typename T> __device__ __forceinline__ bool is_nan(T x) { return x != x; }
+
+// max and min that propagate NaN, as the host kernels do.
+template <typename T> __device__ __forceinline__ T max_nan(T a, T b) { return (is_nan(a) || a > b) ? a : b; }
+template <typename T> __device__ __forceinline__ T min_nan(T a, T b) { return (is_nan(a) || a < b) ? a : b; }
+
+// Conversions with the host's rules: floats to integers truncate, saturate and send NaN to 0.
+template <typename D> __device__ __forceinline__ D convert(double x) { return (D)x; }
+template <> __device__ __forceinline__ i64 convert<i64>(double x) {
+    if (x != x) return 0;
+    if (x >= 9223372036854775807.0) return Limits<i64>::highest();
+    if (x <= -9223372036854775808.0) return Limits<i64>::lowest();
+    return (i64)x;
+}
+
+// Unary op codes (elementwise.cu).
+#define U_NEG 1
+#define U_ABS 2
+#define U_SQUARE 3
+#define U_RELU 4
+#define U_EXP 5
+#define U_LOG 6
+#define U_SQRT 7
+#define U_RECIP 8
+#define U_TANH 9
+#define U_SIN 10
+#define U_COS 11
+#define U_SIGMOID 12
+#define U_GELU 13
+#define U_ADD_SCALAR 14
+#define U_MUL_SCALAR 15
+#define U_DIV_SCALAR 16
+#define U_POWF 17
+#define U_CLAMP 18
+#define U_FILL 19
+
+// Binary op codes (elementwise.cu).
+#define B_ADD 0
+#define B_SUB 1
+#define B_MUL 2
+#define B_DIV 3
+#define B_MAXIMUM 4
+#define B_MINIMUM 5
+#define B_EQ 6
+#define B_NE 7
+#define B_LT 8
+#define B_LE 9
+#define B_GT 10
+#define B_GE 11
+#define B_POW 12
+#define B_AXPY 13
+#define B_ASSIGN 14
+#define B_NEG_GRAD 15
+#define B_ABS_GRAD 16
+#define B_SQUARE_GRAD 17
+#define B_SIN_GRAD 18
+#define B_COS_GRAD 19
+#define B_RELU_GRAD 20
+#define B_GELU_GRAD 21
+#define B_SQRT_GRAD 22
+#define B_RECIP_GRAD 23
+#define B_TANH_GRAD 24
+#define B_SIGMOID_GRAD 25
+#define B_POWF_GRAD 26
+#define B_CLAMP_GRAD 27
+#define B_MASK_NOT 28
+#define B_EXP_MUL 29
+
+// Reduction op codes (reduce.cu).
+#define R_SUM 0
+#define R_MAX 1
+#define R_MIN 2

@@ -1,0 +1,245 @@
+//! The CUDA backend: one context, stream, kernel module and cuBLAS handle per GPU, opened the first
+//! time a scope or a copy asks for the GPU and kept for the life of the process.
+//!
+//! Everything a GPU runs goes through its one stream, in program order. That is what lets the tree's
+//! caching pool hand a freed block to the next op at once (the stream runs the old reads before the
+//! new writes), and what lets host code read results after a single synchronisation in
+//! [`transfer`]. cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so a build with the `cuda`
+//! feature runs everywhere and reports a missing driver as [`Error::DeviceUnavailable`].
+
+mod blas;
+mod kernels;
+pub(crate) mod memory;
+pub(crate) mod ops;
+pub(crate) mod transfer;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::CompileOptions;
+
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+pub(crate) use blas::matmul;
+
+/// What the backend holds for one GPU.
+pub(crate) struct Gpu {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// The stream every op, copy, allocation and free of this GPU is ordered on.
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<&'static str, CudaFunction>>,
+    blas: OnceLock<std::result::Result<CudaBlas, String>>,
+    /// Whether the driver has stream-ordered allocation (`cuMemAllocAsync`).
+    pub(crate) async_alloc: bool,
+    pub(crate) counters: Counters,
+}
+
+/// Allocator traffic of one GPU, over the whole process.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub(crate) allocator_calls: AtomicU64,
+    pub(crate) free_calls: AtomicU64,
+    pub(crate) reserved_bytes: AtomicUsize,
+    pub(crate) peak_reserved_bytes: AtomicUsize,
+}
+
+/// GPUs opened so far, with the outcome (a failure is remembered too, so a missing driver is looked
+/// for once).
+static GPUS: Mutex<Vec<(usize, std::result::Result<&'static Gpu, String>)>> =
+    Mutex::new(Vec::new());
+
+/// The backend of GPU `ordinal`, opened on first use.
+pub(crate) fn gpu(ordinal: usize) -> Result<&'static Gpu> {
+    let mut gpus = GPUS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let outcome = match gpus.iter().find(|(o, _)| *o == ordinal) {
+        Some((_, outcome)) => outcome.clone(),
+        None => {
+            let outcome = Gpu::open(ordinal).map(|g| &*Box::leak(Box::new(g)));
+            gpus.push((ordinal, outcome.clone()));
+            outcome
+        }
+    };
+    outcome.map_err(|reason| Error::DeviceUnavailable {
+        device: Device::Cuda(ordinal).to_string(),
+        reason,
+    })
+}
+
+/// The backend of a GPU tensor's device (which was opened when its scope or copy was made).
+pub(crate) fn gpu_of(device: Device) -> Result<&'static Gpu> {
+    match device {
+        Device::Cuda(ordinal) => gpu(ordinal),
+        Device::Cpu => Err(Error::DeviceMismatch {
+            op: "cuda backend",
+            lhs: "cpu".into(),
+            rhs: "cuda".into(),
+        }),
+    }
+}
+
+impl Gpu {
+    fn open(ordinal: usize) -> std::result::Result<Gpu, String> {
+        // SAFETY: only tries to load the library by its usual names; nothing is called through it.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(
+                "no NVIDIA driver found (libcuda could not be loaded); install the driver on a \
+                        machine with an NVIDIA GPU, or use Device::Cpu"
+                    .into(),
+            );
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| format!("the CUDA driver does not answer: {e}"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(format!(
+                "this machine has {count} CUDA device(s); valid devices are cuda:0 to cuda:{}",
+                count - 1
+            ));
+        }
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| format!("cannot create a CUDA context: {e}"))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| format!("cannot create a CUDA stream: {e}"))?;
+        // SAFETY: as above, a load attempt only.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(
+                "NVRTC (libnvrtc) could not be loaded; ndscope compiles its kernels at run \
+                        time and needs the CUDA toolkit's NVRTC library on the library path"
+                    .into(),
+            );
+        }
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("cannot read the compute capability: {e}"))?;
+        // One string per opened GPU, kept for the process like the GPU itself.
+        let arch: &'static str = Box::leak(format!("compute_{major}{minor}").into_boxed_str());
+        let options = CompileOptions {
+            arch: Some(arch),
+            name: Some("ndscope.cu".into()),
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(kernels::SOURCES.concat(), options)
+            .map_err(|e| format!("NVRTC could not compile ndscope's kernels for {arch}: {e:?}"))?;
+        let module = ctx
+            .load_module(ptx)
+            .map_err(|e| format!("cannot load ndscope's kernels: {e}"))?;
+        let async_alloc = ctx.has_async_alloc();
+        Ok(Gpu {
+            ordinal,
+            ctx,
+            stream,
+            module,
+            functions: Mutex::new(HashMap::new()),
+            blas: OnceLock::new(),
+            async_alloc,
+            counters: Counters::default(),
+        })
+    }
+
+    /// A kernel of ndscope's module by name (looked up once, then cached).
+    pub(crate) fn function(&self, name: &'static str) -> Result<CudaFunction> {
+        let mut functions = self
+            .functions
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let f = self
+            .module
+            .load_function(name)
+            .map_err(|e| cuda_error("loading a kernel", e))?;
+        functions.insert(name, f.clone());
+        Ok(f)
+    }
+
+    /// The GPU's cuBLAS handle, created on first use.
+    pub(crate) fn blas(&self) -> Result<&CudaBlas> {
+        let blas = self.blas.get_or_init(|| {
+            // SAFETY: a load attempt only.
+            if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+                return Err(
+                    "cuBLAS (libcublas) could not be loaded; matrix products on a GPU need \
+                            the CUDA toolkit's cuBLAS library on the library path"
+                        .into(),
+                );
+            }
+            CudaBlas::new(self.stream.clone())
+                .map_err(|e| format!("cannot create a cuBLAS handle: {e}"))
+        });
+        blas.as_ref().map_err(|reason| Error::DeviceUnavailable {
+            device: Device::Cuda(self.ordinal).to_string(),
+            reason: reason.clone(),
+        })
+    }
+
+    /// Makes the GPU's context current on this thread (driver calls act on the current context).
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_error("binding the CUDA context", e))
+    }
+
+    /// Waits until everything queued on the stream has run.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("synchronizing the stream", e))
+    }
+}
+
+/// A CUDA library error as an ndscope error.
+pub(crate) fn cuda_error(op: &'static str, e: impl std::fmt::Display) -> Error {
+    Error::Cuda {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// A GPU's allocator traffic since the process started, from [`gpu_memory`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuMemory {
+    /// Calls to the driver's allocator (`cuMemAllocAsync`/`cuMemAlloc`) by any scope tree.
+    pub allocator_calls: u64,
+    /// Calls to the driver's free.
+    pub free_calls: u64,
+    /// Bytes held from the driver now: live tensors, cached blocks and workspace arenas.
+    pub reserved_bytes: usize,
+    /// The most bytes held from the driver at once.
+    pub peak_reserved_bytes: usize,
+}
+
+/// Allocator traffic of a GPU over the whole process (every scope tree that used it), for
+/// measuring: a steady training loop keeps `allocator_calls` still. Opens the GPU if needed.
+///
+/// # Errors
+/// [`Error::DeviceUnavailable`] when the device cannot be used; [`Error::InvalidShape`] is never
+/// returned; asking for [`Device::Cpu`] is an [`Error::DeviceMismatch`].
+pub fn gpu_memory(device: Device) -> Result<GpuMemory> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &gpu_of(device)?.counters;
+    Ok(GpuMemory {
+        allocator_calls: c.allocator_calls.load(Relaxed),
+        free_calls: c.free_calls.load(Relaxed),
+        reserved_bytes: c.reserved_bytes.load(Relaxed),
+        peak_reserved_bytes: c.peak_reserved_bytes.load(Relaxed),
+    })
+}
+
+/// Resets the peak of [`gpu_memory`] to the bytes reserved now.
+///
+/// # Errors
+/// As for [`gpu_memory`].
+pub fn reset_gpu_memory_peak(device: Device) -> Result<()> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = &gpu_of(device)?.counters;
+    c.peak_reserved_bytes
+        .store(c.reserved_bytes.load(Relaxed), Relaxed);
+    Ok(())
+}
