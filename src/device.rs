@@ -55,6 +55,24 @@ impl Device {
     }
 }
 
+impl Device {
+    /// Waits until every op queued on the device has finished (a GPU runs ops asynchronously; the
+    /// host never waits for the CPU). Reading results (`to_vec`, `to_device`) waits by itself; this
+    /// is for timing.
+    ///
+    /// # Errors
+    /// As for [`check_available`](Self::check_available); CUDA errors a kernel reported.
+    pub fn synchronize(self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(ordinal) => crate::cuda::gpu(ordinal)?.synchronize(),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => self.check_available(),
+        }
+    }
+}
+
 impl fmt::Display for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

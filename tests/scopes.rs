@@ -536,6 +536,7 @@ fn unnamed_scopes_are_named_by_their_call_site() {
     });
 }
 
+#[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_is_a_clear_error_in_a_cpu_build() {
     let err = root(Device::Cuda(0), |_| Ok::<_, Error>(())).unwrap_err();

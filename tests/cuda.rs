@@ -1,0 +1,395 @@
+//! The CUDA backend against the host: every op and a whole training step run on each available GPU
+//! and on the CPU, and must agree; GPU scopes keep the host's memory rules (stats, caps, budgets,
+//! workspaces, faults, no allocator call in a steady step, every byte back after a panic).
+//!
+//! Needs `--features cuda`. On a machine without a usable GPU each test says so and checks only what
+//! it can: that asking for the GPU is a clear `DeviceUnavailable` error, and that the cases run on the
+//! host (the GPU half of each comparison is then skipped).
+#![cfg(feature = "cuda")]
+
+use ndscope::nn::{self, Activation, Init, Mode, Module};
+use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ndscope::{DType, Device, Error, Fault, Result, Scope, Tape, Tensor, Workspace, root};
+
+/// The GPU the tests use, or `None` with the reason printed.
+fn gpu() -> Option<Device> {
+    let device = Device::Cuda(0);
+    match device.check_available() {
+        Ok(()) => Some(device),
+        Err(e) => {
+            eprintln!("skipping the GPU half of this test: {e}");
+            None
+        }
+    }
+}
+
+/// The devices to compare with the host: the host itself (so the cases run everywhere) and the GPU.
+fn devices() -> Vec<Device> {
+    let mut out = vec![Device::Cpu];
+    out.extend(gpu());
+    out
+}
+
+/// A case: tensors computed in a root scope, compared across devices.
+type Case = dyn for<'s> Fn(&'s Scope<'s>) -> Result<Vec<Tensor<'s>>>;
+
+/// Runs `case` in a root scope on `device` and returns every output as host `f64` values with its
+/// shape.
+fn run_on(device: Device, case: &Case) -> Result<Vec<(Vec<usize>, Vec<f64>)>> {
+    root(device, |s| {
+        s.set_seed(7);
+        let outs = case(s)?;
+        outs.iter()
+            .map(|t| {
+                assert_eq!(
+                    t.device(),
+                    device,
+                    "an op's result lives on its operands' device"
+                );
+                Ok((t.shape().to_vec(), t.to_vec_f64()))
+            })
+            .collect()
+    })
+}
+
+/// Checks that `case` gives the host's results on every device, within `tol` (relative, plus the
+/// same absolute floor).
+fn agree(name: &str, tol: f64, case: &Case) {
+    let host = run_on(Device::Cpu, case).unwrap_or_else(|e| panic!("{name} on the host: {e}"));
+    for device in devices().into_iter().skip(1) {
+        let got = run_on(device, case).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
+        assert_eq!(got.len(), host.len(), "{name}: output count on {device}");
+        for (k, ((hs, hv), (gs, gv))) in host.iter().zip(&got).enumerate() {
+            assert_eq!(hs, gs, "{name}: shape of output {k} on {device}");
+            for (i, (h, g)) in hv.iter().zip(gv).enumerate() {
+                let close =
+                    (h.is_nan() && g.is_nan()) || h == g || (h - g).abs() <= tol * (1.0 + h.abs());
+                assert!(
+                    close,
+                    "{name}: output {k}[{i}] is {g} on {device}, {h} on the host"
+                );
+            }
+        }
+    }
+}
+
+fn matrix<'s>(s: &Scope<'s>, rows: usize, cols: usize) -> Result<Tensor<'s>> {
+    s.randn(&[rows, cols])
+}
+
+#[test]
+fn asking_for_a_gpu_that_cannot_be_used_is_a_clear_error() {
+    match Device::Cuda(0).check_available() {
+        Ok(()) => {
+            let dev = root(Device::Cuda(0), |s| Ok::<_, Error>(s.ones(&[2])?.device())).unwrap();
+            assert_eq!(dev, Device::Cuda(0));
+        }
+        Err(e) => {
+            assert!(matches!(e, Error::DeviceUnavailable { .. }), "{e:?}");
+            let text = e.to_string();
+            assert!(text.contains("cuda:0"), "{text}");
+            assert!(
+                text.contains("driver") || text.contains("CUDA device"),
+                "{text}"
+            );
+            let err = root(Device::Cuda(0), |_| Ok::<_, Error>(())).unwrap_err();
+            assert_eq!(err.to_string(), text, "the reason is the same every time");
+            root(Device::Cpu, |s| {
+                let t = s.ones(&[1])?;
+                assert!(matches!(
+                    t.to_device(Device::Cuda(0)),
+                    Err(Error::DeviceUnavailable { .. })
+                ));
+                Ok::<_, Error>(())
+            })
+            .unwrap();
+        }
+    }
+    // An ordinal no machine has is refused on every machine.
+    let err = Device::Cuda(4096).check_available().unwrap_err();
+    assert!(err.to_string().contains("cuda:4096"), "{err}");
+}
+
+#[test]
+fn elementwise_ops_agree_with_the_host() {
+    agree("unary", 1e-5, &|s| {
+        let x = s.randn(&[33, 17])?;
+        let pos = x.abs()?.add_scalar(0.1)?;
+        Ok(vec![
+            x.neg()?,
+            x.abs()?,
+            x.square()?,
+            x.relu()?,
+            x.exp()?,
+            pos.log()?,
+            pos.sqrt()?,
+            pos.recip()?,
+            x.tanh()?,
+            x.sin()?,
+            x.cos()?,
+            x.sigmoid()?,
+            x.gelu()?,
+            x.add_scalar(1.5)?,
+            x.mul_scalar(-2.0)?,
+            x.div_scalar(4.0)?,
+            pos.powf(1.5)?,
+            x.clamp(-0.5, 0.25)?,
+        ])
+    });
+    agree("binary with broadcasting and strides", 1e-5, &|s| {
+        let a = s.randn(&[4, 5, 6])?;
+        let b = s.randn(&[5, 1])?;
+        let t = s.randn(&[6, 5])?.t()?; // a strided operand
+        let pos = a.abs()?.add_scalar(0.5)?;
+        Ok(vec![
+            a.add(&b)?,
+            a.sub(&b)?,
+            a.mul(&t)?,
+            a.div(&b.abs()?.add_scalar(1.0)?)?,
+            a.maximum(&t)?,
+            a.minimum(&b)?,
+            a.eq(&a)?,
+            a.ne(&b)?,
+            a.lt(&b)?,
+            a.le(&t)?,
+            a.gt(&b)?,
+            a.ge(&t)?,
+            pos.pow(&b)?,
+        ])
+    });
+    agree("where, casts and integers", 0.0, &|s| {
+        let x = s.randn(&[3, 8])?;
+        let mask = x.gt(&s.zeros(&[1])?)?;
+        let ints = s.arange(-6i64, 6, 1)?.reshape(&[3, 4])?;
+        Ok(vec![
+            Tensor::where_cond(&mask, &x, &x.neg()?)?,
+            Tensor::where_cond(&mask.to_dtype(DType::I64)?, &x, &s.zeros(&[1])?)?,
+            x.mul_scalar(3.0)?.to_dtype(DType::I64)?,
+            x.to_dtype(DType::F64)?.to_dtype(DType::F32)?,
+            ints.to_dtype(DType::F32)?,
+            ints.mul_scalar(3.0)?.add(&ints)?.abs()?,
+            ints.t()?.contiguous()?,
+        ])
+    });
+    agree("in-place ops and copies", 1e-6, &|s| {
+        let mut a = s.randn(&[6, 7])?;
+        let b = s.randn(&[7])?;
+        let shared = a.clone(); // copy-on-write: `shared` keeps the old values
+        a.add_(&b)?;
+        a.axpy_(-0.5, &b)?;
+        a.mul_scalar_(2.0)?;
+        a.add_scalar_(1.0)?;
+        let mut f = s.zeros(&[5])?;
+        f.fill_(3.0)?;
+        let mut c = s.zeros(&[2, 3])?;
+        c.copy_from_slice_(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+        let mut d = s.zeros(&[6, 7])?;
+        d.copy_from_(&a.t()?.contiguous()?.t()?)?;
+        let joined = Tensor::concat(&[&a, &d.narrow(0, 1, 2)?], 0)?;
+        let stacked = Tensor::stack(&[&b, &b.neg()?], 1)?;
+        Ok(vec![a, shared, f, c, d, joined, stacked])
+    });
+}
+
+#[test]
+fn reductions_softmax_and_indexing_agree_with_the_host() {
+    agree("reductions", 1e-4, &|s| {
+        let x = s.randn(&[7, 300, 3])?;
+        Ok(vec![
+            x.sum(&[1], false)?,
+            x.sum(&[0, 2], true)?,
+            x.mean(&[-1], false)?,
+            x.max(&[1], false)?,
+            x.min(&[0], true)?,
+            x.sum_all()?,
+            x.mean_all()?,
+            x.argmax(1, false)?,
+            x.argmax(-1, true)?,
+            x.t_last()?.sum(&[0], false)?,
+        ])
+    });
+    agree("softmax", 1e-5, &|s| {
+        let x = s.randn(&[9, 1000])?.mul_scalar(5.0)?;
+        Ok(vec![
+            x.softmax(-1)?,
+            x.log_softmax(-1)?,
+            x.softmax(0)?,
+            x.log_softmax(0)?,
+        ])
+    });
+    agree("gather and index_select", 0.0, &|s| {
+        let x = s.randn(&[5, 6])?;
+        let index = s.from_slice(&[0i64, 5, 2, 2, 1, 4, 3, 0, 5, 5], &[5, 2])?;
+        let rows = s.from_slice(&[4i64, 0, 4, 2], &[4])?;
+        Ok(vec![
+            x.gather(1, &index)?,
+            x.index_select(0, &rows)?,
+            x.index_select(1, &rows)?,
+        ])
+    });
+    agree("matmul", 1e-4, &|s| {
+        let a = matrix(s, 17, 33)?;
+        let b = matrix(s, 33, 9)?;
+        let batch = s.randn(&[3, 17, 33])?;
+        let v = s.randn(&[33])?;
+        Ok(vec![
+            a.matmul(&b)?,
+            b.t()?.matmul(&a.t()?)?, // both operands transposed views
+            batch.matmul(&b)?,       // a batch against one matrix
+            batch.matmul(&batch.transpose(1, 2)?)?, // batched, transposed: packed first
+            a.matmul(&v)?,           // matrix-vector
+            v.matmul(&b)?,           // vector-matrix
+            a.narrow(1, 0, 0)?.matmul(&b.narrow(0, 0, 0)?)?, // k = 0: zeros
+        ])
+    });
+}
+
+/// The last two axes swapped, as a strided view (for reductions over non-contiguous input).
+trait LastSwap<'s> {
+    fn t_last(&self) -> Result<Tensor<'s>>;
+}
+
+impl<'s> LastSwap<'s> for Tensor<'s> {
+    fn t_last(&self) -> Result<Tensor<'s>> {
+        self.transpose(-1, -2)
+    }
+}
+
+/// Five training steps of a small MLP from the same seed; returns the parameters and the losses.
+fn train<'m>(m: &Scope<'m>, adam: bool) -> Result<Vec<Tensor<'m>>> {
+    let mut model = nn::mlp(m, &[20, 32, 4], Activation::Gelu, Init::KaimingUniform)?;
+    let mut losses = Vec::new();
+    let mut opt_adam = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
+    let mut opt_sgd = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
+    for step in 0..5 {
+        let loss = m.scope(|b| -> Result<f64> {
+            b.set_seed(100 + step);
+            let x = b.randn(&[16, 20])?;
+            let labels =
+                b.from_slice(&[0i64, 1, 2, 3, 3, 2, 1, 0, 1, 1, 2, 2, 0, 3, 0, 1], &[16])?;
+            let tape = Tape::new(b);
+            let logits = model.forward(&tape.constant(&x), Mode::Train)?;
+            let loss = logits.cross_entropy(&labels)?;
+            let grads = tape.backward(&loss)?;
+            if adam {
+                opt_adam.step(&mut model, &grads)?;
+            } else {
+                opt_sgd.step(&mut model, &grads)?;
+            }
+            loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()
+        })?;
+        losses.push(loss);
+    }
+    let mut out: Vec<Tensor<'m>> = Vec::new();
+    ndscope::nn::Parameters::visit(&model, "", &mut |_, p| out.push(p.clone()));
+    out.push(m.from_slice(&losses, &[losses.len()])?);
+    Ok(out)
+}
+
+#[test]
+fn a_training_step_agrees_with_the_host() {
+    agree("MLP + cross-entropy + AdamW, 5 steps", 1e-4, &|m| {
+        train(m, true)
+    });
+    agree("MLP + cross-entropy + SGD momentum, 5 steps", 1e-4, &|m| {
+        train(m, false)
+    });
+}
+
+#[test]
+fn a_steady_training_step_calls_no_gpu_allocator() {
+    let Some(device) = gpu() else { return };
+    root(device, |m| {
+        let mut model = nn::mlp(m, &[64, 128, 10], Activation::Relu, Init::KaimingUniform)?;
+        let mut opt = Adam::new(m, &model, AdamConfig::adam(1e-3))?;
+        let mut ws = Workspace::new("batch");
+        for i in 0..6 {
+            let before = (
+                m.stats().device_allocations,
+                ndscope::gpu_memory(device)?.allocator_calls,
+            );
+            m.workspace(&mut ws, |b| -> Result<()> {
+                b.set_seed(i);
+                let x = b.randn(&[32, 64])?;
+                let labels = b.from_slice(&[3i64; 32], &[32])?;
+                let tape = Tape::new(b);
+                let loss = model
+                    .forward(&tape.constant(&x), Mode::Train)?
+                    .cross_entropy(&labels)?;
+                let grads = tape.backward(&loss)?;
+                opt.step(&mut model, &grads)
+            })?;
+            let after = (
+                m.stats().device_allocations,
+                ndscope::gpu_memory(device)?.allocator_calls,
+            );
+            if i >= 2 {
+                assert_eq!(before, after, "step {i} called the GPU allocator");
+                assert_eq!(
+                    ws.last_cycle_spills(),
+                    0,
+                    "step {i} spilled out of the arena"
+                );
+            }
+        }
+        assert_eq!(ws.device(), device, "the workspace learned a GPU arena");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn gpu_scopes_keep_the_memory_rules() {
+    let Some(device) = gpu() else { return };
+    let reserved_before = ndscope::gpu_memory(device).unwrap().reserved_bytes;
+    root(device, |s| {
+        // Mixed devices are refused, naming both.
+        let host = root(Device::Cpu, |h| h.ones(&[4])?.detach()).unwrap();
+        let g = s.ones(&[4])?;
+        let err = g.add(&host).unwrap_err();
+        assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
+        let text = err.to_string();
+        assert!(text.contains("cuda:0") && text.contains("cpu"), "{text}");
+        // Ops without a GPU kernel, and host views, say so.
+        let idx = s.from_slice(&[0i64], &[1, 1])?;
+        let err = g
+            .reshape(&[1, 4])?
+            .scatter_add(1, &idx, &s.ones(&[1, 1])?)
+            .unwrap_err();
+        assert!(matches!(err, Error::UnsupportedOnDevice { .. }), "{err}");
+        assert!(matches!(g.as_slice::<f32>(), Err(Error::NotOnHost { .. })));
+        // Copies both ways keep the values; stats and dumps count GPU blocks.
+        let back = g.mul_scalar(3.0)?.to_device(Device::Cpu)?;
+        assert_eq!(back.to_vec::<f32>()?, vec![3.0; 4]);
+        assert!(s.dump().contains("on cuda:0"), "{}", s.dump());
+        // Budgets and caps hold on the GPU.
+        s.scope(|c| {
+            c.set_budget(Some(1024));
+            let err = c.zeros(&[1024]).unwrap_err();
+            assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+            c.cap();
+            assert!(matches!(c.zeros(&[1]), Err(Error::Capped { .. })));
+        });
+        // A fault injected at a GPU allocation fails that op only.
+        s.inject_fault(1, Fault::OutOfBudget);
+        assert!(s.zeros(&[8]).is_err());
+        assert_eq!(s.zeros(&[8])?.to_vec::<f32>()?, vec![0.0; 8]);
+        // A panic inside a GPU scope returns its bytes.
+        let live = s.stats().subtree_bytes;
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            s.scope(|c| {
+                let _big = c.zeros(&[1 << 20]).unwrap();
+                panic!("boom");
+            })
+        }));
+        assert!(caught.is_err());
+        assert_eq!(s.stats().subtree_bytes, live);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    assert_eq!(
+        ndscope::gpu_memory(device).unwrap().reserved_bytes,
+        reserved_before,
+        "closing the tree handed every cached GPU block back"
+    );
+}
