@@ -1,0 +1,103 @@
+//! GPU benchmarks (`--features cuda`, on a machine with an NVIDIA GPU): the MLP training step of the
+//! digits/MNIST size and a large matrix product, with the numbers PyTorch's
+//! `benches/pytorch_reference.py` prints for the same work on the same GPU.
+//!
+//! `cargo bench --features cuda --bench cuda`. Besides criterion's timings it prints the step's GPU
+//! allocator calls (after warm-up), the tree's peak bytes and the driver-level peak of reserved GPU
+//! memory. Without a usable GPU it says why and measures nothing.
+
+mod common;
+
+use std::time::Instant;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use ndscope::nn::{self, Activation, Init};
+use ndscope::optim::{Adam, AdamConfig};
+use ndscope::{Device, Error, Result, Workspace, gpu_memory, reset_gpu_memory_peak, root};
+
+const GPU: Device = Device::Cuda(0);
+
+/// The MLP step: 784-256-10, batch 128, AdamW, batch tensors in a workspace on the GPU.
+fn mlp_step(c: &mut Criterion) -> Result<()> {
+    root(GPU, |m| {
+        m.set_seed(1);
+        let mut model = nn::mlp(m, &[784, 256, 10], Activation::Relu, Init::KaimingUniform)?;
+        let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-3, 1e-2))?;
+        let x = m.randn(&[128, 784])?;
+        let labels: Vec<i64> = (0..128).map(|i| i % 10).collect();
+        let y = m.from_slice(&labels, &[128])?;
+        let mut ws = Workspace::new("batch");
+        for _ in 0..20 {
+            m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))?;
+        }
+        GPU.synchronize()?;
+        reset_gpu_memory_peak(GPU)?;
+        m.reset_peak();
+        let (calls, allocs) = (gpu_memory(GPU)?.allocator_calls, m.stats().device_allocations);
+        let steps = 1000;
+        let start = Instant::now();
+        for _ in 0..steps {
+            m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))?;
+        }
+        GPU.synchronize()?;
+        let elapsed = start.elapsed();
+        let mem = gpu_memory(GPU)?;
+        println!(
+            "mlp_step 784-256-10 b128 AdamW on {GPU}: {:.0} steps/s over {steps} steps; GPU allocator \
+             calls per step {:.3} (driver) / {:.3} (tree); tree peak {} B; reserved peak {} B",
+            steps as f64 / elapsed.as_secs_f64(),
+            (mem.allocator_calls - calls) as f64 / steps as f64,
+            (m.stats().device_allocations - allocs) as f64 / steps as f64,
+            m.stats().peak_bytes,
+            mem.peak_reserved_bytes,
+        );
+        let mut group = c.benchmark_group("cuda");
+        group.bench_function("mlp_step_784_256_10_b128_adamw", |bench| {
+            bench.iter(|| {
+                m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))
+                    .expect("a step runs");
+            })
+        });
+        group.finish();
+        Ok::<_, Error>(())
+    })
+}
+
+/// Square f32 products through cuBLAS.
+fn matmul(c: &mut Criterion) -> Result<()> {
+    root(GPU, |s| {
+        let mut group = c.benchmark_group("cuda_matmul");
+        for n in [1024usize, 4096] {
+            let a = s.randn(&[n, n])?;
+            let b = s.randn(&[n, n])?;
+            group.throughput(Throughput::Elements((2 * n * n * n) as u64));
+            group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
+                bench.iter(|| {
+                    // The product's block goes back to the pool when it drops, for the next one.
+                    drop(a.matmul(&b).expect("matmul runs"));
+                    GPU.synchronize().expect("the GPU finishes");
+                })
+            });
+        }
+        group.finish();
+        Ok::<_, Error>(())
+    })
+}
+
+fn main() {
+    if let Err(e) = GPU.check_available() {
+        eprintln!("benches/cuda: nothing measured: {e}");
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    for (name, run) in [
+        ("mlp_step", mlp_step as fn(&mut Criterion) -> Result<()>),
+        ("matmul", matmul),
+    ] {
+        if let Err(e) = run(&mut c) {
+            eprintln!("benches/cuda: {name} failed: {e}");
+            std::process::exit(1);
+        }
+    }
+    c.final_summary();
+}
