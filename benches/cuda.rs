@@ -28,16 +28,23 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
         let y = m.from_slice(&labels, &[128])?;
         let mut ws = Workspace::new("batch");
         for _ in 0..20 {
-            m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))?;
+            m.workspace(&mut ws, |b| {
+                common::train_step(b, &mut model, &mut opt, &x, &y)
+            })?;
         }
         GPU.synchronize()?;
         reset_gpu_memory_peak(GPU)?;
         m.reset_peak();
-        let (calls, allocs) = (gpu_memory(GPU)?.allocator_calls, m.stats().device_allocations);
+        let (calls, allocs) = (
+            gpu_memory(GPU)?.allocator_calls,
+            m.stats().device_allocations,
+        );
         let steps = 1000;
         let start = Instant::now();
         for _ in 0..steps {
-            m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))?;
+            m.workspace(&mut ws, |b| {
+                common::train_step(b, &mut model, &mut opt, &x, &y)
+            })?;
         }
         GPU.synchronize()?;
         let elapsed = start.elapsed();
@@ -54,8 +61,10 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
         let mut group = c.benchmark_group("cuda");
         group.bench_function("mlp_step_784_256_10_b128_adamw", |bench| {
             bench.iter(|| {
-                m.workspace(&mut ws, |b| common::train_step(b, &mut model, &mut opt, &x, &y))
-                    .expect("a step runs");
+                m.workspace(&mut ws, |b| {
+                    common::train_step(b, &mut model, &mut opt, &x, &y)
+                })
+                .expect("a step runs");
             })
         });
         group.finish();
