@@ -1,5 +1,5 @@
-//! Trains a multilayer perceptron on handwritten digits on the CPU: the bundled 8x8 digits by default,
-//! or MNIST from IDX files with `--data DIR`.
+//! Trains a multilayer perceptron on handwritten digits, on the CPU by default (`--device cuda:0` with
+//! the `cuda` feature): the bundled 8x8 digits, or MNIST from IDX files with `--data DIR`.
 //!
 //! Parameters and optimizer state live in a `model` scope; each batch's inputs, activations, tape and
 //! gradients live in a batch scope (an arena workspace by default) that closes after the step. The
@@ -31,6 +31,7 @@ OPTIONS:
   --optimizer NAME     adam, adamw or sgd (momentum 0.9)    [default: adamw]
   --workspace on|off   batch scopes in a reused arena       [default: on]
   --seed N             initialisation, split and shuffling  [default: 42]
+  --device D           cpu, or cuda:N (needs --features cuda) [default: cpu]
   --data DIR           MNIST IDX files in DIR instead of the bundled digits
   --checkpoint FILE    write the trained parameters as safetensors
   --timeline PREFIX    record the memory timeline: PREFIX.json and a chart, PREFIX.svg
@@ -48,6 +49,7 @@ struct Options {
     optimizer: String,
     workspace: bool,
     seed: u64,
+    device: Device,
     data: Option<String>,
     checkpoint: Option<String>,
     timeline: Option<String>,
@@ -64,6 +66,7 @@ impl Options {
             optimizer: "adamw".into(),
             workspace: true,
             seed: 42,
+            device: Device::Cpu,
             data: None,
             checkpoint: None,
             timeline: None,
@@ -99,6 +102,15 @@ impl Options {
                     }
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
+                "--device" => {
+                    o.device = match value.as_str() {
+                        "cpu" => Device::Cpu,
+                        gpu => match gpu.strip_prefix("cuda:").map(str::parse) {
+                            Some(Ok(ordinal)) => Device::Cuda(ordinal),
+                            _ => return Err(bad("cpu or cuda:N")),
+                        },
+                    }
+                }
                 "--data" => o.data = Some(value),
                 "--checkpoint" => o.checkpoint = Some(value),
                 "--timeline" => o.timeline = Some(value),
@@ -224,7 +236,7 @@ fn run(o: &Options) -> Result<()> {
     };
     let mut ws = Workspace::new("batch");
 
-    root(Device::Cpu, |s| {
+    root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
             let sizes = [train.dim(), o.hidden, train.classes()];
