@@ -75,10 +75,10 @@ pub(crate) fn gpu(ordinal: usize) -> Result<&'static Gpu> {
 pub(crate) fn gpu_of(device: Device) -> Result<&'static Gpu> {
     match device {
         Device::Cuda(ordinal) => gpu(ordinal),
-        Device::Cpu => Err(Error::DeviceMismatch {
-            op: "cuda backend",
-            lhs: "cpu".into(),
-            rhs: "cuda".into(),
+        Device::Cpu => Err(Error::DeviceUnavailable {
+            device: device.to_string(),
+            reason: "it is not a GPU; GPU memory statistics and kernels need Device::Cuda(n)"
+                .into(),
         }),
     }
 }
@@ -218,9 +218,17 @@ pub struct GpuMemory {
 /// Allocator traffic of a GPU over the whole process (every scope tree that used it), for
 /// measuring: a steady training loop keeps `allocator_calls` still. Opens the GPU if needed.
 ///
+/// ```
+/// use ndscope::{Device, gpu_memory};
+/// match gpu_memory(Device::Cuda(0)) {
+///     Ok(m) => println!("{} allocator calls, {} B reserved", m.allocator_calls, m.reserved_bytes),
+///     Err(e) => println!("{e}"), // no usable GPU here
+/// }
+/// assert!(gpu_memory(Device::Cpu).is_err());
+/// ```
+///
 /// # Errors
-/// [`Error::DeviceUnavailable`] when the device cannot be used; [`Error::InvalidShape`] is never
-/// returned; asking for [`Device::Cpu`] is an [`Error::DeviceMismatch`].
+/// [`Error::DeviceUnavailable`] when the device cannot be used or is not a GPU.
 pub fn gpu_memory(device: Device) -> Result<GpuMemory> {
     use std::sync::atomic::Ordering::Relaxed;
     let c = &gpu_of(device)?.counters;
