@@ -95,7 +95,10 @@ impl Gpu {
         }
         let count = CudaContext::device_count()
             .map_err(|e| format!("the CUDA driver does not answer: {e}"))?;
-        if ordinal >= count.max(0) as usize {
+        if count <= 0 {
+            return Err("the NVIDIA driver loads but sees no CUDA device".into());
+        }
+        if ordinal >= count as usize {
             return Err(format!(
                 "this machine has {count} CUDA device(s); valid devices are cuda:0 to cuda:{}",
                 count - 1
