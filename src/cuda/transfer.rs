@@ -5,7 +5,7 @@ use cudarc::driver::result;
 use crate::cuda::{cuda_error, gpu_of};
 use crate::dtype::Element;
 use crate::error::Result;
-use crate::tensor::{Owner, Tensor};
+use crate::tensor::Tensor;
 
 /// Writes `data` into `out`, a contiguous GPU tensor of `data.len()` elements of `T`, in place (the
 /// caller owns `out` uniquely or made it so).
@@ -31,13 +31,7 @@ pub(crate) fn download_into<T: Element>(t: &Tensor<'_>, out: &mut [T]) -> Result
         return Ok(());
     }
     // A strided view is gathered on the GPU first, into a temporary of the tensor's scope.
-    let packed;
-    let src = if t.is_contiguous() {
-        t
-    } else {
-        packed = t.copy_to_owner(Owner::innermost(&[t]))?;
-        &packed
-    };
+    let src = t.contiguous()?;
     let gpu = gpu_of(src.device())?;
     gpu.bind()?;
     // SAFETY: `src` is contiguous and views `out.len()` elements of `T` in its block; the copy is
