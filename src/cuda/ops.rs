@@ -19,11 +19,10 @@ use crate::ops::fused::FusedKernel;
 use crate::ops::op_code::{Binary, Reduction, Unary};
 use crate::tensor::Tensor;
 
-/// `out[go] = op(a[ga])` over `n` elements of `dtype`.
+/// `out[go] = op(a[ga])` over `n` elements of `t`'s dtype, on `t`'s GPU.
 #[allow(clippy::too_many_arguments)]
 fn launch_unary(
     t: &Tensor<'_>,
-    dtype: DType,
     n: usize,
     out: u64,
     go: Geo,
@@ -36,9 +35,9 @@ fn launch_unary(
         return Ok(());
     }
     let gpu = gpu_of(t.device())?;
-    let f = gpu.function(kernel(family!("unary"), dtype))?;
+    let f = gpu.function(kernel(family!("unary"), t.dtype()))?;
     let (code, count) = (op.code(), n as i64);
-    with_dtype!(dtype, T => {
+    with_dtype!(t.dtype(), T => {
         let [p0, p1] = params.map(T::from_f64);
         let mut b = gpu.stream.launch_builder(&f);
         b.arg(&code).arg(&count).arg(&out).arg(&go).arg(&a).arg(&ga).arg(&p0).arg(&p1);
@@ -60,7 +59,6 @@ pub(crate) fn unary<'s>(
     let out = Tensor::output_of(&[x], x.dtype(), x.shape(), at)?;
     launch_unary(
         x,
-        x.dtype(),
         x.numel(),
         out.device_block_ptr(),
         Geo::of("unary", out.layout())?,
@@ -77,14 +75,12 @@ pub(crate) fn unary_in_place(x: &mut Tensor<'_>, op: Unary, params: [f64; 2]) ->
     debug_assert!(x.is_unique() && x.is_contiguous());
     let g = Geo::of("unary", x.layout())?;
     let ptr = x.device_block_ptr();
-    launch_unary(x, x.dtype(), x.numel(), ptr, g, ptr, g, op, params)
+    launch_unary(x, x.numel(), ptr, g, ptr, g, op, params)
 }
 
-/// `out[go] = op(a[ga], b[gb], p0, p1)` over `n` elements of `dtype`.
-#[allow(clippy::too_many_arguments)]
+/// `out[go] = op(a[ga], b[gb], p0, p1)` over `n` elements of `t`'s dtype, on `t`'s GPU.
 fn launch_binary(
     t: &Tensor<'_>,
-    dtype: DType,
     n: usize,
     out: (u64, Geo),
     a: (u64, Geo),
@@ -96,9 +92,9 @@ fn launch_binary(
         return Ok(());
     }
     let gpu = gpu_of(t.device())?;
-    let f = gpu.function(kernel(family!("binary"), dtype))?;
+    let f = gpu.function(kernel(family!("binary"), t.dtype()))?;
     let (code, count) = (op.code(), n as i64);
-    with_dtype!(dtype, T => {
+    with_dtype!(t.dtype(), T => {
         let [p0, p1] = params.map(T::from_f64);
         let mut l = gpu.stream.launch_builder(&f);
         l.arg(&code).arg(&count).arg(&out.0).arg(&out.1).arg(&a.0).arg(&a.1).arg(&b.0).arg(&b.1);
@@ -122,7 +118,6 @@ pub(crate) fn binary<'s>(
     let out = Tensor::output_of(&[a, b], a.dtype(), shape, at)?;
     launch_binary(
         a,
-        a.dtype(),
         out.numel(),
         (out.device_block_ptr(), Geo::of("binary", out.layout())?),
         (a.device_block_ptr(), Geo::of("binary", la)?),
@@ -147,7 +142,6 @@ pub(crate) fn binary_in_place(
     let ptr = x.device_block_ptr();
     launch_binary(
         x,
-        x.dtype(),
         x.numel(),
         (ptr, g),
         (ptr, g),
@@ -263,12 +257,16 @@ pub(crate) fn copy_into_view(
     launch_cast(src, ls, dst.device_block_ptr(), ld, src.dtype())
 }
 
-/// `x` with the axes in `perm` order, packed contiguously: rows of the trailing axes.
-fn packed<'s>(x: &Tensor<'s>, perm: &[usize]) -> Result<Tensor<'s>> {
+/// `x` with the sorted `axes` moved last, packed contiguously: rows of the moved axes.
+fn axes_last<'s>(x: &Tensor<'s>, axes: &[usize]) -> Result<Tensor<'s>> {
+    let perm: Vec<usize> = (0..x.rank())
+        .filter(|a| !axes.contains(a))
+        .chain(axes.iter().copied())
+        .collect();
     if perm.iter().enumerate().all(|(i, &p)| i == p) {
         return x.contiguous();
     }
-    x.permute(perm)?.contiguous()
+    x.permute(&perm)?.contiguous()
 }
 
 /// Reduces `x` over the sorted `axes` into a new tensor of shape `kept` (the reduced axes as 1).
@@ -279,17 +277,13 @@ pub(crate) fn reduce<'s>(
     kept: &[usize],
     at: &'static Location<'static>,
 ) -> Result<Tensor<'s>> {
-    let perm: Vec<usize> = (0..x.rank())
-        .filter(|a| !axes.contains(a))
-        .chain(axes.iter().copied())
-        .collect();
     let len: usize = axes.iter().map(|&a| x.shape()[a]).product();
     let out = Tensor::output_of(&[x], x.dtype(), kept, at)?;
     let rows = out.numel();
     if rows == 0 {
         return Ok(out);
     }
-    let input = packed(x, &perm)?;
+    let input = axes_last(x, axes)?;
     let gpu = gpu_of(x.device())?;
     let f = gpu.function(kernel(family!("reduce"), x.dtype()))?;
     let (code, r, n) = (kind.code(), rows as i64, len as i64);
@@ -309,13 +303,12 @@ pub(crate) fn argmax<'s>(
     kept: &[usize],
     at: &'static Location<'static>,
 ) -> Result<Tensor<'s>> {
-    let perm: Vec<usize> = (0..x.rank()).filter(|&a| a != axis).chain([axis]).collect();
     let out = Tensor::output_of(&[x], DType::I64, kept, at)?;
     let rows = out.numel();
     if rows == 0 {
         return Ok(out);
     }
-    let input = packed(x, &perm)?;
+    let input = axes_last(x, &[axis])?;
     let gpu = gpu_of(x.device())?;
     let f = gpu.function(kernel(family!("argmax"), x.dtype()))?;
     let (r, n) = (rows as i64, x.shape()[axis] as i64);
@@ -441,14 +434,8 @@ pub(crate) fn fused_update(
     if n == 0 {
         return Ok(());
     }
+    // Only float parameters reach here: the optimizers dispatch with `with_float_dtype!`.
     let dtype = g.dtype();
-    if !dtype.is_float() {
-        return Err(crate::error::Error::UnsupportedDType {
-            op,
-            dtype,
-            expected: "float parameters (f32 or f64)",
-        });
-    }
     let gpu = gpu_of(g.device())?;
     let count = n as i64;
     let gp = g.device_ptr();
