@@ -27,10 +27,13 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
         let labels: Vec<i64> = (0..128).map(|i| i % 10).collect();
         let y = m.from_slice(&labels, &[128])?;
         let mut ws = Workspace::new("batch");
-        for _ in 0..20 {
+        let mut step = || {
             m.workspace(&mut ws, |b| {
                 common::train_step(b, &mut model, &mut opt, &x, &y)
-            })?;
+            })
+        };
+        for _ in 0..20 {
+            step()?;
         }
         GPU.synchronize()?;
         reset_gpu_memory_peak(GPU)?;
@@ -42,9 +45,7 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
         let steps = 1000;
         let start = Instant::now();
         for _ in 0..steps {
-            m.workspace(&mut ws, |b| {
-                common::train_step(b, &mut model, &mut opt, &x, &y)
-            })?;
+            step()?;
         }
         GPU.synchronize()?;
         let elapsed = start.elapsed();
@@ -60,12 +61,7 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
         );
         let mut group = c.benchmark_group("cuda");
         group.bench_function("mlp_step_784_256_10_b128_adamw", |bench| {
-            bench.iter(|| {
-                m.workspace(&mut ws, |b| {
-                    common::train_step(b, &mut model, &mut opt, &x, &y)
-                })
-                .expect("a step runs");
-            })
+            bench.iter(|| step().expect("a step runs"))
         });
         group.finish();
         Ok::<_, Error>(())

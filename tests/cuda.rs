@@ -73,10 +73,6 @@ fn agree(name: &str, tol: f64, case: &Case) {
     }
 }
 
-fn matrix<'s>(s: &Scope<'s>, rows: usize, cols: usize) -> Result<Tensor<'s>> {
-    s.randn(&[rows, cols])
-}
-
 #[test]
 fn asking_for_a_gpu_that_cannot_be_used_is_a_clear_error() {
     match Device::Cuda(0).check_available() {
@@ -205,7 +201,7 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
             x.mean_all()?,
             x.argmax(1, false)?,
             x.argmax(-1, true)?,
-            x.t_last()?.sum(&[0], false)?,
+            x.transpose(-1, -2)?.sum(&[0], false)?,
         ])
     });
     agree("softmax", 1e-5, &|s| {
@@ -228,8 +224,8 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
         ])
     });
     agree("matmul", 1e-4, &|s| {
-        let a = matrix(s, 17, 33)?;
-        let b = matrix(s, 33, 9)?;
+        let a = s.randn(&[17, 33])?;
+        let b = s.randn(&[33, 9])?;
         let batch = s.randn(&[3, 17, 33])?;
         let v = s.randn(&[33])?;
         Ok(vec![
@@ -242,17 +238,6 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
             a.narrow(1, 0, 0)?.matmul(&b.narrow(0, 0, 0)?)?, // k = 0: zeros
         ])
     });
-}
-
-/// The last two axes swapped, as a strided view (for reductions over non-contiguous input).
-trait LastSwap<'s> {
-    fn t_last(&self) -> Result<Tensor<'s>>;
-}
-
-impl<'s> LastSwap<'s> for Tensor<'s> {
-    fn t_last(&self) -> Result<Tensor<'s>> {
-        self.transpose(-1, -2)
-    }
 }
 
 /// Five training steps of a small MLP from the same seed; returns the parameters and the losses.
