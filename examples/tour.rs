@@ -90,7 +90,7 @@ fn main() -> Result<()> {
         })?;
 
         // A detached tensor leaves the tree and may cross threads.
-        mean_w.detach()
+        mean_w.move_out()
     })?;
     let norm = std::thread::spawn(move || -> Result<f32> {
         detached.square()?.sum_all()?.sqrt()?.to_scalar()

@@ -1,5 +1,5 @@
 // Shared by every kernel file: element types, operand layouts, math for each element type, and the
-// op codes (src/cuda/kernels.rs holds the same numbers; a test compares the two lists).
+// op codes (src/backend/op.rs holds the same numbers; a test compares the two lists).
 //
 // The files are concatenated in this order and compiled by NVRTC once per GPU, so there is no
 // #include and no host code here.
@@ -50,6 +50,8 @@ MATH1(k_tanh, tanhf, tanh)
 MATH1(k_sin, sinf, sin)
 MATH1(k_cos, cosf, cos)
 MATH1(k_abs, fabsf, fabs)
+MATH1(k_log1p, log1pf, log1p)
+MATH1(k_expm1, expm1f, expm1)
 __device__ __forceinline__ i64 k_abs_int(i64 x) { return x < 0 ? -x : x; }
 __device__ __forceinline__ float k_pow(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double k_pow(double a, double b) { return pow(a, b); }
@@ -109,6 +111,8 @@ template <> __device__ __forceinline__ i64 convert<i64>(double x) {
 #define U_POWF 17
 #define U_CLAMP 18
 #define U_FILL 19
+#define U_LOG1P 20
+#define U_EXPM1 21
 
 // Binary op codes (elementwise.cu).
 #define B_ADD 0

@@ -32,6 +32,8 @@ template <typename T> __device__ __forceinline__ T unary_apply(int op, T x, T p0
     case U_POWF: return k_pow(x, p0);
     case U_CLAMP: return x < p0 ? p0 : (x > p1 ? p1 : x);
     case U_FILL: return p0;
+    case U_LOG1P: return k_log1p(x);
+    case U_EXPM1: return k_expm1(x);
     default: return x;
     }
 }

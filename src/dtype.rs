@@ -95,6 +95,10 @@ pub trait Float: Element {
     fn exp(self) -> Self;
     /// Natural logarithm.
     fn ln(self) -> Self;
+    /// `ln(1 + self)`, accurate near 0.
+    fn ln_1p(self) -> Self;
+    /// `e^self - 1`, accurate near 0.
+    fn exp_m1(self) -> Self;
     /// Square root.
     fn sqrt(self) -> Self;
     /// Hyperbolic tangent.
@@ -192,6 +196,14 @@ macro_rules! float_element {
             #[inline(always)]
             fn ln(self) -> Self {
                 <$t>::ln(self)
+            }
+            #[inline(always)]
+            fn ln_1p(self) -> Self {
+                <$t>::ln_1p(self)
+            }
+            #[inline(always)]
+            fn exp_m1(self) -> Self {
+                <$t>::exp_m1(self)
             }
             #[inline(always)]
             fn sqrt(self) -> Self {

@@ -73,6 +73,18 @@ pub enum Error {
         /// Why it cannot be used.
         reason: String,
     },
+    /// A device name that is not `cpu`, `cuda` or `cuda:N`.
+    InvalidDevice {
+        /// The text that was parsed.
+        text: String,
+    },
+    /// An optimizer step whose gradients miss a parameter the optimizer updates.
+    MissingGradient {
+        /// The operation.
+        op: &'static str,
+        /// The parameter's name (its `Parameters::visit` path).
+        parameter: String,
+    },
     /// A host-only access (a borrowed slice) to a tensor in GPU memory.
     NotOnHost {
         /// The operation.
@@ -251,6 +263,15 @@ impl fmt::Display for Error {
             Error::DeviceUnavailable { device, reason } => {
                 write!(f, "device {device} cannot be used: {reason}")
             }
+            Error::InvalidDevice { text } => write!(
+                f,
+                "{text:?} is not a device name; write `cpu`, `cuda` (the first GPU) or `cuda:N`"
+            ),
+            Error::MissingGradient { op, parameter } => write!(
+                f,
+                "{op}: the gradients hold nothing for parameter `{parameter}`; were they computed for \
+                 this model? Freeze parameters you mean to leave unchanged with `freeze(..)`"
+            ),
             Error::NotOnHost { op, device } => write!(
                 f,
                 "{op}: the tensor lives on {device}, not in host memory; read it with `.to_vec()` or copy it \

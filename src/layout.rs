@@ -107,6 +107,16 @@ impl Layout {
         }
     }
 
+    /// A layout from its parts; the caller keeps every element it names inside the block it reads.
+    pub(crate) fn from_parts(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
+        debug_assert_eq!(shape.len(), strides.len());
+        Layout {
+            shape: SmallVec::from_slice(shape),
+            strides: SmallVec::from_slice(strides),
+            offset,
+        }
+    }
+
     /// Size of each dimension.
     pub fn shape(&self) -> &[usize] {
         &self.shape

@@ -1,11 +1,10 @@
 #![doc = include_str!("../README.md")]
-#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 #![warn(missing_debug_implementations, missing_docs)]
 
 mod autograd;
+mod backend;
 pub mod checkpoint;
-#[cfg(feature = "cuda")]
-mod cuda;
 pub mod data;
 mod device;
 mod dtype;
@@ -21,8 +20,7 @@ mod scope;
 mod tensor;
 
 pub use autograd::{Gradients, Tape, Var};
-#[cfg(feature = "cuda")]
-pub use cuda::{GpuMemory, gpu_memory, reset_gpu_memory_peak};
+pub use backend::{GpuMemory, gpu_memory, reset_gpu_memory_peak};
 pub use device::Device;
 pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};

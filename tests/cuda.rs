@@ -46,7 +46,7 @@ fn run_on(device: Device, case: &Case) -> Result<Vec<(Vec<usize>, Vec<f64>)>> {
                     device,
                     "an op's result lives on its operands' device"
                 );
-                Ok((t.shape().to_vec(), t.to_vec_f64()))
+                Ok((t.shape().to_vec(), t.to_vec_f64()?))
             })
             .collect()
     })
@@ -329,7 +329,7 @@ fn gpu_scopes_keep_the_memory_rules() {
     let reserved_before = ndscope::gpu_memory(device).unwrap().reserved_bytes;
     root(device, |s| {
         // Mixed devices are refused, naming both.
-        let host = root(Device::Cpu, |h| h.ones(&[4])?.detach()).unwrap();
+        let host = root(Device::Cpu, |h| h.ones(&[4])?.move_out()).unwrap();
         let g = s.ones(&[4])?;
         let err = g.add(&host).unwrap_err();
         assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");

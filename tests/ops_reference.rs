@@ -59,7 +59,7 @@ fn binary_ops_broadcast_like_numpy() {
                     broadcast_shape(sa, sb).as_slice(),
                     "{name} {sa:?} {sb:?}"
                 );
-                assert_close(&got.to_vec_f64(), &binary(&av, sa, &bv, sb, f), 1e-6);
+                assert_close(&got.to_vec_f64()?, &binary(&av, sa, &bv, sb, f), 1e-6);
             }
         }
         Ok(())
@@ -92,7 +92,7 @@ fn binary_ops_read_strided_views() {
             .map(|i| bv[i[1] * 3 + i[0]])
             .collect();
         assert_close(
-            &got.to_vec_f64(),
+            &got.to_vec_f64()?,
             &binary(&av, &[3, 4], &bt, &[3, 4], |x, y| x + y),
             1e-6,
         );
@@ -101,7 +101,11 @@ fn binary_ops_read_strided_views() {
             .iter()
             .map(|i| av[i[0] * 4 + i[1] + 1] * 2.0)
             .collect();
-        assert_close(&cols.mul(&s.full(&[1, 2], 2.0)?)?.to_vec_f64(), &want, 1e-6);
+        assert_close(
+            &cols.mul(&s.full(&[1, 2], 2.0)?)?.to_vec_f64()?,
+            &want,
+            1e-6,
+        );
         Ok(())
     });
 }
@@ -140,29 +144,29 @@ fn unary_ops_match_std() {
         for (name, op, f) in ops {
             let want: Vec<f64> = xv.iter().map(|&v| f(v)).collect();
             let got = op(&x)?;
-            assert_close(&got.to_vec_f64(), &want, 1e-5);
+            assert_close(&got.to_vec_f64()?, &want, 1e-5);
             assert_eq!(got.shape(), &[2, 5], "{name}");
         }
         let pos = x.abs()?.add_scalar(0.5)?;
         let pv: Vec<f64> = xv.iter().map(|v| v.abs() + 0.5).collect();
         assert_close(
-            &pos.log()?.to_vec_f64(),
+            &pos.log()?.to_vec_f64()?,
             &pv.iter().map(|v| v.ln()).collect::<Vec<_>>(),
             1e-5,
         );
         assert_close(
-            &pos.sqrt()?.to_vec_f64(),
+            &pos.sqrt()?.to_vec_f64()?,
             &pv.iter().map(|v| v.sqrt()).collect::<Vec<_>>(),
             1e-5,
         );
         assert_close(
-            &pos.powf(1.5)?.to_vec_f64(),
+            &pos.powf(1.5)?.to_vec_f64()?,
             &pv.iter().map(|v| v.powf(1.5)).collect::<Vec<_>>(),
             1e-5,
         );
         let e = s.full(&[1], 2.0)?;
         assert_close(
-            &pos.pow(&e)?.to_vec_f64(),
+            &pos.pow(&e)?.to_vec_f64()?,
             &pv.iter().map(|v| v * v).collect::<Vec<_>>(),
             1e-5,
         );
@@ -184,11 +188,11 @@ fn scalar_ops_and_clamp() {
     run(|s| {
         let (x, xv) = tensor(s, &[7], 3)?;
         let m = |f: fn(f64) -> f64| xv.iter().map(|&v| f(v)).collect::<Vec<_>>();
-        assert_close(&x.add_scalar(1.5)?.to_vec_f64(), &m(|v| v + 1.5), 1e-6);
-        assert_close(&x.mul_scalar(-3.0)?.to_vec_f64(), &m(|v| v * -3.0), 1e-6);
-        assert_close(&x.div_scalar(4.0)?.to_vec_f64(), &m(|v| v / 4.0), 1e-6);
+        assert_close(&x.add_scalar(1.5)?.to_vec_f64()?, &m(|v| v + 1.5), 1e-6);
+        assert_close(&x.mul_scalar(-3.0)?.to_vec_f64()?, &m(|v| v * -3.0), 1e-6);
+        assert_close(&x.div_scalar(4.0)?.to_vec_f64()?, &m(|v| v / 4.0), 1e-6);
         assert_close(
-            &x.clamp(-0.5, 0.5)?.to_vec_f64(),
+            &x.clamp(-0.5, 0.5)?.to_vec_f64()?,
             &m(|v| v.clamp(-0.5, 0.5)),
             1e-6,
         );
@@ -240,13 +244,13 @@ fn matmul_2d_batched_transposed_and_vectors() {
             let (a, av) = tensor(s, &[m, k], 11)?;
             let (b, bv) = tensor(s, &[k, n], 12)?;
             assert_close(
-                &a.matmul(&b)?.to_vec_f64(),
+                &a.matmul(&b)?.to_vec_f64()?,
                 &matmul(&av, &bv, m, k, n),
                 1e-4,
             );
             // (b^T a^T)^T through strided views.
             let via_t = b.t()?.matmul(&a.t()?)?.t()?;
-            assert_close(&via_t.to_vec_f64(), &matmul(&av, &bv, m, k, n), 1e-4);
+            assert_close(&via_t.to_vec_f64()?, &matmul(&av, &bv, m, k, n), 1e-4);
         }
         // Batched with a broadcast batch dimension: [2, 3, 4] @ [4, 2].
         let (a, av) = tensor(s, &[2, 3, 4], 13)?;
@@ -255,7 +259,7 @@ fn matmul_2d_batched_transposed_and_vectors() {
         assert_eq!(got.shape(), &[2, 3, 2]);
         let mut want = matmul(&av[..12], &bv, 3, 4, 2);
         want.extend(matmul(&av[12..], &bv, 3, 4, 2));
-        assert_close(&got.to_vec_f64(), &want, 1e-5);
+        assert_close(&got.to_vec_f64()?, &want, 1e-5);
         // [2, 1, 2, 3] @ [3, 3, 2]: batch dims broadcast to [2, 3].
         let (c, _) = tensor(s, &[2, 1, 2, 3], 15)?;
         let (d, _) = tensor(s, &[3, 3, 2], 16)?;
@@ -286,7 +290,7 @@ fn large_matmul_uses_threads_and_stays_exact_enough() {
         let (a, av) = tensor(s, &[m, k], 21)?;
         let (b, bv) = tensor(s, &[k, n], 22)?;
         assert_close(
-            &a.matmul(&b)?.to_vec_f64(),
+            &a.matmul(&b)?.to_vec_f64()?,
             &matmul(&av, &bv, m, k, n),
             1e-4,
         );
@@ -300,7 +304,7 @@ fn reductions_over_any_axes() {
         let shape = [2, 3, 4];
         let (x, xv) = tensor(s, &shape, 31)?;
         let xt = x.permute(&[2, 0, 1])?; // a strided input: shape [4, 2, 3]
-        let xtv = xt.contiguous()?.to_vec_f64();
+        let xtv = xt.contiguous()?.to_vec_f64()?;
         for axes in [
             vec![0],
             vec![1],
@@ -311,17 +315,17 @@ fn reductions_over_any_axes() {
         ] {
             let ia: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
             assert_close(
-                &x.sum(&ia, true)?.to_vec_f64(),
+                &x.sum(&ia, true)?.to_vec_f64()?,
                 &reduce(&xv, &shape, &axes, 0.0, |a, b| a + b),
                 1e-5,
             );
             assert_close(
-                &x.max(&ia, false)?.to_vec_f64(),
+                &x.max(&ia, false)?.to_vec_f64()?,
                 &reduce(&xv, &shape, &axes, f64::MIN, f64::max),
                 1e-6,
             );
             assert_close(
-                &x.min(&ia, false)?.to_vec_f64(),
+                &x.min(&ia, false)?.to_vec_f64()?,
                 &reduce(&xv, &shape, &axes, f64::MAX, f64::min),
                 1e-6,
             );
@@ -330,19 +334,19 @@ fn reductions_over_any_axes() {
                 .iter()
                 .map(|v| v / count as f64)
                 .collect();
-            assert_close(&x.mean(&ia, false)?.to_vec_f64(), &mean, 1e-5);
+            assert_close(&x.mean(&ia, false)?.to_vec_f64()?, &mean, 1e-5);
             let tshape = [4, 2, 3];
             assert_close(
-                &xt.sum(&ia, true)?.to_vec_f64(),
+                &xt.sum(&ia, true)?.to_vec_f64()?,
                 &reduce(&xtv, &tshape, &axes, 0.0, |a, b| a + b),
                 1e-5,
             );
         }
         assert_eq!(x.sum(&[-1], false)?.shape(), &[2, 3]);
         assert_eq!(x.sum(&[0, 2], true)?.shape(), &[1, 3, 1]);
-        assert_close(&x.sum_all()?.to_vec_f64(), &[xv.iter().sum()], 1e-5);
+        assert_close(&x.sum_all()?.to_vec_f64()?, &[xv.iter().sum()], 1e-5);
         assert_close(
-            &x.mean_all()?.to_vec_f64(),
+            &x.mean_all()?.to_vec_f64()?,
             &[xv.iter().sum::<f64>() / 24.0],
             1e-5,
         );
@@ -360,9 +364,9 @@ fn reductions_of_large_rows_run_in_parallel_correctly() {
     run(|s| {
         let (x, xv) = tensor(s, &[64, 2048], 41)?;
         let want = reduce(&xv, &[64, 2048], &[1], 0.0, |a, b| a + b);
-        assert_close(&x.sum(&[1], false)?.to_vec_f64(), &want, 1e-4);
+        assert_close(&x.sum(&[1], false)?.to_vec_f64()?, &want, 1e-4);
         let want0 = reduce(&xv, &[64, 2048], &[0], 0.0, |a, b| a + b);
-        assert_close(&x.sum(&[0], false)?.to_vec_f64(), &want0, 1e-4);
+        assert_close(&x.sum(&[0], false)?.to_vec_f64()?, &want0, 1e-4);
         Ok(())
     });
 }
@@ -394,15 +398,15 @@ fn ref_softmax(row: &[f64]) -> Vec<f64> {
 fn softmax_and_log_softmax_on_every_axis() {
     run(|s| {
         let (x, xv) = tensor(s, &[3, 4], 51)?;
-        let sm = x.softmax(1)?.to_vec_f64();
+        let sm = x.softmax(1)?.to_vec_f64()?;
         let want: Vec<f64> = xv.chunks(4).flat_map(ref_softmax).collect();
         assert_close(&sm, &want, 1e-6);
-        let lsm = x.log_softmax(-1)?.to_vec_f64();
+        let lsm = x.log_softmax(-1)?.to_vec_f64()?;
         assert_close(&lsm, &want.iter().map(|v| v.ln()).collect::<Vec<_>>(), 1e-5);
         // Axis 0: columns.
         let cols = x.softmax(0)?;
         assert_eq!(cols.shape(), &[3, 4]);
-        let cv = cols.to_vec_f64();
+        let cv = cols.to_vec_f64()?;
         for j in 0..4 {
             let col: Vec<f64> = (0..3).map(|i| xv[i * 4 + j]).collect();
             let want = ref_softmax(&col);
@@ -417,7 +421,7 @@ fn softmax_and_log_softmax_on_every_axis() {
             .to_vec::<f32>()?;
         assert!(big.iter().all(|v| v.is_finite()) && big[0] == 0.0);
         let masked = s
-            .full(&[2], f32::NEG_INFINITY)?
+            .full(&[2], f64::NEG_INFINITY)?
             .softmax(0)?
             .to_vec::<f32>()?;
         assert!(masked.iter().all(|v| v.is_nan()));
@@ -432,10 +436,10 @@ fn gather_and_index_select() {
         let idx = s.from_slice(&[3i64, 0, 1, 1, 2, 2], &[3, 2])?;
         let g = x.gather(1, &idx)?;
         let want: Vec<f64> = vec![xv[3], xv[0], xv[5], xv[5], xv[10], xv[10]];
-        assert_close(&g.to_vec_f64(), &want, 0.0);
+        assert_close(&g.to_vec_f64()?, &want, 0.0);
         let idx0 = s.from_slice(&[2i64, 0, 1, 0], &[1, 4])?;
         assert_close(
-            &x.gather(0, &idx0)?.to_vec_f64(),
+            &x.gather(0, &idx0)?.to_vec_f64()?,
             &[xv[8], xv[1], xv[6], xv[3]],
             0.0,
         );
@@ -444,10 +448,10 @@ fn gather_and_index_select() {
         let want: Vec<f64> = (0..3)
             .flat_map(|r| [xv[r * 4 + 3], xv[r * 4 + 3], xv[r * 4]])
             .collect();
-        assert_close(&sel.to_vec_f64(), &want, 0.0);
+        assert_close(&sel.to_vec_f64()?, &want, 0.0);
         // On a transposed view.
         let selt = x.t()?.index_select(0, &s.from_slice(&[1i64], &[1])?)?;
-        assert_close(&selt.to_vec_f64(), &[xv[1], xv[5], xv[9]], 0.0);
+        assert_close(&selt.to_vec_f64()?, &[xv[1], xv[5], xv[9]], 0.0);
         Ok(())
     });
 }
@@ -568,7 +572,7 @@ fn large_elementwise_chain_matches_reference() {
         let y = x.mul(&row)?.add_scalar(1.0)?.tanh()?.softmax(0)?;
         let t: Vec<f64> = xv.iter().map(|v| (v * rv[0] + 1.0).tanh()).collect();
         let want = ref_softmax(&t);
-        assert_close(&y.to_vec_f64(), &want, 1e-4);
+        assert_close(&y.to_vec_f64()?, &want, 1e-4);
         Ok(())
     });
 }

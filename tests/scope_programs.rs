@@ -117,7 +117,7 @@ fn exec<'c, 'p>(
             Action::Alloc { len, value } => {
                 let v = *value as f32;
                 local.push(Held {
-                    t: c.full(&[*len], v)?,
+                    t: c.full(&[*len], f64::from(v))?,
                     want: vec![v; *len],
                 });
             }
@@ -211,7 +211,7 @@ fn exec<'c, 'p>(
             Action::Detach(i) if n > 0 => {
                 let h = local.swap_remove(i % n);
                 run.detached.push(Held {
-                    t: h.t.detach()?,
+                    t: h.t.move_out()?,
                     want: h.want,
                 });
             }

@@ -429,8 +429,8 @@ fn detach_moves_unique_blocks_and_copies_shared_ones() {
     let base = system_stats();
     let detached = root(Device::Cpu, |s| -> Result<_> {
         let t = s.full(&[4], 2.0)?.named("kept");
-        let d = t.detach()?;
-        assert!(d.is_detached());
+        let d = t.move_out()?;
+        assert!(d.is_moved_out());
         assert_eq!(s.stats().live_tensors, 0, "the block left the tree");
         assert_eq!(d.name(), Some("kept"));
         let shared = s.ones(&[4])?;
@@ -462,14 +462,14 @@ fn detach_moves_unique_blocks_and_copies_shared_ones() {
 
 #[test]
 fn detached_tensors_work_inside_scopes() {
-    let bias = root(Device::Cpu, |s| s.ones(&[3])?.detach()).unwrap();
+    let bias = root(Device::Cpu, |s| s.ones(&[3])?.move_out()).unwrap();
     run(|s| {
         let x = s.full(&[3], 2.0)?;
         let y = x.add(&bias)?; // a scope operand: the scope owns the result
-        assert!(!y.is_detached());
+        assert!(!y.is_moved_out());
         assert_eq!(s.stats().live_tensors, 2);
         let kept = s.scope(|c| c.ret(bias.clone()))?; // a system block stays in the system scope
-        assert!(kept.is_detached());
+        assert!(kept.is_moved_out());
         Ok(())
     });
 }

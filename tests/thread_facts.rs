@@ -15,7 +15,7 @@ assert_impl_all!(ndscope::Error: Send, Sync, std::error::Error);
 /// run-time consequence: a detached tensor used from several threads at once.
 #[test]
 fn detached_tensors_are_shared_across_threads() {
-    let t = ndscope::root(ndscope::Device::Cpu, |s| s.ones(&[1000])?.detach()).unwrap();
+    let t = ndscope::root(ndscope::Device::Cpu, |s| s.ones(&[1000])?.move_out()).unwrap();
     let sums: Vec<f32> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..4)
             .map(|_| scope.spawn(|| t.clone().sum_all().unwrap().to_scalar::<f32>().unwrap()))
@@ -30,7 +30,7 @@ fn detached_tensors_are_shared_across_threads() {
 #[test]
 fn detached_blocks_survive_concurrent_clones_updates_and_drops() {
     let shared = ndscope::root(ndscope::Device::Cpu, |s| {
-        s.arange(0.0f32, 64.0, 1.0)?.detach()
+        s.arange(0.0f32, 64.0, 1.0)?.move_out()
     })
     .unwrap();
     let want: Vec<f32> = (0..64).map(|i| i as f32).collect();

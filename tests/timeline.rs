@@ -12,7 +12,7 @@ fn every_kind_of_event_is_recorded_with_its_scope_and_tensor() {
             let gone = b.ones(&[4])?;
             drop(gone);
             std::mem::forget(b.ones(&[2])?.named("forgotten"));
-            let detached = b.ones(&[3])?.detach()?;
+            let detached = b.ones(&[3])?.move_out()?;
             drop(detached);
             b.ret(t)
         })?;

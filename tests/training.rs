@@ -159,30 +159,72 @@ fn optimizers_refuse_bad_settings_and_a_foreign_parameter_set() {
 }
 
 #[test]
-fn a_parameter_without_a_gradient_is_left_alone() {
+fn a_parameter_without_a_gradient_is_refused_unless_frozen() {
     root(Device::Cpu, |m| {
         let mut model = nn::mlp(m, &[2, 3, 2], Activation::Tanh, Init::XavierNormal)?;
-        let before: Vec<Vec<f32>> = {
+        let values = |model: &nn::Sequential<'_>| {
             let mut v = Vec::new();
             model.visit("", &mut |_, t| v.push(t.to_vec::<f32>().unwrap()));
             v
         };
+        let before = values(&model);
         let mut opt = Sgd::new(m, &model, SgdConfig::new(0.5))?;
-        m.scope(|b| {
-            let tape = Tape::new(b);
-            // Only the first layer is watched: the second gets no gradient.
-            let Layer::Linear(first) = &model.layers()[0] else {
-                unreachable!()
-            };
-            let x = tape.constant(&b.ones(&[1, 2])?);
-            let loss = first.forward(&x, Mode::Train)?.sum_all()?;
-            let grads = tape.backward(&loss)?;
-            opt.step(&mut model, &grads)
-        })?;
-        let mut after = Vec::new();
-        model.visit("", &mut |_, t| after.push(t.to_vec::<f32>().unwrap()));
+        // Only the first layer takes part in the loss: the second gets no gradient.
+        fn step<'m>(m: &Scope<'m>, model: &mut nn::Sequential<'m>, opt: &mut Sgd<'m>) -> Result<()> {
+            m.scope(|b| {
+                let tape = Tape::new(b);
+                let Layer::Linear(first) = &model.layers()[0] else {
+                    unreachable!()
+                };
+                let x = tape.constant(&b.ones(&[1, 2])?);
+                let loss = first.forward(&x, Mode::Train)?.sum_all()?;
+                let grads = tape.backward(&loss)?;
+                opt.step(model, &grads)
+            })
+        }
+        let refused = step(m, &mut model, &mut opt);
+        assert!(
+            matches!(&refused, Err(Error::MissingGradient { parameter, .. }) if parameter == "2.weight"),
+            "{refused:?}"
+        );
+        assert!(refused.unwrap_err().to_string().contains("freeze"));
+        assert_eq!(values(&model), before, "a refused step writes nothing");
+
+        opt.freeze(&model, "2.weight", true)?;
+        opt.freeze(&model, "2.bias", true)?;
+        step(m, &mut model, &mut opt)?;
+        let after = values(&model);
         assert_ne!(after[0], before[0]);
-        assert_eq!(after[2..], before[2..]);
+        assert_eq!(after[2..], before[2..], "frozen parameters stay as they were");
+
+        assert!(matches!(
+            opt.freeze(&model, "7.weight", true),
+            Err(Error::InvalidShape { .. })
+        ));
+        opt.freeze(&model, "2.weight", false)?;
+        assert!(matches!(
+            step(m, &mut model, &mut opt),
+            Err(Error::MissingGradient { parameter, .. }) if parameter == "2.weight"
+        ));
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn stepping_with_another_models_gradients_is_an_error() {
+    root(Device::Cpu, |m| {
+        let mut model = nn::mlp(m, &[2, 2], Activation::Tanh, Init::XavierNormal)?;
+        let other = nn::mlp(m, &[2, 2], Activation::Tanh, Init::XavierNormal)?;
+        let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 0.0))?;
+        let result = m.scope(|b| {
+            let tape = Tape::new(b);
+            let x = tape.constant(&b.ones(&[1, 2])?);
+            let loss = other.forward(&x, Mode::Train)?.sum_all()?;
+            opt.step(&mut model, &tape.backward(&loss)?)
+        });
+        assert!(matches!(result, Err(Error::MissingGradient { parameter, .. }) if parameter == "0.weight"));
+        assert_eq!(opt.steps(), 0);
         Ok::<_, Error>(())
     })
     .unwrap();

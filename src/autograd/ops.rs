@@ -6,10 +6,10 @@ use smallvec::{SmallVec, smallvec};
 
 use super::reduce_to::sum_to;
 use super::{InputGrads, Var};
-use crate::dtype::{DType, Element, Float, with_float_dtype};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::resolve_axis;
-use crate::ops::op_code::Binary;
+use crate::ops::Binary;
 use crate::tensor::Tensor;
 
 fn not_float(op: &'static str, dtype: DType) -> Error {
@@ -20,18 +20,24 @@ fn not_float(op: &'static str, dtype: DType) -> Error {
     }
 }
 
-/// `|g, x| expr` elementwise over the output gradient and a saved tensor of the same shape, in the
-/// float type `T` of the gradient.
-macro_rules! chain {
-    ($op:expr, $code:expr, $g:expr, $x:expr, |$gv:ident, $xv:ident| $body:expr) => {
-        with_float_dtype!($g.dtype(), T => $g.zip_map::<T>($x, $op, $code, |$gv: T, $xv: T| $body),
-            else Err(not_float($op, $g.dtype())))
-    };
+/// The fused derivative `op` (a `Binary` of `backend::op`, which states its math) elementwise over
+/// the output gradient `g` and a saved tensor `x` of the same shape.
+fn chain<'s>(
+    name: &'static str,
+    op: Binary,
+    params: [f64; 2],
+    g: &Tensor<'s>,
+    x: &Tensor<'s>,
+) -> Result<Tensor<'s>> {
+    if !g.dtype().is_float() {
+        return Err(not_float(name, g.dtype()));
+    }
+    g.zip_with(x, name, op, params)
 }
 
 /// Unary ops whose derivative is computed from the input `x`.
 macro_rules! unary_from_input {
-    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$g:ident, $x:ident| $d:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident => $code:ident;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
@@ -41,7 +47,7 @@ macro_rules! unary_from_input {
             let value = self.value.$name()?;
             let x = self.value.clone();
             Var::record(&[self], stringify!($name), value, move |g, _| {
-                Ok(smallvec![Some(chain!(stringify!($name), (Binary::$code, [0.0; 2]), g, &x, |$g, $x| $d)?)])
+                Ok(smallvec![Some(chain(stringify!($name), Binary::$code, [0.0; 2], g, &x)?)])
             })
         }
     )*};
@@ -49,7 +55,7 @@ macro_rules! unary_from_input {
 
 /// Unary ops whose derivative is computed from the output `y`.
 macro_rules! unary_from_output {
-    ($($(#[$doc:meta])* $name:ident [$code:ident] => |$g:ident, $y:ident| $d:expr;)*) => {$(
+    ($($(#[$doc:meta])* $name:ident => $code:ident;)*) => {$(
         $(#[$doc])*
         ///
         /// # Errors
@@ -59,56 +65,69 @@ macro_rules! unary_from_output {
             let value = self.value.$name()?;
             let y = value.clone();
             Var::record(&[self], stringify!($name), value, move |g, _| {
-                Ok(smallvec![Some(chain!(stringify!($name), (Binary::$code, [0.0; 2]), g, &y, |$g, $y| $d)?)])
+                Ok(smallvec![Some(chain(stringify!($name), Binary::$code, [0.0; 2], g, &y)?)])
             })
         }
     )*};
 }
 
-fn half<T: Element>() -> T {
-    T::from_f64(0.5)
-}
-
 impl<'t, 's> Var<'t, 's> {
     unary_from_input! {
         /// `-self`.
-        neg [NegGrad] => |g, _x| g.neg();
+        neg => NegGrad;
         /// `|self|`; the derivative at 0 is taken as 0.
-        abs [AbsGrad] => |g, x| if x > T::zero() { g } else if x < T::zero() { g.neg() } else { T::zero() };
+        abs => AbsGrad;
         /// `self²`.
-        square [SquareGrad] => |g, x| g.mul(x).mul(T::from_f64(2.0));
+        square => SquareGrad;
         /// Natural logarithm.
-        log [Div] => |g, x| g.div(x);
+        log => Div;
         /// Sine.
-        sin [SinGrad] => |g, x| g.mul(x.cos());
+        sin => SinGrad;
         /// Cosine.
-        cos [CosGrad] => |g, x| g.mul(x.sin()).neg();
+        cos => CosGrad;
         /// `max(self, 0)`; the derivative at 0 is taken as 0.
-        relu [ReluGrad] => |g, x| if x > T::zero() { g } else { T::zero() };
+        relu => ReluGrad;
         /// GELU (tanh approximation).
-        gelu [GeluGrad] => |g, x| {
-            let c = T::from_f64((2.0 / std::f64::consts::PI).sqrt());
-            let k = T::from_f64(0.044715);
-            let u = c.mul(x.add(k.mul(x).mul(x).mul(x)));
-            let th = Float::tanh(u);
-            let du = c.mul(T::one().add(T::from_f64(3.0).mul(k).mul(x).mul(x)));
-            let d = half::<T>().mul(T::one().add(th))
-                .add(half::<T>().mul(x).mul(T::one().sub(th.mul(th))).mul(du));
-            g.mul(d)
-        };
+        gelu => GeluGrad;
     }
 
     unary_from_output! {
         /// `e^self`.
-        exp [Mul] => |g, y| g.mul(y);
+        exp => Mul;
         /// Square root.
-        sqrt [SqrtGrad] => |g, y| g.div(y.add(y));
+        sqrt => SqrtGrad;
         /// `1 / self`.
-        recip [RecipGrad] => |g, y| g.mul(y).mul(y).neg();
+        recip => RecipGrad;
         /// Hyperbolic tangent.
-        tanh [TanhGrad] => |g, y| g.mul(T::one().sub(y.mul(y)));
+        tanh => TanhGrad;
         /// The logistic function.
-        sigmoid [SigmoidGrad] => |g, y| g.mul(y).mul(T::one().sub(y));
+        sigmoid => SigmoidGrad;
+    }
+
+    /// `ln(1 + self)`, accurate near 0. Derivative `g / (1 + x)`.
+    ///
+    /// # Errors
+    /// As for [`Tensor::log1p`].
+    #[track_caller]
+    pub fn log1p(&self) -> Result<Var<'t, 's>> {
+        let value = self.value.log1p()?;
+        let x = self.value.clone();
+        Var::record(&[self], "log1p", value, move |g, _| {
+            Ok(smallvec![Some(g.div(&x.add_scalar(1.0)?)?)])
+        })
+    }
+
+    /// `e^self - 1`, accurate near 0. Derivative `g (y + 1)` from the output `y`.
+    ///
+    /// # Errors
+    /// As for [`Tensor::expm1`].
+    #[track_caller]
+    pub fn expm1(&self) -> Result<Var<'t, 's>> {
+        let value = self.value.expm1()?;
+        let y = value.clone();
+        Var::record(&[self], "expm1", value, move |g, _| {
+            Ok(smallvec![Some(g.mul(&y.add_scalar(1.0)?)?)])
+        })
     }
 
     /// `self + value`.
@@ -156,16 +175,7 @@ impl<'t, 's> Var<'t, 's> {
         let out = self.value.powf(exponent)?;
         let x = self.value.clone();
         Var::record(&[self], "powf", out, move |g, _| {
-            let d = chain!(
-                "powf",
-                (Binary::PowfGrad, [exponent, 0.0]),
-                g,
-                &x,
-                |g, x| {
-                    let e = T::from_f64(exponent);
-                    g.mul(e).mul(x.powf(e.sub(T::one())))
-                }
-            )?;
+            let d = chain("powf", Binary::PowfGrad, [exponent, 0.0], g, &x)?;
             Ok(smallvec![Some(d)])
         })
     }
@@ -179,13 +189,7 @@ impl<'t, 's> Var<'t, 's> {
         let out = self.value.clamp(min, max)?;
         let x = self.value.clone();
         Var::record(&[self], "clamp", out, move |g, _| {
-            let d = chain!("clamp", (Binary::ClampGrad, [min, max]), g, &x, |g, x| {
-                if x >= T::from_f64(min) && x <= T::from_f64(max) {
-                    g
-                } else {
-                    T::zero()
-                }
-            })?;
+            let d = chain("clamp", Binary::ClampGrad, [min, max], g, &x)?;
             Ok(smallvec![Some(d)])
         })
     }
@@ -326,18 +330,12 @@ impl<'t, 's> Var<'t, 's> {
     ) -> Result<Var<'t, 's>> {
         self.binary(other, op, out, move |g, needs| {
             let ga = if needs[0] {
-                Some(chain!(op, (Binary::Mul, [0.0; 2]), g, &mask, |g, m| g.mul(m))?)
+                Some(chain(op, Binary::Mul, [0.0; 2], g, &mask)?)
             } else {
                 None
             };
             let gb = if needs[1] {
-                Some(chain!(
-                    op,
-                    (Binary::MaskNot, [0.0; 2]),
-                    g,
-                    &mask,
-                    |g, m| g.mul(T::one().sub(m))
-                )?)
+                Some(chain(op, Binary::MaskNot, [0.0; 2], g, &mask)?)
             } else {
                 None
             };
@@ -539,13 +537,7 @@ impl<'t, 's> Var<'t, 's> {
         Var::record(&[self], "log_softmax", out, move |g, _| {
             // dx = g - softmax * sum(g) along the axis.
             let total = g.sum(&[axis], true)?;
-            let p_total = chain!(
-                "log_softmax",
-                (Binary::ExpMul, [0.0; 2]),
-                &y,
-                &total,
-                |y, t| Float::exp(y).mul(t)
-            )?;
+            let p_total = chain("log_softmax", Binary::ExpMul, [0.0; 2], &y, &total)?;
             Ok(smallvec![Some(g.sub(&p_total)?)])
         })
     }
@@ -575,20 +567,10 @@ impl<'t, 's> Var<'t, 's> {
         let column = labels.unsqueeze(-1)?;
         let picked = log_p.gather(1, &column)?;
         let out = picked.mean_all()?.neg()?;
-        #[cfg(feature = "cuda")]
         let labels = labels.clone();
         Var::record(&[self], OP, out, move |g, _| {
             let scale = g.to_dtype(DType::F64)?.to_scalar::<f64>()? / batch.max(1) as f64;
-            #[cfg(feature = "cuda")]
-            if log_p.device().is_cuda() {
-                let at = std::panic::Location::caller();
-                let d = crate::cuda::ops::cross_entropy_grad(&log_p, &labels, scale, at)?;
-                return Ok(smallvec![Some(d)]);
-            }
-            let p = log_p.exp()?;
-            let minus_one = p.full_like_scalar(&[batch, 1], -1.0)?;
-            let d = p.scatter_add(1, &column, &minus_one)?.mul_scalar(scale)?;
-            Ok(smallvec![Some(d)])
+            Ok(smallvec![Some(log_p.cross_entropy_grad(&labels, scale)?)])
         })
     }
 

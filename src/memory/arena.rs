@@ -15,8 +15,8 @@
 use std::ptr::NonNull;
 
 use crate::device::Device;
-use crate::memory::pool::ALIGN;
 use crate::memory::raw;
+use crate::memory::raw::ALIGN;
 
 /// A reusable arena for a workspace scope; open a cycle with
 /// [`Scope::workspace`](crate::Scope::workspace).

@@ -14,12 +14,12 @@ use std::cell::Cell;
 use std::fmt;
 use std::panic::Location;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicUsize, Ordering, fence};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 
+use crate::backend::{Buf, BufMut};
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::memory::{pool, raw};
-use crate::scope::node::ScopeNode;
+use crate::memory::raw;
 
 /// Where a block's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +83,7 @@ pub(crate) struct Region {
 impl Region {
     /// The region of a zero-byte block: an aligned, non-null pointer that is never read through.
     pub(crate) fn empty(device: Device) -> Region {
-        let ptr =
-            NonNull::new(ptr::without_provenance_mut(pool::ALIGN)).expect("ALIGN is non-zero");
+        let ptr = NonNull::new(ptr::without_provenance_mut(raw::ALIGN)).expect("ALIGN is non-zero");
         Region {
             ptr,
             bytes: 0,
@@ -93,6 +92,13 @@ impl Region {
             device,
         }
     }
+}
+
+/// The owner of tree blocks (a scope): takes a block back when its last handle drops. Memory calls
+/// it without knowing the type behind it, so memory does not depend on the scope layer above it.
+pub(crate) trait BlockOwner {
+    /// Takes back `header`'s block, whose last handle just dropped.
+    fn release(&self, header: &BlockHeader);
 }
 
 /// Header of a storage block.
@@ -105,8 +111,9 @@ pub(crate) struct BlockHeader {
     pub(crate) capacity: Cell<usize>,
     pub(crate) home: Cell<Home>,
     pub(crate) device: Cell<Device>,
-    /// The owning scope; null for the system scope.
-    pub(crate) owner: Cell<*const ScopeNode>,
+    /// The owning scope; `None` for the system scope. Memory does not name scopes: the scope layer
+    /// implements [`BlockOwner`] and reads its own type back (`ScopeNode::owning`).
+    pub(crate) owner: Cell<Option<NonNull<dyn BlockOwner>>>,
     /// Neighbours in the owner's list of blocks (and `next` links the slab's free list).
     pub(crate) prev: Cell<*const BlockHeader>,
     pub(crate) next: Cell<*const BlockHeader>,
@@ -131,7 +138,7 @@ impl BlockHeader {
             capacity: Cell::new(0),
             home: Cell::new(Home::Empty),
             device: Cell::new(Device::Cpu),
-            owner: Cell::new(ptr::null()),
+            owner: Cell::new(None),
             prev: Cell::new(ptr::null()),
             next: Cell::new(ptr::null()),
             dtype: Cell::new(DType::F32),
@@ -155,7 +162,7 @@ impl BlockHeader {
         self.capacity.set(region.capacity);
         self.home.set(region.home);
         self.device.set(region.device);
-        self.owner.set(ptr::null());
+        self.owner.set(None);
         self.prev.set(ptr::null());
         self.next.set(ptr::null());
         self.dtype.set(dtype);
@@ -165,7 +172,7 @@ impl BlockHeader {
     }
 
     pub(crate) fn is_system(&self) -> bool {
-        self.owner.get().is_null()
+        self.owner.get().is_none()
     }
 
     /// Handles to this block (for dumps).
@@ -201,6 +208,27 @@ impl BlockRef {
     pub(crate) fn as_ptr(&self) -> *const BlockHeader {
         self.0.as_ptr()
     }
+
+    /// The block's bytes for kernels to read, while this handle is borrowed.
+    pub(crate) fn buf(&self) -> Buf<'_> {
+        let h = self.header();
+        // SAFETY: the block holds `bytes` initialised bytes (host blocks are zeroed when first taken
+        // from the system and written since; device memory is only read by kernels), aligned to 64,
+        // valid while this handle lives. Nothing writes them while the borrow lasts: writing needs a
+        // unique handle borrowed mutably (`buf_mut`).
+        unsafe { Buf::new(h.ptr.get(), h.bytes.get(), h.device.get()) }
+    }
+
+    /// The block's bytes for kernels to write; `None` unless this handle is the block's only one.
+    pub(crate) fn buf_mut(&mut self) -> Option<BufMut<'_>> {
+        let h = self.header();
+        if !h.is_unique() {
+            return None;
+        }
+        // SAFETY: as in `buf`, and this is the only handle, borrowed mutably, so no other view of the
+        // block exists while the borrow lasts.
+        Some(unsafe { BufMut::new(h.ptr.get(), h.bytes.get(), h.device.get()) })
+    }
 }
 
 impl Clone for BlockRef {
@@ -218,14 +246,50 @@ impl Drop for BlockRef {
         }
         fence(Ordering::Acquire);
         let header = self.header();
-        if header.is_system() {
+        match header.owner.get() {
             // SAFETY: this was the last handle to a boxed system header; nothing else refers to it.
-            unsafe { free_system_block(self.0) };
-        } else {
-            // SAFETY: the owner is open (a handle exists, so its scope has not closed) and this was the
-            // last handle, so the block may be returned.
-            unsafe { (*header.owner.get()).release(header) };
+            None => unsafe { free_system_block(self.0) },
+            // SAFETY: the owner is open (a handle existed, so its scope has not closed), so the
+            // pointer is valid; this was the last handle, so the block may be returned.
+            Some(owner) => unsafe { owner.as_ref() }.release(header),
         }
+    }
+}
+
+/// Counters of the system-owned blocks of every thread (they keep no list: each is freed by its last
+/// handle).
+pub(crate) struct SystemBlocks {
+    live_blocks: AtomicUsize,
+    live_bytes: AtomicUsize,
+    allocations: AtomicU64,
+}
+
+/// The system scope's blocks.
+pub(crate) static SYSTEM: SystemBlocks = SystemBlocks {
+    live_blocks: AtomicUsize::new(0),
+    live_bytes: AtomicUsize::new(0),
+    allocations: AtomicU64::new(0),
+};
+
+impl SystemBlocks {
+    fn on_alloc(&self, bytes: usize) {
+        self.live_blocks.fetch_add(1, Ordering::Relaxed);
+        self.live_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.allocations.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn on_free(&self, bytes: usize) {
+        self.live_blocks.fetch_sub(1, Ordering::Relaxed);
+        self.live_bytes.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// Live blocks, live bytes, and blocks allocated so far.
+    pub(crate) fn counts(&self) -> (usize, usize, u64) {
+        (
+            self.live_blocks.load(Ordering::Relaxed),
+            self.live_bytes.load(Ordering::Relaxed),
+            self.allocations.load(Ordering::Relaxed),
+        )
     }
 }
 
@@ -242,7 +306,7 @@ pub(crate) fn new_system_block(
     );
     let header = BlockHeader::blank();
     header.init(region, dtype, shape, created_at);
-    crate::scope::system::on_alloc(region.bytes);
+    SYSTEM.on_alloc(region.bytes);
     BlockRef(NonNull::from(Box::leak(Box::new(header))))
 }
 
@@ -251,7 +315,7 @@ pub(crate) fn new_system_block(
 unsafe fn free_system_block(header: NonNull<BlockHeader>) {
     // SAFETY: the caller guarantees the header was boxed by `new_system_block` and is unreferenced.
     let boxed = unsafe { Box::from_raw(header.as_ptr()) };
-    crate::scope::system::on_free(boxed.bytes.get());
+    SYSTEM.on_free(boxed.bytes.get());
     if boxed.home.get() == Home::Heap {
         // SAFETY: heap blocks of system headers came from `raw::alloc(device, capacity)` (directly,
         // or from a tree's pool that handed them over in `surrender`), and have no user left.

@@ -9,14 +9,10 @@
 //! so a block wastes at most a quarter of its size. `empty_cache` hands every cached block back to the
 //! device's allocator.
 
-use std::alloc::{self, Layout as AllocLayout};
 use std::ptr::NonNull;
 
 use crate::device::Device;
 use crate::memory::raw;
-
-/// Every block is aligned for the widest SIMD loads (and a cache line).
-pub(crate) const ALIGN: usize = 64;
 
 /// Sub-classes per power of two.
 const STEPS: usize = 4;
@@ -35,30 +31,6 @@ pub(crate) fn size_class(bytes: usize) -> (usize, usize) {
     let sub = (bytes - base).div_ceil(step); // 1..=STEPS
     let index = 1 + (p - MIN_SHIFT) as usize * STEPS + (sub - 1);
     (index, base + sub * step)
-}
-
-/// Takes `capacity` zeroed bytes from the system. Zeroing happens once per block, when it first comes
-/// from the system: every byte of every block is initialised from then on, so kernels may view any
-/// block as a slice of plain numbers.
-pub(crate) fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
-    let layout = AllocLayout::from_size_align(capacity, ALIGN).ok()?;
-    // SAFETY: `capacity > 0` for every caller (empty tensors never allocate), so the layout is valid
-    // for `alloc_zeroed`.
-    NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
-}
-
-/// Returns a block taken with [`system_alloc`].
-///
-/// # Safety
-/// `ptr` came from `system_alloc(capacity)` with this `capacity`, and is not used afterwards.
-pub(crate) unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
-    // SAFETY: the caller guarantees `ptr` was allocated with exactly this layout.
-    unsafe {
-        alloc::dealloc(
-            ptr.as_ptr(),
-            AllocLayout::from_size_align_unchecked(capacity, ALIGN),
-        )
-    }
 }
 
 /// Where a block's bytes came from.

@@ -71,7 +71,7 @@ impl<'m> Module<'m> for Dropout {
             return Ok(x.clone());
         }
         let scope = x.tape().scope();
-        let threshold = scope.full(&[], self.p as f32)?;
+        let threshold = scope.full(&[], self.p)?;
         let keep = scope.rand(x.shape())?.ge(&threshold)?;
         let mask = keep
             .mul_scalar(1.0 / (1.0 - self.p))?

@@ -3,15 +3,13 @@
 
 use std::panic::Location;
 
-use crate::dtype::{DType, with_dtype};
-use crate::error::{Error, Result};
 use smallvec::SmallVec;
 
-use crate::dtype::Element;
-use crate::layout::{RowWalk, Shape, resolve_axis};
-use crate::ops::copy::copy_into_view;
-use crate::ops::same_device;
-use crate::tensor::Tensor;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::{Layout, Shape, resolve_axis};
+use crate::ops::{same_device, same_dtype};
+use crate::tensor::{Owner, Tensor};
 
 /// Checks that `index` holds `i64` values in `0..size`, without copying them.
 fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()> {
@@ -23,18 +21,13 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()
         });
     }
     let mut bad = None;
-    let check = |i: i64| {
+    // Indices in device memory are read on the host: one copy of (small) index data, so that a bad
+    // index is an error here instead of an out-of-bounds read in a kernel.
+    index.for_each_element::<i64>(|i| {
         if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
             bad = Some(i);
         }
-    };
-    if index.device().is_cuda() {
-        // GPU indices are checked on the host: one copy of (small) index data, so that a bad index
-        // is an error here instead of an out-of-bounds read in a kernel.
-        index.to_vec::<i64>()?.into_iter().for_each(check);
-    } else {
-        index.for_each_element::<i64>(check);
-    }
+    })?;
     match bad {
         Some(index) => Err(Error::IndexOutOfRange { op, index, size }),
         None => Ok(()),
@@ -104,32 +97,9 @@ impl<'s> Tensor<'s> {
         check_indices(OP, indices, self.shape()[axis])?;
         let mut shape: Shape = self.shape().into();
         shape[axis] = indices.numel();
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            // A gather whose index is `indices` along `axis`, broadcast over every other axis.
-            let mut along: Shape = smallvec::smallvec![1; self.rank()];
-            along[axis] = indices.numel();
-            let index = indices.reshape(&along)?;
-            let index_layout = index.layout().broadcast_to(&shape)?;
-            return crate::cuda::ops::gather(self, axis, &index, &index_layout, Location::caller());
-        }
-        let mut out =
-            Tensor::output_of(&[self, indices], self.dtype(), &shape, Location::caller())?;
-        let out_strides: Shape = out.strides().into();
-        let (idx, idx_at, idx_step) = (
-            indices.block_data::<i64>(),
-            indices.layout().offset(),
-            indices.strides()[0],
-        );
-        with_dtype!(self.dtype(), T => {
-            let dst = out.fresh_mut::<T>();
-            for k in 0..indices.numel() {
-                let i = idx[idx_at + k * idx_step];
-                let src = self.narrow(axis as isize, i as usize, 1)?;
-                copy_into_view::<T>(&src, dst, &out_strides, k * out_strides[axis]);
-            }
-        });
-        Ok(out)
+        // A gather whose index is `indices` along `axis`, broadcast over every other axis.
+        let index_layout = along_axis(indices, axis, &shape);
+        self.gather_with(axis, indices, &index_layout)
     }
 
     /// Picks along `axis` with an index tensor of the same rank: `out[i][j] = self[index[i][j]][j]`
@@ -160,73 +130,65 @@ impl<'s> Tensor<'s> {
             "the index must have the same rank, and no larger size on any axis but the gathered one",
         )?;
         check_indices(OP, index, self.shape()[axis])?;
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            let at = Location::caller();
-            return crate::cuda::ops::gather(self, axis, index, index.layout(), at);
-        }
+        self.gather_with(axis, index, index.layout())
+    }
+
+    /// `out[p] = self[p with coordinate axis replaced by index[p]]` for every position `p` of
+    /// `index_layout`'s shape (the checked indices read through `index_layout`).
+    #[track_caller]
+    fn gather_with(
+        &self,
+        axis: usize,
+        index: &Tensor<'s>,
+        index_layout: &Layout,
+    ) -> Result<Tensor<'s>> {
         let mut out = Tensor::output_of(
             &[self, index],
             self.dtype(),
-            index.shape(),
+            index_layout.shape(),
             Location::caller(),
         )?;
-        let mut src_strides: Shape = self.strides().into();
-        let step = src_strides[axis];
-        src_strides[axis] = 0;
-        let walk = RowWalk::new(
-            index.shape(),
-            [index.strides(), &src_strides],
-            [index.layout().offset(), self.layout().offset()],
-        );
-        let [si, ss] = walk.row_strides();
-        let idx = index.block_data::<i64>();
-        with_dtype!(self.dtype(), T => {
-            let src = self.block_data::<T>();
-            crate::ops::fill_segments(&walk, out.fresh_mut::<T>(), |o, [ii, is]| {
-                for (j, v) in o.iter_mut().enumerate() {
-                    *v = src[is + j * ss + idx[ii + j * si] as usize * step];
-                }
-            });
-        });
+        self.backend()?.gather(
+            self.dtype(),
+            self.src(),
+            axis,
+            index.src_as(index_layout),
+            out.dst(),
+        )?;
         Ok(out)
     }
 }
 
-/// Adds `src` into a copy of `base` at the positions an index walk names: element `p` of `src` (shape
-/// `src.shape()`) goes to `base`'s position `p` with its `axis` coordinate replaced by the index read
-/// at `index_strides`/`index_offset` (zero strides broadcast a 1-D index).
+/// The layout that reads the 1-D `indices` along `axis` of `shape` and repeats them over every other
+/// axis (strides 0).
+fn along_axis(indices: &Tensor<'_>, axis: usize, shape: &[usize]) -> Layout {
+    let mut strides: Shape = SmallVec::from_elem(0, shape.len());
+    strides[axis] = indices.strides()[0];
+    Layout::from_parts(shape, &strides, indices.layout().offset())
+}
+
+/// A copy of `base` with `src` added at the positions an index names: element `p` of `src` goes to
+/// `base`'s position `p` with its `axis` coordinate replaced by the index read through `index_layout`
+/// (which has `src`'s shape).
 #[track_caller]
-fn scatter_add_walk<'s>(
+fn scatter_add_into<'s>(
+    op: &'static str,
     base: &Tensor<'s>,
     axis: usize,
     index: &Tensor<'s>,
-    index_strides: &[usize],
+    index_layout: &Layout,
     src: &Tensor<'s>,
 ) -> Result<Tensor<'s>> {
-    let mut out = base.copy_to_owner(crate::tensor::Owner::innermost(&[base, index, src]))?;
-    let mut dst_strides: Shape = out.strides().into();
-    let step = dst_strides[axis];
-    dst_strides[axis] = 0;
-    let walk = RowWalk::new(
-        src.shape(),
-        [index_strides, src.strides(), &dst_strides],
-        [index.layout().offset(), src.layout().offset(), 0],
-    );
-    let [si, ss, sd] = walk.row_strides();
-    let len = walk.row_len();
-    let idx = index.block_data::<i64>();
-    with_dtype!(base.dtype(), T => {
-        let from = src.block_data::<T>();
-        let dst = out.fresh_mut::<T>();
-        // Serial on purpose: two source elements may land on the same destination.
-        walk.for_rows(0, walk.rows(), |_, [ii, is, id]| {
-            for j in 0..len {
-                let at = id + j * sd + idx[ii + j * si] as usize * step;
-                dst[at] = dst[at].add(from[is + j * ss]);
-            }
-        });
-    });
+    let mut out = base.copy_to_owner(Owner::innermost(&[base, index, src]))?;
+    let dtype = base.dtype();
+    base.backend()?.scatter_add(
+        op,
+        dtype,
+        out.dst(),
+        axis,
+        index.src_as(index_layout),
+        src.src(),
+    )?;
     Ok(out)
 }
 
@@ -255,8 +217,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         const OP: &str = "scatter_add";
-        crate::ops::host_only(OP, &[self])?;
-        crate::ops::same_dtype(OP, self, src)?;
+        same_dtype(OP, self, src)?;
         same_device(OP, self, index)?;
         same_device(OP, self, src)?;
         let axis_u = resolve_axis(OP, axis, self.rank())?;
@@ -276,7 +237,7 @@ impl<'s> Tensor<'s> {
             "the index must have the same rank, and no larger size on any axis but the scattered one",
         )?;
         check_indices(OP, index, self.shape()[axis_u])?;
-        scatter_add_walk(self, axis_u, index, index.strides(), src)
+        scatter_add_into(OP, self, axis_u, index, index.layout(), src)
     }
 
     /// The inverse of [`index_select`](Self::index_select): a copy of `self` with slice `k` of `src`
@@ -293,8 +254,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         const OP: &str = "index_add";
-        crate::ops::host_only(OP, &[self])?;
-        crate::ops::same_dtype(OP, self, src)?;
+        same_dtype(OP, self, src)?;
         same_device(OP, self, indices)?;
         same_device(OP, self, src)?;
         let axis_u = resolve_axis(OP, axis, self.rank())?;
@@ -310,9 +270,7 @@ impl<'s> Tensor<'s> {
             });
         }
         check_indices(OP, indices, self.shape()[axis_u])?;
-        // The 1-D index, read along `axis` and broadcast over every other axis.
-        let mut index_strides: Shape = SmallVec::from_elem(0, self.rank());
-        index_strides[axis_u] = indices.strides()[0];
-        scatter_add_walk(self, axis_u, indices, &index_strides, src)
+        let index_layout = along_axis(indices, axis_u, src.shape());
+        scatter_add_into(OP, self, axis_u, indices, &index_layout, src)
     }
 }

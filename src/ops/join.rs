@@ -2,10 +2,8 @@
 
 use std::panic::Location;
 
-use crate::dtype::with_dtype;
 use crate::error::{Error, Result};
 use crate::layout::{Shape, resolve_axis};
-use crate::ops::copy::copy_into_view;
 use crate::ops::{same_device, same_dtype};
 use crate::tensor::Tensor;
 
@@ -57,26 +55,14 @@ impl<'s> Tensor<'s> {
         let mut shape: Shape = first.shape().into();
         shape[axis] = total;
         let mut out = Tensor::output_of(tensors, first.dtype(), &shape, Location::caller())?;
-        #[cfg(feature = "cuda")]
-        if out.device().is_cuda() {
-            let mut at = 0;
-            for t in tensors {
-                let len = t.shape()[axis];
-                let part = out.narrow(axis as isize, at, len)?.layout().clone();
-                crate::cuda::ops::copy_into_view(t, t.layout(), &mut out, &part)?;
-                at += len;
-            }
-            return Ok(out);
+        let (backend, dtype) = (first.backend()?, first.dtype());
+        let mut at = 0;
+        for t in tensors {
+            let len = t.shape()[axis];
+            let part = out.layout().narrowed(axis, at, len)?;
+            backend.copy(dtype, dtype, t.src(), out.dst_as(&part))?;
+            at += len;
         }
-        let strides: Shape = out.strides().into();
-        with_dtype!(first.dtype(), T => {
-            let dst = out.fresh_mut::<T>();
-            let mut at = 0;
-            for t in tensors {
-                copy_into_view::<T>(t, dst, &strides, at * strides[axis]);
-                at += t.shape()[axis];
-            }
-        });
         Ok(out)
     }
 

@@ -1,65 +1,14 @@
 //! Reductions over axes: sum, mean, max, min, argmax.
-//!
-//! Reducing trailing axes of a contiguous tensor (the common case: per-row sums, softmax
-//! denominators) reduces contiguous rows, in parallel for large inputs. Any other case walks the input
-//! once, accumulating into the output through strides that are 0 along the reduced axes.
 
 use std::panic::Location;
 
-use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use crate::device::Device;
-use crate::dtype::{DType, Element, with_dtype};
+use crate::backend::op::Reduce;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::{RowWalk, Shape, contiguous_strides, resolve_axis};
-use crate::ops::PARALLEL_MIN;
+use crate::layout::{Shape, resolve_axis};
 use crate::tensor::Tensor;
-
-// Sum, max or min, under the names the GPU kernels take too.
-use crate::ops::op_code::Reduction as Reduce;
-
-impl Reduce {
-    fn identity<T: Element>(self) -> T {
-        match self {
-            Reduce::Sum => T::zero(),
-            Reduce::Max => T::lowest(),
-            Reduce::Min => T::highest(),
-        }
-    }
-
-    #[inline(always)]
-    fn combine<T: Element>(self, a: T, b: T) -> T {
-        match self {
-            Reduce::Sum => a.add(b),
-            Reduce::Max => a.max_nan(b),
-            Reduce::Min => a.min_nan(b),
-        }
-    }
-
-    /// Reduces a contiguous slice; sums use eight accumulators so the loop vectorises.
-    #[inline(always)]
-    fn slice<T: Element>(self, xs: &[T]) -> T {
-        match self {
-            Reduce::Sum => {
-                let mut acc = [T::zero(); 8];
-                let chunks = xs.chunks_exact(8);
-                let tail = chunks.remainder();
-                for c in chunks {
-                    for k in 0..8 {
-                        acc[k] = acc[k].add(c[k]);
-                    }
-                }
-                let mut s = acc.iter().fold(T::zero(), |a, &b| a.add(b));
-                for &x in tail {
-                    s = s.add(x);
-                }
-                s
-            }
-            _ => xs.iter().fold(self.identity(), |a, &b| self.combine(a, b)),
-        }
-    }
-}
 
 /// Resolves, sorts and deduplicates reduction axes.
 fn reduced_axes(op: &'static str, axes: &[isize], rank: usize) -> Result<SmallVec<[usize; 6]>> {
@@ -107,19 +56,14 @@ impl<'s> Tensor<'s> {
             .enumerate()
             .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
             .collect();
-        let out = match self.device() {
-            Device::Cpu => {
-                let mut out = Tensor::output_of(&[self], self.dtype(), &kept, Location::caller())?;
-                with_dtype!(self.dtype(), T => self.reduce_into::<T>(kind, &axes, &kept, out.fresh_mut::<T>()));
-                out
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda(_) => {
-                crate::cuda::ops::reduce(self, kind, &axes, &kept, Location::caller())?
-            }
-            #[cfg(not(feature = "cuda"))]
-            Device::Cuda(_) => unreachable!("no GPU tensor exists without the CUDA backend"),
-        };
+        let mut out = Tensor::output_of(&[self], self.dtype(), &kept, Location::caller())?;
+        let backend = self.backend()?;
+        if backend.reads_any_layout() {
+            backend.reduce(self.dtype(), kind, self.src(), &axes, out.dst())?;
+        } else {
+            let (packed, trailing) = self.axes_last(&axes)?;
+            backend.reduce(self.dtype(), kind, packed.src(), &trailing, out.dst())?;
+        }
         if keepdim {
             return Ok(out);
         }
@@ -133,47 +77,15 @@ impl<'s> Tensor<'s> {
         out.reshape(&squeezed)
     }
 
-    fn reduce_into<T: Element>(&self, kind: Reduce, axes: &[usize], kept: &[usize], out: &mut [T]) {
-        let data = self.block_data::<T>();
-        let rank = self.rank();
-        let trailing = axes
-            .iter()
-            .enumerate()
-            .all(|(k, &a)| a == rank - axes.len() + k);
-        if trailing && self.is_contiguous() {
-            let inner: usize = axes.iter().map(|&a| self.shape()[a]).product();
-            let base = self.layout().offset();
-            let row = |i: usize| kind.slice(&data[base + i * inner..base + (i + 1) * inner]);
-            if self.numel() >= PARALLEL_MIN {
-                out.par_iter_mut()
-                    .enumerate()
-                    .for_each(|(i, o)| *o = row(i));
-            } else {
-                out.iter_mut().enumerate().for_each(|(i, o)| *o = row(i));
-            }
-            return;
-        }
-        out.fill(kind.identity());
-        let mut out_strides = contiguous_strides(kept);
-        for &a in axes {
-            out_strides[a] = 0;
-        }
-        let walk = RowWalk::new(
-            self.shape(),
-            [self.strides(), &out_strides],
-            [self.layout().offset(), 0],
-        );
-        let [si, so] = walk.row_strides();
-        let len = walk.row_len();
-        walk.for_rows(0, walk.rows(), |_, [i, o]| {
-            if so == 0 && si == 1 {
-                out[o] = kind.combine(out[o], kind.slice(&data[i..i + len]));
-            } else {
-                for j in 0..len {
-                    out[o + j * so] = kind.combine(out[o + j * so], data[i + j * si]);
-                }
-            }
-        });
+    /// `self` with the sorted `axes` moved last, packed contiguously, and where they now are: the
+    /// form of a backend that reduces contiguous rows.
+    fn axes_last(&self, axes: &[usize]) -> Result<(Tensor<'s>, SmallVec<[usize; 6]>)> {
+        let perm: SmallVec<[usize; 6]> = (0..self.rank())
+            .filter(|a| !axes.contains(a))
+            .chain(axes.iter().copied())
+            .collect();
+        let trailing = (self.rank() - axes.len()..self.rank()).collect();
+        Ok((self.permute(&perm)?.contiguous()?, trailing))
     }
 
     /// Sum over `axes` (negative axes count from the end); `keepdim` keeps them as size 1.
@@ -234,6 +146,30 @@ impl<'s> Tensor<'s> {
         self.mean(&self.all_axes(), false)
     }
 
+    /// Index of the smallest element along `axis` as `i64` (the first one on ties; the first NaN if
+    /// any).
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let x = s.from_slice(&[3.0f32, 1.0, 2.0, 1.0], &[4])?;
+    /// assert_eq!(x.argmin(0, false)?.to_vec::<i64>()?, vec![1]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`argmax`](Self::argmax).
+    #[track_caller]
+    pub fn argmin(&self, axis: isize, keepdim: bool) -> Result<Tensor<'s>> {
+        // The first largest of an order-reversing map is the first smallest: `-x` for floats (NaN
+        // stays NaN), `-x - 1` with wrapping for integers (exact, and `i64::MIN` maps to `i64::MAX`).
+        let reversed = if self.dtype().is_float() {
+            self.neg()?
+        } else {
+            self.neg()?.add_scalar(-1.0)?
+        };
+        reversed.argmax(axis, keepdim)
+    }
+
     /// Index of the largest element along `axis` as `i64` (the first one on ties; the first NaN if
     /// any).
     ///
@@ -252,40 +188,14 @@ impl<'s> Tensor<'s> {
         }
         let mut kept: Shape = SmallVec::from_slice(self.shape());
         kept[axis] = 1;
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            let out = crate::cuda::ops::argmax(self, axis, &kept, Location::caller())?;
-            return if keepdim {
-                Ok(out)
-            } else {
-                out.squeeze(axis as isize)
-            };
-        }
         let mut out = Tensor::output_of(&[self], DType::I64, &kept, Location::caller())?;
-        let step = self.strides()[axis];
-        let walk = RowWalk::new(&kept, [self.strides()], [self.layout().offset()]);
-        let [si] = walk.row_strides();
-        with_dtype!(self.dtype(), T => {
-            let data = self.block_data::<T>();
-            crate::ops::fill_segments(&walk, out.fresh_mut::<i64>(), |o, [start]| {
-                for (j, slot) in o.iter_mut().enumerate() {
-                    let base = start + j * si;
-                    let (mut best, mut best_k) = (data[base], 0usize);
-                    for k in 0..size {
-                        let v = data[base + k * step];
-                        if v.partial_cmp(&v).is_none() {
-                            best_k = k; // NaN wins, as in PyTorch
-                            break;
-                        }
-                        if v > best {
-                            best = v;
-                            best_k = k;
-                        }
-                    }
-                    *slot = best_k as i64;
-                }
-            });
-        });
+        let backend = self.backend()?;
+        if backend.reads_any_layout() {
+            backend.argmax(self.dtype(), self.src(), axis, out.dst())?;
+        } else {
+            let (packed, trailing) = self.axes_last(&[axis])?;
+            backend.argmax(self.dtype(), packed.src(), trailing[0], out.dst())?;
+        }
         if keepdim {
             Ok(out)
         } else {

@@ -2,50 +2,15 @@
 
 use std::panic::Location;
 
-use rayon::prelude::*;
-
-use crate::dtype::{Float, with_float_dtype};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::resolve_axis;
-use crate::ops::PARALLEL_MIN;
 use crate::tensor::Tensor;
-
-/// One row: `out = softmax(x)` or `log_softmax(x)`.
-fn row<T: Float>(x: &[T], out: &mut [T], log: bool) {
-    let m = x.iter().fold(T::lowest(), |a, &b| a.max_nan(b));
-    if m == T::lowest() {
-        // Every entry is -inf (a fully masked row): the distribution is undefined; PyTorch gives NaN.
-        out.fill(T::from_f64(f64::NAN));
-        return;
-    }
-    let mut sum = T::zero();
-    for (o, &v) in out.iter_mut().zip(x) {
-        let e = v.sub(m).exp();
-        *o = e;
-        sum = sum.add(e);
-    }
-    if log {
-        let lse = sum.ln();
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = v.sub(m).sub(lse);
-        }
-    } else {
-        let inv = sum.recip();
-        out.iter_mut().for_each(|o| *o = o.mul(inv));
-    }
-}
 
 impl<'s> Tensor<'s> {
     #[track_caller]
     fn softmax_impl(&self, op: &'static str, axis: isize, log: bool) -> Result<Tensor<'s>> {
         let axis = resolve_axis(op, axis, self.rank())?;
-        let last = self.rank() - 1;
-        // Work on rows along the last axis of a contiguous tensor; move `axis` there first if needed.
-        let moved = if axis == last {
-            self.contiguous()?
-        } else {
-            self.transpose(axis as isize, -1)?.contiguous()?
-        };
         if !self.dtype().is_float() {
             return Err(Error::UnsupportedDType {
                 op,
@@ -53,34 +18,40 @@ impl<'s> Tensor<'s> {
                 expected: "a float dtype (f32 or f64)",
             });
         }
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            let out = crate::cuda::ops::softmax_rows(self, &moved, log, Location::caller())?;
-            return if axis == last {
-                Ok(out)
-            } else {
-                out.transpose(axis as isize, -1)
-            };
-        }
+        let last = self.rank() - 1;
+        // Work on rows along the last axis of a contiguous tensor; move `axis` there first if needed.
+        let moved = if axis == last {
+            self.contiguous()?
+        } else {
+            self.transpose(axis as isize, -1)?.contiguous()?
+        };
         let mut out = Tensor::output_of(&[self], self.dtype(), moved.shape(), Location::caller())?;
-        let n = moved.shape()[last];
-        if n > 0 {
-            with_float_dtype!(self.dtype(), T => {
-                let off = moved.layout().offset();
-                let x = &moved.block_data::<T>()[off..off + moved.numel()];
-                let o = out.fresh_mut::<T>();
-                if x.len() >= PARALLEL_MIN {
-                    o.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, x)| row(x, o, log));
-                } else {
-                    o.chunks_mut(n).zip(x.chunks(n)).for_each(|(o, x)| row(x, o, log));
-                }
-            }, else return Err(Error::UnsupportedDType { op, dtype: self.dtype(), expected: "a float dtype (f32 or f64)" }));
-        }
+        self.backend()?
+            .softmax(self.dtype(), moved.src(), log, out.dst())?;
         if axis == last {
             Ok(out)
         } else {
             out.transpose(axis as isize, -1)
         }
+    }
+
+    /// The derivative of the mean cross-entropy with respect to the logits, `(exp(log_p) -
+    /// one_hot(labels)) * scale`, from float log-probabilities `[batch, classes]` and labels
+    /// `[batch]` that the forward pass checked.
+    #[track_caller]
+    pub(crate) fn cross_entropy_grad(&self, labels: &Tensor<'s>, scale: f64) -> Result<Tensor<'s>> {
+        debug_assert!(self.rank() == 2 && labels.dtype() == DType::I64);
+        let (log_p, labels) = (self.contiguous()?, labels.contiguous()?);
+        let mut out =
+            Tensor::output_of(&[&log_p], log_p.dtype(), log_p.shape(), Location::caller())?;
+        self.backend()?.cross_entropy_grad(
+            log_p.dtype(),
+            log_p.src(),
+            labels.src(),
+            scale,
+            out.dst(),
+        )?;
+        Ok(out)
     }
 
     /// Softmax along `axis`: `exp(x - max) / Σ exp(x - max)`.

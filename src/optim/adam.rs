@@ -1,11 +1,10 @@
 //! Adam and AdamW.
 
-use super::{Optimizer, check_param_set, for_each_param, zeros_like_each};
+use super::{Frozen, Optimizer, check_param_set, for_each_param, zeros_like_each};
 use crate::autograd::Gradients;
-use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
-use crate::ops::fused::{FusedKernel, update_in_place};
+use crate::ops::fused::{FusedUpdate, update_in_place};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -53,6 +52,7 @@ pub struct Adam<'m> {
     steps: u64,
     first_moment: Vec<Tensor<'m>>,
     second_moment: Vec<Tensor<'m>>,
+    frozen: Frozen,
 }
 
 impl<'m> Adam<'m> {
@@ -87,6 +87,7 @@ impl<'m> Adam<'m> {
             steps: 0,
             first_moment: zeros_like_each(scope, params, "adam.m")?,
             second_moment: zeros_like_each(scope, params, "adam.v")?,
+            frozen: Frozen::default(),
         })
     }
 
@@ -108,45 +109,42 @@ impl<'m> Optimizer<'m> for Adam<'m> {
         // Bias corrections folded into the step size and the denominator's scale.
         let step_size = c.lr / (1.0 - b1.powi(t.min(i32::MAX as u64) as i32));
         let v_scale = 1.0 / (1.0 - b2.powi(t.min(i32::MAX as u64) as i32)).sqrt();
-        let (step_size_f64, v_scale_f64) = (step_size, v_scale);
+        let (l2, decay) = if c.decoupled_weight_decay {
+            (0.0, 1.0 - c.lr * c.weight_decay)
+        } else {
+            (c.weight_decay, 1.0)
+        };
+        let update = FusedUpdate::Adam {
+            b1,
+            b2,
+            eps: c.eps,
+            step_size,
+            v_scale,
+            l2,
+            decay,
+        };
         check_param_set("Adam::step", params, &self.first_moment)?;
+        self.frozen.check_gradients("Adam::step", params, grads)?;
+        let frozen = &self.frozen;
         let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
         for_each_param(params, |i, p| {
-            let Some(g) = grads.get(p) else {
+            if frozen.contains(i) {
                 return Ok(());
-            };
-            with_float_dtype!(p.dtype(), T => {
-                let [b1, b2, eps, step_size, v_scale] = [b1, b2, c.eps, step_size, v_scale].map(T::from_f64);
-                let (l2, decay) = if c.decoupled_weight_decay {
-                    (T::zero(), T::from_f64(1.0 - c.lr * c.weight_decay))
-                } else {
-                    (T::from_f64(c.weight_decay), T::one())
-                };
-                let (one_b1, one_b2) = (T::one().sub(b1), T::one().sub(b2));
-                let kernel = FusedKernel::Adam {
-                    b1: c.betas.0,
-                    b2: c.betas.1,
-                    eps: c.eps,
-                    step_size: step_size_f64,
-                    v_scale: v_scale_f64,
-                    l2: l2.to_f64(),
-                    decay: decay.to_f64(),
-                };
-                update_in_place::<T, 3>("Adam::step", [p, &mut ms[i], &mut vs[i]], g, kernel, |[p, m, v], g| {
-                    let g = g.add(l2.mul(*p));
-                    *m = b1.mul(*m).add(one_b1.mul(g));
-                    *v = b2.mul(*v).add(one_b2.mul(g).mul(g));
-                    let denom = v.sqrt().mul(v_scale).add(eps);
-                    *p = decay.mul(*p).sub(step_size.mul(*m).div(denom));
-                })
-            }, else Err(Error::UnsupportedDType {
-                op: "Adam::step",
-                dtype: p.dtype(),
-                expected: "float parameters (f32 or f64)",
-            }))
+            }
+            let g = grads.get(p).expect("checked above");
+            update_in_place("Adam::step", update, &mut [p, &mut ms[i], &mut vs[i]], g)
         })?;
         self.steps = t;
         Ok(())
+    }
+
+    fn freeze<P: Parameters<'m> + ?Sized>(
+        &mut self,
+        params: &P,
+        name: &str,
+        frozen: bool,
+    ) -> Result<()> {
+        self.frozen.set("Adam::freeze", params, name, frozen)
     }
 
     fn learning_rate(&self) -> f64 {

@@ -43,17 +43,61 @@ use crate::tensor::Tensor;
 
 /// Updates parameters from gradients.
 pub trait Optimizer<'m> {
-    /// Applies one update to every parameter of `params` that has a gradient in `grads`; parameters
-    /// without one (unused in the loss) are left as they are. `params` must be the set (same
-    /// parameters, same order) the optimizer was created for.
+    /// Applies one update to every parameter of `params` that is not frozen. `params` must be the set
+    /// (same parameters, same order) the optimizer was created for, and `grads` must hold a gradient
+    /// for every parameter that is not frozen: gradients of another model, or of a loss that does not
+    /// use a parameter, are refused before anything is written. Freeze the parameters a step should
+    /// leave alone with [`freeze`](Self::freeze).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when `params` is not the set the optimizer was created for; shape or
-    /// dtype mismatches between a parameter and its gradient.
+    /// [`Error::InvalidShape`] when `params` is not the set the optimizer was created for;
+    /// [`Error::MissingGradient`] naming the first parameter without a gradient; shape or dtype
+    /// mismatches between a parameter and its gradient.
     fn step<P: Parameters<'m> + ?Sized>(
         &mut self,
         params: &mut P,
         grads: &Gradients<'_>,
+    ) -> Result<()>;
+
+    /// Leaves the parameter named `name` (its [`Parameters::visit`] path, e.g. `0.weight`) unchanged
+    /// by later steps, which then need no gradient for it; `frozen = false` updates it again.
+    ///
+    /// ```
+    /// use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters};
+    /// use ndscope::optim::{Optimizer, Sgd, SgdConfig};
+    /// use ndscope::{Device, Tape, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let mut model = nn::mlp(m, &[2, 4, 2], Activation::Relu, Init::XavierUniform)?;
+    ///     let weight = |model: &nn::Sequential<'_>| {
+    ///         let mut w = Vec::new();
+    ///         model.visit("", &mut |name, p| if name == "0.weight" { w = p.to_vec_f64().unwrap() });
+    ///         w
+    ///     };
+    ///     let mut opt = Sgd::new(m, &model, SgdConfig::new(0.1))?;
+    ///     opt.freeze(&model, "0.weight", true)?;
+    ///     let before = weight(&model);
+    ///     m.scope(|b| {
+    ///         let tape = Tape::new(b);
+    ///         let x = tape.constant(&b.randn(&[3, 2])?);
+    ///         let labels = b.from_slice(&[0i64, 1, 0], &[3])?;
+    ///         let loss = model.forward(&x, Mode::Train)?.cross_entropy(&labels)?;
+    ///         opt.step(&mut model, &tape.backward(&loss)?)
+    ///     })?;
+    ///     assert_eq!(weight(&model), before); // the frozen weight did not move
+    ///     assert!(opt.freeze(&model, "9.weight", true).is_err()); // no such parameter
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when `params` has no parameter of that name.
+    fn freeze<P: Parameters<'m> + ?Sized>(
+        &mut self,
+        params: &P,
+        name: &str,
+        frozen: bool,
     ) -> Result<()>;
 
     /// The learning rate.
@@ -108,6 +152,76 @@ pub(crate) fn check_param_set<'m, P: Parameters<'m> + ?Sized>(
         });
     }
     Ok(())
+}
+
+/// Which parameters (by index in visit order) an optimizer leaves alone.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Frozen(Vec<bool>);
+
+impl Frozen {
+    /// Sets whether the parameter named `name` is frozen.
+    pub(crate) fn set<'m, P: Parameters<'m> + ?Sized>(
+        &mut self,
+        op: &'static str,
+        params: &P,
+        name: &str,
+        frozen: bool,
+    ) -> Result<()> {
+        let (mut found, mut count) = (None, 0);
+        params.visit("", &mut |path, _| {
+            if path == name {
+                found = Some(count);
+            }
+            count += 1;
+        });
+        let index = found.ok_or_else(|| Error::InvalidShape {
+            op,
+            shape: Vec::new(),
+            reason: format!(
+                "the model has no parameter named `{name}`; names are `Parameters::visit` paths \
+                 such as `0.weight`"
+            ),
+        })?;
+        if self.0.len() < count {
+            self.0.resize(count, false);
+        }
+        self.0[index] = frozen;
+        Ok(())
+    }
+
+    /// Whether parameter `i` is frozen.
+    pub(crate) fn contains(&self, i: usize) -> bool {
+        self.0.get(i).copied().unwrap_or(false)
+    }
+
+    /// Checks, before anything is written, that `grads` holds a gradient for every parameter that is
+    /// not frozen; the error names the first that has none. Names are built only for the error: the
+    /// check itself goes through the unnamed visit, which allocates nothing.
+    pub(crate) fn check_gradients<'m, P: Parameters<'m> + ?Sized>(
+        &self,
+        op: &'static str,
+        params: &mut P,
+        grads: &Gradients<'_>,
+    ) -> Result<()> {
+        let mut missing = None;
+        for_each_param(params, |i, p| {
+            if missing.is_none() && !self.contains(i) && grads.get(p).is_none() {
+                missing = Some(i);
+            }
+            Ok(())
+        })?;
+        let Some(index) = missing else {
+            return Ok(());
+        };
+        let (mut parameter, mut i) = (String::new(), 0);
+        params.visit("", &mut |path, _| {
+            if i == index {
+                parameter = path.to_string();
+            }
+            i += 1;
+        });
+        Err(Error::MissingGradient { op, parameter })
+    }
 }
 
 /// Visits `params` mutably with each one's index.

@@ -1,11 +1,10 @@
 //! Stochastic gradient descent with momentum.
 
-use super::{Optimizer, check_param_set, for_each_param, zeros_like_each};
+use super::{Frozen, Optimizer, check_param_set, for_each_param, zeros_like_each};
 use crate::autograd::Gradients;
-use crate::dtype::{Element, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
-use crate::ops::fused::{FusedKernel, update_in_place};
+use crate::ops::fused::{FusedUpdate, update_in_place};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -45,6 +44,7 @@ impl SgdConfig {
 pub struct Sgd<'m> {
     config: SgdConfig,
     velocity: Vec<Tensor<'m>>,
+    frozen: Frozen,
 }
 
 impl<'m> Sgd<'m> {
@@ -70,6 +70,7 @@ impl<'m> Sgd<'m> {
         Ok(Sgd {
             config,
             velocity: zeros_like_each(scope, params, "sgd.velocity")?,
+            frozen: Frozen::default(),
         })
     }
 }
@@ -87,26 +88,31 @@ impl<'m> Optimizer<'m> for Sgd<'m> {
             nesterov,
         } = self.config;
         check_param_set("Sgd::step", params, &self.velocity)?;
+        self.frozen.check_gradients("Sgd::step", params, grads)?;
+        let frozen = &self.frozen;
         let velocity = &mut self.velocity;
         for_each_param(params, |i, p| {
-            let Some(g) = grads.get(p) else {
+            if frozen.contains(i) {
                 return Ok(());
+            }
+            let g = grads.get(p).expect("checked above");
+            let update = FusedUpdate::Sgd {
+                lr,
+                momentum,
+                weight_decay,
+                nesterov,
             };
-            with_float_dtype!(p.dtype(), T => {
-                let (lr, mu, wd) = (T::from_f64(lr), T::from_f64(momentum), T::from_f64(weight_decay));
-                let kernel = FusedKernel::Sgd { lr: self.config.lr, momentum, weight_decay, nesterov };
-                update_in_place::<T, 2>("Sgd::step", [p, &mut velocity[i]], g, kernel, |[p, v], g| {
-                    let d = g.add(wd.mul(*p));
-                    *v = mu.mul(*v).add(d);
-                    let step = if nesterov { d.add(mu.mul(*v)) } else { *v };
-                    *p = p.sub(lr.mul(step));
-                })
-            }, else Err(Error::UnsupportedDType {
-                op: "Sgd::step",
-                dtype: p.dtype(),
-                expected: "float parameters (f32 or f64)",
-            }))
+            update_in_place("Sgd::step", update, &mut [p, &mut velocity[i]], g)
         })
+    }
+
+    fn freeze<P: Parameters<'m> + ?Sized>(
+        &mut self,
+        params: &P,
+        name: &str,
+        frozen: bool,
+    ) -> Result<()> {
+        self.frozen.set("Sgd::freeze", params, name, frozen)
     }
 
     fn learning_rate(&self) -> f64 {

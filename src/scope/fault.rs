@@ -3,8 +3,8 @@
 
 use std::cell::Cell;
 
-use crate::error::{Error, Result};
-use crate::scope::node::ScopeNode;
+use crate::error::Result;
+use crate::scope::node::{ScopeNode, out_of_memory};
 
 /// What an injected fault does at the allocation it hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,13 +51,13 @@ impl FaultPlan {
             Fault::OutOfBudget => {
                 node.stats.borrow_mut().ooms += 1;
                 let live = node.stats.borrow().subtree_bytes;
-                Err(Error::OutOfMemory {
-                    scope: node.name.to_string(),
-                    requested: bytes,
+                Err(out_of_memory(
+                    node.name,
+                    bytes,
                     live,
-                    budget: Some(live),
-                    dump: crate::scope::dump::dump_tree(node.root()),
-                })
+                    Some(live),
+                    Some(node),
+                ))
             }
             Fault::Panic => panic!(
                 "injected fault: panic at an allocation of {bytes} bytes in scope \"{}\"",

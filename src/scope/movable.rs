@@ -2,10 +2,9 @@
 
 use crate::error::Result;
 use crate::scope::Scope;
-use crate::tensor::Tensor;
 
 /// A value whose tensors, all branded `'a`, can be moved to another scope in one call, re-branding
-/// them with that scope's lifetime. Implemented for [`Tensor`], tuples (up to four), arrays, `Vec`, `Option`, `()` and plain
+/// them with that scope's lifetime. Implemented for [`Tensor`](crate::Tensor), tuples (up to four), arrays, `Vec`, `Option`, `()` and plain
 /// values that hold no tensor. Implement it for your own types (a model's parameter set) by moving each
 /// field. `'a` is the brand of the value's tensors: [`Child::ret`](crate::Child::ret) only accepts
 /// values branded with the child's lifetime (or a longer one), so a sibling scope's tensor cannot be
@@ -44,13 +43,6 @@ pub trait Movable<'a>: Sized {
     /// When `target` is capped or over budget, or a needed copy cannot be allocated. Tensors moved
     /// before the failing one are dropped with the rest of the value.
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Self::Moved<'b>>;
-}
-
-impl<'a> Movable<'a> for Tensor<'a> {
-    type Moved<'b> = Tensor<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Tensor<'b>> {
-        self.relocate(&target.node)
-    }
 }
 
 macro_rules! plain_movable {

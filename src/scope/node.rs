@@ -14,8 +14,11 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
 use crate::memory::arena::Workspace;
-use crate::memory::block::{BlockHeader, BlockRef, HeaderSlab, Home, Region, ShapeSummary};
-use crate::memory::pool::{ALIGN, Pool, Source};
+use crate::memory::block::{
+    BlockHeader, BlockOwner, BlockRef, HeaderSlab, Home, Region, ShapeSummary,
+};
+use crate::memory::pool::{Pool, Source};
+use crate::memory::raw::ALIGN;
 use crate::memory::stats::ScopeStats;
 use crate::rng::Rng;
 use crate::scope::fault::FaultPlan;
@@ -146,6 +149,34 @@ pub(crate) struct ScopeNode {
 unsafe impl Send for ScopeNode {}
 // SAFETY: as above.
 unsafe impl Sync for ScopeNode {}
+
+/// The error of a refused allocation of `requested` bytes: `scope` is the scope whose limit (a budget,
+/// or the device's allocator when `budget` is `None`) refused it while holding `live` bytes; the dump
+/// shows `tree`, the tree the request came from (none for the system scope). Every refusal is built
+/// here.
+pub(crate) fn out_of_memory(
+    scope: impl ToString,
+    requested: usize,
+    live: usize,
+    budget: Option<usize>,
+    tree: Option<&ScopeNode>,
+) -> Error {
+    Error::OutOfMemory {
+        scope: scope.to_string(),
+        requested,
+        live,
+        budget,
+        dump: tree.map_or_else(String::new, |node| {
+            crate::scope::dump::dump_tree(node.root())
+        }),
+    }
+}
+
+impl BlockOwner for ScopeNode {
+    fn release(&self, h: &BlockHeader) {
+        self.release_block(h);
+    }
+}
 
 impl ScopeNode {
     pub(crate) fn new(
@@ -290,13 +321,13 @@ impl ScopeNode {
             let live = node.stats.borrow().subtree_bytes;
             if live.saturating_add(bytes) > budget {
                 self.stats.borrow_mut().ooms += 1;
-                return Err(Error::OutOfMemory {
-                    scope: node.name.to_string(),
-                    requested: bytes,
+                return Err(out_of_memory(
+                    node.name,
+                    bytes,
                     live,
-                    budget: Some(budget),
-                    dump: crate::scope::dump::dump_tree(self.root()),
-                });
+                    Some(budget),
+                    Some(self),
+                ));
             }
         }
         Ok(())
@@ -330,13 +361,8 @@ impl ScopeNode {
             let taken = self.tree().take(device, bytes);
             let Some((ptr, capacity, source)) = taken else {
                 self.stats.borrow_mut().ooms += 1;
-                return Err(Error::OutOfMemory {
-                    scope: self.name.to_string(),
-                    requested: bytes,
-                    live: self.stats.borrow().live_bytes,
-                    budget: None,
-                    dump: crate::scope::dump::dump_tree(self.root()),
-                });
+                let live = self.stats.borrow().live_bytes;
+                return Err(out_of_memory(self.name, bytes, live, None, Some(self)));
             };
             let mut stats = self.stats.borrow_mut();
             match (source, device) {
@@ -369,7 +395,8 @@ impl ScopeNode {
     /// Links a block into this scope's list and counts it.
     fn attach(&self, h: &BlockHeader, event: EventKind) {
         self.tree().timeline.record(self.name, event, h);
-        h.owner.set(self);
+        h.owner
+            .set(Some(NonNull::from(self as &(dyn BlockOwner + 'static))));
         h.prev.set(ptr::null());
         h.next.set(self.blocks.get());
         // SAFETY: the list head, if any, is a live header of this scope.
@@ -418,7 +445,18 @@ impl ScopeNode {
     }
 
     /// Returns a block whose last handle dropped.
-    pub(crate) fn release(&self, h: &BlockHeader) {
+    /// The scope that owns a live handle's block; `None` for the system scope.
+    pub(crate) fn owning(h: &BlockHeader) -> Option<&ScopeNode> {
+        // SAFETY: every owner set on a header is a `ScopeNode` (`attach` is the only writer besides
+        // `init`, which clears it), so dropping the vtable recovers its address; a live handle's owner
+        // is open (a scope closes only when its closure returns, and no handle outlives that), so the
+        // node is valid for as long as the header is borrowed.
+        h.owner
+            .get()
+            .map(|o| unsafe { o.cast::<ScopeNode>().as_ref() })
+    }
+
+    fn release_block(&self, h: &BlockHeader) {
         self.detach(h, EventKind::Free);
         self.free_bytes(h);
         self.tree().slab.borrow().give(h);
@@ -442,8 +480,7 @@ impl ScopeNode {
 
     /// Moves ownership of a pool or empty block to `self` without copying.
     pub(crate) fn adopt_block(&self, h: &BlockHeader) -> Result<()> {
-        // SAFETY: the current owner is open: a handle to the block exists.
-        let from = unsafe { &*h.owner.get() };
+        let from = ScopeNode::owning(h).expect("a tree block has an owner");
         if ptr::eq(from, self) {
             return Ok(());
         }

@@ -21,7 +21,7 @@ impl<'s> Scope<'s> {
         let device = self.node.device;
         let mut t = Tensor::uninit_in(Owner::Node(&self.node), device, T::DTYPE, shape, at)?;
         if device == Device::Cpu {
-            write(t.fresh_mut::<T>());
+            write(t.dst().contiguous_host::<T>());
         } else {
             let mut staged = vec![T::zero(); t.numel()];
             write(&mut staged);
@@ -64,10 +64,39 @@ impl<'s> Scope<'s> {
         self.filled(DType::F32, shape, 1.0, Location::caller())
     }
 
-    /// An `f32` tensor filled with `value`.
+    /// An `f32` tensor filled with `value` (taken as `f64`, like every scalar argument, and rounded
+    /// to `f32`).
     #[track_caller]
-    pub fn full(&self, shape: &[usize], value: f32) -> Result<Tensor<'s>> {
-        self.filled(DType::F32, shape, f64::from(value), Location::caller())
+    pub fn full(&self, shape: &[usize], value: f64) -> Result<Tensor<'s>> {
+        self.filled(DType::F32, shape, value, Location::caller())
+    }
+
+    /// Zeros of `like`'s shape and dtype, in this scope on this scope's device.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let x = s.from_slice(&[1i64, 2, 3], &[3])?;
+    /// let z = s.zeros_like(&x)?;
+    /// assert_eq!((z.shape(), z.dtype()), (x.shape(), x.dtype()));
+    /// assert_eq!(s.full_like(&x, 7.0)?.to_vec::<i64>()?, vec![7, 7, 7]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    #[track_caller]
+    pub fn zeros_like(&self, like: &Tensor<'_>) -> Result<Tensor<'s>> {
+        self.filled(like.dtype(), like.shape(), 0.0, Location::caller())
+    }
+
+    /// Ones of `like`'s shape and dtype, in this scope on this scope's device.
+    #[track_caller]
+    pub fn ones_like(&self, like: &Tensor<'_>) -> Result<Tensor<'s>> {
+        self.filled(like.dtype(), like.shape(), 1.0, Location::caller())
+    }
+
+    /// `value` (converted to the dtype) in `like`'s shape and dtype, in this scope on this scope's
+    /// device.
+    #[track_caller]
+    pub fn full_like(&self, like: &Tensor<'_>, value: f64) -> Result<Tensor<'s>> {
+        self.filled(like.dtype(), like.shape(), value, Location::caller())
     }
 
     /// A tensor of any dtype filled with `value` (converted to the dtype).

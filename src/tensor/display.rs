@@ -6,6 +6,7 @@ use std::fmt;
 
 use crate::device::Device;
 use crate::dtype::{Element, with_dtype};
+use crate::layout::contiguous_strides;
 use crate::tensor::Tensor;
 
 /// Dimensions longer than twice this are elided.
@@ -25,17 +26,16 @@ impl fmt::Display for Tensor<'_> {
             return f.write_str("[]");
         }
         if self.device() != Device::Cpu {
-            // Printed from a host copy of the elements (formatting has no way to report a failed
-            // copy but fmt::Error).
-            let host = self.to_device(Device::Cpu).map_err(|_| fmt::Error)?;
+            // Printed from a row-major host copy (formatting has no way to report a failed copy but
+            // fmt::Error).
             return with_dtype!(self.dtype(), T => {
-                let data = host.block_data::<T>();
-                let printer = Printer { data, shape: host.shape(), strides: host.strides() };
-                printer.write(f, 0, host.layout().offset(), 0)
+                let data = self.to_vec::<T>().map_err(|_| fmt::Error)?;
+                let strides = contiguous_strides(self.shape());
+                Printer { data: &data, shape: self.shape(), strides: &strides }.write(f, 0, 0, 0)
             });
         }
         with_dtype!(self.dtype(), T => {
-            let data = self.block_data::<T>();
+            let data = self.src().buf.host::<T>();
             let printer = Printer { data, shape: self.shape(), strides: self.strides() };
             printer.write(f, 0, self.layout().offset(), 0)
         })

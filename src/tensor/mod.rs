@@ -6,14 +6,15 @@ mod display;
 use std::marker::PhantomData;
 use std::panic::Location;
 
+use crate::backend::{self, Backend, Dst, Src, bytes_of, bytes_of_mut};
 use crate::device::Device;
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::layout::{Layout, RowWalk};
 use crate::memory::block::{BlockRef, Home, Region, ShapeSummary, new_system_block};
-use crate::memory::{pool, raw};
-use crate::scope::Scope;
-use crate::scope::node::ScopeNode;
+use crate::memory::raw;
+use crate::scope::node::{ScopeNode, out_of_memory};
+use crate::scope::{Movable, Scope};
 
 /// An n-dimensional array whose memory is owned by a scope that lives at least as long as `'s`.
 ///
@@ -25,7 +26,7 @@ use crate::scope::node::ScopeNode;
 /// * An op's result is owned by the innermost live scope among the operands' owners, never by a
 ///   longer-lived one.
 /// * A tensor is neither `Send` nor `Sync`, except a detached `Tensor<'static>` (see
-///   [`detach`](Tensor::detach)), which any thread may use.
+///   [`move_out`](Tensor::move_out)), which any thread may use.
 pub struct Tensor<'s> {
     block: BlockRef,
     layout: Layout,
@@ -33,7 +34,7 @@ pub struct Tensor<'s> {
     _scope: PhantomData<&'s ()>,
 }
 
-// SAFETY: a `Tensor<'static>` can only come from `detach` (every scope's lifetime is higher-ranked,
+// SAFETY: a `Tensor<'static>` can only come from `move_out` (every scope's lifetime is higher-ranked,
 // hence never 'static), and op results of 'static operands are system-owned too: its block has a boxed
 // header with an atomic count whose other fields are written only through a unique handle, and boxed
 // memory freed by the last handle on whichever thread drops it.
@@ -55,11 +56,7 @@ impl<'n> Owner<'n> {
         let mut best = Owner::System;
         let mut best_order = 0;
         for t in tensors {
-            let owner = t.block.header().owner.get();
-            // SAFETY: a live handle's owner is open (see `BlockRef::header`). A scope closes only when
-            // its closure returns, and every open scope encloses the current call, so the node stays
-            // open at least while the operands are borrowed, which `'n` covers.
-            if let Some(node) = unsafe { owner.as_ref() }
+            if let Some(node) = ScopeNode::owning(t.block.header())
                 && node.order > best_order
             {
                 best_order = node.order;
@@ -90,13 +87,10 @@ impl<'n> Owner<'n> {
                         at,
                     ));
                 }
-                let capacity = bytes.next_multiple_of(pool::ALIGN);
-                let ptr = raw::alloc(device, capacity).ok_or_else(|| Error::OutOfMemory {
-                    scope: "system".into(),
-                    requested: bytes,
-                    live: crate::scope::system_stats().live_bytes,
-                    budget: None,
-                    dump: String::new(),
+                let capacity = bytes.next_multiple_of(raw::ALIGN);
+                let ptr = raw::alloc(device, capacity).ok_or_else(|| {
+                    let live = crate::scope::system_stats().live_bytes;
+                    out_of_memory("system", bytes, live, None, None)
                 })?;
                 let region = Region {
                     ptr,
@@ -202,26 +196,6 @@ impl<'s> Tensor<'s> {
         self.block.header().device.get()
     }
 
-    /// The device address of the first viewed element, for the CUDA backend's kernels.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_ptr(&self) -> u64 {
-        let h = self.block.header();
-        debug_assert!(h.device.get().is_cuda());
-        h.ptr.get().as_ptr() as u64 + (self.layout.offset() * self.dtype.size()) as u64
-    }
-
-    /// The device address of the block's first byte (views add their offset themselves).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn device_block_ptr(&self) -> u64 {
-        self.block.header().ptr.get().as_ptr() as u64
-    }
-
-    /// Whether this handle is the only one to its block (an in-place op may then write it).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn is_unique(&self) -> bool {
-        self.block.header().is_unique()
-    }
-
     /// Whether the elements are row-major without gaps (see [`Layout::is_contiguous`]).
     pub fn is_contiguous(&self) -> bool {
         self.layout.is_contiguous()
@@ -247,28 +221,10 @@ impl<'s> Tensor<'s> {
         self.block.as_ptr() == other.block.as_ptr()
     }
 
-    /// Whether the block is owned by the system scope (the tensor was detached).
-    pub fn is_detached(&self) -> bool {
+    /// Whether the block is owned by the never-closing system scope (the tensor was moved out with
+    /// [`move_out`](Self::move_out), or computed from such tensors only).
+    pub fn is_moved_out(&self) -> bool {
         self.block.header().is_system()
-    }
-
-    /// The whole block as a slice of `T` (the caller checked the dtype and that the tensor is on the
-    /// host).
-    pub(crate) fn block_data<T: Element>(&self) -> &[T] {
-        debug_assert_eq!(T::DTYPE, self.dtype);
-        let h = self.block.header();
-        // A GPU address read on the host would be undefined behaviour; every op sends GPU tensors to
-        // the CUDA backend or refuses them first, so this only fires on a bug in ndscope.
-        assert!(
-            h.device.get() == Device::Cpu,
-            "ndscope bug: host access to {} memory",
-            h.device.get()
-        );
-        let len = h.bytes.get() / std::mem::size_of::<T>();
-        // SAFETY: the block holds `bytes` initialised bytes (zeroed when first taken from the system,
-        // written since), aligned to 64, valid while this handle lives. No `&mut` to it can exist at the
-        // same time: mutable access needs a unique handle (`block_data_mut`).
-        unsafe { std::slice::from_raw_parts(h.ptr.get().as_ptr().cast::<T>(), len) }
     }
 
     /// Identifies the elements this handle views: its block and where in the block they start. Two
@@ -277,39 +233,45 @@ impl<'s> Tensor<'s> {
         (self.block.as_ptr() as usize, self.layout.offset())
     }
 
-    /// The elements of a contiguous tensor, in order (the caller checked `is_contiguous`).
-    #[inline]
-    pub(crate) fn contiguous_data<T: Element>(&self) -> &[T] {
-        debug_assert!(self.is_contiguous());
-        let offset = self.layout.offset();
-        &self.block_data::<T>()[offset..offset + self.numel()]
+    /// The backend of the tensor's device.
+    pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
+        backend::of(self.device())
     }
 
-    /// The whole block as a mutable slice; `None` unless this handle is the block's only one.
-    pub(crate) fn block_data_mut<T: Element>(&mut self) -> Option<&mut [T]> {
-        debug_assert_eq!(T::DTYPE, self.dtype);
-        let h = self.block.header();
-        assert!(
-            h.device.get() == Device::Cpu,
-            "ndscope bug: host access to {} memory",
-            h.device.get()
-        );
-        if !h.is_unique() {
-            return None;
+    /// The tensor as a kernel operand.
+    pub(crate) fn src(&self) -> Src<'_> {
+        self.src_as(&self.layout)
+    }
+
+    /// The tensor's block read through another layout (a broadcast of its own).
+    pub(crate) fn src_as<'a>(&'a self, layout: &'a Layout) -> Src<'a> {
+        Src {
+            buf: self.block.buf(),
+            layout,
         }
-        let len = h.bytes.get() / std::mem::size_of::<T>();
-        // SAFETY: as in `block_data`, and this is the only handle, borrowed mutably, so no other slice
-        // of the block exists.
-        Some(unsafe { std::slice::from_raw_parts_mut(h.ptr.get().as_ptr().cast::<T>(), len) })
     }
 
-    /// The mutable elements of a fresh contiguous output (a unique handle by construction).
-    pub(crate) fn fresh_mut<T: Element>(&mut self) -> &mut [T] {
-        let (offset, n) = (self.layout.offset(), self.numel());
-        let data = self
-            .block_data_mut::<T>()
-            .expect("a fresh output has a single handle");
-        &mut data[offset..offset + n]
+    /// The tensor as a kernel output: a fresh output, or a tensor made unique by the copy-on-write
+    /// step of an in-place op.
+    pub(crate) fn dst(&mut self) -> Dst<'_> {
+        Dst {
+            buf: self.block.buf_mut().expect("an output has a single handle"),
+            layout: &self.layout,
+        }
+    }
+
+    /// The tensor's block written through `layout`, a view of part of a fresh output.
+    pub(crate) fn dst_as<'a>(&'a mut self, layout: &'a Layout) -> Dst<'a> {
+        Dst {
+            buf: self.block.buf_mut().expect("an output has a single handle"),
+            layout,
+        }
+    }
+
+    /// Writes `data` (row-major, the tensor's dtype) into the contiguous, unique tensor.
+    pub(crate) fn upload<T: Element>(&mut self, data: &[T]) -> Result<()> {
+        let backend = self.backend()?;
+        backend.upload(self.dtype, bytes_of(data), self.dst())
     }
 
     /// The elements as a slice, for a contiguous tensor of element type `T`; borrowing the tensor
@@ -321,7 +283,12 @@ impl<'s> Tensor<'s> {
     /// in GPU memory (use [`to_vec`](Self::to_vec), which copies).
     pub fn as_slice<T: Element>(&self) -> Result<&[T]> {
         self.check_dtype::<T>("as_slice")?;
-        crate::ops::host_only("as_slice", &[self])?;
+        if self.device() != Device::Cpu {
+            return Err(Error::NotOnHost {
+                op: "as_slice",
+                device: self.device().to_string(),
+            });
+        }
         if !self.is_contiguous() {
             return Err(Error::NotContiguous {
                 op: "as_slice",
@@ -329,8 +296,7 @@ impl<'s> Tensor<'s> {
                 strides: self.strides().to_vec(),
             });
         }
-        let offset = self.layout.offset();
-        Ok(&self.block_data::<T>()[offset..offset + self.numel()])
+        Ok(self.src().contiguous_host::<T>())
     }
 
     pub(crate) fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
@@ -350,30 +316,46 @@ impl<'s> Tensor<'s> {
     /// [`Error::ElementType`] when `T` is not the tensor's dtype; for a GPU tensor, CUDA errors.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            return crate::cuda::transfer::download::<T>(self);
-        }
-        let mut out = Vec::with_capacity(self.numel());
-        self.for_each_element::<T>(|v| out.push(v));
+        let mut out = vec![T::zero(); self.numel()];
+        self.download_into(bytes_of_mut(&mut out))?;
         Ok(out)
     }
 
-    /// Calls `f` on every element in row-major order (the caller checked the dtype).
-    pub(crate) fn for_each_element<T: Element>(&self, mut f: impl FnMut(T)) {
-        let src = self.block_data::<T>();
+    /// Copies the elements in row-major order into host bytes (`numel * dtype.size()` of them).
+    fn download_into(&self, out: &mut [u8]) -> Result<()> {
+        let backend = self.backend()?;
+        if backend.reads_any_layout() {
+            backend.download(self.dtype, self.src(), out)
+        } else {
+            let packed = self.contiguous()?;
+            backend.download(self.dtype, packed.src(), out)
+        }
+    }
+
+    /// Calls `f` on every element in row-major order (the caller checked the dtype); the elements of
+    /// a GPU tensor are copied to the host first.
+    pub(crate) fn for_each_element<T: Element>(&self, mut f: impl FnMut(T)) -> Result<()> {
+        if self.device() != Device::Cpu {
+            self.to_vec::<T>()?.into_iter().for_each(f);
+            return Ok(());
+        }
+        let src = self.src().buf.host::<T>();
         let walk = RowWalk::new(self.shape(), [self.strides()], [self.layout.offset()]);
         let [stride] = walk.row_strides();
         let len = walk.row_len();
         walk.for_rows(0, walk.rows(), |_, [start]| {
             (0..len).for_each(|j| f(src[start + j * stride]));
         });
+        Ok(())
     }
 
     /// The elements converted to `f64`, whatever the dtype (handy for checks and printing).
-    pub fn to_vec_f64(&self) -> Vec<f64> {
+    ///
+    /// # Errors
+    /// As for [`to_vec`](Self::to_vec) (CUDA errors for a GPU tensor).
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
         with_dtype!(self.dtype, T => {
-            self.to_vec::<T>().expect("dtype matches").into_iter().map(Element::to_f64).collect()
+            Ok(self.to_vec::<T>()?.into_iter().map(Element::to_f64).collect())
         })
     }
 
@@ -391,11 +373,9 @@ impl<'s> Tensor<'s> {
                 reason: format!("it holds {} elements, not exactly one", self.numel()),
             });
         }
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            return Ok(self.to_vec::<T>()?[0]);
-        }
-        Ok(self.block_data::<T>()[self.layout.offset()])
+        let mut value = [T::zero()];
+        self.download_into(bytes_of_mut(&mut value))?;
+        Ok(value[0])
     }
 
     /// Copies the elements, in row-major order, into a new contiguous block of `owner` on the same
@@ -409,14 +389,8 @@ impl<'s> Tensor<'s> {
             self.shape(),
             Location::caller(),
         )?;
-        #[cfg(feature = "cuda")]
-        if self.device().is_cuda() {
-            crate::cuda::ops::copy_into(self, &mut out)?;
-            return Ok(out);
-        }
-        with_dtype!(self.dtype, T => {
-            crate::ops::copy::copy_strided::<T>(self, out.fresh_mut::<T>())
-        });
+        self.backend()?
+            .copy(self.dtype, self.dtype, self.src(), out.dst())?;
         Ok(out)
     }
 
@@ -427,6 +401,26 @@ impl<'s> Tensor<'s> {
         if self.is_contiguous() {
             return Ok(self.clone());
         }
+        self.copy_to_owner(Owner::innermost(&[self]))
+    }
+
+    /// A private copy of the elements, contiguous, owned by the same scope: unlike `clone()` (an
+    /// alias of the same block, as TorchSharp's handles are), changes to one never show in the other
+    /// (PyTorch's `clone()`).
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let x = s.from_slice(&[1.0f32, 2.0], &[2])?;
+    /// let copy = x.deep_copy()?;
+    /// assert!(!copy.shares_storage(&x) && x.clone().shares_storage(&x));
+    /// assert_eq!(copy.to_vec::<f32>()?, x.to_vec::<f32>()?);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// When the scope is capped or over budget.
+    #[track_caller]
+    pub fn deep_copy(&self) -> Result<Tensor<'s>> {
         self.copy_to_owner(Owner::innermost(&[self]))
     }
 
@@ -443,8 +437,7 @@ impl<'s> Tensor<'s> {
 
     pub(crate) fn relocate<'b>(self, target: &ScopeNode) -> Result<Tensor<'b>> {
         let h = self.block.header();
-        // SAFETY: a live handle's owner is open.
-        let Some(owner) = (unsafe { h.owner.get().as_ref() }) else {
+        let Some(owner) = ScopeNode::owning(h) else {
             return Ok(self.rebrand()); // the system scope outlives every scope
         };
         let same_tree = std::ptr::eq(owner.tree(), target.tree());
@@ -470,18 +463,19 @@ impl<'s> Tensor<'s> {
         Ok(self.rebrand())
     }
 
-    /// Detaches the tensor from its scope tree: the result is owned by the never-closing system scope,
-    /// freed when its last handle drops, and may be sent to other threads (DL4J's `detach`, TorchSharp's
-    /// `DetachFromDisposeScope`). A pool block with no other handle moves without copying; anything
-    /// else is copied.
+    /// Moves the tensor out of its scope tree: the result is owned by the never-closing system scope,
+    /// freed when its last handle drops, and may be sent to other threads (DL4J's `detach`, MXNet's
+    /// "move out", TorchSharp's `DetachFromDisposeScope`). A pool block with no other handle moves
+    /// without copying; anything else is copied.
+    ///
+    /// This is not autograd's stop-gradient: that is [`Var::detach`](crate::Var::detach).
     ///
     /// # Errors
     /// When the system allocator refuses a needed copy.
     #[track_caller]
-    pub fn detach(self) -> Result<Tensor<'static>> {
+    pub fn move_out(self) -> Result<Tensor<'static>> {
         let h = self.block.header();
-        // SAFETY: a live handle's owner is open.
-        let Some(owner) = (unsafe { h.owner.get().as_ref() }) else {
+        let Some(owner) = ScopeNode::owning(h) else {
             return Ok(self.rebrand());
         };
         if h.is_unique() && h.home.get() == Home::Heap {
@@ -518,12 +512,6 @@ impl<'s> Tensor<'s> {
             Some(n) => out.named(n),
             None => out,
         })
-    }
-
-    /// Alias of [`detach`](Self::detach) (MXNet and DL4J say "move out").
-    #[track_caller]
-    pub fn move_out(self) -> Result<Tensor<'static>> {
-        self.detach()
     }
 
     /// A contiguous copy on `device`, owned by the same scope (an alias when the tensor is already
@@ -566,31 +554,21 @@ impl<'s> Tensor<'s> {
     }
 
     /// Copies `self` into `out`, a fresh contiguous tensor of the same shape and dtype on another
-    /// device.
-    #[cfg(feature = "cuda")]
+    /// device: straight into host memory, straight from contiguous host memory, or staged through the
+    /// host between two GPUs.
     fn copy_across_devices(&self, out: &mut Tensor<'_>) -> Result<()> {
-        with_dtype!(self.dtype, T => match (self.device(), out.device()) {
-            (Device::Cpu, Device::Cuda(_)) => {
+        if out.device() == Device::Cpu {
+            let bytes = out.numel() * self.dtype.size();
+            let dst = out.dst();
+            return self.download_into(&mut dst.buf.bytes()[..bytes]);
+        }
+        with_dtype!(self.dtype, T => {
+            if self.device() == Device::Cpu {
                 let host = self.contiguous()?;
-                crate::cuda::transfer::upload::<T>(host.contiguous_data::<T>(), out)
+                return out.upload(host.src().contiguous_host::<T>());
             }
-            (Device::Cuda(_), Device::Cpu) => {
-                crate::cuda::transfer::download_into::<T>(self, out.fresh_mut::<T>())
-            }
-            _ => {
-                let staged = crate::cuda::transfer::download::<T>(self)?;
-                crate::cuda::transfer::upload::<T>(&staged, out)
-            }
-        })
-    }
-
-    /// Without the CUDA backend only the host exists, and `check_available` refused every other
-    /// device before this is reached.
-    #[cfg(not(feature = "cuda"))]
-    fn copy_across_devices(&self, out: &mut Tensor<'_>) -> Result<()> {
-        Err(Error::DeviceUnavailable {
-            device: out.device().to_string(),
-            reason: "this build of ndscope has no CUDA backend".into(),
+            let staged = self.to_vec::<T>()?;
+            out.upload(&staged)
         })
     }
 
@@ -602,6 +580,13 @@ impl<'s> Tensor<'s> {
             *self = copy;
         }
         Ok(())
+    }
+}
+
+impl<'a> Movable<'a> for Tensor<'a> {
+    type Moved<'b> = Tensor<'b>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Tensor<'b>> {
+        self.relocate(&target.node)
     }
 }
 

@@ -9,12 +9,12 @@ use crate::layout::Layout;
 
 /// The kernel files in compilation order (`.ci/check-kernels` reads this list).
 pub(crate) const SOURCES: [&str; 6] = [
-    include_str!("../../kernels/common.cuh"),
-    include_str!("../../kernels/elementwise.cu"),
-    include_str!("../../kernels/reduce.cu"),
-    include_str!("../../kernels/softmax.cu"),
-    include_str!("../../kernels/index.cu"),
-    include_str!("../../kernels/optim.cu"),
+    include_str!("../../../kernels/common.cuh"),
+    include_str!("../../../kernels/elementwise.cu"),
+    include_str!("../../../kernels/reduce.cu"),
+    include_str!("../../../kernels/softmax.cu"),
+    include_str!("../../../kernels/index.cu"),
+    include_str!("../../../kernels/optim.cu"),
 ];
 
 /// The largest rank a GPU kernel takes (`MAX_RANK` in `kernels/common.cuh`).

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use cudarc::driver::result;
 
-use crate::cuda::gpu;
+use crate::backend::cuda::gpu;
 
 /// `bytes` (> 0) of memory on GPU `ordinal`, as a device address in a pointer (never dereferenced
 /// on the host); `None` when the driver refuses.

@@ -4,14 +4,14 @@
 //! Everything a GPU runs goes through its one stream, in program order. That is what lets the tree's
 //! caching pool hand a freed block to the next op at once (the stream runs the old reads before the
 //! new writes), and what lets host code read results after a single synchronisation in
-//! [`transfer`]. cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so a build with the `cuda`
+//! `transfer`. cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so a build with the `cuda`
 //! feature runs everywhere and reports a missing driver as [`Error::DeviceUnavailable`].
 
 mod blas;
 mod kernels;
-pub(crate) mod memory;
-pub(crate) mod ops;
-pub(crate) mod transfer;
+mod memory;
+mod ops;
+mod transfer;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -21,10 +21,11 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::CompileOptions;
 
+use crate::backend::{Backend, GpuMemory};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
-pub(crate) use blas::matmul;
+pub(crate) use memory::{alloc, free};
 
 /// What the backend holds for one GPU.
 pub(crate) struct Gpu {
@@ -71,16 +72,9 @@ pub(crate) fn gpu(ordinal: usize) -> Result<&'static Gpu> {
     })
 }
 
-/// The backend of a GPU tensor's device (which was opened when its scope or copy was made).
-pub(crate) fn gpu_of(device: Device) -> Result<&'static Gpu> {
-    match device {
-        Device::Cuda(ordinal) => gpu(ordinal),
-        Device::Cpu => Err(Error::DeviceUnavailable {
-            device: device.to_string(),
-            reason: "it is not a GPU; GPU memory statistics and kernels need Device::Cuda(n)"
-                .into(),
-        }),
-    }
+/// The backend of GPU `ordinal`, opened on first use.
+pub(crate) fn backend(ordinal: usize) -> Result<&'static dyn Backend> {
+    Ok(gpu(ordinal)?)
 }
 
 impl Gpu {
@@ -188,13 +182,6 @@ impl Gpu {
             .bind_to_thread()
             .map_err(|e| cuda_error("binding the CUDA context", e))
     }
-
-    /// Waits until everything queued on the stream has run.
-    pub(crate) fn synchronize(&self) -> Result<()> {
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_error("synchronizing the stream", e))
-    }
 }
 
 /// A CUDA library error as an ndscope error.
@@ -205,36 +192,10 @@ pub(crate) fn cuda_error(op: &'static str, e: impl std::fmt::Display) -> Error {
     }
 }
 
-/// A GPU's allocator traffic since the process started, from [`gpu_memory`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct GpuMemory {
-    /// Calls to the driver's allocator (`cuMemAllocAsync`/`cuMemAlloc`) by any scope tree.
-    pub allocator_calls: u64,
-    /// Calls to the driver's free.
-    pub free_calls: u64,
-    /// Bytes held from the driver now: live tensors, cached blocks and workspace arenas.
-    pub reserved_bytes: usize,
-    /// The most bytes held from the driver at once.
-    pub peak_reserved_bytes: usize,
-}
-
-/// Allocator traffic of a GPU over the whole process (every scope tree that used it), for
-/// measuring: a steady training loop keeps `allocator_calls` still. Opens the GPU if needed.
-///
-/// ```
-/// use ndscope::{Device, gpu_memory};
-/// match gpu_memory(Device::Cuda(0)) {
-///     Ok(m) => println!("{} allocator calls, {} B reserved", m.allocator_calls, m.reserved_bytes),
-///     Err(e) => println!("{e}"), // no usable GPU here
-/// }
-/// assert!(gpu_memory(Device::Cpu).is_err());
-/// ```
-///
-/// # Errors
-/// [`Error::DeviceUnavailable`] when the device cannot be used or is not a GPU.
-pub fn gpu_memory(device: Device) -> Result<GpuMemory> {
+/// Allocator traffic of GPU `ordinal` over the whole process.
+pub(crate) fn memory_stats(ordinal: usize) -> Result<GpuMemory> {
     use std::sync::atomic::Ordering::Relaxed;
-    let c = &gpu_of(device)?.counters;
+    let c = &gpu(ordinal)?.counters;
     Ok(GpuMemory {
         allocator_calls: c.allocator_calls.load(Relaxed),
         free_calls: c.free_calls.load(Relaxed),
@@ -243,13 +204,10 @@ pub fn gpu_memory(device: Device) -> Result<GpuMemory> {
     })
 }
 
-/// Resets the peak of [`gpu_memory`] to the bytes reserved now.
-///
-/// # Errors
-/// As for [`gpu_memory`].
-pub fn reset_gpu_memory_peak(device: Device) -> Result<()> {
+/// Resets the reserved-bytes peak of GPU `ordinal` to the bytes reserved now.
+pub(crate) fn reset_memory_peak(ordinal: usize) -> Result<()> {
     use std::sync::atomic::Ordering::Relaxed;
-    let c = &gpu_of(device)?.counters;
+    let c = &gpu(ordinal)?.counters;
     c.peak_reserved_bytes
         .store(c.reserved_bytes.load(Relaxed), Relaxed);
     Ok(())

@@ -5,18 +5,17 @@
 
 use cudarc::cublas::{result, sys};
 
-use crate::cuda::{cuda_error, gpu_of};
+use crate::backend::cuda::{Gpu, cuda_error};
+use crate::backend::op::Unary;
+use crate::backend::{Dst, Src};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::layout::Shape;
-use crate::ops::op_code::Unary;
-use crate::tensor::Tensor;
+use crate::layout::Layout;
 
 /// How one operand reaches cuBLAS: its address, whether its matrices are stored transposed
 /// (column-major), the leading dimension, and the stride between batch matrices.
-struct Operand<'a> {
-    /// Keeps a packed copy alive until the product is queued.
-    tensor: Tensor<'a>,
+struct Operand {
+    address: u64,
     transposed: bool,
     ld: usize,
     batch_stride: usize,
@@ -33,35 +32,39 @@ fn matrix_form(r: usize, c: usize, rs: usize, cs: usize) -> Option<(bool, usize)
     None
 }
 
-/// Prepares `t` (`[.., r, c]`) for a product whose batch shape is `batch`.
-fn operand<'a>(t: &Tensor<'a>, batch: &[usize]) -> Result<Operand<'a>> {
-    let rank = t.rank();
-    let (r, c) = (t.shape()[rank - 2], t.shape()[rank - 1]);
-    let batched = t.shape()[..rank - 2].iter().product::<usize>() > 1;
-    let (tensor, batch_stride) = if batched {
-        // One matrix per batch index at a uniform stride: the contiguous `[batch.., r, c]` form.
-        let mut full: Shape = batch.iter().copied().collect();
-        full.extend_from_slice(&[r, c]);
-        (t.broadcast_to(&full)?.contiguous()?, r * c)
-    } else {
-        (t.clone(), 0)
-    };
-    let rank = tensor.rank();
-    let (rs, cs) = (tensor.strides()[rank - 2], tensor.strides()[rank - 1]);
-    if let Some((transposed, ld)) = matrix_form(r, c, rs, cs) {
-        return Ok(Operand {
-            tensor,
-            transposed,
-            ld,
-            batch_stride,
-        });
+/// The matrix dimensions of `layout` (`[.., r, c]`) and whether it holds more than one matrix.
+fn dims(layout: &Layout) -> (usize, usize, bool) {
+    let (shape, rank) = (layout.shape(), layout.rank());
+    let batched = shape[..rank - 2].iter().product::<usize>() > 1;
+    (shape[rank - 2], shape[rank - 1], batched)
+}
+
+/// Whether cuBLAS reads an operand laid out as `layout` in a product over `batch` in place: one
+/// matrix broadcast over the batch in row- or column-major form, or the contiguous
+/// `[batch.., r, c]` form (one matrix per batch index at a uniform stride).
+pub(crate) fn reads(layout: &Layout, batch: &[usize]) -> bool {
+    let (r, c, batched) = dims(layout);
+    let rank = layout.rank();
+    if batched {
+        return layout.is_contiguous() && layout.shape()[..rank - 2] == *batch;
     }
-    Ok(Operand {
-        tensor: tensor.contiguous()?,
-        transposed: false,
-        ld: c.max(1),
-        batch_stride,
-    })
+    let strides = layout.strides();
+    matrix_form(r, c, strides[rank - 2], strides[rank - 1]).is_some()
+}
+
+/// The cuBLAS form of an operand that [`reads`] accepted.
+fn operand(x: Src, dtype: DType) -> Operand {
+    let layout = x.layout;
+    let (r, c, batched) = dims(layout);
+    let rank = layout.rank();
+    let (rs, cs) = (layout.strides()[rank - 2], layout.strides()[rank - 1]);
+    let (transposed, ld) = matrix_form(r, c, rs, cs).unwrap_or((false, c.max(1)));
+    Operand {
+        address: x.buf.address() + (layout.offset() * dtype.size()) as u64,
+        transposed,
+        ld,
+        batch_stride: if batched { r * c } else { 0 },
+    }
 }
 
 fn int(op: &'static str, v: usize) -> Result<i32> {
@@ -73,27 +76,36 @@ fn int(op: &'static str, v: usize) -> Result<i32> {
 }
 
 /// `out[b] = a[b] @ b[b]` for every batch index (`a`: `[.., m, k]`, `b`: `[.., k, n]`, batch
-/// dimensions broadcasting to `batch`); `out` is a fresh contiguous `[batch.., m, n]` tensor.
+/// dimensions broadcasting to `batch`, each in a form [`reads`] accepts); `out` is a fresh contiguous
+/// `[batch.., m, n]` tensor.
 pub(crate) fn matmul(
-    a: &Tensor<'_>,
-    b: &Tensor<'_>,
+    gpu: &Gpu,
+    dtype: DType,
+    (a, b): (Src, Src),
     batch: &[usize],
     (m, k, n): (usize, usize, usize),
-    out: &mut Tensor<'_>,
+    out: Dst,
 ) -> Result<()> {
     const OP: &str = "matmul";
     if m == 0 || n == 0 {
         return Ok(());
     }
     if k == 0 {
-        return crate::cuda::ops::unary_in_place(out, Unary::Fill, [0.0, 0.0]);
+        return gpu.launch_unary(
+            dtype,
+            out.layout.numel(),
+            (out.buf.address(), out.layout),
+            None,
+            Unary::Fill,
+            [0.0; 2],
+        );
     }
     let count: usize = batch.iter().product();
     if count == 0 {
         return Ok(());
     }
-    let (oa, ob) = (operand(a, batch)?, operand(b, batch)?);
-    let gpu = gpu_of(out.device())?;
+    debug_assert!(reads(a.layout, batch) && reads(b.layout, batch));
+    let (oa, ob) = (operand(a, dtype), operand(b, dtype));
     let blas = gpu.blas()?;
     let op = |t: bool| {
         if t {
@@ -111,17 +123,13 @@ pub(crate) fn matmul(
         (m * n) as i64,
     );
     let batches = int(OP, count)?;
-    let (pa, pb, pc) = (
-        ob.tensor.device_ptr(),
-        oa.tensor.device_ptr(),
-        out.device_ptr(),
-    );
+    let (pa, pb, pc) = (ob.address, oa.address, out.buf.address());
     let (ta, tb) = (op(ob.transposed), op(oa.transposed));
     gpu.bind()?;
-    let status = match out.dtype() {
+    let status = match dtype {
         DType::F32 => {
             let (alpha, beta) = (1.0f32, 0.0f32);
-            // SAFETY: the three addresses are live GPU tensors of f32 on the handle's stream; for
+            // SAFETY: the three addresses are live GPU blocks of f32 on the handle's stream; for
             // each of the `batches` products, the column-major shapes (n x k, k x m, n x m), leading
             // dimensions and batch strides computed above stay inside their blocks (checked by
             // `matrix_form`, or the operand was packed); alpha and beta are host scalars.

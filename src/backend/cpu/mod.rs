@@ -1,0 +1,199 @@
+//! The host backend: kernels over host memory, written as plain slice loops that the compiler
+//! vectorises, with rayon for outputs large enough to pay for threads.
+//!
+//! Each kernel walks its operands row by row (`RowWalk`) and picks a loop by the row strides
+//! (contiguous, broadcast scalar, or strided), so the common cases are plain slice loops.
+
+mod elementwise;
+mod fused;
+mod index;
+mod matmul;
+mod reduce;
+
+use rayon::prelude::*;
+use smallvec::SmallVec;
+
+use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary};
+use crate::backend::{Backend, Dst, Src};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::layout::{Layout, RowWalk};
+
+/// Outputs with fewer elements than this are computed on the calling thread: below it, waking rayon's
+/// workers costs more than the work (measured on the 2-core CI machine; see BENCHMARKS.md).
+pub(crate) const PARALLEL_MIN: usize = 1 << 16;
+/// Elements per parallel task.
+const CHUNK: usize = 1 << 14;
+
+/// Fills the contiguous `out` from a walk over the same elements: `f(out_piece, starts)` computes one
+/// row piece, reading operand `k` from `starts[k]` with the walk's row strides. Large outputs are split
+/// across rayon's threads.
+fn fill_segments<T: Send, const N: usize>(
+    walk: &RowWalk<N>,
+    out: &mut [T],
+    f: impl Fn(&mut [T], [usize; N]) + Sync,
+) {
+    if out.len() < PARALLEL_MIN {
+        walk.for_segments(0, out.len(), |pos, starts, len| {
+            f(&mut out[pos..pos + len], starts)
+        });
+        return;
+    }
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, chunk)| {
+            let base = i * CHUNK;
+            walk.for_segments(base, chunk.len(), |pos, starts, len| {
+                f(&mut chunk[pos - base..pos - base + len], starts)
+            });
+        });
+}
+
+/// The host backend.
+#[derive(Debug)]
+pub(crate) struct Cpu;
+
+impl Backend for Cpu {
+    fn unary(&self, dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) -> Result<()> {
+        elementwise::unary(dtype, op, params, x, out);
+        Ok(())
+    }
+
+    fn unary_in_place(&self, dtype: DType, op: Unary, params: [f64; 2], x: Dst) -> Result<()> {
+        elementwise::unary_in_place(dtype, op, params, x);
+        Ok(())
+    }
+
+    fn binary(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        a: Src,
+        b: Src,
+        out: Dst,
+    ) -> Result<()> {
+        elementwise::binary(dtype, op, params, a, b, out);
+        Ok(())
+    }
+
+    fn binary_in_place(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        x: Dst,
+        b: Src,
+    ) -> Result<()> {
+        elementwise::binary_in_place(dtype, op, params, x, b);
+        Ok(())
+    }
+
+    fn where_cond(
+        &self,
+        dtype: DType,
+        cond: Src,
+        on_true: Src,
+        on_false: Src,
+        out: Dst,
+    ) -> Result<()> {
+        elementwise::where_cond(dtype, cond, on_true, on_false, out);
+        Ok(())
+    }
+
+    fn copy(&self, from: DType, to: DType, x: Src, out: Dst) -> Result<()> {
+        elementwise::copy(from, to, x, out);
+        Ok(())
+    }
+
+    fn reads_any_layout(&self) -> bool {
+        true
+    }
+
+    fn reduce(&self, dtype: DType, op: Reduce, x: Src, axes: &[usize], out: Dst) -> Result<()> {
+        reduce::reduce(dtype, op, x, axes, out);
+        Ok(())
+    }
+
+    fn argmax(&self, dtype: DType, x: Src, axis: usize, out: Dst) -> Result<()> {
+        reduce::argmax(dtype, x, axis, out);
+        Ok(())
+    }
+
+    fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()> {
+        reduce::softmax(dtype, x, log, out);
+        Ok(())
+    }
+
+    fn cross_entropy_grad(
+        &self,
+        dtype: DType,
+        log_p: Src,
+        labels: Src,
+        scale: f64,
+        out: Dst,
+    ) -> Result<()> {
+        reduce::cross_entropy_grad(dtype, log_p, labels, scale, out);
+        Ok(())
+    }
+
+    fn gather(&self, dtype: DType, src: Src, axis: usize, index: Src, out: Dst) -> Result<()> {
+        index::gather(dtype, src, axis, index, out);
+        Ok(())
+    }
+
+    fn scatter_add(
+        &self,
+        _op: &'static str,
+        dtype: DType,
+        target: Dst,
+        axis: usize,
+        index: Src,
+        src: Src,
+    ) -> Result<()> {
+        index::scatter_add(dtype, target, axis, index, src);
+        Ok(())
+    }
+
+    fn matmul_reads(&self, _layout: &Layout, _batch: &[usize]) -> bool {
+        true // gemm reads any strides, and batch strides broadcast with 0
+    }
+
+    fn matmul(
+        &self,
+        dtype: DType,
+        a: Src,
+        b: Src,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: Dst,
+    ) -> Result<()> {
+        matmul::matmul(dtype, a, b, batch, mkn, out);
+        Ok(())
+    }
+
+    fn fused_update(
+        &self,
+        dtype: DType,
+        update: FusedUpdate,
+        targets: SmallVec<[Dst; 3]>,
+        grad: Src,
+    ) -> Result<()> {
+        fused::update(dtype, update, targets, grad);
+        Ok(())
+    }
+
+    fn upload(&self, dtype: DType, data: &[u8], out: Dst) -> Result<()> {
+        elementwise::upload(dtype, data, out);
+        Ok(())
+    }
+
+    fn download(&self, dtype: DType, x: Src, out: &mut [u8]) -> Result<()> {
+        elementwise::download(dtype, x, out);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! Host reductions over rows: sum/max/min, argmax, softmax and log-softmax, and the cross-entropy
+//! derivative.
+//!
+//! Reducing trailing axes of a contiguous tensor (the common case: per-row sums, softmax
+//! denominators) reduces contiguous rows, in parallel for large inputs. Any other case walks the input
+//! once, accumulating into the output through strides that are 0 along the reduced axes.
+
+use rayon::prelude::*;
+
+use super::{PARALLEL_MIN, fill_segments};
+use crate::backend::op::{Math, Reduce};
+use crate::backend::{Dst, Src};
+use crate::dtype::{DType, Element, Float, with_dtype, with_float_dtype};
+use crate::layout::{RowWalk, contiguous_strides};
+
+fn reduce_into<T: Element>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
+    let (layout, kept) = (x.layout, out.layout.shape());
+    let data = x.buf.host::<T>();
+    let out = out.contiguous_host::<T>();
+    let rank = layout.rank();
+    let trailing = axes
+        .iter()
+        .enumerate()
+        .all(|(k, &a)| a == rank - axes.len() + k);
+    if trailing && layout.is_contiguous() {
+        let inner: usize = axes.iter().map(|&a| layout.shape()[a]).product();
+        let base = layout.offset();
+        let row = |i: usize| kind.slice(&data[base + i * inner..base + (i + 1) * inner]);
+        if layout.numel() >= PARALLEL_MIN {
+            out.par_iter_mut()
+                .enumerate()
+                .for_each(|(i, o)| *o = row(i));
+        } else {
+            out.iter_mut().enumerate().for_each(|(i, o)| *o = row(i));
+        }
+        return;
+    }
+    out.fill(kind.identity());
+    let mut out_strides = contiguous_strides(kept);
+    for &a in axes {
+        out_strides[a] = 0;
+    }
+    let walk = RowWalk::new(
+        layout.shape(),
+        [layout.strides(), &out_strides],
+        [layout.offset(), 0],
+    );
+    let [si, so] = walk.row_strides();
+    let len = walk.row_len();
+    walk.for_rows(0, walk.rows(), |_, [i, o]| {
+        if so == 0 && si == 1 {
+            out[o] = kind.combine(out[o], kind.slice(&data[i..i + len]));
+        } else {
+            for j in 0..len {
+                out[o + j * so] = kind.combine(out[o + j * so], data[i + j * si]);
+            }
+        }
+    });
+}
+
+pub(super) fn reduce(dtype: DType, kind: Reduce, x: Src, axes: &[usize], out: Dst) {
+    with_dtype!(dtype, T => reduce_into::<T>(kind, x, axes, out));
+}
+
+pub(super) fn argmax(dtype: DType, x: Src, axis: usize, out: Dst) {
+    let layout = x.layout;
+    let size = layout.shape()[axis];
+    let step = layout.strides()[axis];
+    let walk = RowWalk::new(out.layout.shape(), [layout.strides()], [layout.offset()]);
+    let [si] = walk.row_strides();
+    with_dtype!(dtype, T => {
+        let data = x.buf.host::<T>();
+        fill_segments(&walk, out.contiguous_host::<i64>(), |o, [start]| {
+            for (j, slot) in o.iter_mut().enumerate() {
+                let base = start + j * si;
+                let (mut best, mut best_k) = (data[base], 0usize);
+                for k in 0..size {
+                    let v = data[base + k * step];
+                    if v.partial_cmp(&v).is_none() {
+                        best_k = k; // NaN wins, as in PyTorch
+                        break;
+                    }
+                    if v > best {
+                        best = v;
+                        best_k = k;
+                    }
+                }
+                *slot = best_k as i64;
+            }
+        });
+    });
+}
+
+/// One row: `out = softmax(x)` or `log_softmax(x)`.
+fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {
+    let m = x.iter().fold(T::lowest(), |a, &b| a.max_nan(b));
+    if m == T::lowest() {
+        // Every entry is -inf (a fully masked row): the distribution is undefined; PyTorch gives NaN.
+        out.fill(T::from_f64(f64::NAN));
+        return;
+    }
+    let mut sum = T::zero();
+    for (o, &v) in out.iter_mut().zip(x) {
+        let e = v.sub(m).exp();
+        *o = e;
+        sum = sum.add(e);
+    }
+    if log {
+        let lse = sum.ln();
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = v.sub(m).sub(lse);
+        }
+    } else {
+        let inv = sum.recip();
+        out.iter_mut().for_each(|o| *o = o.mul(inv));
+    }
+}
+
+pub(super) fn softmax(dtype: DType, x: Src, log: bool, out: Dst) {
+    let n = x.layout.shape().last().copied().unwrap_or(1);
+    if n == 0 || x.layout.numel() == 0 {
+        return;
+    }
+    with_float_dtype!(dtype, T => {
+        let x = x.contiguous_host::<T>();
+        let o = out.contiguous_host::<T>();
+        if x.len() >= PARALLEL_MIN {
+            o.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, x)| softmax_row(x, o, log));
+        } else {
+            o.chunks_mut(n).zip(x.chunks(n)).for_each(|(o, x)| softmax_row(x, o, log));
+        }
+    }, else unreachable!("softmax refuses integer dtypes before computing"));
+}
+
+pub(super) fn cross_entropy_grad(dtype: DType, log_p: Src, labels: Src, scale: f64, out: Dst) {
+    let classes = log_p.layout.shape()[1];
+    if classes == 0 {
+        return;
+    }
+    let labels = labels.contiguous_host::<i64>();
+    with_float_dtype!(dtype, T => {
+        let (lp, o) = (log_p.contiguous_host::<T>(), out.contiguous_host::<T>());
+        let scale = T::from_f64(scale);
+        for ((o, lp), &label) in o.chunks_mut(classes).zip(lp.chunks(classes)).zip(labels) {
+            for (j, (o, &l)) in o.iter_mut().zip(lp).enumerate() {
+                let p = Math::exp(l);
+                *o = if j as i64 == label { p.sub(T::one()) } else { p }.mul(scale);
+            }
+        }
+    }, else unreachable!("cross-entropy refuses integer dtypes before computing"));
+}

@@ -1,0 +1,406 @@
+//! The GPU kernels behind [`Backend`]: each method queues one kernel (or a cuBLAS call) on the GPU's
+//! stream, over the blocks and layouts the op gave it. The op checked shapes, dtypes and indices and
+//! allocated the output before calling here.
+//!
+//! Every launch passes device addresses of blocks that the op's tensors keep alive until the call
+//! returns; the stream orders the kernel before any later reuse of those bytes, so a kernel never
+//! reads memory that was handed to another tensor.
+
+use cudarc::driver::PushKernelArg;
+use smallvec::SmallVec;
+
+use crate::backend::cuda::kernels::{Geo, elementwise_launch, family, kernel, rows_launch};
+use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
+use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary};
+use crate::backend::{Backend, Dst, Src};
+use crate::dtype::{DType, Element, with_dtype};
+use crate::error::{Error, Result};
+use crate::layout::Layout;
+
+/// The device address of the first element an operand's layout names (for kernels that read packed
+/// rows rather than a geometry).
+fn first(address: u64, layout: &Layout, dtype: DType) -> u64 {
+    address + (layout.offset() * dtype.size()) as u64
+}
+
+impl Gpu {
+    /// `out[go] = op(a[ga])` over `n` elements of `dtype` (`a` may be `out`, for in-place maps; `None`
+    /// reads nothing, for fills).
+    pub(crate) fn launch_unary(
+        &self,
+        dtype: DType,
+        n: usize,
+        (out, lo): (u64, &Layout),
+        a: Option<(u64, &Layout)>,
+        op: Unary,
+        params: [f64; 2],
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("unary"), dtype))?;
+        let go = Geo::of("unary", lo)?;
+        let (a, ga) = match a {
+            Some((a, la)) => (a, Geo::of("unary", la)?),
+            None => (out, go),
+        };
+        let (code, count) = (op.code(), n as i64);
+        with_dtype!(dtype, T => {
+            let [p0, p1] = params.map(T::from_f64);
+            let mut b = self.stream.launch_builder(&f);
+            b.arg(&code).arg(&count).arg(&out).arg(&go).arg(&a).arg(&ga).arg(&p0).arg(&p1);
+            // SAFETY: the arguments match `unary_<dtype>` in kernels/elementwise.cu (int, i64, T*, Geo,
+            // const T*, Geo, T, T); `out` and `a` are block addresses holding `dtype` whose geometries
+            // stay inside their blocks for the `n` elements.
+            unsafe { b.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("unary kernel", e))?;
+        });
+        Ok(())
+    }
+
+    /// `out[go] = op(a[ga], b[gb], p0, p1)` over `n` elements of `dtype`.
+    fn launch_binary(
+        &self,
+        dtype: DType,
+        n: usize,
+        [out, a, b]: [(u64, Geo); 3],
+        op: Binary,
+        params: [f64; 2],
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("binary"), dtype))?;
+        let (code, count) = (op.code(), n as i64);
+        with_dtype!(dtype, T => {
+            let [p0, p1] = params.map(T::from_f64);
+            let mut l = self.stream.launch_builder(&f);
+            l.arg(&code).arg(&count).arg(&out.0).arg(&out.1).arg(&a.0).arg(&a.1).arg(&b.0).arg(&b.1);
+            l.arg(&p0).arg(&p1);
+            // SAFETY: the arguments match `binary_<dtype>` (int, i64, T*, Geo, const T*, Geo, const T*,
+            // Geo, T, T); the addresses are blocks holding `dtype`, and each geometry describes `n`
+            // elements inside its block.
+            unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("binary kernel", e))?;
+        });
+        Ok(())
+    }
+}
+
+impl Backend for Gpu {
+    fn unary(&self, dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) -> Result<()> {
+        let n = out.layout.numel();
+        let a = Some((x.buf.address(), x.layout));
+        self.launch_unary(dtype, n, (out.buf.address(), out.layout), a, op, params)
+    }
+
+    fn unary_in_place(&self, dtype: DType, op: Unary, params: [f64; 2], x: Dst) -> Result<()> {
+        let at = (x.buf.address(), x.layout);
+        self.launch_unary(dtype, x.layout.numel(), at, Some(at), op, params)
+    }
+
+    fn binary(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        a: Src,
+        b: Src,
+        out: Dst,
+    ) -> Result<()> {
+        let operands = [
+            (out.buf.address(), Geo::of("binary", out.layout)?),
+            (a.buf.address(), Geo::of("binary", a.layout)?),
+            (b.buf.address(), Geo::of("binary", b.layout)?),
+        ];
+        self.launch_binary(dtype, out.layout.numel(), operands, op, params)
+    }
+
+    fn binary_in_place(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        x: Dst,
+        b: Src,
+    ) -> Result<()> {
+        let own = (x.buf.address(), Geo::of("binary", x.layout)?);
+        let operands = [own, own, (b.buf.address(), Geo::of("binary", b.layout)?)];
+        self.launch_binary(dtype, x.layout.numel(), operands, op, params)
+    }
+
+    fn where_cond(
+        &self,
+        dtype: DType,
+        cond: Src,
+        on_true: Src,
+        on_false: Src,
+        out: Dst,
+    ) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let func = self.function(kernel(family!("where"), dtype))?;
+        let (count, o) = (n as i64, out.buf.address());
+        let (pc, pt, pf) = (
+            cond.buf.address(),
+            on_true.buf.address(),
+            on_false.buf.address(),
+        );
+        let (gc, gt, gf) = (
+            Geo::of("where_cond", cond.layout)?,
+            Geo::of("where_cond", on_true.layout)?,
+            Geo::of("where_cond", on_false.layout)?,
+        );
+        let mut l = self.stream.launch_builder(&func);
+        l.arg(&count)
+            .arg(&o)
+            .arg(&pc)
+            .arg(&gc)
+            .arg(&pt)
+            .arg(&gt)
+            .arg(&pf)
+            .arg(&gf);
+        // SAFETY: the arguments match `where_<dtype>` (i64, T*, then three (const T*, Geo) pairs); the
+        // output is a fresh contiguous block of `n` elements, the operands' geometries stay inside
+        // their blocks, and all three hold the output's dtype.
+        unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("where kernel", e))?;
+        Ok(())
+    }
+
+    fn copy(&self, from: DType, to: DType, x: Src, out: Dst) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match (from, to) {
+            (DType::F32, DType::F32) => "cast_f32_f32",
+            (DType::F32, DType::F64) => "cast_f32_f64",
+            (DType::F32, DType::I64) => "cast_f32_i64",
+            (DType::F64, DType::F32) => "cast_f64_f32",
+            (DType::F64, DType::F64) => "cast_f64_f64",
+            (DType::F64, DType::I64) => "cast_f64_i64",
+            (DType::I64, DType::F32) => "cast_i64_f32",
+            (DType::I64, DType::F64) => "cast_i64_f64",
+            (DType::I64, DType::I64) => "cast_i64_i64",
+        };
+        let f = self.function(name)?;
+        let (count, a, dst) = (n as i64, x.buf.address(), out.buf.address());
+        let (go, ga) = (Geo::of("copy", out.layout)?, Geo::of("copy", x.layout)?);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&count).arg(&dst).arg(&go).arg(&a).arg(&ga);
+        // SAFETY: the arguments match `cast_<src>_<dst>` (i64, D*, Geo, const S*, Geo); `dst` is a
+        // block holding `to` laid out by `go`, `a` a block holding `from` laid out by `ga`, and both
+        // layouts cover the same `n` elements.
+        unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("copy kernel", e))?;
+        Ok(())
+    }
+
+    fn reads_any_layout(&self) -> bool {
+        false // the row kernels read contiguous rows with the reduced axes last
+    }
+
+    fn reduce(&self, dtype: DType, op: Reduce, x: Src, axes: &[usize], out: Dst) -> Result<()> {
+        let rows = out.layout.numel();
+        if rows == 0 {
+            return Ok(());
+        }
+        let len: usize = axes.iter().map(|&a| x.layout.shape()[a]).product();
+        let f = self.function(kernel(family!("reduce"), dtype))?;
+        let (code, r, n) = (op.code(), rows as i64, len as i64);
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&code).arg(&r).arg(&n).arg(&o).arg(&i);
+        // SAFETY: the arguments match `reduce_<dtype>` (int, i64, i64, T*, const T*); the input is
+        // contiguous with the reduced axes last (`reads_any_layout` is false), `rows * len` elements
+        // from its first, and `out` a fresh block of `rows`.
+        unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("reduce kernel", e))?;
+        Ok(())
+    }
+
+    fn argmax(&self, dtype: DType, x: Src, axis: usize, out: Dst) -> Result<()> {
+        let rows = out.layout.numel();
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("argmax"), dtype))?;
+        let (r, n) = (rows as i64, x.layout.shape()[axis] as i64);
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&r).arg(&n).arg(&o).arg(&i);
+        // SAFETY: the arguments match `argmax_<dtype>` (i64, i64, i64*, const T*); the input is
+        // contiguous with `axis` last, `rows * len` elements, and `out` a fresh i64 block of `rows`.
+        unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("argmax kernel", e))?;
+        Ok(())
+    }
+
+    fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()> {
+        let len = x.layout.shape().last().copied().unwrap_or(1);
+        let total = out.layout.numel();
+        if total == 0 || len == 0 {
+            return Ok(());
+        }
+        let rows = total / len;
+        let f = self.function(kernel(family!("softmax"), dtype))?;
+        let (r, n, flag) = (rows as i64, len as i64, i32::from(log));
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&r).arg(&n).arg(&o).arg(&i).arg(&flag);
+        // SAFETY: the arguments match `softmax_<dtype>` (i64, i64, T*, const T*, int) for a float
+        // dtype (the op refused integers); both are contiguous with `rows * len` elements.
+        unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("softmax kernel", e))?;
+        Ok(())
+    }
+
+    fn cross_entropy_grad(
+        &self,
+        dtype: DType,
+        log_p: Src,
+        labels: Src,
+        scale: f64,
+        out: Dst,
+    ) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let shape = log_p.layout.shape();
+        let (rows, classes) = (shape[0] as i64, shape[1] as i64);
+        let f = self.function(kernel(family!("xent_grad"), dtype))?;
+        let (o, lp, lb) = (
+            out.buf.address(),
+            first(log_p.buf.address(), log_p.layout, dtype),
+            first(labels.buf.address(), labels.layout, DType::I64),
+        );
+        with_dtype!(dtype, T => {
+            let scale = T::from_f64(scale);
+            let mut l = self.stream.launch_builder(&f);
+            l.arg(&rows).arg(&classes).arg(&o).arg(&lp).arg(&lb).arg(&scale);
+            // SAFETY: the arguments match `xent_grad_<dtype>` (i64, i64, T*, const T*, const i64*, T)
+            // for a float dtype; `log_p` and `out` are contiguous `[rows, classes]`, `labels`
+            // contiguous i64 `[rows]` with values in `0..classes` (checked by the op).
+            unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("cross-entropy kernel", e))?;
+        });
+        Ok(())
+    }
+
+    fn gather(&self, dtype: DType, src: Src, axis: usize, index: Src, out: Dst) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("gather"), dtype))?;
+        let (count, axis) = (n as i64, axis as i32);
+        let (o, s, i) = (out.buf.address(), src.buf.address(), index.buf.address());
+        let (gs, gi) = (
+            Geo::of("gather", src.layout)?,
+            Geo::of("gather", index.layout)?,
+        );
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&count)
+            .arg(&o)
+            .arg(&s)
+            .arg(&gs)
+            .arg(&i)
+            .arg(&gi)
+            .arg(&axis);
+        // SAFETY: the arguments match `gather_<dtype>` (i64, T*, const T*, Geo, const i64*, Geo, int);
+        // the index layout has the output's shape and no larger size than `src` on any axis but
+        // `axis`, and every index is in `0..src.shape()[axis]`, so every read stays inside `src`.
+        unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("gather kernel", e))?;
+        Ok(())
+    }
+
+    fn scatter_add(
+        &self,
+        op: &'static str,
+        _dtype: DType,
+        _target: Dst,
+        _axis: usize,
+        _index: Src,
+        _src: Src,
+    ) -> Result<()> {
+        Err(Error::UnsupportedOnDevice {
+            op,
+            device: crate::device::Device::Cuda(self.ordinal).to_string(),
+        })
+    }
+
+    fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool {
+        blas::reads(layout, batch)
+    }
+
+    fn matmul(
+        &self,
+        dtype: DType,
+        a: Src,
+        b: Src,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: Dst,
+    ) -> Result<()> {
+        blas::matmul(self, dtype, (a, b), batch, mkn, out)
+    }
+
+    fn fused_update(
+        &self,
+        dtype: DType,
+        update: FusedUpdate,
+        targets: SmallVec<[Dst; 3]>,
+        grad: Src,
+    ) -> Result<()> {
+        let n = grad.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let count = n as i64;
+        let gp = first(grad.buf.address(), grad.layout, dtype);
+        let ptrs: SmallVec<[u64; 3]> = targets
+            .iter()
+            .map(|t| first(t.buf.address(), t.layout, dtype))
+            .collect();
+        with_dtype!(dtype, T => match (update, ptrs.as_slice()) {
+            (FusedUpdate::Sgd { lr, momentum, weight_decay, nesterov }, [pp, vp]) => {
+                let f = self.function(kernel(family!("sgd"), dtype))?;
+                let [lr, mu, wd] = [lr, momentum, weight_decay].map(T::from_f64);
+                let nesterov = i32::from(nesterov);
+                let mut l = self.stream.launch_builder(&f);
+                l.arg(&count).arg(pp).arg(vp).arg(&gp).arg(&lr).arg(&mu).arg(&wd).arg(&nesterov);
+                // SAFETY: the arguments match `sgd_<dtype>` (i64, T*, T*, const T*, T, T, T, int) for
+                // a float dtype; the three are contiguous with `n` elements, and the targets are
+                // unique handles, so no other tensor sees the writes.
+                unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("sgd kernel", e))?;
+            }
+            (FusedUpdate::Adam { b1, b2, eps, step_size, v_scale, l2, decay }, [pp, mp, vp]) => {
+                let f = self.function(kernel(family!("adam"), dtype))?;
+                let scalars = [b1, b2, eps, step_size, v_scale, l2, decay].map(T::from_f64);
+                let mut l = self.stream.launch_builder(&f);
+                l.arg(&count).arg(pp).arg(mp).arg(vp).arg(&gp);
+                for s in &scalars {
+                    l.arg(s);
+                }
+                // SAFETY: the arguments match `adam_<dtype>` (i64, four T pointers, then b1, b2, eps,
+                // step_size, v_scale, l2, decay as T) for a float dtype; the four are contiguous
+                // with `n` elements, and the three targets are unique handles.
+                unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("adam kernel", e))?;
+            }
+            _ => unreachable!("an update gets the {} targets its kernel rewrites", update.targets()),
+        });
+        Ok(())
+    }
+
+    fn upload(&self, dtype: DType, data: &[u8], out: Dst) -> Result<()> {
+        transfer::upload(self, first(out.buf.address(), out.layout, dtype), data)
+    }
+
+    fn download(&self, dtype: DType, x: Src, out: &mut [u8]) -> Result<()> {
+        debug_assert!(x.layout.is_contiguous(), "the op packs a GPU tensor first");
+        transfer::download(self, first(x.buf.address(), x.layout, dtype), out)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("synchronizing the stream", e))
+    }
+}

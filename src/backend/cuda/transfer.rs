@@ -1,0 +1,36 @@
+//! Copies between host memory and a GPU, on the GPU's stream.
+
+use cudarc::driver::result;
+
+use crate::backend::cuda::{Gpu, cuda_error};
+use crate::error::Result;
+
+/// Writes `data` to the GPU at `address` (the first of `data.len()` bytes inside a block the caller
+/// owns uniquely).
+pub(crate) fn upload(gpu: &Gpu, address: u64, data: &[u8]) -> Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    gpu.bind()?;
+    // SAFETY: `address` starts `data.len()` bytes inside a live block; the source is pageable host
+    // memory, which the driver stages before this call returns, so `data` may be dropped afterwards.
+    // The copy is ordered on the stream with every kernel.
+    unsafe { result::memcpy_htod_async(address, data, gpu.stream.cu_stream()) }
+        .map_err(|e| cuda_error("copying to the GPU", e))
+}
+
+/// Fills `out` with the bytes at `address` on the GPU (the first of `out.len()` bytes inside a live
+/// block); returns once they have arrived.
+pub(crate) fn download(gpu: &Gpu, address: u64, out: &mut [u8]) -> Result<()> {
+    if out.is_empty() {
+        return Ok(());
+    }
+    gpu.bind()?;
+    // SAFETY: `address` starts `out.len()` bytes inside a live block; the copy is ordered after every
+    // kernel queued so far, and the synchronisation below waits for it before `out` is read.
+    unsafe { result::memcpy_dtoh_async(out, address, gpu.stream.cu_stream()) }
+        .map_err(|e| cuda_error("copying from the GPU", e))?;
+    gpu.stream
+        .synchronize()
+        .map_err(|e| cuda_error("synchronizing the stream", e))
+}

@@ -1,0 +1,398 @@
+//! Backends: the kernels of one kind of device, over buffers, layouts and dtypes.
+//!
+//! A backend never sees a `Tensor` or a scope. Ops (`crate::ops`) check shapes, dtypes and devices,
+//! allocate the output in the innermost operand owner, and then make one call to the [`Backend`] of
+//! the operands' device with views of the blocks ([`Src`], [`Dst`]). A backend writes only into the
+//! buffers it is given and allocates no tensor memory of its own; where a kernel can only read a
+//! packed layout it says so ([`Backend::reads_any_layout`], [`Backend::matmul_reads`]) and the op
+//! packs the operand first.
+//!
+//! What each op computes is stated once, in [`op`]: the host backend runs that math, the CUDA
+//! backend names the same op to its kernels. Without the `cuda` feature the CUDA module is replaced
+//! by `no_cuda.rs`, which answers `DeviceUnavailable` from one place, so nothing above this module
+//! depends on the feature.
+
+pub(crate) mod cpu;
+#[cfg_attr(not(feature = "cuda"), path = "no_cuda.rs")]
+pub(crate) mod cuda;
+pub(crate) mod op;
+
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+use smallvec::SmallVec;
+
+use crate::device::Device;
+use crate::dtype::{DType, Element};
+use crate::error::Result;
+use crate::layout::Layout;
+use op::{Binary, FusedUpdate, Reduce, Unary};
+
+/// The bytes of one storage block, readable by kernels of its device for `'a`.
+#[derive(Clone, Copy)]
+pub(crate) struct Buf<'a> {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    device: Device,
+    _life: PhantomData<&'a [u8]>,
+}
+
+/// The bytes of one storage block, writable by kernels of its device for `'a` (no other view of
+/// the block exists meanwhile).
+pub(crate) struct BufMut<'a> {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    device: Device,
+    _life: PhantomData<&'a mut [u8]>,
+}
+
+/// Types every bit pattern of which is a valid value: the element types, and bytes.
+pub(crate) trait Plain: Copy {}
+impl<T: Element> Plain for T {}
+impl Plain for u8 {}
+
+/// Panics on a host view of device memory: reading a GPU address on the host would be undefined
+/// behaviour, and every op sends GPU blocks to the CUDA backend, so this only fires on a bug.
+fn assert_host(device: Device) {
+    assert!(
+        device == Device::Cpu,
+        "ndscope bug: host access to {device} memory"
+    );
+}
+
+impl<'a> Buf<'a> {
+    /// # Safety
+    /// `ptr` points to `bytes` initialised bytes of `device` memory, aligned to 64, that stay valid
+    /// and unwritten while `'a` lasts.
+    pub(crate) unsafe fn new(ptr: NonNull<u8>, bytes: usize, device: Device) -> Buf<'a> {
+        Buf {
+            ptr,
+            bytes,
+            device,
+            _life: PhantomData,
+        }
+    }
+
+    /// The whole block as elements of `T` (a host block; the caller checked the dtype).
+    pub(crate) fn host<T: Plain>(self) -> &'a [T] {
+        assert_host(self.device);
+        // SAFETY: by the constructor's contract the bytes are initialised, aligned to 64 (enough for
+        // every element type), valid and unwritten for 'a; every bit pattern is a valid `T`.
+        unsafe {
+            std::slice::from_raw_parts(self.ptr.as_ptr().cast::<T>(), self.bytes / size_of::<T>())
+        }
+    }
+
+    /// The whole host block as bytes.
+    pub(crate) fn bytes(self) -> &'a [u8] {
+        self.host::<u8>()
+    }
+
+    /// The device address of the block's first byte.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only GPU kernels take addresses
+    pub(crate) fn address(self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+}
+
+impl<'a> BufMut<'a> {
+    /// # Safety
+    /// As for [`Buf::new`], and no other view of these bytes exists while `'a` lasts.
+    pub(crate) unsafe fn new(ptr: NonNull<u8>, bytes: usize, device: Device) -> BufMut<'a> {
+        BufMut {
+            ptr,
+            bytes,
+            device,
+            _life: PhantomData,
+        }
+    }
+
+    /// The whole block as mutable elements of `T` (a host block; the caller checked the dtype).
+    pub(crate) fn host<T: Plain>(self) -> &'a mut [T] {
+        assert_host(self.device);
+        // SAFETY: as in `Buf::host`, and the constructor's contract makes this the only view.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.ptr.as_ptr().cast::<T>(),
+                self.bytes / size_of::<T>(),
+            )
+        }
+    }
+
+    /// The whole host block as mutable bytes.
+    pub(crate) fn bytes(self) -> &'a mut [u8] {
+        self.host::<u8>()
+    }
+
+    /// The device address of the block's first byte.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only GPU kernels take addresses
+    pub(crate) fn address(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+}
+
+/// An operand: a block and the layout through which a kernel reads it.
+#[derive(Clone, Copy)]
+pub(crate) struct Src<'a> {
+    pub(crate) buf: Buf<'a>,
+    pub(crate) layout: &'a Layout,
+}
+
+/// An output: a block and the layout of the elements a kernel writes (a fresh contiguous tensor, or
+/// a view of one whose elements do not overlap).
+pub(crate) struct Dst<'a> {
+    pub(crate) buf: BufMut<'a>,
+    pub(crate) layout: &'a Layout,
+}
+
+impl<'a> Src<'a> {
+    /// The viewed elements of a contiguous host operand, in order.
+    pub(crate) fn contiguous_host<T: Element>(self) -> &'a [T] {
+        debug_assert!(self.layout.is_contiguous());
+        let at = self.layout.offset();
+        &self.buf.host::<T>()[at..at + self.layout.numel()]
+    }
+}
+
+impl<'a> Dst<'a> {
+    /// The viewed elements of a contiguous host output, in order.
+    pub(crate) fn contiguous_host<T: Element>(self) -> &'a mut [T] {
+        debug_assert!(self.layout.is_contiguous());
+        let (at, n) = (self.layout.offset(), self.layout.numel());
+        &mut self.buf.host::<T>()[at..at + n]
+    }
+}
+
+/// Elements as the bytes a device copy moves.
+pub(crate) fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
+    // SAFETY: element types are plain numbers with no padding; the byte view covers exactly the
+    // slice and borrows it.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), size_of_val(data)) }
+}
+
+/// Elements as the bytes a device copy fills.
+pub(crate) fn bytes_of_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`; every byte pattern written is a valid element.
+    unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), size_of_val(data)) }
+}
+
+/// The kernels of one kind of device. Every method checks nothing that the op already checked:
+/// shapes agree, dtypes are ones the op accepts, indices are in range, outputs are fresh.
+pub(crate) trait Backend: Sync {
+    /// `out = op(x)` elementwise; `out` has `x`'s shape.
+    fn unary(&self, dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) -> Result<()>;
+
+    /// `x = op(x)` in place (`x` is contiguous).
+    fn unary_in_place(&self, dtype: DType, op: Unary, params: [f64; 2], x: Dst) -> Result<()>;
+
+    /// `out = op(a, b)` elementwise; `a` and `b` are laid out with `out`'s shape (broadcast).
+    fn binary(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        a: Src,
+        b: Src,
+        out: Dst,
+    ) -> Result<()>;
+
+    /// `x = op(x, b)` in place (`x` contiguous, `b` laid out with its shape).
+    fn binary_in_place(
+        &self,
+        dtype: DType,
+        op: Binary,
+        params: [f64; 2],
+        x: Dst,
+        b: Src,
+    ) -> Result<()>;
+
+    /// `out = cond != 0 ? on_true : on_false`; all four hold `dtype` and are laid out with `out`'s
+    /// shape.
+    fn where_cond(
+        &self,
+        dtype: DType,
+        cond: Src,
+        on_true: Src,
+        on_false: Src,
+        out: Dst,
+    ) -> Result<()>;
+
+    /// Copies `x` (of dtype `from`) into `out` (of dtype `to`) element by element in row-major
+    /// order, converting; `out` may be a view whose elements do not overlap.
+    fn copy(&self, from: DType, to: DType, x: Src, out: Dst) -> Result<()>;
+
+    /// Whether [`reduce`](Self::reduce), [`argmax`](Self::argmax) and [`download`](Self::download)
+    /// read any layout; when not, they take a contiguous input (for reductions with the reduced axes
+    /// last), and the op packs it so.
+    fn reads_any_layout(&self) -> bool;
+
+    /// Reduces `x` over the sorted `axes` into the contiguous `out` (the reduced axes as size 1).
+    fn reduce(&self, dtype: DType, op: Reduce, x: Src, axes: &[usize], out: Dst) -> Result<()>;
+
+    /// Index of the first largest element (the first NaN) along the non-empty `axis`, into the
+    /// contiguous `i64` output (`axis` as size 1).
+    fn argmax(&self, dtype: DType, x: Src, axis: usize, out: Dst) -> Result<()>;
+
+    /// Softmax (or log-softmax) of the rows of the contiguous `x` along its last axis.
+    fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()>;
+
+    /// `(exp(log_p) - one_hot(labels)) * scale` for contiguous `log_p` `[batch, classes]` and
+    /// contiguous `i64` labels `[batch]`: the derivative of the mean cross-entropy.
+    fn cross_entropy_grad(
+        &self,
+        dtype: DType,
+        log_p: Src,
+        labels: Src,
+        scale: f64,
+        out: Dst,
+    ) -> Result<()>;
+
+    /// `out[p] = src[p with coordinate axis replaced by index[p]]`; `index` (`i64`) has the output's
+    /// shape (a broadcast layout for `index_select`).
+    fn gather(&self, dtype: DType, src: Src, axis: usize, index: Src, out: Dst) -> Result<()>;
+
+    /// `target[p with coordinate axis replaced by index[p]] += src[p]` for every position `p` of
+    /// `src`'s shape, which `index` has (broadcast for `index_add`); repeated indices accumulate.
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_add(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        target: Dst,
+        axis: usize,
+        index: Src,
+        src: Src,
+    ) -> Result<()>;
+
+    /// Whether [`matmul`](Self::matmul) reads an operand laid out as `layout` (rank ≥ 2) in a product
+    /// over the broadcast `batch` dimensions; when not, the op passes a contiguous copy broadcast to
+    /// the full batch.
+    fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool;
+
+    /// `out[b] = a[b] @ b[b]` for every index `b` of `batch` (operands of rank ≥ 2 whose batch
+    /// dimensions broadcast to it), `m×k @ k×n`, into the contiguous `out` (float dtypes).
+    #[allow(clippy::too_many_arguments)]
+    fn matmul(
+        &self,
+        dtype: DType,
+        a: Src,
+        b: Src,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: Dst,
+    ) -> Result<()>;
+
+    /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape.
+    fn fused_update(
+        &self,
+        dtype: DType,
+        update: FusedUpdate,
+        targets: SmallVec<[Dst; 3]>,
+        grad: Src,
+    ) -> Result<()>;
+
+    /// Copies host bytes (elements of `dtype` in row-major order) into the contiguous `out`.
+    fn upload(&self, dtype: DType, data: &[u8], out: Dst) -> Result<()>;
+
+    /// Copies the elements of `x`, in row-major order, to host bytes; returns once they arrived.
+    fn download(&self, dtype: DType, x: Src, out: &mut [u8]) -> Result<()>;
+
+    /// Waits until every queued kernel has run.
+    fn synchronize(&self) -> Result<()>;
+}
+
+/// The backend of `device`.
+///
+/// # Errors
+/// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) when this build or machine cannot
+/// use the device.
+pub(crate) fn of(device: Device) -> Result<&'static dyn Backend> {
+    match device {
+        Device::Cpu => Ok(&cpu::Cpu),
+        Device::Cuda(ordinal) => cuda::backend(ordinal),
+    }
+}
+
+impl Device {
+    /// Checks that this build of ndscope, on this machine, can use the device: for a GPU, that the
+    /// `cuda` feature is on, the driver loads, the ordinal exists, and its context and kernels are
+    /// ready (the first call per GPU compiles the kernels; later calls are a lookup).
+    ///
+    /// ```
+    /// use ndscope::Device;
+    /// assert!(Device::Cpu.check_available().is_ok());
+    /// match Device::Cuda(0).check_available() {
+    ///     Ok(()) => println!("a GPU is ready"),
+    ///     Err(e) => println!("{e}"), // says why: no `cuda` feature, no driver, no such GPU, ...
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) with the reason and what to do
+    /// about it.
+    pub fn check_available(self) -> Result<()> {
+        of(self).map(|_| ())
+    }
+
+    /// Waits until every op queued on the device has finished (a GPU runs ops asynchronously; the
+    /// host never waits for the CPU). Reading results (`to_vec`, `to_device`) waits by itself; this
+    /// is for timing.
+    ///
+    /// # Errors
+    /// As for [`check_available`](Self::check_available); CUDA errors a kernel reported.
+    pub fn synchronize(self) -> Result<()> {
+        of(self)?.synchronize()
+    }
+}
+
+/// A GPU's allocator traffic since the process started, from [`gpu_memory`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuMemory {
+    /// Calls to the driver's allocator (`cuMemAllocAsync`/`cuMemAlloc`) by any scope tree.
+    pub allocator_calls: u64,
+    /// Calls to the driver's free.
+    pub free_calls: u64,
+    /// Bytes held from the driver now: live tensors, cached blocks and workspace arenas.
+    pub reserved_bytes: usize,
+    /// The most bytes held from the driver at once.
+    pub peak_reserved_bytes: usize,
+}
+
+/// The GPU ordinal of `device`, for GPU-only questions.
+fn gpu_ordinal(device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(ordinal) => Ok(ordinal),
+        Device::Cpu => Err(crate::Error::DeviceUnavailable {
+            device: device.to_string(),
+            reason: "it is not a GPU; GPU memory statistics and kernels need Device::Cuda(n)"
+                .into(),
+        }),
+    }
+}
+
+/// Allocator traffic of a GPU over the whole process (every scope tree that used it), for
+/// measuring: a steady training loop keeps `allocator_calls` still. Opens the GPU if needed.
+///
+/// ```
+/// use ndscope::{Device, gpu_memory};
+/// match gpu_memory(Device::Cuda(0)) {
+///     Ok(m) => println!("{} allocator calls, {} B reserved", m.allocator_calls, m.reserved_bytes),
+///     Err(e) => println!("{e}"), // no usable GPU here
+/// }
+/// assert!(gpu_memory(Device::Cpu).is_err());
+/// ```
+///
+/// # Errors
+/// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) when the device cannot be used or
+/// is not a GPU.
+pub fn gpu_memory(device: Device) -> Result<GpuMemory> {
+    cuda::memory_stats(gpu_ordinal(device)?)
+}
+
+/// Resets the peak of [`gpu_memory`] to the bytes reserved now.
+///
+/// # Errors
+/// As for [`gpu_memory`].
+pub fn reset_gpu_memory_peak(device: Device) -> Result<()> {
+    cuda::reset_memory_peak(gpu_ordinal(device)?)
+}

@@ -1,0 +1,44 @@
+//! The CUDA backend of a build without the `cuda` feature: every GPU is unavailable, for one
+//! reason, said here once. It has the same items as `cuda/mod.rs`, so no module above the backend
+//! depends on the feature.
+
+use std::ptr::NonNull;
+
+use crate::backend::{Backend, GpuMemory};
+use crate::device::Device;
+use crate::error::{Error, Result};
+
+fn unavailable(ordinal: usize) -> Error {
+    Error::DeviceUnavailable {
+        device: Device::Cuda(ordinal).to_string(),
+        reason: "this build of ndscope has no CUDA backend; rebuild with `--features cuda` or use \
+                 Device::Cpu"
+            .into(),
+    }
+}
+
+/// The backend of GPU `ordinal`: never available in this build.
+pub(crate) fn backend(ordinal: usize) -> Result<&'static dyn Backend> {
+    Err(unavailable(ordinal))
+}
+
+/// Allocator traffic of GPU `ordinal`: never available in this build.
+pub(crate) fn memory_stats(ordinal: usize) -> Result<GpuMemory> {
+    Err(unavailable(ordinal))
+}
+
+/// Resets the reserved-bytes peak of GPU `ordinal`: never available in this build.
+pub(crate) fn reset_memory_peak(ordinal: usize) -> Result<()> {
+    Err(unavailable(ordinal))
+}
+
+/// GPU memory: refused, since no scope can open on a GPU in this build (`backend` refuses first).
+pub(crate) fn alloc(_ordinal: usize, _bytes: usize) -> Option<NonNull<u8>> {
+    None
+}
+
+/// Never called: [`alloc`] hands out nothing to free.
+///
+/// # Safety
+/// None needed; the signature matches the CUDA backend's.
+pub(crate) unsafe fn free(_ordinal: usize, _ptr: NonNull<u8>, _bytes: usize) {}
