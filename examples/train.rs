@@ -102,15 +102,7 @@ impl Options {
                     }
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
-                "--device" => {
-                    o.device = match value.as_str() {
-                        "cpu" => Device::Cpu,
-                        gpu => match gpu.strip_prefix("cuda:").map(str::parse) {
-                            Some(Ok(ordinal)) => Device::Cuda(ordinal),
-                            _ => return Err(bad("cpu or cuda:N")),
-                        },
-                    }
-                }
+                "--device" => o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?,
                 "--data" => o.data = Some(value),
                 "--checkpoint" => o.checkpoint = Some(value),
                 "--timeline" => o.timeline = Some(value),

@@ -116,6 +116,8 @@ fn unary_ops() {
     check("recip", positive(), |v| v[0].recip());
     check("tanh", any(), |v| v[0].tanh());
     check("sigmoid", any(), |v| v[0].sigmoid());
+    check("log1p", positive(), |v| v[0].log1p());
+    check("expm1", any(), |v| v[0].expm1());
 }
 
 #[test]

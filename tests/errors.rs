@@ -327,3 +327,18 @@ fn nan_and_infinity_flow_through_without_panics() {
         Ok(())
     });
 }
+
+#[test]
+fn device_names_parse_and_bad_ones_say_what_to_write() {
+    assert_eq!("cpu".parse::<Device>().unwrap(), Device::Cpu);
+    assert_eq!(" CUDA:3 ".parse::<Device>().unwrap(), Device::Cuda(3));
+    assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+    for d in [Device::Cpu, Device::Cuda(0), Device::Cuda(12)] {
+        assert_eq!(d.to_string().parse::<Device>().unwrap(), d);
+    }
+    for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "", "cpu:0"] {
+        let err = bad.parse::<Device>().unwrap_err();
+        assert!(matches!(&err, Error::InvalidDevice { text } if text == bad), "{err:?}");
+        assert!(err.to_string().contains("`cuda:N`"), "{err}");
+    }
+}

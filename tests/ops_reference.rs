@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use ndscope::{DType, Device, Result, Scope, Tensor, root};
+use ndscope::{DType, Device, Error, Result, Scope, Tensor, root};
 
 fn run(f: impl for<'s> FnOnce(&'s Scope<'s>) -> Result<()>) {
     root(Device::Cpu, f).unwrap();
@@ -130,6 +130,7 @@ fn unary_ops_match_std() {
             ("cos", |t| t.cos(), f64::cos),
             ("sigmoid", |t| t.sigmoid(), |x| 1.0 / (1.0 + (-x).exp())),
             ("recip", |t| t.recip(), |x| 1.0 / x),
+            ("expm1", |t| t.expm1(), f64::exp_m1),
             (
                 "gelu",
                 |t| t.gelu(),
@@ -149,6 +150,11 @@ fn unary_ops_match_std() {
         }
         let pos = x.abs()?.add_scalar(0.5)?;
         let pv: Vec<f64> = xv.iter().map(|v| v.abs() + 0.5).collect();
+        assert_close(
+            &pos.log1p()?.to_vec_f64()?,
+            &pv.iter().map(|v| v.ln_1p()).collect::<Vec<_>>(),
+            1e-5,
+        );
         assert_close(
             &pos.log()?.to_vec_f64()?,
             &pv.iter().map(|v| v.ln()).collect::<Vec<_>>(),
@@ -599,6 +605,80 @@ fn display_is_readable() {
         );
         let big = s.zeros(&[7, 8])?;
         assert_eq!(big.to_string().lines().count(), 8, "rows elided:\n{big}");
+        Ok(())
+    });
+}
+
+#[test]
+fn log1p_and_expm1_keep_the_digits_near_zero() {
+    run(|s| {
+        let tiny = s.from_slice(&[1e-10f64, -1e-12, 0.0], &[3])?;
+        // (1 + x).log() and x.exp() - 1 lose every digit here; the dedicated maps keep them.
+        assert_eq!(tiny.log1p()?.to_vec::<f64>()?, vec![1e-10f64.ln_1p(), (-1e-12f64).ln_1p(), 0.0]);
+        assert_eq!(tiny.expm1()?.to_vec::<f64>()?, vec![1e-10f64.exp_m1(), (-1e-12f64).exp_m1(), 0.0]);
+        assert!((tiny.log1p()?.to_vec::<f64>()?[0] - 1e-10).abs() < 1e-19, "the naive form is off by 8e-18");
+        let ints = s.from_slice(&[1i64, 2], &[2])?;
+        assert!(matches!(ints.log1p(), Err(Error::UnsupportedDType { op: "log1p", .. })));
+        assert!(matches!(ints.expm1(), Err(Error::UnsupportedDType { op: "expm1", .. })));
+        Ok(())
+    });
+}
+
+#[test]
+fn deep_copies_and_like_constructors() {
+    run(|s| {
+        let x = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?;
+        let mut copy = x.deep_copy()?;
+        assert!(!copy.shares_storage(&x));
+        copy.add_scalar_(1.0)?;
+        assert_eq!(x.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0], "the original is untouched");
+        // A strided view copies into a contiguous block in logical order.
+        let t = x.t()?.deep_copy()?;
+        assert!(t.is_contiguous());
+        assert_eq!(t.to_vec::<f32>()?, vec![1.0, 3.0, 2.0, 4.0]);
+        // clone, contiguous and a same-dtype to_dtype are aliases, as documented.
+        assert!(x.clone().shares_storage(&x) && x.contiguous()?.shares_storage(&x));
+        assert!(x.to_dtype(DType::F32)?.shares_storage(&x));
+
+        let labels = s.from_slice(&[3i64, 1, 2], &[3])?;
+        let z = s.zeros_like(&labels)?;
+        assert_eq!((z.shape(), z.dtype()), (&[3usize][..], DType::I64));
+        assert_eq!(z.to_vec::<i64>()?, vec![0, 0, 0]);
+        assert_eq!(s.ones_like(&x)?.to_vec::<f32>()?, vec![1.0; 4]);
+        assert_eq!(s.full_like(&x, -2.5)?.to_vec::<f32>()?, vec![-2.5; 4]);
+        assert_eq!(s.full(&[2], 0.1)?.to_vec::<f32>()?, vec![0.1f32; 2]);
+        assert_eq!(x.sub_scalar(1.0)?.to_vec::<f32>()?, vec![0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(labels.sub_scalar(1.0)?.to_vec::<i64>()?, vec![2, 0, 1]);
+        Ok(())
+    });
+}
+
+#[test]
+fn argmin_is_the_first_smallest() {
+    run(|s| {
+        let x = s.from_slice(&[3.0f32, 1.0, 2.0, 1.0, 5.0, -4.0], &[2, 3])?;
+        assert_eq!(x.argmin(1, false)?.to_vec::<i64>()?, vec![1, 2]);
+        assert_eq!(x.argmin(0, true)?.to_vec::<i64>()?, vec![1, 0, 1]);
+        assert_eq!(x.argmin(0, true)?.shape(), &[1, 3]);
+        let nan = s.from_slice(&[2.0f32, f32::NAN, -1.0], &[3])?;
+        assert_eq!(nan.argmin(0, false)?.to_vec::<i64>()?, vec![1], "NaN wins, as in argmax");
+        let ints = s.from_slice(&[0i64, i64::MIN, i64::MAX, i64::MIN], &[4])?;
+        assert_eq!(ints.argmin(0, false)?.to_vec::<i64>()?, vec![1]);
+        let wide = s.from_slice(&[i64::MAX, 5, i64::MAX], &[3])?;
+        assert_eq!(wide.argmin(0, false)?.to_vec::<i64>()?, vec![1]);
+        assert!(matches!(
+            s.zeros(&[2, 0])?.argmin(1, false),
+            Err(Error::InvalidShape { op: "argmin", .. })
+        ));
+        Ok(())
+    });
+}
+
+#[test]
+fn values_read_back_as_f64_whatever_the_dtype() {
+    run(|s| {
+        assert_eq!(s.from_slice(&[1i64, -2], &[2])?.to_vec_f64()?, vec![1.0, -2.0]);
+        assert_eq!(s.from_slice(&[0.5f32], &[1])?.to_vec_f64()?, vec![0.5]);
         Ok(())
     });
 }

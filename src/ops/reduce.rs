@@ -146,6 +146,19 @@ impl<'s> Tensor<'s> {
         self.mean(&self.all_axes(), false)
     }
 
+    /// Resolves the axis of an argmax or argmin, which must not be empty.
+    fn check_arg_axis(&self, op: &'static str, axis: isize) -> Result<usize> {
+        let axis = resolve_axis(op, axis, self.rank())?;
+        if self.shape()[axis] == 0 {
+            return Err(Error::InvalidShape {
+                op,
+                shape: self.shape().to_vec(),
+                reason: format!("axis {axis} is empty"),
+            });
+        }
+        Ok(axis)
+    }
+
     /// Index of the smallest element along `axis` as `i64` (the first one on ties; the first NaN if
     /// any).
     ///
@@ -160,6 +173,7 @@ impl<'s> Tensor<'s> {
     /// As for [`argmax`](Self::argmax).
     #[track_caller]
     pub fn argmin(&self, axis: isize, keepdim: bool) -> Result<Tensor<'s>> {
+        self.check_arg_axis("argmin", axis)?;
         // The first largest of an order-reversing map is the first smallest: `-x` for floats (NaN
         // stays NaN), `-x - 1` with wrapping for integers (exact, and `i64::MIN` maps to `i64::MAX`).
         let reversed = if self.dtype().is_float() {
@@ -177,15 +191,7 @@ impl<'s> Tensor<'s> {
     /// [`Error::AxisOutOfRange`]; [`Error::InvalidShape`] when the axis is empty.
     #[track_caller]
     pub fn argmax(&self, axis: isize, keepdim: bool) -> Result<Tensor<'s>> {
-        let axis = resolve_axis("argmax", axis, self.rank())?;
-        let size = self.shape()[axis];
-        if size == 0 {
-            return Err(Error::InvalidShape {
-                op: "argmax",
-                shape: self.shape().to_vec(),
-                reason: format!("axis {axis} is empty"),
-            });
-        }
+        let axis = self.check_arg_axis("argmax", axis)?;
         let mut kept: Shape = SmallVec::from_slice(self.shape());
         kept[axis] = 1;
         let mut out = Tensor::output_of(&[self], DType::I64, &kept, Location::caller())?;
