@@ -1,5 +1,5 @@
 //! A tour of ndscope: a model scope, a loop of batch scopes, a workspace, `ret`, caps, budgets,
-//! `detach`, and the tree dump.
+//! `move_out`, and the tree dump.
 //!
 //! Run it with `cargo run --release --example tour`.
 
@@ -89,7 +89,7 @@ fn main() -> Result<()> {
             Ok(())
         })?;
 
-        // A detached tensor leaves the tree and may cross threads.
+        // A moved-out tensor leaves the tree and may cross threads.
         mean_w.move_out()
     })?;
     let norm = std::thread::spawn(move || -> Result<f32> {

@@ -102,7 +102,9 @@ impl Options {
                     }
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
-                "--device" => o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?,
+                "--device" => {
+                    o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?
+                }
                 "--data" => o.data = Some(value),
                 "--checkpoint" => o.checkpoint = Some(value),
                 "--timeline" => o.timeline = Some(value),

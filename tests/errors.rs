@@ -338,7 +338,10 @@ fn device_names_parse_and_bad_ones_say_what_to_write() {
     }
     for bad in ["gpu", "cuda:", "cuda:-1", "cuda:x", "", "cpu:0"] {
         let err = bad.parse::<Device>().unwrap_err();
-        assert!(matches!(&err, Error::InvalidDevice { text } if text == bad), "{err:?}");
+        assert!(
+            matches!(&err, Error::InvalidDevice { text } if text == bad),
+            "{err:?}"
+        );
         assert!(err.to_string().contains("`cuda:N`"), "{err}");
     }
 }

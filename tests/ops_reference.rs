@@ -614,12 +614,27 @@ fn log1p_and_expm1_keep_the_digits_near_zero() {
     run(|s| {
         let tiny = s.from_slice(&[1e-10f64, -1e-12, 0.0], &[3])?;
         // (1 + x).log() and x.exp() - 1 lose every digit here; the dedicated maps keep them.
-        assert_eq!(tiny.log1p()?.to_vec::<f64>()?, vec![1e-10f64.ln_1p(), (-1e-12f64).ln_1p(), 0.0]);
-        assert_eq!(tiny.expm1()?.to_vec::<f64>()?, vec![1e-10f64.exp_m1(), (-1e-12f64).exp_m1(), 0.0]);
-        assert!((tiny.log1p()?.to_vec::<f64>()?[0] - 1e-10).abs() < 1e-19, "the naive form is off by 8e-18");
+        assert_eq!(
+            tiny.log1p()?.to_vec::<f64>()?,
+            vec![1e-10f64.ln_1p(), (-1e-12f64).ln_1p(), 0.0]
+        );
+        assert_eq!(
+            tiny.expm1()?.to_vec::<f64>()?,
+            vec![1e-10f64.exp_m1(), (-1e-12f64).exp_m1(), 0.0]
+        );
+        assert!(
+            (tiny.log1p()?.to_vec::<f64>()?[0] - 1e-10).abs() < 1e-19,
+            "the naive form is off by 8e-18"
+        );
         let ints = s.from_slice(&[1i64, 2], &[2])?;
-        assert!(matches!(ints.log1p(), Err(Error::UnsupportedDType { op: "log1p", .. })));
-        assert!(matches!(ints.expm1(), Err(Error::UnsupportedDType { op: "expm1", .. })));
+        assert!(matches!(
+            ints.log1p(),
+            Err(Error::UnsupportedDType { op: "log1p", .. })
+        ));
+        assert!(matches!(
+            ints.expm1(),
+            Err(Error::UnsupportedDType { op: "expm1", .. })
+        ));
         Ok(())
     });
 }
@@ -631,7 +646,11 @@ fn deep_copies_and_like_constructors() {
         let mut copy = x.deep_copy()?;
         assert!(!copy.shares_storage(&x));
         copy.add_scalar_(1.0)?;
-        assert_eq!(x.to_vec::<f32>()?, vec![1.0, 2.0, 3.0, 4.0], "the original is untouched");
+        assert_eq!(
+            x.to_vec::<f32>()?,
+            vec![1.0, 2.0, 3.0, 4.0],
+            "the original is untouched"
+        );
         // A strided view copies into a contiguous block in logical order.
         let t = x.t()?.deep_copy()?;
         assert!(t.is_contiguous());
@@ -647,7 +666,10 @@ fn deep_copies_and_like_constructors() {
         assert_eq!(s.ones_like(&x)?.to_vec::<f32>()?, vec![1.0; 4]);
         assert_eq!(s.full_like(&x, -2.5)?.to_vec::<f32>()?, vec![-2.5; 4]);
         assert_eq!(s.full(&[2], 0.1)?.to_vec::<f32>()?, vec![0.1f32; 2]);
-        assert_eq!(x.sub_scalar(1.0)?.to_vec::<f32>()?, vec![0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(
+            x.sub_scalar(1.0)?.to_vec::<f32>()?,
+            vec![0.0, 1.0, 2.0, 3.0]
+        );
         assert_eq!(labels.sub_scalar(1.0)?.to_vec::<i64>()?, vec![2, 0, 1]);
         Ok(())
     });
@@ -661,7 +683,11 @@ fn argmin_is_the_first_smallest() {
         assert_eq!(x.argmin(0, true)?.to_vec::<i64>()?, vec![1, 0, 1]);
         assert_eq!(x.argmin(0, true)?.shape(), &[1, 3]);
         let nan = s.from_slice(&[2.0f32, f32::NAN, -1.0], &[3])?;
-        assert_eq!(nan.argmin(0, false)?.to_vec::<i64>()?, vec![1], "NaN wins, as in argmax");
+        assert_eq!(
+            nan.argmin(0, false)?.to_vec::<i64>()?,
+            vec![1],
+            "NaN wins, as in argmax"
+        );
         let ints = s.from_slice(&[0i64, i64::MIN, i64::MAX, i64::MIN], &[4])?;
         assert_eq!(ints.argmin(0, false)?.to_vec::<i64>()?, vec![1]);
         let wide = s.from_slice(&[i64::MAX, 5, i64::MAX], &[3])?;
@@ -677,7 +703,10 @@ fn argmin_is_the_first_smallest() {
 #[test]
 fn values_read_back_as_f64_whatever_the_dtype() {
     run(|s| {
-        assert_eq!(s.from_slice(&[1i64, -2], &[2])?.to_vec_f64()?, vec![1.0, -2.0]);
+        assert_eq!(
+            s.from_slice(&[1i64, -2], &[2])?.to_vec_f64()?,
+            vec![1.0, -2.0]
+        );
         assert_eq!(s.from_slice(&[0.5f32], &[1])?.to_vec_f64()?, vec![0.5]);
         Ok(())
     });

@@ -64,6 +64,18 @@ impl<'s> Tensor<'s> {
     ) -> Result<Tensor<'s>> {
         same_dtype(name, self, other)?;
         same_device(name, self, other)?;
+        let backend = self.backend()?;
+        if self.shape() == other.shape() {
+            // The common case needs no broadcast layouts.
+            let mut out = Tensor::output_of(
+                &[self, other],
+                self.dtype(),
+                self.shape(),
+                Location::caller(),
+            )?;
+            backend.binary(self.dtype(), op, params, self.src(), other.src(), out.dst())?;
+            return Ok(out);
+        }
         let shape = broadcast_shapes(name, self.shape(), other.shape())?;
         let (la, lb) = (
             self.layout().broadcast_to(&shape)?,
@@ -71,8 +83,7 @@ impl<'s> Tensor<'s> {
         );
         let mut out = Tensor::output_of(&[self, other], self.dtype(), &shape, Location::caller())?;
         let (a, b) = (self.src_as(&la), other.src_as(&lb));
-        self.backend()?
-            .binary(self.dtype(), op, params, a, b, out.dst())?;
+        backend.binary(self.dtype(), op, params, a, b, out.dst())?;
         Ok(out)
     }
 

@@ -25,7 +25,7 @@ use crate::scope::{Movable, Scope};
 ///   shortest lifetime among its operands.
 /// * An op's result is owned by the innermost live scope among the operands' owners, never by a
 ///   longer-lived one.
-/// * A tensor is neither `Send` nor `Sync`, except a detached `Tensor<'static>` (see
+/// * A tensor is neither `Send` nor `Sync`, except a moved-out `Tensor<'static>` (see
 ///   [`move_out`](Tensor::move_out)), which any thread may use.
 pub struct Tensor<'s> {
     block: BlockRef,
@@ -206,7 +206,7 @@ impl<'s> Tensor<'s> {
         self.block.header().name.get()
     }
 
-    /// Names the tensor's block for [`Scope::dump`]. A detached block shared with other handles keeps
+    /// Names the tensor's block for [`Scope::dump`]. A moved-out block shared with other handles keeps
     /// its name (other threads may be reading it).
     pub fn named(self, name: &'static str) -> Tensor<'s> {
         let h = self.block.header();

@@ -252,11 +252,17 @@ pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
 }
 
 pub(super) fn upload(dtype: DType, data: &[u8], out: Dst) {
+    if data.is_empty() {
+        return;
+    }
     let start = out.layout.offset() * dtype.size();
     out.buf.bytes()[start..start + data.len()].copy_from_slice(data);
 }
 
 pub(super) fn download(dtype: DType, x: Src, out: &mut [u8]) {
+    if out.is_empty() {
+        return;
+    }
     let size = dtype.size();
     if x.layout.is_contiguous() {
         let start = x.layout.offset() * size;
