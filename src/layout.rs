@@ -118,32 +118,38 @@ impl Layout {
     }
 
     /// Size of each dimension.
+    #[inline]
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
 
     /// Step between neighbours along each dimension, in elements (0 repeats an element).
+    #[inline]
     pub fn strides(&self) -> &[usize] {
         &self.strides
     }
 
     /// Offset of the first element in the block, in elements.
+    #[inline]
     pub fn offset(&self) -> usize {
         self.offset
     }
 
     /// Number of dimensions.
+    #[inline]
     pub fn rank(&self) -> usize {
         self.shape.len()
     }
 
     /// Number of elements (cannot overflow: every layout is checked when its block is allocated).
+    #[inline]
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
 
     /// Whether the elements are row-major and gap-free, so `block[offset..offset + numel]` holds them in
     /// order. Dimensions of size 1 may have any stride.
+    #[inline]
     pub fn is_contiguous(&self) -> bool {
         let mut expected = 1usize;
         for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {

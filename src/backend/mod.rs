@@ -64,6 +64,7 @@ impl<'a> Buf<'a> {
     /// # Safety
     /// `ptr` points to `bytes` initialised bytes of `device` memory, aligned to 64, that stay valid
     /// and unwritten while `'a` lasts.
+    #[inline]
     pub(crate) unsafe fn new(ptr: NonNull<u8>, bytes: usize, device: Device) -> Buf<'a> {
         Buf {
             ptr,
@@ -74,6 +75,7 @@ impl<'a> Buf<'a> {
     }
 
     /// The whole block as elements of `T` (a host block; the caller checked the dtype).
+    #[inline]
     pub(crate) fn host<T: Plain>(self) -> &'a [T] {
         assert_host(self.device);
         // SAFETY: by the constructor's contract the bytes are initialised, aligned to 64 (enough for
@@ -98,6 +100,7 @@ impl<'a> Buf<'a> {
 impl<'a> BufMut<'a> {
     /// # Safety
     /// As for [`Buf::new`], and no other view of these bytes exists while `'a` lasts.
+    #[inline]
     pub(crate) unsafe fn new(ptr: NonNull<u8>, bytes: usize, device: Device) -> BufMut<'a> {
         BufMut {
             ptr,
@@ -108,6 +111,7 @@ impl<'a> BufMut<'a> {
     }
 
     /// The whole block as mutable elements of `T` (a host block; the caller checked the dtype).
+    #[inline]
     pub(crate) fn host<T: Plain>(self) -> &'a mut [T] {
         assert_host(self.device);
         // SAFETY: as in `Buf::host`, and the constructor's contract makes this the only view.
@@ -147,6 +151,7 @@ pub(crate) struct Dst<'a> {
 
 impl<'a> Src<'a> {
     /// The viewed elements of a contiguous host operand, in order.
+    #[inline]
     pub(crate) fn contiguous_host<T: Element>(self) -> &'a [T] {
         debug_assert!(self.layout.is_contiguous());
         let at = self.layout.offset();
@@ -156,6 +161,7 @@ impl<'a> Src<'a> {
 
 impl<'a> Dst<'a> {
     /// The viewed elements of a contiguous host output, in order.
+    #[inline]
     pub(crate) fn contiguous_host<T: Element>(self) -> &'a mut [T] {
         debug_assert!(self.layout.is_contiguous());
         let (at, n) = (self.layout.offset(), self.layout.numel());
@@ -164,6 +170,7 @@ impl<'a> Dst<'a> {
 }
 
 /// Elements as the bytes a device copy moves.
+#[inline]
 pub(crate) fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
     // SAFETY: element types are plain numbers with no padding; the byte view covers exactly the
     // slice and borrows it.
@@ -171,6 +178,7 @@ pub(crate) fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
 }
 
 /// Elements as the bytes a device copy fills.
+#[inline]
 pub(crate) fn bytes_of_mut<T: Element>(data: &mut [T]) -> &mut [u8] {
     // SAFETY: as in `bytes_of`; every byte pattern written is a valid element.
     unsafe { std::slice::from_raw_parts_mut(data.as_mut_ptr().cast::<u8>(), size_of_val(data)) }
@@ -306,6 +314,7 @@ pub(crate) trait Backend: Sync {
 /// # Errors
 /// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) when this build or machine cannot
 /// use the device.
+#[inline]
 pub(crate) fn of(device: Device) -> Result<&'static dyn Backend> {
     match device {
         Device::Cpu => Ok(&cpu::Cpu),

@@ -182,6 +182,7 @@ macro_rules! define_unary {
             }
 
             /// Whether the map is defined for float dtypes only.
+            #[inline]
             pub(crate) fn float_only(self) -> bool {
                 match self {
                     $(Unary::$variant => float_only!($domain),)*

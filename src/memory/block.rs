@@ -198,6 +198,7 @@ impl BlockRef {
         BlockRef(header)
     }
 
+    #[inline]
     pub(crate) fn header(&self) -> &BlockHeader {
         // SAFETY: a header outlives every handle to it: system headers are freed by the last handle,
         // tree headers are recycled only when their count reaches zero or when their owner closes, and
@@ -210,6 +211,7 @@ impl BlockRef {
     }
 
     /// The block's bytes for kernels to read, while this handle is borrowed.
+    #[inline]
     pub(crate) fn buf(&self) -> Buf<'_> {
         let h = self.header();
         // SAFETY: the block holds `bytes` initialised bytes (host blocks are zeroed when first taken
@@ -220,6 +222,7 @@ impl BlockRef {
     }
 
     /// The block's bytes for kernels to write; `None` unless this handle is the block's only one.
+    #[inline]
     pub(crate) fn buf_mut(&mut self) -> Option<BufMut<'_>> {
         let h = self.header();
         if !h.is_unique() {

@@ -154,6 +154,7 @@ unsafe impl Sync for ScopeNode {}
 /// or the device's allocator when `budget` is `None`) refused it while holding `live` bytes; the dump
 /// shows `tree`, the tree the request came from (none for the system scope). Every refusal is built
 /// here.
+#[cold]
 pub(crate) fn out_of_memory(
     scope: impl ToString,
     requested: usize,
@@ -446,6 +447,7 @@ impl ScopeNode {
 
     /// Returns a block whose last handle dropped.
     /// The scope that owns a live handle's block; `None` for the system scope.
+    #[inline]
     pub(crate) fn owning(h: &BlockHeader) -> Option<&ScopeNode> {
         // SAFETY: every owner set on a header is a `ScopeNode` (`attach` is the only writer besides
         // `init`, which clears it), so dropping the vtable recovers its address; a live handle's owner

@@ -234,16 +234,19 @@ impl<'s> Tensor<'s> {
     }
 
     /// The backend of the tensor's device.
+    #[inline]
     pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
         backend::of(self.device())
     }
 
     /// The tensor as a kernel operand.
+    #[inline]
     pub(crate) fn src(&self) -> Src<'_> {
         self.src_as(&self.layout)
     }
 
     /// The tensor's block read through another layout (a broadcast of its own).
+    #[inline]
     pub(crate) fn src_as<'a>(&'a self, layout: &'a Layout) -> Src<'a> {
         Src {
             buf: self.block.buf(),
@@ -253,6 +256,7 @@ impl<'s> Tensor<'s> {
 
     /// The tensor as a kernel output: a fresh output, or a tensor made unique by the copy-on-write
     /// step of an in-place op.
+    #[inline]
     pub(crate) fn dst(&mut self) -> Dst<'_> {
         Dst {
             buf: self.block.buf_mut().expect("an output has a single handle"),
@@ -261,6 +265,7 @@ impl<'s> Tensor<'s> {
     }
 
     /// The tensor's block written through `layout`, a view of part of a fresh output.
+    #[inline]
     pub(crate) fn dst_as<'a>(&'a mut self, layout: &'a Layout) -> Dst<'a> {
         Dst {
             buf: self.block.buf_mut().expect("an output has a single handle"),
