@@ -11,7 +11,7 @@ use crate::layout::{Layout, Shape, resolve_axis};
 use crate::ops::{same_device, same_dtype};
 use crate::tensor::{Owner, Tensor};
 
-/// Checks that `index` holds `i64` values in `0..size`, without copying them.
+/// Checks that `index` holds `i64` values in `0..size` (host indices are read in place).
 fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()> {
     if index.dtype() != DType::I64 {
         return Err(Error::UnsupportedDType {
