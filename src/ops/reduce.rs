@@ -4,6 +4,7 @@ use std::panic::Location;
 
 use smallvec::SmallVec;
 
+use crate::backend::Backend;
 use crate::backend::op::Reduce;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -58,12 +59,8 @@ impl<'s> Tensor<'s> {
             .collect();
         let mut out = Tensor::output_of(&[self], self.dtype(), &kept, Location::caller())?;
         let backend = self.backend()?;
-        if backend.reads_any_layout() {
-            backend.reduce(self.dtype(), kind, self.src(), &axes, out.dst())?;
-        } else {
-            let (packed, trailing) = self.axes_last(&axes)?;
-            backend.reduce(self.dtype(), kind, packed.src(), &trailing, out.dst())?;
-        }
+        let (input, axes_there) = self.rows_for(backend, &axes)?;
+        backend.reduce(self.dtype(), kind, input.src(), &axes_there, out.dst())?;
         if keepdim {
             return Ok(out);
         }
@@ -77,9 +74,17 @@ impl<'s> Tensor<'s> {
         out.reshape(&squeezed)
     }
 
-    /// `self` with the sorted `axes` moved last, packed contiguously, and where they now are: the
-    /// form of a backend that reduces contiguous rows.
-    fn axes_last(&self, axes: &[usize]) -> Result<(Tensor<'s>, SmallVec<[usize; 6]>)> {
+    /// `self` in the form `backend` reduces over the sorted `axes`, and where those axes are in it: as
+    /// it is when the backend reads any layout, else with the axes moved last and packed contiguously
+    /// (rows of the reduced axes).
+    fn rows_for(
+        &self,
+        backend: &dyn Backend,
+        axes: &[usize],
+    ) -> Result<(Tensor<'s>, SmallVec<[usize; 6]>)> {
+        if backend.reads_any_layout() {
+            return Ok((self.clone(), SmallVec::from_slice(axes)));
+        }
         let perm: SmallVec<[usize; 6]> = (0..self.rank())
             .filter(|a| !axes.contains(a))
             .chain(axes.iter().copied())
@@ -196,12 +201,8 @@ impl<'s> Tensor<'s> {
         kept[axis] = 1;
         let mut out = Tensor::output_of(&[self], DType::I64, &kept, Location::caller())?;
         let backend = self.backend()?;
-        if backend.reads_any_layout() {
-            backend.argmax(self.dtype(), self.src(), axis, out.dst())?;
-        } else {
-            let (packed, trailing) = self.axes_last(&[axis])?;
-            backend.argmax(self.dtype(), packed.src(), trailing[0], out.dst())?;
-        }
+        let (input, axis_there) = self.rows_for(backend, &[axis])?;
+        backend.argmax(self.dtype(), input.src(), axis_there[0], out.dst())?;
         if keepdim {
             Ok(out)
         } else {
