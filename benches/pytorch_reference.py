@@ -1,6 +1,10 @@
-"""PyTorch's numbers for the work benches/cuda.rs measures, on the same GPU.
+"""PyTorch's numbers for the work benches/cuda.rs and the allocator examples measure, on the same GPU.
 
-    python3 benches/pytorch_reference.py
+    python3 benches/pytorch_reference.py                  # the MLP step and matmul
+    python3 benches/pytorch_reference.py variable_shape   # examples/variable_shape.rs
+    python3 benches/pytorch_reference.py churn            # examples/churn.rs
+
+Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to measure PyTorch's other allocator design.
 
 Prints the MLP step (784-256-10, batch 128, AdamW, loss read every step as ndscope's bench does) in
 steps/s with the caching allocator's cudaMalloc calls per step and peak allocated/reserved bytes, and
@@ -66,6 +70,83 @@ def matmul():
         print(f"pytorch matmul {n}: {elapsed * 1e6:.1f} us, {2 * n**3 / elapsed / 1e9:.0f} GFLOP/s")
 
 
+def batch_size(k):
+    """splitmix64(k) mod 512, plus one: the sequence examples/variable_shape.rs uses."""
+    m = (1 << 64) - 1
+    z = ((k + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    return z % 512 + 1
+
+
+def variable_shape(steps=2000):
+    """An MLP 784-1024-1024-10 (AdamW) with a new batch size in 1..=512 every step."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    ).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for k in range(steps):
+        n = batch_size(k)
+        x = torch.randn(n, 784, device=dev)
+        y = ((torch.arange(n, device=dev) * 7 + k) % 10).long()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        last = loss.item()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    allocated = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    print(
+        f"pytorch variable_shape on {torch.cuda.get_device_name(0)}: {steps} steps in {elapsed:.1f} s, "
+        f"last loss {last:.3f}; peak allocated {allocated / 1e6:.1f} MB, peak reserved "
+        f"{reserved / 1e6:.1f} MB: reserved/allocated {reserved / allocated:.2f}x"
+    )
+
+
+def churn(total=1 << 40):
+    """Tensors of ever new sizes (1 GiB x 1.07^n), each dropped at once, then the largest served."""
+    capacity = torch.cuda.get_device_properties(0).total_memory
+    start, size, churned = 1 << 30, 1 << 30, 0
+    while churned < total:
+        try:
+            t = torch.empty(size // 4, device=dev)
+            del t
+            churned += size
+            size += size // 14
+        except torch.OutOfMemoryError:
+            size = start
+    lo, hi = 0, capacity // (2 << 20)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            t = torch.empty(mid * (2 << 20) // 4, device=dev)
+            del t
+            lo = mid
+        except torch.OutOfMemoryError:
+            hi = mid - 1
+    largest = lo * (2 << 20)
+    print(
+        f"pytorch churn: {churned / 2**30:.0f} GiB churned; largest request served afterwards "
+        f"{largest / 2**30:.2f} GiB = {100 * largest / capacity:.1f}% of {capacity / 2**30:.2f} GiB"
+    )
+
+
 if __name__ == "__main__":
-    mlp_step()
-    matmul()
+    import sys
+
+    what = sys.argv[1] if len(sys.argv) > 1 else "step"
+    if what == "variable_shape":
+        variable_shape()
+    elif what == "churn":
+        churn()
+    else:
+        mlp_step()
+        matmul()

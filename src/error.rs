@@ -150,16 +150,26 @@ pub enum Error {
         element_bytes: usize,
     },
     /// An allocation that would push a scope (or one of its ancestors) over its byte budget,
-    /// or that the system allocator refused.
+    /// or that the device's allocator refused even after every idle cached block on the device went
+    /// back to it.
     OutOfMemory {
         /// The scope whose budget (or whose request) was refused.
         scope: String,
+        /// The device of the refused memory (`cpu`, `cuda:0`).
+        device: String,
         /// Bytes requested.
         requested: usize,
-        /// Bytes live in that scope's subtree (budget) or in the scope (system refusal).
+        /// Bytes live in that scope's subtree (budget), or in the tree's tensors on the device
+        /// (allocator refusal).
         live: usize,
-        /// The budget, or `None` when the system allocator refused.
+        /// The budget, or `None` when the device's allocator refused.
         budget: Option<usize>,
+        /// Bytes of idle blocks the tree's pool still held on the device (idle space inside segments
+        /// that also hold live tensors, which cannot go back to the device).
+        cached: usize,
+        /// Bytes of idle blocks released (by this tree and by other trees on the device) before the
+        /// request was refused for good.
+        released: usize,
         /// The scope tree at the time, as `Scope::dump` prints it.
         dump: String,
     },
@@ -308,9 +318,12 @@ impl fmt::Display for Error {
             ),
             Error::OutOfMemory {
                 scope,
+                device,
                 requested,
                 live,
                 budget,
+                cached,
+                released,
                 ..
             } => match budget {
                 Some(budget) => write!(
@@ -321,8 +334,12 @@ impl fmt::Display for Error {
                 ),
                 None => write!(
                     f,
-                    "out of memory in scope \"{scope}\": the system allocator refused {requested} bytes \
-                     ({live} bytes live in the scope); call `empty_cache()` or use smaller tensors"
+                    "out of memory in scope \"{scope}\": the {device} allocator refused {requested} bytes, \
+                     also after {released} bytes of idle cached blocks (this tree's and other trees' on \
+                     {device}) went back to it; the tree holds {live} bytes of live tensors and {cached} \
+                     cached bytes that cannot be returned while their segments hold live tensors; drop \
+                     tensors you no longer need or use smaller ones (the tree dump is in the error's `dump` \
+                     field)"
                 ),
             },
             Error::Capped { scope, requested } => write!(

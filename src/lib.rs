@@ -26,7 +26,7 @@ pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};
 pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
-pub use memory::stats::ScopeStats;
+pub use memory::stats::{MemoryStats, ScopeStats};
 pub use rng::DEFAULT_SEED;
 pub use scope::{
     Child, EventKind, Fault, MemoryEvent, Movable, Scope, Timeline, root, system_stats,

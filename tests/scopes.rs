@@ -385,6 +385,7 @@ fn budgets_turn_overuse_into_out_of_memory_errors() {
                     live,
                     budget,
                     dump,
+                    ..
                 }) => {
                     assert_eq!(
                         (scope.as_str(), requested, live, budget),

@@ -357,6 +357,10 @@ impl Device {
 /// A GPU's allocator traffic since the process started, from [`gpu_memory`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GpuMemory {
+    /// The GPU's memory.
+    pub total_bytes: usize,
+    /// Its memory no one holds now (this process's trees, the driver's pools, other processes).
+    pub free_bytes: usize,
     /// Calls to the driver's allocator (`cuMemAllocAsync`/`cuMemAlloc`) by any scope tree.
     pub allocator_calls: u64,
     /// Calls to the driver's free.

@@ -15,8 +15,8 @@
 use std::ptr::NonNull;
 
 use crate::device::Device;
-use crate::memory::raw;
 use crate::memory::raw::ALIGN;
+use crate::memory::{raw, reclaim};
 
 /// A reusable arena for a workspace scope; open a cycle with
 /// [`Scope::workspace`](crate::Scope::workspace).
@@ -196,7 +196,7 @@ impl Workspace {
         self.release();
         // An arena the allocator refuses stays empty: the workspace then spills everything, which is
         // slower but correct.
-        self.buf = raw::alloc(device, bytes);
+        self.buf = reclaim::alloc(device, bytes).ok();
         if self.buf.is_some() {
             self.buf_device = device;
             self.capacity = bytes;

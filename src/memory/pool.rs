@@ -1,39 +1,28 @@
-//! The caching pool: size-class free lists of one device's memory, shared by every scope of one tree
-//! (a tree has one pool per device it has used).
+//! The caching pool of one tree on one device: small blocks in size classes, large blocks in
+//! segments, a bound on idle bytes, and the first half of the refusal policy.
 //!
-//! A freed block goes back on the free list of its size class and the next request of that class
-//! takes it without calling the device's allocator. For a GPU that is what makes a steady training
-//! step free of `cuMemAlloc`/`cuMemFree`: every kernel runs on the device's one stream, so a block
-//! freed by a scope can be handed to the next op at once; the stream orders the new writes after the
-//! old reads. Classes are 64 bytes and up, four per power of two,
-//! so a block wastes at most a quarter of its size. `empty_cache` hands every cached block back to the
-//! device's allocator.
+//! A freed block stays in the pool and the next request it can serve takes it without calling the
+//! device's allocator: small requests (up to [`SMALL_MAX`]) pop their size class's list, large ones
+//! take the best-fitting idle block of a segment and split it. For a GPU that is what makes a steady
+//! training step free of `cuMemAlloc`/`cuMemFree`: every kernel runs on the device's one stream, so
+//! a block freed by a scope can be handed to the next op at once; the stream orders the new writes
+//! after the old reads.
+//!
+//! Caching must never be the reason a request is refused: when the device's allocator refuses, the
+//! pool returns every idle block it can (small blocks and whole idle segments) and asks again. The
+//! second half of the policy, asking the other trees on the device to do the same, is
+//! [`crate::memory::reclaim`]'s. A cache limit bounds the idle bytes at all times (host pools have
+//! one by default, so that a cache alone never pushes a process into the kernel's OOM killer).
 
 use std::ptr::NonNull;
 
-use crate::device::Device;
-use crate::memory::raw;
-
-/// Sub-classes per power of two.
-const STEPS: usize = 4;
-/// Smallest class, as a power of two (64 bytes).
-const MIN_SHIFT: u32 = 6;
-
-/// Size class of a request of `bytes` (> 0): its index and capacity in bytes.
-pub(crate) fn size_class(bytes: usize) -> (usize, usize) {
-    if bytes <= 1 << MIN_SHIFT {
-        return (0, 1 << MIN_SHIFT);
-    }
-    // The power of two at or below `bytes - 1`: classes of this octave are (2^p, 2^(p+1)].
-    let p = usize::BITS - 1 - (bytes - 1).leading_zeros();
-    let base = 1usize << p;
-    let step = base / STEPS;
-    let sub = (bytes - base).div_ceil(step); // 1..=STEPS
-    let index = 1 + (p - MIN_SHIFT) as usize * STEPS + (sub - 1);
-    (index, base + sub * step)
-}
+use crate::memory::classes::{Classes, SMALL_MAX, size_class};
+use crate::memory::raw::RawMemory;
+use crate::memory::segments::Segments;
+use crate::memory::stats::MemoryStats;
 
 /// Where a block's bytes came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Source {
     /// Taken from the pool's cache.
     Reused,
@@ -41,176 +30,491 @@ pub(crate) enum Source {
     System,
 }
 
-pub(crate) struct Pool {
-    device: Device,
-    /// One free list per class, indexed by class; every class a request can map to has one.
-    free: Vec<Vec<NonNull<u8>>>,
-    cached_bytes: usize,
+/// A block the pool handed out: its address, its capacity (a class capacity or a segment block's
+/// size) and where it came from.
+pub(crate) type Taken = (NonNull<u8>, usize, Source);
+
+pub(crate) struct Pool<R: RawMemory> {
+    raw: R,
+    small: Classes,
+    large: Segments,
+    /// The most idle bytes kept; `None` for no bound.
+    limit: Option<usize>,
+    stats: MemoryStats,
 }
 
-/// Number of classes: octaves 2^6..2^63, enough for any request up to `isize::MAX` bytes (the
-/// largest allocation Rust allows).
-const CLASSES: usize = 1 + (usize::BITS - 1 - MIN_SHIFT) as usize * STEPS;
-
-impl Pool {
-    /// An empty pool of `device` memory.
-    pub(crate) fn new(device: Device) -> Pool {
+impl<R: RawMemory> Pool<R> {
+    /// An empty pool over `raw`, keeping at most `limit` idle bytes.
+    pub(crate) fn new(raw: R, limit: Option<usize>) -> Pool<R> {
         Pool {
-            device,
-            free: (0..CLASSES).map(|_| Vec::new()).collect(),
-            cached_bytes: 0,
+            raw,
+            small: Classes::new(),
+            large: Segments::default(),
+            limit,
+            stats: MemoryStats {
+                cache_limit: limit,
+                ..MemoryStats::default()
+            },
         }
     }
-}
 
-impl Pool {
-    pub(crate) fn device(&self) -> Device {
-        self.device
-    }
-
-    /// A block of at least `bytes` (> 0) bytes, with its capacity; `None` when the system refuses.
-    pub(crate) fn take(&mut self, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
-        let (class, capacity) = size_class(bytes);
-        if let Some(ptr) = self.free[class].pop() {
-            self.cached_bytes -= capacity;
-            return Some((ptr, capacity, Source::Reused));
+    /// A block of at least `bytes` (> 0) bytes: from the cache, else from the device's allocator, else
+    /// from the allocator again after returning every idle block of this pool. When even that is
+    /// refused, the idle bytes it returned (the caller may release other pools' caches and call
+    /// [`take_new`](Self::take_new)).
+    #[inline]
+    pub(crate) fn take(&mut self, bytes: usize) -> Result<Taken, usize> {
+        if let Some(taken) = self.take_cached(bytes) {
+            return Ok(taken);
         }
-        raw::alloc(self.device, capacity).map(|ptr| (ptr, capacity, Source::System))
+        if let Some(taken) = self.take_new(bytes) {
+            return Ok(taken);
+        }
+        let released = self.empty();
+        if released == 0 {
+            return Err(0);
+        }
+        self.note_retry(released);
+        self.take_new(bytes).ok_or(released)
     }
 
-    /// Caches a block for reuse.
+    /// A block of at least `bytes` (> 0) bytes from the cache, if it holds one.
+    #[inline]
+    pub(crate) fn take_cached(&mut self, bytes: usize) -> Option<Taken> {
+        let (ptr, capacity) = if bytes <= SMALL_MAX {
+            let (class, capacity) = size_class(bytes);
+            (self.small.pop(class)?, capacity)
+        } else {
+            self.large.take(Segments::round(bytes)?)?
+        };
+        self.on_take(bytes, capacity);
+        Some((ptr, capacity, Source::Reused))
+    }
+
+    /// A block of at least `bytes` (> 0) bytes from the device's allocator: a small block of its
+    /// class, or a block of a new segment. `None`, counted as a refusal, when the allocator refuses.
+    pub(crate) fn take_new(&mut self, bytes: usize) -> Option<Taken> {
+        let taken = if bytes <= SMALL_MAX {
+            let (_, capacity) = size_class(bytes);
+            self.raw_alloc(capacity).map(|ptr| (ptr, capacity))
+        } else {
+            let size = Segments::round(bytes);
+            let segment = size.and_then(Segments::segment_size);
+            match (size, segment) {
+                (Some(size), Some(segment)) => self.raw_alloc(segment).map(|ptr| {
+                    self.large.add(ptr, segment);
+                    self.large
+                        .take(size)
+                        .expect("a fresh segment holds its block")
+                }),
+                _ => None,
+            }
+        };
+        let Some((ptr, capacity)) = taken else {
+            self.stats.refusals += 1;
+            return None;
+        };
+        self.on_take(bytes, capacity);
+        // A new segment's idle tail may take the cache over its limit.
+        self.enforce_limit();
+        Some((ptr, capacity, Source::System))
+    }
+
+    /// Takes back a block handed out by this pool, of `bytes` used bytes and capacity `capacity`;
+    /// returns idle blocks to the device's allocator if the idle bytes then exceed the limit.
     ///
     /// # Safety
-    /// `ptr` came from this pool's device allocator with `capacity` (a class capacity) and nothing
-    /// uses it any more (for a GPU: nothing queued after this point on the device's stream).
-    pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, capacity: usize) {
-        let (class, cap) = size_class(capacity);
-        debug_assert_eq!(cap, capacity, "only class capacities are cached");
-        self.free[class].push(ptr);
-        self.cached_bytes += capacity;
-    }
-
-    pub(crate) fn cached_bytes(&self) -> usize {
-        self.cached_bytes
-    }
-
-    /// Hands cached blocks back to the system, largest classes first, until at most `max_cached`
-    /// bytes stay cached; returns the bytes released.
-    pub(crate) fn trim(&mut self, max_cached: usize) -> usize {
-        let before = self.cached_bytes;
-        for (class, list) in self.free.iter_mut().enumerate().rev() {
-            if self.cached_bytes <= max_cached {
-                break;
-            }
-            let capacity = class_capacity(class);
-            while self.cached_bytes > max_cached
-                && let Some(ptr) = list.pop()
-            {
-                // SAFETY: cached blocks came from `raw::alloc(device)` with their class capacity and
-                // are referenced by nothing but this list.
-                unsafe { raw::free(self.device, ptr, capacity) };
-                self.cached_bytes -= capacity;
-            }
+    /// `ptr` came from this pool with `capacity`, and nothing uses it any more (for a GPU: nothing
+    /// queued after this point on the device's stream).
+    #[inline]
+    pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, bytes: usize, capacity: usize) {
+        if capacity <= SMALL_MAX {
+            self.small.push(ptr, capacity);
+        } else {
+            self.large.give(ptr, capacity);
         }
-        before - self.cached_bytes
+        self.on_give(bytes, capacity);
+        self.enforce_limit();
     }
 
-    /// Hands every cached block back to the system; returns the bytes released.
-    pub(crate) fn empty(&mut self) -> usize {
-        let released = self.cached_bytes;
-        for (class, list) in self
-            .free
-            .iter_mut()
-            .enumerate()
-            .filter(|(_, list)| !list.is_empty())
+    /// Trims the cache down to its limit, if it is over.
+    #[inline]
+    fn enforce_limit(&mut self) {
+        if let Some(limit) = self.limit
+            && self.cached_bytes() > limit
         {
-            let capacity = class_capacity(class);
-            for ptr in list.drain(..) {
-                // SAFETY: cached blocks came from `raw::alloc(device)` with their class capacity and
-                // are referenced by nothing but this list.
-                unsafe { raw::free(self.device, ptr, capacity) };
-            }
+            self.trim(limit);
         }
-        self.cached_bytes = 0;
+    }
+
+    /// Gives up a live block so that its memory can outlive the pool (the caller then returns it to
+    /// the device's allocator with its capacity). `false`, changing nothing, for a block carved from a
+    /// segment it shares with other blocks: copy it instead.
+    pub(crate) fn hand_over(&mut self, ptr: NonNull<u8>, bytes: usize, capacity: usize) -> bool {
+        if capacity > SMALL_MAX && !self.large.hand_over(ptr, capacity) {
+            return false;
+        }
+        self.on_give(bytes, capacity);
+        self.stats.reserved_bytes -= capacity;
+        true
+    }
+
+    /// Bytes of idle blocks: cached for reuse, reserved from the device but not in use.
+    pub(crate) fn cached_bytes(&self) -> usize {
+        self.small.cached_bytes() + self.large.idle_bytes()
+    }
+
+    /// Returns idle blocks to the device's allocator, largest first, until at most `max_cached` idle
+    /// bytes stay or nothing more can go (idle space inside a segment that still holds a live block
+    /// stays until that block is freed); returns the bytes released.
+    pub(crate) fn trim(&mut self, max_cached: usize) -> usize {
+        let mut released = 0;
+        while self.cached_bytes() > max_cached {
+            let segment = self.large.idle_segment_bytes() > 0;
+            let block = if segment {
+                self.large.pop_idle_segment()
+            } else {
+                self.small.pop_largest()
+            };
+            let Some((ptr, size)) = block else { break };
+            // SAFETY: idle blocks and whole idle segments came from `self.raw` with this size and are
+            // referenced by nothing but the pool, which just forgot them.
+            unsafe { self.raw.free(ptr, size) };
+            self.stats.reserved_bytes -= size;
+            self.stats.free_calls += 1;
+            released += size;
+        }
         released
+    }
+
+    /// Returns every idle block it can to the device's allocator; returns the bytes released.
+    pub(crate) fn empty(&mut self) -> usize {
+        self.trim(0)
+    }
+
+    /// Sets the most idle bytes kept (`None`: no bound), trimming down to it now.
+    pub(crate) fn set_limit(&mut self, limit: Option<usize>) {
+        self.limit = limit;
+        self.stats.cache_limit = limit;
+        if let Some(limit) = limit {
+            self.trim(limit);
+        }
+    }
+
+    /// Records that a refusal made the caller release `released` idle bytes (here or in other pools)
+    /// before asking the allocator again.
+    pub(crate) fn note_retry(&mut self, released: usize) {
+        self.stats.retries += 1;
+        self.stats.released_for_retries += released as u64;
+    }
+
+    /// Records a request that stayed refused after every release.
+    pub(crate) fn note_failure(&mut self) {
+        self.stats.failures += 1;
+    }
+
+    /// The pool's counters now.
+    pub(crate) fn stats(&self) -> MemoryStats {
+        MemoryStats {
+            cached_bytes: self.cached_bytes(),
+            segments: self.large.segments(),
+            ..self.stats
+        }
+    }
+
+    /// Restarts the peaks from the current values.
+    pub(crate) fn reset_peaks(&mut self) {
+        let s = &mut self.stats;
+        s.peak_live_bytes = s.live_bytes;
+        s.peak_allocated_bytes = s.allocated_bytes;
+        s.peak_reserved_bytes = s.reserved_bytes;
+    }
+
+    fn raw_alloc(&mut self, bytes: usize) -> Option<NonNull<u8>> {
+        let ptr = self.raw.alloc(bytes)?;
+        let s = &mut self.stats;
+        s.allocator_calls += 1;
+        s.reserved_bytes += bytes;
+        s.peak_reserved_bytes = s.peak_reserved_bytes.max(s.reserved_bytes);
+        Some(ptr)
+    }
+
+    #[inline]
+    fn on_take(&mut self, bytes: usize, capacity: usize) {
+        let s = &mut self.stats;
+        s.live_bytes += bytes;
+        s.allocated_bytes += capacity;
+        s.peak_live_bytes = s.peak_live_bytes.max(s.live_bytes);
+        s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
+    }
+
+    #[inline]
+    fn on_give(&mut self, bytes: usize, capacity: usize) {
+        self.stats.live_bytes -= bytes;
+        self.stats.allocated_bytes -= capacity;
     }
 }
 
-impl Drop for Pool {
+impl<R: RawMemory> Drop for Pool<R> {
     fn drop(&mut self) {
         self.empty();
     }
 }
 
-fn class_capacity(class: usize) -> usize {
-    if class == 0 {
-        return 1 << MIN_SHIFT;
-    }
-    let p = MIN_SHIFT as usize + (class - 1) / STEPS;
-    let base = 1usize << p;
-    base + ((class - 1) % STEPS + 1) * (base / STEPS)
-}
-
 #[cfg(test)]
 mod tests {
+    //! The pool alone against a fake device allocator with a fixed capacity that can refuse on
+    //! demand, driven by random programs of takes and gives and checked against a shadow model.
+
+    use std::cell::RefCell;
+    use std::collections::BTreeMap;
+    use std::rc::Rc;
+
+    use proptest::prelude::*;
+
     use super::*;
+    use crate::memory::segments::SEGMENT_ROUND;
 
-    #[test]
-    fn classes_cover_requests_with_bounded_waste() {
-        let mut last = (0, 0);
-        for bytes in 1..20_000usize {
-            let (class, cap) = size_class(bytes);
-            assert!(cap >= bytes, "{bytes} -> {cap}");
-            assert!(
-                bytes <= 64 || cap * 4 <= bytes * 5 + 64 * 4,
-                "waste too big: {bytes} -> {cap}"
+    /// A device allocator with `capacity` bytes that refuses when full or when told to.
+    #[derive(Default)]
+    struct Fake {
+        capacity: usize,
+        used: usize,
+        /// Where the next allocation goes: addresses only grow, so segments are often adjacent
+        /// (which must not make their blocks merge).
+        next: usize,
+        /// Live allocations: address → size.
+        live: BTreeMap<usize, usize>,
+        /// Whether the n-th call refuses (calls past the end do not).
+        refuse: Vec<bool>,
+        calls: usize,
+        /// Whether the latest call refused only because it was told to.
+        last_injected: bool,
+    }
+
+    #[derive(Clone, Default)]
+    struct FakeMemory(Rc<RefCell<Fake>>);
+
+    impl RawMemory for FakeMemory {
+        fn alloc(&mut self, bytes: usize) -> Option<NonNull<u8>> {
+            let mut f = self.0.borrow_mut();
+            let injected = f.refuse.get(f.calls).copied().unwrap_or(false);
+            f.calls += 1;
+            f.last_injected = injected;
+            if injected || f.used + bytes > f.capacity {
+                return None;
+            }
+            let addr = f.next;
+            f.next += bytes.next_multiple_of(64);
+            f.used += bytes;
+            f.live.insert(addr, bytes);
+            NonNull::new(std::ptr::without_provenance_mut(addr))
+        }
+
+        unsafe fn free(&mut self, ptr: NonNull<u8>, bytes: usize) {
+            let mut f = self.0.borrow_mut();
+            assert_eq!(
+                f.live.remove(&ptr.addr().get()),
+                Some(bytes),
+                "freed as allocated"
             );
-            assert!(class >= last.0 && cap >= last.1);
-            assert_eq!(class_capacity(class), cap);
-            assert_eq!(size_class(cap), (class, cap), "a capacity is its own class");
-            last = (class, cap);
+            f.used -= bytes;
         }
     }
 
-    #[test]
-    fn trim_releases_largest_blocks_first() {
-        let mut pool = Pool::new(Device::Cpu);
-        let blocks: Vec<_> = [100usize, 1000, 10_000]
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// Take this many bytes.
+        Take(usize),
+        /// Give back the live block at this index (modulo the live count).
+        Give(usize),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            3 => (1..=SMALL_MAX).prop_map(Step::Take),
+            3 => (SMALL_MAX + 1..=6 * SEGMENT_ROUND).prop_map(Step::Take),
+            1 => (6 * SEGMENT_ROUND..=20 * SEGMENT_ROUND).prop_map(Step::Take),
+            5 => any::<usize>().prop_map(Step::Give),
+        ]
+    }
+
+    /// The bytes of device allocations that hold at least one live block: what no release can return.
+    fn pinned(fake: &Fake, live: &BTreeMap<usize, (usize, usize)>) -> usize {
+        fake.live
             .iter()
-            .map(|&b| pool.take(b).unwrap())
-            .collect();
-        for &(p, cap, _) in &blocks {
-            // SAFETY: each block came from this pool with its capacity and is not used again.
-            unsafe { pool.give(p, cap) };
+            .filter(|&(&a, &size)| live.range(a..a + size).next().is_some())
+            .map(|(_, &size)| size)
+            .sum()
+    }
+
+    fn check_books(pool: &Pool<FakeMemory>, fake: &Fake, live: &BTreeMap<usize, (usize, usize)>) {
+        let s = pool.stats();
+        assert_eq!(
+            s.reserved_bytes, fake.used,
+            "reserved is what the device gave"
+        );
+        assert_eq!(s.live_bytes, live.values().map(|v| v.0).sum::<usize>());
+        assert_eq!(s.allocated_bytes, live.values().map(|v| v.1).sum::<usize>());
+        assert_eq!(s.reserved_bytes, s.allocated_bytes + s.cached_bytes);
+        if let Some(limit) = s.cache_limit {
+            // Over the limit only with nothing left that could go back.
+            assert!(
+                s.cached_bytes <= limit
+                    || (pool.small.cached_bytes() == 0 && pool.large.idle_segment_bytes() == 0),
+                "{s:?}"
+            );
         }
-        let (small, mid, large) = (blocks[0].1, blocks[1].1, blocks[2].1);
-        assert_eq!(pool.trim(small + mid), large);
-        assert_eq!(pool.cached_bytes(), small + mid);
-        assert_eq!(pool.trim(small + mid), 0, "already within the limit");
-        assert_eq!(pool.trim(0), small + mid);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        #[test]
+        fn the_pool_never_refuses_what_its_cache_could_serve(
+            steps in proptest::collection::vec(step(), 1..200),
+            refuse in proptest::collection::vec(prop::bool::weighted(0.15), 0..300),
+            limit in prop_oneof![Just(None), (0..=8 * SEGMENT_ROUND).prop_map(Some)],
+        ) {
+            let capacity = 64 * SEGMENT_ROUND;
+            let memory = FakeMemory::default();
+            *memory.0.borrow_mut() = Fake { capacity, next: 1 << 40, refuse, ..Fake::default() };
+            let mut pool = Pool::new(memory.clone(), limit);
+            // Shadow of the live blocks: address → (bytes, capacity).
+            let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+            for step in steps {
+                match step {
+                    Step::Take(bytes) => match pool.take(bytes).ok() {
+                        Some((ptr, capacity, _)) => {
+                            let addr = ptr.addr().get();
+                            prop_assert!(capacity >= bytes);
+                            // Inside one device allocation, overlapping no live block.
+                            let f = memory.0.borrow();
+                            let (&base, &size) = f.live.range(..=addr).next_back().expect("in an allocation");
+                            prop_assert!(addr + capacity <= base + size, "inside its allocation");
+                            if let Some((&a, &(_, c))) = live.range(..addr).next_back() {
+                                prop_assert!(a + c <= addr, "overlaps the block below");
+                            }
+                            if let Some((&a, _)) = live.range(addr..).next() {
+                                prop_assert!(addr + capacity <= a, "overlaps the block above");
+                            }
+                            live.insert(addr, (bytes, capacity));
+                        }
+                        None => {
+                            // Refused: the device really could not give it, with everything
+                            // releasable released (or the last call was told to refuse).
+                            let f = memory.0.borrow();
+                            let need = if bytes <= SMALL_MAX {
+                                size_class(bytes).1
+                            } else {
+                                Segments::segment_size(Segments::round(bytes).unwrap()).unwrap()
+                            };
+                            prop_assert!(f.last_injected || pinned(&f, &live) + need > capacity,
+                                "refused {bytes} with {} pinned of {capacity}", pinned(&f, &live));
+                            prop_assert_eq!(pool.small.cached_bytes(), 0, "small blocks released");
+                            prop_assert_eq!(pool.large.idle_segment_bytes(), 0, "idle segments released");
+                        }
+                    },
+                    Step::Give(i) if !live.is_empty() => {
+                        let (&addr, &(bytes, capacity)) = live.iter().nth(i % live.len()).unwrap();
+                        live.remove(&addr);
+                        let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
+                        // SAFETY: the block came from this pool with this capacity and is not used again.
+                        unsafe { pool.give(ptr, bytes, capacity) };
+                    }
+                    Step::Give(_) => {}
+                }
+                check_books(&pool, &memory.0.borrow(), &live);
+            }
+            // Everything back: the segments are whole again, and all of it can be released.
+            for (addr, (bytes, capacity)) in std::mem::take(&mut live) {
+                let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
+                // SAFETY: as above.
+                unsafe { pool.give(ptr, bytes, capacity) };
+            }
+            prop_assert_eq!(pool.large.idle_segment_bytes(), pool.large.idle_bytes(), "coalesced into whole segments");
+            pool.empty();
+            prop_assert_eq!(memory.0.borrow().used, 0);
+            prop_assert_eq!(pool.stats().segments, 0);
+        }
     }
 
     #[test]
-    fn the_largest_allowed_request_has_a_class() {
-        let (class, cap) = size_class(isize::MAX as usize);
-        assert!(class < CLASSES && cap > isize::MAX as usize);
-        assert_eq!(class_capacity(CLASSES - 1), cap);
+    fn a_refusal_releases_the_cache_and_retries() {
+        let memory = FakeMemory::default();
+        *memory.0.borrow_mut() = Fake {
+            capacity: 4 * SEGMENT_ROUND,
+            next: 1 << 40,
+            ..Fake::default()
+        };
+        let mut pool = Pool::new(memory.clone(), None);
+        // Two 2 MiB segments, idle; then 4 MiB: the device is full until the pool lets them go.
+        let a = pool.take(SEGMENT_ROUND).unwrap();
+        let b = pool.take(SEGMENT_ROUND).unwrap();
+        for (ptr, capacity, _) in [a, b] {
+            // SAFETY: the blocks came from this pool and are not used again.
+            unsafe { pool.give(ptr, SEGMENT_ROUND, capacity) };
+        }
+        assert_eq!(pool.cached_bytes(), 2 * SEGMENT_ROUND);
+        let c = pool
+            .take(3 * SEGMENT_ROUND - 1000)
+            .expect("served after the release");
+        assert_eq!(c.2, Source::System);
+        let s = pool.stats();
+        assert_eq!(
+            (s.refusals, s.retries, s.released_for_retries),
+            (1, 1, 2 * SEGMENT_ROUND as u64)
+        );
+        assert_eq!((s.reserved_bytes, s.segments), (3 * SEGMENT_ROUND, 1));
+        assert_eq!(
+            s.cached_bytes, 512,
+            "the segment's tail after the 512-byte granules"
+        );
+        assert_eq!(
+            pool.take(2 * SEGMENT_ROUND),
+            Err(0),
+            "6 MiB of 8 reserved, none idle"
+        );
+        let s = pool.stats();
+        assert_eq!(
+            (s.refusals, s.retries),
+            (2, 1),
+            "nothing to release: no retry"
+        );
+        assert!(
+            pool.take(400).is_ok(),
+            "a small block is its own allocation"
+        );
     }
 
     #[test]
-    fn freed_blocks_are_reused() {
-        let mut pool = Pool::new(Device::Cpu);
-        let (p, cap, src) = pool.take(1000).unwrap();
-        assert!(matches!(src, Source::System));
-        // SAFETY: `p` came from this pool with capacity `cap` and is not used again.
-        unsafe { pool.give(p, cap) };
-        assert_eq!(pool.cached_bytes(), cap);
-        let (q, _, src) = pool.take(1001).unwrap();
-        assert!(matches!(src, Source::Reused));
-        assert_eq!(p, q);
-        // SAFETY: as above, for `q`.
-        unsafe { pool.give(q, cap) };
-        assert_eq!(pool.empty(), cap);
-        assert_eq!(pool.cached_bytes(), 0);
+    fn the_cache_limit_returns_idle_blocks_as_they_come_back() {
+        let memory = FakeMemory::default();
+        *memory.0.borrow_mut() = Fake {
+            capacity: usize::MAX / 2,
+            next: 1 << 40,
+            ..Fake::default()
+        };
+        let mut pool = Pool::new(memory.clone(), Some(SEGMENT_ROUND));
+        let blocks: Vec<_> = (0..3).map(|_| pool.take(SEGMENT_ROUND).unwrap()).collect();
+        let small = pool.take(100).unwrap();
+        for (ptr, capacity, _) in blocks {
+            // SAFETY: the blocks came from this pool and are not used again.
+            unsafe { pool.give(ptr, SEGMENT_ROUND, capacity) };
+        }
+        assert_eq!(
+            pool.cached_bytes(),
+            SEGMENT_ROUND,
+            "one segment kept, two returned"
+        );
+        // SAFETY: as above.
+        unsafe { pool.give(small.0, 100, small.1) };
+        // Over the limit by a small block: idle blocks go largest first, so the segment went.
+        assert_eq!(
+            pool.cached_bytes(),
+            112,
+            "100 bytes take the 112-byte class"
+        );
+        assert_eq!(memory.0.borrow().used, 112);
     }
 }

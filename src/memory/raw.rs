@@ -11,6 +11,35 @@ use crate::device::Device;
 /// Every block is aligned for the widest SIMD loads (and a cache line).
 pub(crate) const ALIGN: usize = 64;
 
+/// An allocator of raw memory for a [`Pool`](crate::memory::pool::Pool): the device's own
+/// ([`DeviceMemory`]) or, in tests, a fake with a fixed capacity that can refuse on demand.
+pub(crate) trait RawMemory {
+    /// `bytes` (> 0) bytes; `None` when the allocator refuses.
+    fn alloc(&mut self, bytes: usize) -> Option<NonNull<u8>>;
+
+    /// Returns memory taken with [`alloc`](Self::alloc).
+    ///
+    /// # Safety
+    /// `ptr` came from `self.alloc(bytes)` with this `bytes`, and nothing uses it afterwards (for a
+    /// GPU: no work queued later on the device's stream reads it).
+    unsafe fn free(&mut self, ptr: NonNull<u8>, bytes: usize);
+}
+
+/// A device's own allocator ([`alloc`] and [`free`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceMemory(pub(crate) Device);
+
+impl RawMemory for DeviceMemory {
+    fn alloc(&mut self, bytes: usize) -> Option<NonNull<u8>> {
+        alloc(self.0, bytes)
+    }
+
+    unsafe fn free(&mut self, ptr: NonNull<u8>, bytes: usize) {
+        // SAFETY: forwarded from the caller.
+        unsafe { free(self.0, ptr, bytes) }
+    }
+}
+
 /// Takes `bytes` (> 0) bytes of `device` memory; `None` when the allocator refuses. For a GPU the
 /// pointer is a device address, never dereferenced on the host.
 pub(crate) fn alloc(device: Device, bytes: usize) -> Option<NonNull<u8>> {
@@ -34,10 +63,18 @@ pub(crate) unsafe fn free(device: Device, ptr: NonNull<u8>, bytes: usize) {
     }
 }
 
+/// Host allocations of at least this many bytes are mapped from the kernel directly: they come as
+/// zero pages mapped on first touch, so a large block costs nothing until it is written, and it goes
+/// back to the kernel whole when freed.
+const MAP_MIN: usize = 1 << 20;
+
 /// Takes `capacity` zeroed bytes from the system. Zeroing happens once per block, when it first comes
 /// from the system: every byte of every block is initialised from then on, so kernels may view any
 /// block as a slice of plain numbers.
 fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
+    if capacity >= MAP_MIN {
+        return map(capacity);
+    }
     let layout = AllocLayout::from_size_align(capacity, ALIGN).ok()?;
     // SAFETY: `capacity > 0` for every caller (empty tensors never allocate), so the layout is valid
     // for `alloc_zeroed`.
@@ -49,11 +86,71 @@ fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
 /// # Safety
 /// `ptr` came from `system_alloc(capacity)` with this `capacity`, and is not used afterwards.
 unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
+    if capacity >= MAP_MIN {
+        // SAFETY: forwarded from the caller: `ptr` came from `map(capacity)`.
+        return unsafe { unmap(ptr, capacity) };
+    }
     // SAFETY: the caller guarantees `ptr` was allocated with exactly this layout.
     unsafe {
         alloc::dealloc(
             ptr.as_ptr(),
             AllocLayout::from_size_align_unchecked(capacity, ALIGN),
+        )
+    }
+}
+
+/// `bytes` of fresh zero pages (page-aligned, so aligned to [`ALIGN`]); `None` when the kernel
+/// refuses (an address-space limit, or no memory to commit).
+#[cfg(unix)]
+fn map(bytes: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no existing
+    // memory; the result is checked before use.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return None;
+    }
+    NonNull::new(ptr.cast())
+}
+
+/// Unmaps pages mapped by [`map`].
+///
+/// # Safety
+/// `ptr` came from `map(bytes)` with this `bytes`, and is not used afterwards.
+#[cfg(unix)]
+unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
+    // SAFETY: forwarded from the caller: the range is exactly one mapping of ours, unused from now.
+    // It cannot fail for a range that `mmap` returned.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), bytes) };
+}
+
+/// Zeroed memory from the global allocator, where the platform has no `mmap`.
+#[cfg(not(unix))]
+fn map(bytes: usize) -> Option<NonNull<u8>> {
+    let layout = AllocLayout::from_size_align(bytes, ALIGN).ok()?;
+    // SAFETY: `bytes >= MAP_MIN > 0`, so the layout is valid for `alloc_zeroed`.
+    NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
+}
+
+/// Returns memory taken with [`map`].
+///
+/// # Safety
+/// `ptr` came from `map(bytes)` with this `bytes`, and is not used afterwards.
+#[cfg(not(unix))]
+unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
+    // SAFETY: the caller guarantees `ptr` was allocated with exactly this layout.
+    unsafe {
+        alloc::dealloc(
+            ptr.as_ptr(),
+            AllocLayout::from_size_align_unchecked(bytes, ALIGN),
         )
     }
 }

@@ -107,3 +107,85 @@ impl fmt::Display for ScopeStats {
         Ok(())
     }
 }
+
+/// A tree's memory on one device, in the spirit of PyTorch's `torch.cuda.memory_stats`: what its
+/// tensors use, what its pool holds from the device's allocator, and how the allocator answered.
+/// From [`Scope::memory_stats`](crate::Scope::memory_stats).
+///
+/// Bytes come in three layers: `live_bytes` (what tensors use) ≤ `allocated_bytes` (the blocks that
+/// hold them, rounded up to a size class or a 512-byte granule) ≤ `reserved_bytes` (everything taken
+/// from the device's allocator: those blocks plus `cached_bytes` of idle ones). Workspace arenas are
+/// counted by their workspace, not here.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes of the tree's live tensors in pool blocks (each block counted once).
+    pub live_bytes: usize,
+    /// The most `live_bytes` at once.
+    pub peak_live_bytes: usize,
+    /// Bytes of the blocks holding them.
+    pub allocated_bytes: usize,
+    /// The most `allocated_bytes` at once.
+    pub peak_allocated_bytes: usize,
+    /// Bytes held from the device's allocator: allocated and idle blocks.
+    pub reserved_bytes: usize,
+    /// The most `reserved_bytes` at once.
+    pub peak_reserved_bytes: usize,
+    /// Bytes of idle blocks kept for reuse (`reserved_bytes - allocated_bytes`).
+    pub cached_bytes: usize,
+    /// The most idle bytes the pool keeps (`None`: no bound); see
+    /// [`Scope::set_cache_limit`](crate::Scope::set_cache_limit).
+    pub cache_limit: Option<usize>,
+    /// Segments held (allocations that large blocks are carved from).
+    pub segments: usize,
+    /// Calls to the device's allocator that returned memory.
+    pub allocator_calls: u64,
+    /// Memory returned to the device's allocator (trims, `empty_cache`, releases before retries).
+    pub free_calls: u64,
+    /// Times the device's allocator refused a request.
+    pub refusals: u64,
+    /// Times a refusal made the pool release idle memory (its own, then other trees' on the device)
+    /// and ask again.
+    pub retries: u64,
+    /// Bytes released for those retries.
+    pub released_for_retries: u64,
+    /// Requests refused even after every release: each one an `Error::OutOfMemory`.
+    pub failures: u64,
+}
+
+impl MemoryStats {
+    /// Reserved bytes over live bytes at their peaks: how much more memory the device gave than the
+    /// tensors ever needed at once (1.0 is perfect; size-class rounding, idle blocks that did not fit
+    /// later requests and segment tails all raise it). `NaN` before any allocation.
+    pub fn fragmentation(&self) -> f64 {
+        self.peak_reserved_bytes as f64 / self.peak_live_bytes as f64
+    }
+}
+
+impl fmt::Display for MemoryStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} live (peak {}), {} allocated, {} reserved (peak {}, {:.2}x the live peak), {} cached, {} segments, {} allocator calls",
+            Bytes(self.live_bytes),
+            Bytes(self.peak_live_bytes),
+            Bytes(self.allocated_bytes),
+            Bytes(self.reserved_bytes),
+            Bytes(self.peak_reserved_bytes),
+            self.fragmentation(),
+            Bytes(self.cached_bytes),
+            self.segments,
+            self.allocator_calls,
+        )?;
+        if self.refusals > 0 {
+            write!(
+                f,
+                ", {} refusals, {} retries releasing {}, {} failed",
+                self.refusals,
+                self.retries,
+                Bytes(self.released_for_retries as usize),
+                self.failures
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -4,7 +4,7 @@
 use std::cell::Cell;
 
 use crate::error::Result;
-use crate::scope::node::{ScopeNode, out_of_memory};
+use crate::scope::node::{ScopeNode, over_budget};
 
 /// What an injected fault does at the allocation it hits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,13 +51,7 @@ impl FaultPlan {
             Fault::OutOfBudget => {
                 node.stats.borrow_mut().ooms += 1;
                 let live = node.stats.borrow().subtree_bytes;
-                Err(out_of_memory(
-                    node.name,
-                    bytes,
-                    live,
-                    Some(live),
-                    Some(node),
-                ))
+                Err(over_budget(node.name, node.device, bytes, live, live, node))
             }
             Fault::Panic => panic!(
                 "injected fault: panic at an allocation of {bytes} bytes in scope \"{}\"",

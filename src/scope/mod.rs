@@ -24,7 +24,7 @@ pub use timeline::{EventKind, MemoryEvent, Timeline};
 use crate::device::Device;
 use crate::error::Result;
 use crate::memory::arena::Workspace;
-use crate::memory::stats::ScopeStats;
+use crate::memory::stats::{MemoryStats, ScopeStats};
 use crate::rng::Rng;
 use node::{CloseOnDrop, ScopeName, ScopeNode, TreeState};
 
@@ -274,6 +274,55 @@ impl<'s> Scope<'s> {
     /// ```
     pub fn trim_cache(&self, max_cached: usize) -> usize {
         self.node.tree().trim_cache(max_cached)
+    }
+
+    /// The tree's memory on `device`: live, allocated, reserved and cached bytes with their peaks,
+    /// the device allocator's calls, refusals and the retries they caused. All zero for a device the
+    /// tree has not allocated on.
+    ///
+    /// ```
+    /// use ndscope::{Device, root};
+    /// root(Device::Cpu, |s| {
+    ///     let big = s.zeros(&[1 << 20])?; // 4 MiB: a block of a new 4 MiB segment
+    ///     drop(big);
+    ///     let m = s.memory_stats(Device::Cpu);
+    ///     assert_eq!((m.live_bytes, m.peak_live_bytes), (0, 4 << 20));
+    ///     assert_eq!((m.reserved_bytes, m.cached_bytes, m.segments), (4 << 20, 4 << 20, 1));
+    ///     assert_eq!(m.fragmentation(), 1.0);
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn memory_stats(&self, device: Device) -> MemoryStats {
+        self.node.tree().memory_stats(device)
+    }
+
+    /// Restarts the peaks of [`memory_stats`](Self::memory_stats) (every device of the tree) from the
+    /// current values, to measure a phase of a program on its own.
+    pub fn reset_memory_peaks(&self) {
+        self.node.tree().reset_memory_peaks();
+    }
+
+    /// Bounds the idle bytes the tree keeps cached on `device` (`None`: no bound), returning idle
+    /// blocks beyond it to the device's allocator now and whenever a freed block takes the cache
+    /// over the bound. Host memory is bounded by default to an eighth of the machine's physical memory,
+    /// so that a cache alone never drives a process into the kernel's OOM killer; GPU memory is not,
+    /// since the GPU's allocator refuses instead, and a refusal makes every tree on the GPU release
+    /// its idle blocks before the request is retried. Idle space inside a segment that still holds a
+    /// live tensor stays cached until the segment empties.
+    ///
+    /// ```
+    /// use ndscope::{Device, root};
+    /// root(Device::Cpu, |s| {
+    ///     s.set_cache_limit(Device::Cpu, Some(1 << 20));
+    ///     drop(s.zeros(&[1 << 20])?); // a 4 MiB segment, idle once the tensor drops
+    ///     assert_eq!(s.stats().cached_bytes, 0, "over the limit: returned to the system");
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn set_cache_limit(&self, device: Device, max_cached: Option<usize>) {
+        self.node.tree().set_cache_limit(device, max_cached);
     }
 
     /// Fault injection for tests: the `nth` allocation from now anywhere in this scope's tree

@@ -8,6 +8,7 @@
 use std::cell::{Cell, RefCell};
 use std::panic::Location;
 use std::ptr::{self, NonNull};
+use std::sync::Arc;
 
 use crate::device::Device;
 use crate::dtype::DType;
@@ -17,9 +18,10 @@ use crate::memory::arena::Workspace;
 use crate::memory::block::{
     BlockHeader, BlockOwner, BlockRef, HeaderSlab, Home, Region, ShapeSummary,
 };
-use crate::memory::pool::{Pool, Source};
-use crate::memory::raw::ALIGN;
-use crate::memory::stats::ScopeStats;
+use crate::memory::pool::{Pool, Source, Taken};
+use crate::memory::raw::{ALIGN, DeviceMemory};
+use crate::memory::reclaim::{Refused, SharedPool, default_cache_limit};
+use crate::memory::stats::{MemoryStats, ScopeStats};
 use crate::rng::Rng;
 use crate::scope::fault::FaultPlan;
 use crate::scope::timeline::{EventKind, Recorder};
@@ -31,8 +33,9 @@ thread_local! {
 
 /// State shared by every scope of one tree: the block caches, the header slab and the RNG.
 pub(crate) struct TreeState {
-    /// One caching pool per device the tree has allocated on; the host's comes first.
-    pools: RefCell<Vec<Pool>>,
+    /// One caching pool per device the tree has allocated on; the host's comes first. Pools are
+    /// shared with the process-wide registry, through which other trees release their idle blocks.
+    pools: RefCell<Vec<Arc<SharedPool>>>,
     pub(crate) slab: RefCell<HeaderSlab>,
     pub(crate) rng: Cell<Rng>,
     pub(crate) root: Cell<*const ScopeNode>,
@@ -43,7 +46,7 @@ pub(crate) struct TreeState {
 impl TreeState {
     pub(crate) fn new() -> TreeState {
         TreeState {
-            pools: RefCell::new(vec![Pool::new(Device::Cpu)]),
+            pools: RefCell::new(vec![SharedPool::register(Device::Cpu)]),
             slab: RefCell::new(HeaderSlab::default()),
             rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
             root: Cell::new(ptr::null()),
@@ -52,58 +55,108 @@ impl TreeState {
         }
     }
 
-    /// A cached or new block of `device` memory of at least `bytes` (> 0) bytes.
-    fn take(&self, device: Device, bytes: usize) -> Option<(NonNull<u8>, usize, Source)> {
-        let mut pools = self.pools.borrow_mut();
-        let index = match pools.iter().position(|p| p.device() == device) {
-            Some(i) => i,
-            None => {
-                pools.push(Pool::new(device));
-                pools.len() - 1
-            }
-        };
-        pools[index].take(bytes)
+    /// The tree's pool of `device` memory, created on first use.
+    #[inline]
+    fn pool(&self, device: Device) -> Arc<SharedPool> {
+        if let Some(pool) = self.pools.borrow().iter().find(|p| p.device() == device) {
+            return Arc::clone(pool);
+        }
+        let pool = SharedPool::register(device);
+        self.pools.borrow_mut().push(Arc::clone(&pool));
+        pool
     }
 
-    /// Caches a block of `device` memory.
+    /// Runs `f` on the pool of `device`, if the tree has one.
+    fn with_pool<R>(
+        &self,
+        device: Device,
+        f: impl FnOnce(&mut Pool<DeviceMemory>) -> R,
+    ) -> Option<R> {
+        let pools = self.pools.borrow();
+        let pool = pools.iter().find(|p| p.device() == device)?;
+        Some(f(&mut pool.lock()))
+    }
+
+    /// A cached or new block of `device` memory of at least `bytes` (> 0) bytes, under the pools'
+    /// refusal policy.
+    #[inline]
+    fn take(&self, device: Device, bytes: usize) -> std::result::Result<Taken, Refused> {
+        let pools = self.pools.borrow();
+        match pools.iter().find(|p| p.device() == device) {
+            Some(pool) => pool.take(bytes),
+            None => {
+                drop(pools);
+                self.pool(device).take(bytes)
+            }
+        }
+    }
+
+    /// Caches a block of `device` memory holding `bytes` used bytes.
     ///
     /// # Safety
-    /// As for [`Pool::give`]: `ptr` came from [`TreeState::take`] on `device` with this class
-    /// `capacity`, and nothing uses it any more.
-    unsafe fn give(&self, device: Device, ptr: NonNull<u8>, capacity: usize) {
-        let mut pools = self.pools.borrow_mut();
-        let pool = pools
-            .iter_mut()
-            .find(|p| p.device() == device)
-            .expect("a block goes back to the pool of its device, created when it was taken");
+    /// As for [`Pool::give`]: `ptr` came from [`TreeState::take`] on `device` with this `capacity`,
+    /// and nothing uses it any more.
+    #[inline]
+    unsafe fn give(&self, device: Device, ptr: NonNull<u8>, bytes: usize, capacity: usize) {
         // SAFETY: forwarded from the caller.
-        unsafe { pool.give(ptr, capacity) };
+        let given = self.with_pool(device, |pool| unsafe { pool.give(ptr, bytes, capacity) });
+        debug_assert!(
+            given.is_some(),
+            "a block goes back to the pool it came from"
+        );
     }
 
     /// Bytes cached by every pool of the tree.
     pub(crate) fn cached_bytes(&self) -> usize {
-        self.pools.borrow().iter().map(Pool::cached_bytes).sum()
+        self.pools
+            .borrow()
+            .iter()
+            .map(|p| p.lock().cached_bytes())
+            .sum()
     }
 
     /// Hands every cached block back to its device's allocator; returns the bytes released.
     pub(crate) fn empty_cache(&self) -> usize {
-        self.pools.borrow_mut().iter_mut().map(Pool::empty).sum()
+        self.pools.borrow().iter().map(|p| p.lock().empty()).sum()
     }
 
-    /// Hands cached blocks back (largest classes first, pool by pool) until at most `max_cached`
-    /// bytes stay cached in the whole tree; returns the bytes released.
+    /// Hands cached blocks back (largest first, pool by pool) until at most `max_cached` bytes stay
+    /// cached in the whole tree or nothing more can go; returns the bytes released.
     pub(crate) fn trim_cache(&self, max_cached: usize) -> usize {
         let mut excess = self.cached_bytes().saturating_sub(max_cached);
         let mut released = 0;
-        for pool in self.pools.borrow_mut().iter_mut() {
+        for pool in self.pools.borrow().iter() {
             if excess == 0 {
                 break;
             }
-            let freed = pool.trim(pool.cached_bytes().saturating_sub(excess));
+            let mut pool = pool.lock();
+            let keep = pool.cached_bytes().saturating_sub(excess);
+            let freed = pool.trim(keep);
             excess = excess.saturating_sub(freed);
             released += freed;
         }
         released
+    }
+
+    /// The counters of the tree's pool of `device` (all zero if the tree never used it).
+    pub(crate) fn memory_stats(&self, device: Device) -> MemoryStats {
+        self.with_pool(device, |p| p.stats())
+            .unwrap_or(MemoryStats {
+                cache_limit: default_cache_limit(device),
+                ..MemoryStats::default()
+            })
+    }
+
+    /// Sets the most idle bytes the pool of `device` keeps.
+    pub(crate) fn set_cache_limit(&self, device: Device, limit: Option<usize>) {
+        self.pool(device).lock().set_limit(limit);
+    }
+
+    /// Restarts the peaks of every pool's counters.
+    pub(crate) fn reset_memory_peaks(&self) {
+        for pool in self.pools.borrow().iter() {
+            pool.lock().reset_peaks();
+        }
     }
 }
 
@@ -150,23 +203,50 @@ unsafe impl Send for ScopeNode {}
 // SAFETY: as above.
 unsafe impl Sync for ScopeNode {}
 
-/// The error of a refused allocation of `requested` bytes: `scope` is the scope whose limit (a budget,
-/// or the device's allocator when `budget` is `None`) refused it while holding `live` bytes; the dump
-/// shows `tree`, the tree the request came from (none for the system scope). Every refusal is built
-/// here.
+/// The error of an allocation of `requested` bytes that would take `scope`'s subtree, holding `live`
+/// bytes, over its `budget`; the dump shows the tree `from`, whose pools hold `cached` idle bytes.
 #[cold]
-pub(crate) fn out_of_memory(
+pub(crate) fn over_budget(
     scope: impl ToString,
+    device: Device,
     requested: usize,
     live: usize,
-    budget: Option<usize>,
-    tree: Option<&ScopeNode>,
+    budget: usize,
+    from: &ScopeNode,
 ) -> Error {
     Error::OutOfMemory {
         scope: scope.to_string(),
+        device: device.to_string(),
         requested,
         live,
-        budget,
+        budget: Some(budget),
+        cached: from.tree().cached_bytes(),
+        released: 0,
+        dump: crate::scope::dump::dump_tree(from.root()),
+    }
+}
+
+/// The error of an allocation of `requested` bytes of `device` memory that the device's allocator
+/// refused, also after `released` idle bytes went back to it; `tree` is the tree the request came
+/// from (none for the system scope, whose `live` bytes are then the system scope's).
+#[cold]
+pub(crate) fn refused(
+    scope: impl ToString,
+    device: Device,
+    requested: usize,
+    released: usize,
+    tree: Option<&ScopeNode>,
+    live: usize,
+) -> Error {
+    let stats = tree.map(|node| node.tree().memory_stats(device));
+    Error::OutOfMemory {
+        scope: scope.to_string(),
+        device: device.to_string(),
+        requested,
+        live: stats.map_or(live, |s| s.live_bytes),
+        budget: None,
+        cached: stats.map_or(0, |s| s.cached_bytes),
+        released,
         dump: tree.map_or_else(String::new, |node| {
             crate::scope::dump::dump_tree(node.root())
         }),
@@ -305,7 +385,7 @@ impl ScopeNode {
     /// Checks the cap and every budget on the way to the root before `bytes` come into this scope.
     /// `counted_in` is the scope that holds the bytes now (for moves): budgets that already count it
     /// are not charged twice.
-    fn admit(&self, bytes: usize, counted_in: Option<&ScopeNode>) -> Result<()> {
+    fn admit(&self, device: Device, bytes: usize, counted_in: Option<&ScopeNode>) -> Result<()> {
         if self.capped.get() {
             return Err(Error::Capped {
                 scope: self.name.to_string(),
@@ -322,13 +402,7 @@ impl ScopeNode {
             let live = node.stats.borrow().subtree_bytes;
             if live.saturating_add(bytes) > budget {
                 self.stats.borrow_mut().ooms += 1;
-                return Err(out_of_memory(
-                    node.name,
-                    bytes,
-                    live,
-                    Some(budget),
-                    Some(self),
-                ));
+                return Err(over_budget(node.name, device, bytes, live, budget, self));
             }
         }
         Ok(())
@@ -344,7 +418,7 @@ impl ScopeNode {
     ) -> Result<BlockRef> {
         let bytes = checked_numel(shape, dtype.size())? * dtype.size();
         self.tree().faults.on_alloc(self, bytes)?;
-        self.admit(bytes, None)?;
+        self.admit(device, bytes, None)?;
         let region = if bytes == 0 {
             Region::empty(device)
         } else if let Some(ptr) = self.with_arena(|a| a.bump(device, bytes)).flatten() {
@@ -359,11 +433,12 @@ impl ScopeNode {
             if self.with_arena(|a| a.note_spill(device, bytes)) == Some(true) {
                 self.stats.borrow_mut().spills += 1;
             }
-            let taken = self.tree().take(device, bytes);
-            let Some((ptr, capacity, source)) = taken else {
-                self.stats.borrow_mut().ooms += 1;
-                let live = self.stats.borrow().live_bytes;
-                return Err(out_of_memory(self.name, bytes, live, None, Some(self)));
+            let (ptr, capacity, source) = match self.tree().take(device, bytes) {
+                Ok(taken) => taken,
+                Err(Refused { released }) => {
+                    self.stats.borrow_mut().ooms += 1;
+                    return Err(refused(self.name, device, bytes, released, Some(self), 0));
+                }
             };
             let mut stats = self.stats.borrow_mut();
             match (source, device) {
@@ -472,7 +547,7 @@ impl ScopeNode {
             // GPU, later users of the bytes are ordered after earlier ones by the device's stream).
             Home::Heap => unsafe {
                 self.tree()
-                    .give(h.device.get(), h.ptr.get(), h.capacity.get())
+                    .give(h.device.get(), h.ptr.get(), h.bytes.get(), h.capacity.get())
             },
             Home::Arena => {
                 self.with_arena(|a| a.pop(h.ptr.get(), h.bytes.get()));
@@ -490,21 +565,29 @@ impl ScopeNode {
             h.home.get() != Home::Arena,
             "arena blocks are copied, never adopted"
         );
-        self.admit(h.bytes.get(), Some(from))?;
+        self.admit(h.device.get(), h.bytes.get(), Some(from))?;
         from.detach(h, EventKind::MoveOut);
         self.attach(h, EventKind::MoveIn);
         self.stats.borrow_mut().moved_in += 1;
         Ok(())
     }
 
-    /// Hands a unique heap block's bytes over to the system scope: unlinks it and recycles its header
-    /// without freeing the bytes. Returns `(ptr, capacity)`.
-    pub(crate) fn surrender(&self, h: &BlockHeader) -> (NonNull<u8>, usize) {
+    /// Hands a unique heap block's bytes over to the system scope: the pool gives the block up, and
+    /// the node unlinks it and recycles its header without freeing the bytes. Returns
+    /// `(ptr, capacity)`, or `None`, changing nothing, when the block shares its pool segment with
+    /// other blocks (the caller copies it instead).
+    pub(crate) fn surrender(&self, h: &BlockHeader) -> Option<(NonNull<u8>, usize)> {
         debug_assert!(h.home.get() == Home::Heap && h.is_unique());
+        let (ptr, bytes, capacity) = (h.ptr.get(), h.bytes.get(), h.capacity.get());
+        let handed = self
+            .tree()
+            .with_pool(h.device.get(), |pool| pool.hand_over(ptr, bytes, capacity));
+        if handed != Some(true) {
+            return None;
+        }
         self.detach(h, EventKind::Detach);
-        let out = (h.ptr.get(), h.capacity.get());
         self.tree().slab.borrow().give(h);
-        out
+        Some((ptr, capacity))
     }
 
     /// Closes the node: reclaims what forgotten handles still hold, finishes a workspace cycle, folds

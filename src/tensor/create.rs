@@ -105,6 +105,33 @@ impl<'s> Scope<'s> {
         self.filled(dtype, shape, value, Location::caller())
     }
 
+    /// A tensor of `dtype` whose elements are left as the memory holds them: zeros, or what an earlier
+    /// tensor of this tree left in the block (never uninitialised memory). For outputs that are
+    /// about to be overwritten, and for measuring the allocator, it costs no pass over the memory
+    /// (PyTorch's `torch.empty`).
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// let mut out = s.empty(&[2, 3], ndscope::DType::F32)?;
+    /// out.fill_(1.5)?;
+    /// assert_eq!(out.to_vec::<f32>()?, vec![1.5; 6]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// When the scope is capped or over budget, the device's allocator refuses, or the shape's size
+    /// overflows.
+    #[track_caller]
+    pub fn empty(&self, shape: &[usize], dtype: DType) -> Result<Tensor<'s>> {
+        Tensor::uninit_in(
+            Owner::Node(&self.node),
+            self.node.device,
+            dtype,
+            shape,
+            Location::caller(),
+        )
+    }
+
     /// A tensor of `data`'s element type holding a copy of `data` in row-major order.
     ///
     /// # Errors

@@ -13,7 +13,8 @@ use crate::error::{Error, Result};
 use crate::layout::{Layout, RowWalk};
 use crate::memory::block::{BlockRef, Home, Region, ShapeSummary, new_system_block};
 use crate::memory::raw;
-use crate::scope::node::{ScopeNode, out_of_memory};
+use crate::memory::reclaim::{self, Refused};
+use crate::scope::node::{ScopeNode, refused};
 use crate::scope::{Movable, Scope};
 
 /// An n-dimensional array whose memory is owned by a scope that lives at least as long as `'s`.
@@ -88,9 +89,9 @@ impl<'n> Owner<'n> {
                     ));
                 }
                 let capacity = bytes.next_multiple_of(raw::ALIGN);
-                let ptr = raw::alloc(device, capacity).ok_or_else(|| {
+                let ptr = reclaim::alloc(device, capacity).map_err(|Refused { released }| {
                     let live = crate::scope::system_stats().live_bytes;
-                    out_of_memory("system", bytes, live, None, None)
+                    refused("system", device, bytes, released, None, live)
                 })?;
                 let region = Region {
                     ptr,
@@ -484,32 +485,35 @@ impl<'s> Tensor<'s> {
             return Ok(self.rebrand());
         };
         if h.is_unique() && h.home.get() == Home::Heap {
-            let (name, at, dtype, bytes) = (
+            let (name, at, dtype, bytes, device) = (
                 h.name.get(),
                 h.created_at.get(),
                 h.dtype.get(),
                 h.bytes.get(),
+                h.device.get(),
             );
             let shape = h.shape.get();
-            let (ptr, capacity) = owner.surrender(h);
-            let region = Region {
-                ptr,
-                bytes,
-                capacity,
-                home: Home::Heap,
-                device: h.device.get(),
-            };
-            let block = new_system_block(region, dtype, shape, at);
-            block.header().name.set(name);
-            let Tensor {
-                block: old,
-                layout,
-                dtype,
-                ..
-            } = self;
-            // The old header was recycled by `surrender`; its reference must not be released again.
-            std::mem::forget(old);
-            return Ok(Tensor::from_parts(block, layout, dtype));
+            // A block carved from a segment it shares cannot leave the pool: it is copied below.
+            if let Some((ptr, capacity)) = owner.surrender(h) {
+                let region = Region {
+                    ptr,
+                    bytes,
+                    capacity,
+                    home: Home::Heap,
+                    device,
+                };
+                let block = new_system_block(region, dtype, shape, at);
+                block.header().name.set(name);
+                let Tensor {
+                    block: old,
+                    layout,
+                    dtype,
+                    ..
+                } = self;
+                // The old header was recycled by `surrender`; its reference must not be released again.
+                std::mem::forget(old);
+                return Ok(Tensor::from_parts(block, layout, dtype));
+            }
         }
         let name = h.name.get();
         let out = self.copy_to_owner(Owner::System)?;

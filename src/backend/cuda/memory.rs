@@ -5,7 +5,7 @@
 use std::ptr::{self, NonNull};
 use std::sync::atomic::Ordering::Relaxed;
 
-use cudarc::driver::result;
+use cudarc::driver::{result, sys};
 
 use crate::backend::cuda::gpu;
 
@@ -17,7 +17,15 @@ pub(crate) fn alloc(ordinal: usize, bytes: usize) -> Option<NonNull<u8>> {
     let address = if gpu.async_alloc {
         // SAFETY: the stream belongs to this GPU's context, which is current; the memory is used only
         // by work on this stream (every op of the GPU runs there).
-        unsafe { result::malloc_async(gpu.stream.cu_stream(), bytes) }
+        let first = unsafe { result::malloc_async(gpu.stream.cu_stream(), bytes) };
+        first.or_else(|_| {
+            // Memory freed with `cuMemFreeAsync` goes back to the driver's pool, not to the device: a
+            // request of another size can be refused while that pool holds the memory it needs. Let
+            // the pool return what it holds once the frees have run, and ask again.
+            trim_driver_pool(gpu);
+            // SAFETY: as above.
+            unsafe { result::malloc_async(gpu.stream.cu_stream(), bytes) }
+        })
     } else {
         // SAFETY: the context is current; the returned memory is uninitialised, which is fine for
         // device memory that only kernels and copies touch, always writing before reading.
@@ -29,6 +37,23 @@ pub(crate) fn alloc(ordinal: usize, bytes: usize) -> Option<NonNull<u8>> {
     let reserved = c.reserved_bytes.fetch_add(bytes, Relaxed) + bytes;
     c.peak_reserved_bytes.fetch_max(reserved, Relaxed);
     NonNull::new(ptr::without_provenance_mut(address as usize))
+}
+
+/// Waits for the GPU's stream (so that every queued free has happened) and releases all the unused
+/// memory of the device's default memory pool, the one `cuMemAllocAsync` serves from.
+fn trim_driver_pool(gpu: &crate::backend::cuda::Gpu) {
+    if gpu.stream.synchronize().is_err() {
+        return;
+    }
+    let mut pool: sys::CUmemoryPool = ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer and the device handle is this context's; the default
+    // pool belongs to the device and lives as long as it.
+    let found = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, gpu.ctx.cu_device()) };
+    if found == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: `pool` is the device's default pool; trimming releases only memory no allocation
+        // uses (the stream was synchronised, so every queued free has completed).
+        unsafe { sys::cuMemPoolTrimTo(pool, 0) };
+    }
 }
 
 /// Returns memory taken with [`alloc`].

@@ -195,8 +195,15 @@ pub(crate) fn cuda_error(op: &'static str, e: impl std::fmt::Display) -> Error {
 /// Allocator traffic of GPU `ordinal` over the whole process.
 pub(crate) fn memory_stats(ordinal: usize) -> Result<GpuMemory> {
     use std::sync::atomic::Ordering::Relaxed;
-    let c = &gpu(ordinal)?.counters;
+    let gpu = gpu(ordinal)?;
+    let (free_bytes, total_bytes) = gpu
+        .ctx
+        .mem_get_info()
+        .map_err(|e| cuda_error("cuMemGetInfo", e))?;
+    let c = &gpu.counters;
     Ok(GpuMemory {
+        total_bytes,
+        free_bytes,
         allocator_calls: c.allocator_calls.load(Relaxed),
         free_calls: c.free_calls.load(Relaxed),
         reserved_bytes: c.reserved_bytes.load(Relaxed),
