@@ -2,11 +2,15 @@
 //! allocator refuses makes the other trees on the device return their idle blocks before it fails.
 //! Trees on one device never starve each other through their caches.
 //!
-//! A pool sits behind a mutex. Its own tree takes the lock for every block (uncontended: one atomic
-//! exchange each way); another thread takes it only to empty the cache while one of its requests is
-//! being refused. No thread holds two pool locks at once, so releases cannot deadlock.
+//! A pool sits behind a lock of its own ([`PoolLock`]). Its tree takes the lock for every block
+//! (uncontended: one compare-exchange to take it, one store to drop it); another thread takes it only
+//! to empty the cache while one of its requests is being refused. No thread holds two pool locks at
+//! once, so releases cannot deadlock.
 
+use std::cell::UnsafeCell;
+use std::ops::{Deref, DerefMut};
 use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use crate::device::Device;
@@ -16,14 +20,73 @@ use crate::memory::raw::{self, DeviceMemory};
 /// The pool of one tree on one device, registered for releases by other trees.
 pub(crate) struct SharedPool {
     device: Device,
-    pool: Mutex<Pool<DeviceMemory>>,
+    pool: PoolLock,
+}
+
+/// A spin lock around a pool. A `Mutex` costs the tree's fast path a poison check on every take and
+/// give; this lock is a compare-exchange and a store. It is contended only while another thread
+/// empties the pool for a refused request, which it does with the lock held for a few frees, so
+/// a waiter spins briefly, then yields.
+struct PoolLock {
+    locked: AtomicBool,
+    pool: UnsafeCell<Pool<DeviceMemory>>,
+}
+
+// SAFETY: the pool is reached only through a `PoolGuard`, and `locked` admits one guard at a time;
+// the pool itself may move between threads (`Pool` is `Send`).
+unsafe impl Sync for PoolLock {}
+
+/// Exclusive access to a pool while it lives.
+pub(crate) struct PoolGuard<'a>(&'a PoolLock);
+
+impl PoolLock {
+    #[inline]
+    fn lock(&self) -> PoolGuard<'_> {
+        let mut spins = 0u32;
+        while self
+            .locked
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        PoolGuard(self)
+    }
+}
+
+impl Deref for PoolGuard<'_> {
+    type Target = Pool<DeviceMemory>;
+    #[inline]
+    fn deref(&self) -> &Pool<DeviceMemory> {
+        // SAFETY: this guard holds the lock, so no other reference to the pool exists.
+        unsafe { &*self.0.pool.get() }
+    }
+}
+
+impl DerefMut for PoolGuard<'_> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut Pool<DeviceMemory> {
+        // SAFETY: as in `deref`, and the guard is borrowed mutably.
+        unsafe { &mut *self.0.pool.get() }
+    }
+}
+
+impl Drop for PoolGuard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.locked.store(false, Ordering::Release);
+    }
 }
 
 /// Every pool of the process, as weak references (a tree's pool dies with its root).
 static POOLS: Mutex<Vec<Weak<SharedPool>>> = Mutex::new(Vec::new());
 
-/// A lock that a panic while it was held does not poison: the pool's state is updated before any
-/// call that can panic, so it stays consistent.
+/// The registry's lock; a panic while it was held does not poison it (the list stays valid).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -38,7 +101,10 @@ impl SharedPool {
     pub(crate) fn register(device: Device) -> Arc<SharedPool> {
         let shared = Arc::new(SharedPool {
             device,
-            pool: Mutex::new(Pool::new(DeviceMemory(device), default_cache_limit(device))),
+            pool: PoolLock {
+                locked: AtomicBool::new(false),
+                pool: UnsafeCell::new(Pool::new(DeviceMemory(device), default_cache_limit(device))),
+            },
         });
         let mut pools = lock(&POOLS);
         pools.retain(|p| p.strong_count() > 0);
@@ -52,8 +118,8 @@ impl SharedPool {
 
     /// The pool, for its own tree.
     #[inline]
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Pool<DeviceMemory>> {
-        lock(&self.pool)
+    pub(crate) fn lock(&self) -> PoolGuard<'_> {
+        self.pool.lock()
     }
 
     /// A block of at least `bytes` (> 0) bytes, under the whole refusal policy: the cache, the
