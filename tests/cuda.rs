@@ -26,9 +26,9 @@ fn gpu() -> Option<Device> {
 }
 
 /// Process-wide GPU counters (`gpu_memory`) move whenever any test allocates on the GPU, and cargo runs
-/// tests on parallel threads. A test that reads them holds this lock exclusively; every other test
-/// holds it shared while it uses the GPU, so the GPU tests run in parallel with each other but never
-/// beside a reader of the counters.
+/// tests on parallel threads. A test that reads them, or that fills the GPU, holds this lock
+/// exclusively; every other test holds it shared while it uses the GPU, so the GPU tests run in
+/// parallel with each other but never beside a reader of the counters or a test that fills the GPU.
 static GPU_COUNTERS: RwLock<()> = RwLock::new(());
 
 fn gpu_shared() -> RwLockReadGuard<'static, ()> {
@@ -342,6 +342,41 @@ fn a_steady_training_step_calls_no_gpu_allocator() {
         Ok::<_, Error>(())
     })
     .unwrap();
+}
+
+#[test]
+fn one_trees_idle_gpu_memory_gives_way_to_another_trees_request() {
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_exclusive(); // fills the GPU
+    let total = ndscope::gpu_memory(device).unwrap().total_bytes;
+    let share = total / 10 * 6 / 4; // floats: 60% of the GPU, two of which do not fit
+    let cached = std::sync::Barrier::new(2);
+    let asked = std::sync::Barrier::new(2);
+    std::thread::scope(|threads| {
+        let cacher = threads.spawn(|| {
+            root(device, |s| -> Result<usize> {
+                drop(s.empty(&[share], DType::F32)?);
+                let idle = s.stats().cached_bytes;
+                cached.wait(); // the block sits idle in this tree's pool
+                asked.wait(); // the other tree has asked
+                assert_eq!(s.stats().cached_bytes, 0, "released for the other tree");
+                Ok(idle)
+            })
+        });
+        let (served, m) = root(device, |s| -> Result<_> {
+            cached.wait();
+            let t = s.empty(&[share], DType::F32).map(|t| t.numel());
+            let m = s.memory_stats(device);
+            asked.wait();
+            Ok((t, m))
+        })
+        .unwrap();
+        let idle = cacher.join().expect("no panic").unwrap();
+        assert!(idle >= share * 4, "the first tree cached its block: {idle}");
+        assert_eq!(served.expect("served after the release"), share);
+        assert_eq!((m.retries, m.failures), (1, 0), "{m}");
+        assert!(m.released_for_retries as usize >= share * 4, "{m}");
+    });
 }
 
 #[test]

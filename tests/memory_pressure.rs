@@ -72,10 +72,7 @@ fn a_tebibyte_of_churn_leaves_the_whole_limit_usable() {
             "refused below 95% of the limit"
         );
         let m = s.memory_stats(Device::Cpu);
-        assert!(
-            m.retries > 0,
-            "the limit was met, and answered by releasing: {m}"
-        );
+        assert!(m.free_calls > 0, "idle segments went back: {m}");
         let big = s.empty(&floats(limit / 100 * 95), DType::F32)?;
         println!(
             "served {:.2} GiB (95% of the {:.1} GiB limit) after {:.0} GiB of churn; {m}",

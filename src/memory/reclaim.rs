@@ -135,16 +135,16 @@ impl SharedPool {
         drop(pool); // never hold two pool locks
         let released = release_idle(self.device, Some(self));
         let mut pool = self.lock();
+        let mut total = own + released;
         if released > 0 {
             pool.note_retry(released);
-            if let Some(taken) = pool.take_new(bytes) {
-                return Ok(taken);
+            match pool.take_new(bytes) {
+                Ok(taken) => return Ok(taken),
+                Err(more) => total += more,
             }
         }
         pool.note_failure();
-        Err(Refused {
-            released: own + released,
-        })
+        Err(Refused { released: total })
     }
 }
 

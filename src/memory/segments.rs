@@ -2,8 +2,8 @@
 //!
 //! A request above [`SMALL_MAX`](crate::memory::classes::SMALL_MAX) is rounded up to [`GRANULE`] and
 //! served from the smallest idle block that holds it (best fit); what the request leaves of that block
-//! stays idle as a block of its own. A segment is one allocation from the device's allocator, rounded
-//! up to [`SEGMENT_ROUND`]; its blocks tile it. A freed block merges with its idle neighbours in the
+//! stays idle as a block of its own. A segment is one allocation from the device's allocator (its size
+//! is the pool's choice, a multiple of [`SEGMENT_ROUND`]); its blocks tile it. A freed block merges with its idle neighbours in the
 //! segment, so a segment whose blocks are all free is one idle block again, and only such whole
 //! segments go back to the device's allocator (a segment cannot be returned in part).
 //!
@@ -17,7 +17,7 @@ use std::ptr::NonNull;
 
 /// Large blocks are whole multiples of this many bytes (and so are their addresses within a segment).
 pub(crate) const GRANULE: usize = 512;
-/// New segments are whole multiples of this many bytes: the driver's allocation granularity on a GPU.
+/// Segments are whole multiples of this many bytes: the driver's allocation granularity on a GPU.
 pub(crate) const SEGMENT_ROUND: usize = 2 << 20;
 
 /// A block of a segment, live or idle.
@@ -66,11 +66,6 @@ impl Segments {
     /// The block size for a request of `bytes`.
     pub(crate) fn round(bytes: usize) -> Option<usize> {
         bytes.checked_next_multiple_of(GRANULE)
-    }
-
-    /// The segment size for a block of `size` bytes.
-    pub(crate) fn segment_size(size: usize) -> Option<usize> {
-        size.checked_next_multiple_of(SEGMENT_ROUND)
     }
 
     /// The best-fitting idle block for `size` (a [`round`](Self::round)ed request): the block, split

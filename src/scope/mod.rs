@@ -281,13 +281,13 @@ impl<'s> Scope<'s> {
     /// tree has not allocated on.
     ///
     /// ```
-    /// use ndscope::{Device, root};
+    /// use ndscope::{DType, Device, root};
     /// root(Device::Cpu, |s| {
-    ///     let big = s.zeros(&[1 << 20])?; // 4 MiB: a block of a new 4 MiB segment
+    ///     let big = s.empty(&[4 << 20], DType::F32)?; // 16 MiB: a segment of its own
     ///     drop(big);
     ///     let m = s.memory_stats(Device::Cpu);
-    ///     assert_eq!((m.live_bytes, m.peak_live_bytes), (0, 4 << 20));
-    ///     assert_eq!((m.reserved_bytes, m.cached_bytes, m.segments), (4 << 20, 4 << 20, 1));
+    ///     assert_eq!((m.live_bytes, m.peak_live_bytes), (0, 16 << 20));
+    ///     assert_eq!((m.reserved_bytes, m.cached_bytes, m.segments), (16 << 20, 16 << 20, 1));
     ///     assert_eq!(m.fragmentation(), 1.0);
     ///     Ok::<_, ndscope::Error>(())
     /// })?;
@@ -315,7 +315,7 @@ impl<'s> Scope<'s> {
     /// use ndscope::{Device, root};
     /// root(Device::Cpu, |s| {
     ///     s.set_cache_limit(Device::Cpu, Some(1 << 20));
-    ///     drop(s.zeros(&[1 << 20])?); // a 4 MiB segment, idle once the tensor drops
+    ///     drop(s.zeros(&[1 << 20])?); // 4 MiB in a 20 MiB segment, idle once the tensor drops
     ///     assert_eq!(s.stats().cached_bytes, 0, "over the limit: returned to the system");
     ///     Ok::<_, ndscope::Error>(())
     /// })?;
