@@ -413,6 +413,90 @@ mod tests {
         }
     }
 
+    /// Runs `steps` on a pool over a fake device of 128 MiB whose n-th call refuses when `refuse[n]`,
+    /// checking every take against the shadow model and the books after every step, then that giving
+    /// everything back coalesces into whole segments that all go back to the device.
+    fn run_program(
+        steps: &[Step],
+        refuse: Vec<bool>,
+        limit: Option<usize>,
+    ) -> Result<usize, TestCaseError> {
+        let capacity = 64 * SEGMENT_ROUND;
+        let memory = FakeMemory::default();
+        *memory.0.borrow_mut() = Fake {
+            capacity,
+            next: 1 << 40,
+            refuse,
+            ..Fake::default()
+        };
+        let mut pool = Pool::new(memory.clone(), limit);
+        // Shadow of the live blocks: address → (bytes, capacity).
+        let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+        for step in steps.iter().cloned() {
+            match step {
+                Step::Take(bytes) => match pool.take(bytes).ok() {
+                    Some((ptr, capacity, _)) => {
+                        let addr = ptr.addr().get();
+                        prop_assert!(capacity >= bytes);
+                        // Inside one device allocation, overlapping no live block.
+                        let f = memory.0.borrow();
+                        let (&base, &size) =
+                            f.live.range(..=addr).next_back().expect("in an allocation");
+                        prop_assert!(addr + capacity <= base + size, "inside its allocation");
+                        if let Some((&a, &(_, c))) = live.range(..addr).next_back() {
+                            prop_assert!(a + c <= addr, "overlaps the block below");
+                        }
+                        if let Some((&a, _)) = live.range(addr..).next() {
+                            prop_assert!(addr + capacity <= a, "overlaps the block above");
+                        }
+                        live.insert(addr, (bytes, capacity));
+                    }
+                    None => {
+                        // Refused: the device really could not give it, with everything
+                        // releasable released (or the last call was told to refuse).
+                        let f = memory.0.borrow();
+                        let need = if bytes <= SMALL_MAX {
+                            size_class(bytes).1
+                        } else {
+                            segment_size(Segments::round(bytes).unwrap()).unwrap()
+                        };
+                        prop_assert!(
+                            f.last_injected || pinned(&f, &live) + need > capacity,
+                            "refused {bytes} with {} pinned of {capacity}",
+                            pinned(&f, &live)
+                        );
+                        prop_assert_eq!(pool.small.cached_bytes(), 0, "small blocks released");
+                        prop_assert_eq!(pool.idle_segment_bytes(), 0, "idle segments released");
+                    }
+                },
+                Step::Give(i) if !live.is_empty() => {
+                    let (&addr, &(bytes, capacity)) = live.iter().nth(i % live.len()).unwrap();
+                    live.remove(&addr);
+                    let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
+                    // SAFETY: the block came from this pool with this capacity and is not used again.
+                    unsafe { pool.give(ptr, bytes, capacity) };
+                }
+                Step::Give(_) => {}
+            }
+            check_books(&pool, &memory.0.borrow(), &live);
+        }
+        // Everything back: the segments are whole again, and all of it can be released.
+        for (addr, (bytes, capacity)) in std::mem::take(&mut live) {
+            let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
+            // SAFETY: as above.
+            unsafe { pool.give(ptr, bytes, capacity) };
+        }
+        prop_assert_eq!(
+            pool.idle_segment_bytes(),
+            pool.cached_bytes() - pool.small.cached_bytes(),
+            "coalesced into whole segments"
+        );
+        pool.empty();
+        prop_assert_eq!(memory.0.borrow().used, 0);
+        prop_assert_eq!(pool.stats().segments, 0);
+        Ok(memory.0.borrow().calls)
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(1000))]
 
@@ -422,66 +506,38 @@ mod tests {
             refuse in proptest::collection::vec(prop::bool::weighted(0.15), 0..300),
             limit in prop_oneof![Just(None), (0..=8 * SEGMENT_ROUND).prop_map(Some)],
         ) {
-            let capacity = 64 * SEGMENT_ROUND;
-            let memory = FakeMemory::default();
-            *memory.0.borrow_mut() = Fake { capacity, next: 1 << 40, refuse, ..Fake::default() };
-            let mut pool = Pool::new(memory.clone(), limit);
-            // Shadow of the live blocks: address → (bytes, capacity).
-            let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
-            for step in steps {
-                match step {
-                    Step::Take(bytes) => match pool.take(bytes).ok() {
-                        Some((ptr, capacity, _)) => {
-                            let addr = ptr.addr().get();
-                            prop_assert!(capacity >= bytes);
-                            // Inside one device allocation, overlapping no live block.
-                            let f = memory.0.borrow();
-                            let (&base, &size) = f.live.range(..=addr).next_back().expect("in an allocation");
-                            prop_assert!(addr + capacity <= base + size, "inside its allocation");
-                            if let Some((&a, &(_, c))) = live.range(..addr).next_back() {
-                                prop_assert!(a + c <= addr, "overlaps the block below");
-                            }
-                            if let Some((&a, _)) = live.range(addr..).next() {
-                                prop_assert!(addr + capacity <= a, "overlaps the block above");
-                            }
-                            live.insert(addr, (bytes, capacity));
-                        }
-                        None => {
-                            // Refused: the device really could not give it, with everything
-                            // releasable released (or the last call was told to refuse).
-                            let f = memory.0.borrow();
-                            let need = if bytes <= SMALL_MAX {
-                                size_class(bytes).1
-                            } else {
-                                segment_size(Segments::round(bytes).unwrap()).unwrap()
-                            };
-                            prop_assert!(f.last_injected || pinned(&f, &live) + need > capacity,
-                                "refused {bytes} with {} pinned of {capacity}", pinned(&f, &live));
-                            prop_assert_eq!(pool.small.cached_bytes(), 0, "small blocks released");
-                            prop_assert_eq!(pool.idle_segment_bytes(), 0, "idle segments released");
-                        }
-                    },
-                    Step::Give(i) if !live.is_empty() => {
-                        let (&addr, &(bytes, capacity)) = live.iter().nth(i % live.len()).unwrap();
-                        live.remove(&addr);
-                        let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
-                        // SAFETY: the block came from this pool with this capacity and is not used again.
-                        unsafe { pool.give(ptr, bytes, capacity) };
+            run_program(&steps, refuse, limit)?;
+        }
+    }
+
+    #[test]
+    fn a_refusal_at_any_call_of_a_program_keeps_the_pool_sound() {
+        // One program of mixed sizes near the capacity, run once per device call with that call
+        // refused.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let steps: Vec<Step> = (0..150)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                match seed % 8 {
+                    0..=2 => Step::Take((seed >> 8) as usize % SMALL_MAX + 1),
+                    3..=4 => {
+                        Step::Take((seed >> 8) as usize % (12 * SEGMENT_ROUND) + SMALL_MAX + 1)
                     }
-                    Step::Give(_) => {}
+                    _ => Step::Give((seed >> 8) as usize),
                 }
-                check_books(&pool, &memory.0.borrow(), &live);
-            }
-            // Everything back: the segments are whole again, and all of it can be released.
-            for (addr, (bytes, capacity)) in std::mem::take(&mut live) {
-                let ptr = NonNull::new(std::ptr::without_provenance_mut(addr)).unwrap();
-                // SAFETY: as above.
-                unsafe { pool.give(ptr, bytes, capacity) };
-            }
-            prop_assert_eq!(pool.idle_segment_bytes(), pool.cached_bytes() - pool.small.cached_bytes(), "coalesced into whole segments");
-            pool.empty();
-            prop_assert_eq!(memory.0.borrow().used, 0);
-            prop_assert_eq!(pool.stats().segments, 0);
+            })
+            .collect();
+        let calls = run_program(&steps, Vec::new(), None).unwrap();
+        assert!(
+            calls > 20,
+            "the program exercises the device: {calls} calls"
+        );
+        for n in 0..calls {
+            let mut refuse = vec![false; calls];
+            refuse[n] = true;
+            run_program(&steps, refuse, None).unwrap_or_else(|e| panic!("refusing call {n}: {e}"));
         }
     }
 
