@@ -81,6 +81,17 @@ pub(crate) struct Region {
 }
 
 impl Region {
+    /// A pool or system allocation of `capacity` bytes at `ptr` holding `bytes` used bytes.
+    pub(crate) fn heap(ptr: NonNull<u8>, bytes: usize, capacity: usize, device: Device) -> Region {
+        Region {
+            ptr,
+            bytes,
+            capacity,
+            home: Home::Heap,
+            device,
+        }
+    }
+
     /// The region of a zero-byte block: an aligned, non-null pointer that is never read through.
     pub(crate) fn empty(device: Device) -> Region {
         let ptr = NonNull::new(ptr::without_provenance_mut(raw::ALIGN)).expect("ALIGN is non-zero");

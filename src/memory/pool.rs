@@ -341,6 +341,23 @@ mod tests {
     #[derive(Clone, Default)]
     struct FakeMemory(Rc<RefCell<Fake>>);
 
+    /// A pool keeping at most `limit` idle bytes over a fake device of `capacity` bytes whose n-th
+    /// call refuses when `refuse[n]`, and the fake device.
+    fn fake_pool(
+        capacity: usize,
+        refuse: Vec<bool>,
+        limit: Option<usize>,
+    ) -> (Pool<FakeMemory>, FakeMemory) {
+        let memory = FakeMemory::default();
+        *memory.0.borrow_mut() = Fake {
+            capacity,
+            next: 1 << 40,
+            refuse,
+            ..Fake::default()
+        };
+        (Pool::new(memory.clone(), limit), memory)
+    }
+
     impl RawMemory for FakeMemory {
         fn alloc(&mut self, bytes: usize) -> Option<NonNull<u8>> {
             let mut f = self.0.borrow_mut();
@@ -422,14 +439,7 @@ mod tests {
         limit: Option<usize>,
     ) -> Result<usize, TestCaseError> {
         let capacity = 64 * SEGMENT_ROUND;
-        let memory = FakeMemory::default();
-        *memory.0.borrow_mut() = Fake {
-            capacity,
-            next: 1 << 40,
-            refuse,
-            ..Fake::default()
-        };
-        let mut pool = Pool::new(memory.clone(), limit);
+        let (mut pool, memory) = fake_pool(capacity, refuse, limit);
         // Shadow of the live blocks: address → (bytes, capacity).
         let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
         for step in steps.iter().cloned() {
@@ -546,13 +556,7 @@ mod tests {
 
     #[test]
     fn a_refusal_releases_the_cache_and_retries() {
-        let memory = FakeMemory::default();
-        *memory.0.borrow_mut() = Fake {
-            capacity: 4 * BIG,
-            next: 1 << 40,
-            ..Fake::default()
-        };
-        let mut pool = Pool::new(memory.clone(), None);
+        let (mut pool, _memory) = fake_pool(4 * BIG, Vec::new(), None);
         // Idle small blocks fill half the device; then a request of three quarters: refused until
         // the pool lets them go.
         let blocks: Vec<_> = (0..2 * BIG / SMALL_MAX)
@@ -594,13 +598,7 @@ mod tests {
 
     #[test]
     fn idle_segments_go_back_before_a_new_one_is_made() {
-        let memory = FakeMemory::default();
-        *memory.0.borrow_mut() = Fake {
-            capacity: usize::MAX / 2,
-            next: 1 << 40,
-            ..Fake::default()
-        };
-        let mut pool = Pool::new(memory.clone(), None);
+        let (mut pool, _memory) = fake_pool(usize::MAX / 2, Vec::new(), None);
         let a = pool.take(BIG).unwrap();
         // SAFETY: the block came from this pool and is not used again.
         unsafe { pool.give(a.0, BIG, a.1) };
@@ -627,13 +625,7 @@ mod tests {
 
     #[test]
     fn the_cache_limit_returns_idle_blocks_as_they_come_back() {
-        let memory = FakeMemory::default();
-        *memory.0.borrow_mut() = Fake {
-            capacity: usize::MAX / 2,
-            next: 1 << 40,
-            ..Fake::default()
-        };
-        let mut pool = Pool::new(memory.clone(), Some(BIG));
+        let (mut pool, memory) = fake_pool(usize::MAX / 2, Vec::new(), Some(BIG));
         let blocks: Vec<_> = (0..3).map(|_| pool.take(BIG).unwrap()).collect();
         let small = pool.take(100).unwrap();
         for (ptr, capacity, _) in blocks {

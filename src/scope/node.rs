@@ -446,13 +446,7 @@ impl ScopeNode {
                 (Source::System, Device::Cpu) => stats.system_allocations += 1,
                 (Source::System, Device::Cuda(_)) => stats.device_allocations += 1,
             }
-            Region {
-                ptr,
-                bytes,
-                capacity,
-                home: Home::Heap,
-                device,
-            }
+            Region::heap(ptr, bytes, capacity, device)
         };
         let (header, grew) = self.tree().slab.borrow_mut().take();
         // SAFETY: the slab hands out headers that no handle refers to; we initialise it with one

@@ -93,13 +93,7 @@ impl<'n> Owner<'n> {
                     let live = crate::scope::system_stats().live_bytes;
                     refused("system", device, bytes, released, None, live)
                 })?;
-                let region = Region {
-                    ptr,
-                    bytes,
-                    capacity,
-                    home: Home::Heap,
-                    device,
-                };
+                let region = Region::heap(ptr, bytes, capacity, device);
                 Ok(new_system_block(region, dtype, ShapeSummary::of(shape), at))
             }
         }
@@ -495,13 +489,7 @@ impl<'s> Tensor<'s> {
             let shape = h.shape.get();
             // A block carved from a segment it shares cannot leave the pool: it is copied below.
             if let Some((ptr, capacity)) = owner.surrender(h) {
-                let region = Region {
-                    ptr,
-                    bytes,
-                    capacity,
-                    home: Home::Heap,
-                    device,
-                };
+                let region = Region::heap(ptr, bytes, capacity, device);
                 let block = new_system_block(region, dtype, shape, at);
                 block.header().name.set(name);
                 let Tensor {
