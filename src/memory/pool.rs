@@ -556,7 +556,7 @@ mod tests {
 
     #[test]
     fn a_refusal_releases_the_cache_and_retries() {
-        let (mut pool, _memory) = fake_pool(4 * BIG, Vec::new(), None);
+        let (mut pool, _) = fake_pool(4 * BIG, Vec::new(), None);
         // Idle small blocks fill half the device; then a request of three quarters: refused until
         // the pool lets them go.
         let blocks: Vec<_> = (0..2 * BIG / SMALL_MAX)
@@ -598,7 +598,7 @@ mod tests {
 
     #[test]
     fn idle_segments_go_back_before_a_new_one_is_made() {
-        let (mut pool, _memory) = fake_pool(usize::MAX / 2, Vec::new(), None);
+        let (mut pool, _) = fake_pool(usize::MAX / 2, Vec::new(), None);
         let a = pool.take(BIG).unwrap();
         // SAFETY: the block came from this pool and is not used again.
         unsafe { pool.give(a.0, BIG, a.1) };
