@@ -21,3 +21,36 @@
 GATHER(float, f32)
 GATHER(double, f64)
 GATHER(i64, i64)
+
+// Scatter-add: target[p with coordinate axis replaced by index[p]] += src[p], one thread per element
+// of src (whose shape the index geometry has). Two elements may land on one target element, so the
+// add is atomic; the order of the additions, and with floats the rounding of the sum, is not fixed.
+__device__ __forceinline__ void atomic_add(float* at, float v) { atomicAdd(at, v); }
+__device__ __forceinline__ void atomic_add(double* at, double v) { atomicAdd(at, v); }
+__device__ __forceinline__ void atomic_add(i64* at, i64 v) {
+    // Two's complement addition is the same on unsigned bits.
+    atomicAdd((unsigned long long*)at, (unsigned long long)v);
+}
+
+#define SCATTER_ADD(T, S)                                                                          \
+    extern "C" __global__ void scatter_add_##S(i64 n, T* target, Geo gt, const T* src, Geo gs,     \
+                                               const i64* index, Geo gi, int axis) {               \
+        GRID_STRIDE(i, n) {                                                                        \
+            i64 rest = i;                                                                          \
+            i64 at_target = gt.offset;                                                             \
+            i64 at_src = gs.offset;                                                                \
+            i64 at_index = gi.offset;                                                              \
+            for (int d = gi.rank - 1; d >= 0; --d) {                                               \
+                i64 c = rest % gi.shape[d];                                                        \
+                rest /= gi.shape[d];                                                               \
+                at_index += c * gi.stride[d];                                                      \
+                at_src += c * gs.stride[d];                                                        \
+                if (d != axis) at_target += c * gt.stride[d];                                      \
+            }                                                                                      \
+            atomic_add(&target[at_target + index[at_index] * gt.stride[axis]], src[at_src]);       \
+        }                                                                                          \
+    }
+
+SCATTER_ADD(float, f32)
+SCATTER_ADD(double, f64)
+SCATTER_ADD(i64, i64)

@@ -14,7 +14,7 @@ use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
 use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout::Layout;
 
 /// The device address of the first element an operand's layout names (for kernels that read packed
@@ -313,16 +313,40 @@ impl Backend for Gpu {
     fn scatter_add(
         &self,
         op: &'static str,
-        _dtype: DType,
-        _target: Dst,
-        _axis: usize,
-        _index: Src,
-        _src: Src,
+        dtype: DType,
+        target: Dst,
+        axis: usize,
+        index: Src,
+        src: Src,
     ) -> Result<()> {
-        Err(Error::UnsupportedOnDevice {
-            op,
-            device: crate::device::Device::Cuda(self.ordinal).to_string(),
-        })
+        let n = src.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("scatter_add"), dtype))?;
+        let (count, axis) = (n as i64, axis as i32);
+        let (t, s, i) = (target.buf.address(), src.buf.address(), index.buf.address());
+        let (gt, gs, gi) = (
+            Geo::of(op, target.layout)?,
+            Geo::of(op, src.layout)?,
+            Geo::of(op, index.layout)?,
+        );
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&count)
+            .arg(&t)
+            .arg(&gt)
+            .arg(&s)
+            .arg(&gs)
+            .arg(&i)
+            .arg(&gi)
+            .arg(&axis);
+        // SAFETY: the arguments match `scatter_add_<dtype>` (i64, T*, Geo, const T*, Geo, const i64*,
+        // Geo, int); the index layout has `src`'s shape, no larger than the target's on any axis but
+        // `axis`, and every index is in `0..target.shape()[axis]` (checked by the op), so every write
+        // stays inside the target, which nothing else reads or writes while the kernel runs.
+        unsafe { l.launch(elementwise_launch(n)) }
+            .map_err(|e| cuda_error("scatter-add kernel", e))?;
+        Ok(())
     }
 
     fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool {
