@@ -1,19 +1,27 @@
 // Indexing: gather along an axis (index_select is a gather whose index is broadcast). The index
 // geometry's shape is the output's shape; ndscope checks every index against the axis first.
 
+// Where the i-th element of an index (in row-major order of its shape) is, in the index and in the
+// tensor it indexes along `axis`, leaving out the axis coordinate the index itself supplies.
+__device__ __forceinline__ void index_positions(i64 i, const Geo& gi, const Geo& gx, int axis,
+                                                i64* at_index, i64* at_x) {
+    i64 rest = i;
+    *at_index = gi.offset;
+    *at_x = gx.offset;
+    for (int d = gi.rank - 1; d >= 0; --d) {
+        i64 c = rest % gi.shape[d];
+        rest /= gi.shape[d];
+        *at_index += c * gi.stride[d];
+        if (d != axis) *at_x += c * gx.stride[d];
+    }
+}
+
 #define GATHER(T, S)                                                                               \
     extern "C" __global__ void gather_##S(i64 n, T* out, const T* src, Geo gs, const i64* index,   \
                                           Geo gi, int axis) {                                      \
         GRID_STRIDE(i, n) {                                                                        \
-            i64 rest = i;                                                                          \
-            i64 at_src = gs.offset;                                                                \
-            i64 at_index = gi.offset;                                                              \
-            for (int d = gi.rank - 1; d >= 0; --d) {                                               \
-                i64 c = rest % gi.shape[d];                                                        \
-                rest /= gi.shape[d];                                                               \
-                at_index += c * gi.stride[d];                                                      \
-                if (d != axis) at_src += c * gs.stride[d];                                         \
-            }                                                                                      \
+            i64 at_index, at_src;                                                                  \
+            index_positions(i, gi, gs, axis, &at_index, &at_src);                                  \
             out[i] = src[at_src + index[at_index] * gs.stride[axis]];                              \
         }                                                                                          \
     }
@@ -36,18 +44,9 @@ __device__ __forceinline__ void atomic_add(i64* at, i64 v) {
     extern "C" __global__ void scatter_add_##S(i64 n, T* target, Geo gt, const T* src, Geo gs,     \
                                                const i64* index, Geo gi, int axis) {               \
         GRID_STRIDE(i, n) {                                                                        \
-            i64 rest = i;                                                                          \
-            i64 at_target = gt.offset;                                                             \
-            i64 at_src = gs.offset;                                                                \
-            i64 at_index = gi.offset;                                                              \
-            for (int d = gi.rank - 1; d >= 0; --d) {                                               \
-                i64 c = rest % gi.shape[d];                                                        \
-                rest /= gi.shape[d];                                                               \
-                at_index += c * gi.stride[d];                                                      \
-                at_src += c * gs.stride[d];                                                        \
-                if (d != axis) at_target += c * gt.stride[d];                                      \
-            }                                                                                      \
-            atomic_add(&target[at_target + index[at_index] * gt.stride[axis]], src[at_src]);       \
+            i64 at_index, at_target;                                                               \
+            index_positions(i, gi, gt, axis, &at_index, &at_target);                               \
+            atomic_add(&target[at_target + index[at_index] * gt.stride[axis]], src[geo_at(gs, i)]); \
         }                                                                                          \
     }
 
