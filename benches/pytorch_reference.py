@@ -3,6 +3,7 @@
     python3 benches/pytorch_reference.py                  # the MLP step and matmul
     python3 benches/pytorch_reference.py variable_shape   # examples/variable_shape.rs
     python3 benches/pytorch_reference.py churn            # examples/churn.rs
+    python3 benches/pytorch_reference.py gpt              # examples/gpt.rs's training step
 
 Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to measure PyTorch's other allocator design.
 
@@ -139,6 +140,74 @@ def churn(total=1 << 40):
     )
 
 
+def gpt(steps=1000, width=128, heads=4, layers=2, vocab=12, context=8, batch=64):
+    """examples/gpt.rs's model and step in PyTorch eager: token and learned position embeddings,
+    pre-norm blocks (causal attention, exact GELU MLP of 4x width), final layer norm, head;
+    cross-entropy on the three answer positions, AdamW, the loss read every step."""
+    F = torch.nn.functional
+    torch.manual_seed(1)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = torch.nn.LayerNorm(width)
+            self.qkv = torch.nn.Linear(width, 3 * width)
+            self.proj = torch.nn.Linear(width, width)
+            self.ln2 = torch.nn.LayerNorm(width)
+            self.fc1 = torch.nn.Linear(width, 4 * width)
+            self.fc2 = torch.nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, heads, c // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    class Gpt(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tokens = torch.nn.Embedding(vocab, width)
+            self.positions = torch.nn.Parameter(torch.randn(context, width) * 0.02)
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(layers)])
+            self.ln = torch.nn.LayerNorm(width)
+            self.head = torch.nn.Linear(width, vocab)
+
+        def forward(self, ids):
+            x = self.tokens(ids) + self.positions[: ids.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    model = Gpt().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-2)
+    ids = torch.randint(0, vocab, (batch, context), device=dev)
+    targets = torch.randint(0, 10, (batch * 3,), device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids)[:, 5:8].reshape(batch * 3, vocab)
+        loss = F.cross_entropy(logits, targets)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"pytorch gpt step ({layers} blocks, width {width}, {heads} heads, context {context}, "
+        f"batch {batch}, {params} parameters, AdamW) on {torch.cuda.get_device_name(0)}: "
+        f"{steps / elapsed:.0f} steps/s over {steps} steps"
+    )
+
+
 if __name__ == "__main__":
     import sys
 
@@ -147,6 +216,8 @@ if __name__ == "__main__":
         variable_shape()
     elif what == "churn":
         churn()
+    elif what == "gpt":
+        gpt()
     else:
         mlp_step()
         matmul()

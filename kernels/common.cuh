@@ -52,6 +52,7 @@ MATH1(k_cos, cosf, cos)
 MATH1(k_abs, fabsf, fabs)
 MATH1(k_log1p, log1pf, log1p)
 MATH1(k_expm1, expm1f, expm1)
+MATH1(k_erf, erff, erf)
 __device__ __forceinline__ i64 k_abs_int(i64 x) { return x < 0 ? -x : x; }
 __device__ __forceinline__ float k_pow(float a, float b) { return powf(a, b); }
 __device__ __forceinline__ double k_pow(double a, double b) { return pow(a, b); }
@@ -113,6 +114,9 @@ template <> __device__ __forceinline__ i64 convert<i64>(double x) {
 #define U_FILL 19
 #define U_LOG1P 20
 #define U_EXPM1 21
+#define U_ERF 22
+#define U_GELU_EXACT 23
+#define U_SILU 24
 
 // Binary op codes (elementwise.cu).
 #define B_ADD 0
@@ -145,6 +149,9 @@ template <> __device__ __forceinline__ i64 convert<i64>(double x) {
 #define B_CLAMP_GRAD 27
 #define B_MASK_NOT 28
 #define B_EXP_MUL 29
+#define B_ERF_GRAD 30
+#define B_GELU_EXACT_GRAD 31
+#define B_SILU_GRAD 32
 
 // Reduction op codes (reduce.cu).
 #define R_SUM 0

@@ -34,6 +34,9 @@ template <typename T> __device__ __forceinline__ T unary_apply(int op, T x, T p0
     case U_FILL: return p0;
     case U_LOG1P: return k_log1p(x);
     case U_EXPM1: return k_expm1(x);
+    case U_ERF: return k_erf(x);
+    case U_GELU_EXACT: return (T)0.5 * x * ((T)1 + k_erf(x * (T)0.7071067811865476)); // 1/sqrt(2)
+    case U_SILU: return x / ((T)1 + k_exp(-x));
     default: return x;
     }
 }
@@ -96,6 +99,16 @@ template <typename T> __device__ __forceinline__ T binary_apply(int op, T a, T b
     case B_CLAMP_GRAD: return (b >= p0 && b <= p1) ? a : (T)0;
     case B_MASK_NOT: return a * ((T)1 - b);
     case B_EXP_MUL: return k_exp(a) * b;
+    case B_ERF_GRAD: return a * (T)1.1283791670955126 * k_exp(-(b * b)); // 2/sqrt(pi)
+    case B_GELU_EXACT_GRAD: {
+        T cdf = (T)0.5 * ((T)1 + k_erf(b * (T)0.7071067811865476));
+        T pdf = (T)0.3989422804014327 * k_exp((T)-0.5 * b * b); // 1/sqrt(2 pi)
+        return a * (cdf + b * pdf);
+    }
+    case B_SILU_GRAD: {
+        T s = (T)1 / ((T)1 + k_exp(-b));
+        return a * s * ((T)1 + b * ((T)1 - s));
+    }
     default: return a;
     }
 }

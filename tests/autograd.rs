@@ -443,3 +443,217 @@ fn scatter_ops_reject_bad_indices_and_shapes() {
     })
     .unwrap();
 }
+
+#[test]
+fn transformer_ops() {
+    let any = || vec![input(&[3, 4], 21, -2.5, 2.5)];
+    check("erf", any(), |v| v[0].erf());
+    check("gelu_exact", any(), |v| v[0].gelu_exact());
+    check("silu", any(), |v| v[0].silu());
+    check("tril", any(), |v| v[0].tril(0));
+    check("triu", any(), |v| v[0].triu(1));
+    check("masked_fill", any(), |v| {
+        let mask = v[0].value().gt(&v[0].value().mul_scalar(0.0)?)?;
+        v[0].masked_fill(&mask, 3.0)
+    });
+    let affine = || {
+        vec![
+            input(&[2, 3, 5], 22, -2.0, 2.0),
+            input(&[5], 23, 0.5, 1.5),
+            input(&[5], 24, -1.0, 1.0),
+        ]
+    };
+    check("layer_norm", affine(), |v| {
+        v[0].layer_norm(Some(&v[1]), Some(&v[2]), 1e-5)
+    });
+    check("layer_norm without affine parameters", affine(), |v| {
+        v[0].layer_norm(None, None, 1e-5)
+    });
+    check("rms_norm", affine(), |v| v[0].rms_norm(Some(&v[1]), 1e-6));
+    let qkv = || {
+        vec![
+            input(&[2, 4, 3], 25, -1.5, 1.5),
+            input(&[2, 4, 3], 26, -1.5, 1.5),
+            input(&[2, 4, 2], 27, -1.5, 1.5),
+        ]
+    };
+    for causal in [false, true] {
+        let op: Op = if causal {
+            |v| attention(v, true)
+        } else {
+            |v| attention(v, false)
+        };
+        check("scaled_dot_product_attention", qkv(), op);
+    }
+}
+
+fn attention<'t, 's>(v: &[Var<'t, 's>], causal: bool) -> Result<Var<'t, 's>> {
+    use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
+    let options = AttentionOptions {
+        causal,
+        dropout: 0.0,
+    };
+    Ok(scaled_dot_product_attention(&v[0], &v[1], &v[2], options, Mode::Train)?.output)
+}
+
+/// Checks the gradients of a layer's parameters and of its input against finite differences: the
+/// layer (of type `$layer`) is built by `$build` (in scope `$s`), converted to f64, and applied by `$forward` to an
+/// input `$x` of shape `$shape`.
+macro_rules! check_layer {
+    ($layer:ident, $shape:expr, |$s:ident| $build:expr, |$model:ident, $x:ident| $forward:expr) => {{
+        let name = stringify!($layer);
+        use ndscope::nn::Parameters;
+        root(Device::Cpu, |$s| {
+            let mut model = $build;
+            model.visit_mut(&mut |p| {
+                *p = p.to_dtype(DType::F64)?;
+                Ok(())
+            })?;
+            let shape: Vec<usize> = $shape.to_vec();
+            let mut x_data = values(shape.iter().product(), 31, -1.0, 1.0);
+            // The projected output and, with `grads`, the gradients of the input and each parameter.
+            let model = std::cell::RefCell::new(model);
+            let eval = |x_data: &[f64], grads: bool| -> Result<(f64, Vec<Vec<f64>>)> {
+                let $model = model.borrow();
+                $s.scope(|b| {
+                    let tape = Tape::new(b);
+                    let x_value = b.from_slice(x_data, &shape)?;
+                    let $x = tape.param(&x_value);
+                    let out: Var = $forward?;
+                    let w = b.from_slice(&values(out.value().numel(), 99, -1.0, 1.0), out.shape())?;
+                    let loss = out.mul(&tape.constant(&w))?.sum_all()?;
+                    let value = loss.value().to_scalar::<f64>()?;
+                    let mut found = Vec::new();
+                    if grads {
+                        let g = tape.backward(&loss)?;
+                        let of = |t: &Tensor<'_>| match g.get(t) {
+                            Some(g) => g.to_vec::<f64>().unwrap(),
+                            None => vec![0.0; t.numel()],
+                        };
+                        found.push(of(&x_value));
+                        $model.visit("", &mut |_, p| found.push(of(p)));
+                    }
+                    Ok((value, found))
+                })
+            };
+            let (_, analytic) = eval(&x_data, true)?;
+            let h = 1e-6;
+            let compare = |what: &str, j: usize, got: f64, up: f64, down: f64| {
+                let numeric = (up - down) / (2.0 * h);
+                assert!(
+                    (got - numeric).abs() <= 1e-5 * (1.0 + numeric.abs()),
+                    "{name}: d/d {what}[{j}] is {got}, finite differences give {numeric}"
+                );
+            };
+            for j in 0..x_data.len() {
+                let x = x_data[j];
+                x_data[j] = x + h;
+                let (up, _) = eval(&x_data, false)?;
+                x_data[j] = x - h;
+                let (down, _) = eval(&x_data, false)?;
+                x_data[j] = x;
+                compare("input", j, analytic[0][j], up, down);
+            }
+            let mut names = Vec::new();
+            model.borrow().visit("", &mut |n, _| names.push(n.to_string()));
+            for (k, name) in names.iter().enumerate() {
+                let mut data = Vec::new();
+                model.borrow().visit("", &mut |n, p| {
+                    if n == name {
+                        data = p.to_vec::<f64>().unwrap();
+                    }
+                });
+                // Every other element of large parameters, to keep the test quick.
+                let stride = if data.len() > 64 { 3 } else { 1 };
+                for j in (0..data.len()).step_by(stride) {
+                    let at = |value: f64| -> Result<()> {
+                        let mut i = 0;
+                        model.borrow_mut().visit_mut(&mut |p| {
+                            if i == k {
+                                let mut d = p.to_vec::<f64>()?;
+                                d[j] = value;
+                                p.copy_from_slice_(&d)?;
+                            }
+                            i += 1;
+                            Ok(())
+                        })
+                    };
+                    at(data[j] + h)?;
+                    let (up, _) = eval(&x_data, false)?;
+                    at(data[j] - h)?;
+                    let (down, _) = eval(&x_data, false)?;
+                    at(data[j])?;
+                    compare(name, j, analytic[k + 1][j], up, down);
+                }
+            }
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }};
+}
+
+#[test]
+fn transformer_layers() {
+    use ndscope::nn::{
+        AttentionOptions, Init, LayerNorm, Mode, Module, MultiHeadAttention, PositionalEmbedding,
+        RmsNorm, TransformerBlock,
+    };
+    let opts = AttentionOptions {
+        causal: true,
+        dropout: 0.0,
+    };
+    check_layer!(LayerNorm, [2, 3, 4], |s| LayerNorm::new(s, 4)?, |m, x| m
+        .forward(&x, Mode::Train));
+    check_layer!(RmsNorm, [2, 3, 4], |s| RmsNorm::new(s, 4)?, |m, x| m
+        .forward(&x, Mode::Train));
+    check_layer!(
+        PositionalEmbedding,
+        [2, 3, 4],
+        |s| PositionalEmbedding::new(s, 5, 4, Init::Normal(1.0))?,
+        |m, x| m.forward(&x)
+    );
+    check_layer!(
+        MultiHeadAttention,
+        [2, 3, 4],
+        |s| MultiHeadAttention::new(s, 4, 2, opts, Init::XavierUniform)?,
+        |m, x| m.forward(&x, Mode::Train)
+    );
+    check_layer!(
+        TransformerBlock,
+        [1, 3, 4],
+        |s| TransformerBlock::new(s, 4, 2, opts, Init::XavierUniform)?,
+        |m, x| m.forward(&x, Mode::Train)
+    );
+}
+
+#[test]
+fn embedding_gradients_add_up_over_repeated_ids() {
+    use ndscope::nn::{Embedding, Init};
+    root(Device::Cpu, |s| {
+        let table = Embedding::new(s, 4, 3, Init::Normal(1.0))?;
+        s.scope(|b| {
+            let tape = Tape::new(b);
+            let ids = b.from_slice(&[2i64, 0, 2, 2], &[2, 2])?;
+            let out = table.forward(&tape, &ids)?;
+            assert_eq!(out.shape(), &[2, 2, 3]);
+            let rows = table.weight.to_vec::<f32>()?;
+            assert_eq!(&out.value().to_vec::<f32>()?[..3], &rows[6..9]);
+            let grads = tape.backward(&out.sum_all()?)?;
+            let g = grads
+                .get(&table.weight)
+                .expect("the table is watched")
+                .to_vec::<f32>()?;
+            assert_eq!(
+                g,
+                vec![1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 3.0, 3.0, 3.0, 0.0, 0.0, 0.0]
+            );
+            let bad = b.from_slice(&[4i64], &[1])?;
+            assert!(matches!(
+                table.forward(&tape, &bad),
+                Err(Error::IndexOutOfRange { .. })
+            ));
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}

@@ -146,6 +146,9 @@ fn elementwise_ops_agree_with_the_host() {
             x.cos()?,
             x.sigmoid()?,
             x.gelu()?,
+            x.gelu_exact()?,
+            x.silu()?,
+            x.erf()?,
             pos.log1p()?,
             x.expm1()?,
             x.add_scalar(1.5)?,
@@ -298,6 +301,129 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
             a.narrow(1, 0, 0)?.matmul(&b.narrow(0, 0, 0)?)?, // k = 0: zeros
         ])
     });
+}
+
+#[test]
+fn transformer_ops_agree_with_the_host() {
+    agree(
+        "masks, triangles and the new maps' derivatives",
+        1e-5,
+        &|s| {
+            let x = s.randn(&[3, 5, 6])?;
+            let mask = x.gt(&s.zeros(&[1])?)?;
+            let tape = Tape::new(s);
+            let v = tape.param(&x);
+            let w = s.randn(&[3, 5, 6])?;
+            let loss = v
+                .gelu_exact()?
+                .add(&v.silu()?)?
+                .add(&v.erf()?)?
+                .masked_fill(&mask.narrow(2, 0, 1)?, -2.0)?
+                .tril(1)?
+                .mul(&tape.constant(&w))?
+                .sum_all()?;
+            let grads = tape.backward(&loss)?;
+            Ok(vec![
+                x.masked_fill(&mask, f64::NEG_INFINITY)?,
+                x.tril(0)?,
+                x.triu(-1)?,
+                loss.into_value(),
+                grads.get(&x).expect("x has a gradient").deep_copy()?,
+            ])
+        },
+    );
+    agree(
+        "norms and causal attention, forward and backward",
+        1e-4,
+        &|s| {
+            let x = s.randn(&[2, 7, 8])?;
+            let (gamma, beta) = (s.randn(&[8])?, s.randn(&[8])?);
+            let tape = Tape::new(s);
+            let (xv, g, b) = (tape.param(&x), tape.param(&gamma), tape.param(&beta));
+            let normed = xv.layer_norm(Some(&g), Some(&b), 1e-5)?;
+            let rms = xv.rms_norm(Some(&g), 1e-6)?;
+            let options = nn::AttentionOptions {
+                causal: true,
+                dropout: 0.0,
+            };
+            let a = nn::scaled_dot_product_attention(&normed, &rms, &xv, options, Mode::Train)?;
+            let loss = a.output.square()?.sum_all()?;
+            let grads = tape.backward(&loss)?;
+            let grad = |t: &Tensor<'_>| grads.get(t).expect("watched").deep_copy();
+            Ok(vec![
+                a.output.into_value(),
+                a.weights.into_value(),
+                grad(&x)?,
+                grad(&gamma)?,
+                grad(&beta)?,
+            ])
+        },
+    );
+}
+
+/// Three SGD steps of a two-block causal transformer on token ids, from the same seed; returns
+/// the parameters and the losses. SGD rather than Adam: some gradients are zero in exact arithmetic
+/// (a key bias shifts every score of a row, which the softmax ignores), so both devices compute
+/// rounding noise there, and Adam would scale that noise up to a full learning-rate step.
+fn train_transformer<'m>(m: &Scope<'m>) -> Result<Vec<Tensor<'m>>> {
+    let opts = nn::AttentionOptions {
+        causal: true,
+        dropout: 0.0,
+    };
+    let init = Init::Normal(0.1);
+    let mut model = TinyGpt {
+        table: nn::Embedding::new(m, 11, 16, init)?,
+        positions: nn::PositionalEmbedding::new(m, 6, 16, init)?,
+        blocks: vec![
+            nn::TransformerBlock::new(m, 16, 4, opts, init)?,
+            nn::TransformerBlock::new(m, 16, 4, opts, init)?,
+        ],
+        head: nn::Linear::new(m, 16, 11, init)?,
+    };
+    let mut opt = Sgd::new(m, &model, SgdConfig::new(0.1).momentum(0.9))?;
+    let mut losses = Vec::new();
+    for step in 0..3i64 {
+        let loss = m.scope(|b| -> Result<f64> {
+            let ids: Vec<i64> = (0..24).map(|i| (i * 7 + step) % 11).collect();
+            let ids = b.from_slice(&ids, &[4, 6])?;
+            let tape = Tape::new(b);
+            let tokens = model.table.forward(&tape, &ids.narrow(1, 0, 5)?)?;
+            let mut x = model.positions.forward(&tokens)?;
+            for block in &model.blocks {
+                x = block.forward(&x, Mode::Train)?;
+            }
+            let logits = model.head.forward(&x, Mode::Train)?.reshape(&[20, 11])?;
+            let next = ids.narrow(1, 1, 5)?.contiguous()?.reshape(&[20])?;
+            let loss = logits.cross_entropy(&next)?;
+            let grads = tape.backward(&loss)?;
+            opt.step(&mut model, &grads)?;
+            loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()
+        })?;
+        losses.push(loss);
+    }
+    let mut out: Vec<Tensor<'m>> = Vec::new();
+    ndscope::nn::Parameters::visit(&model, "", &mut |_, p| out.push(p.clone()));
+    out.push(m.from_slice(&losses, &[losses.len()])?);
+    Ok(out)
+}
+
+ndscope::model! {
+    /// A two-block decoder, declared as a user would.
+    struct TinyGpt<'m> {
+        table: nn::Embedding<'m>,
+        positions: nn::PositionalEmbedding<'m>,
+        blocks: Vec<nn::TransformerBlock<'m>>,
+        head: nn::Linear<'m>,
+    }
+}
+
+#[test]
+fn a_transformer_training_step_agrees_with_the_host() {
+    agree(
+        "embedding + 2 transformer blocks + SGD, 3 steps",
+        1e-4,
+        &|m| train_transformer(m),
+    );
 }
 
 /// Five training steps of a small MLP from the same seed; returns the parameters and the losses.

@@ -711,3 +711,222 @@ fn values_read_back_as_f64_whatever_the_dtype() {
         Ok(())
     });
 }
+
+/// `erf` by its Taylor series, summed in f64 (independent of the library's `libm` implementation;
+/// accurate to ~1e-12 for |x| <= 3).
+fn ref_erf(x: f64) -> f64 {
+    let (mut term, mut sum) = (x, x);
+    for n in 1..200 {
+        term *= -x * x / n as f64;
+        sum += term / (2 * n + 1) as f64;
+    }
+    sum * 2.0 / std::f64::consts::PI.sqrt()
+}
+
+#[test]
+fn erf_exact_gelu_and_silu_match_their_definitions() {
+    run(|s| {
+        let xv: Vec<f64> = (0..61).map(|i| -3.0 + 0.1 * i as f64).collect();
+        for dtype in [DType::F32, DType::F64] {
+            let x = s.from_slice(&xv, &[61])?.to_dtype(dtype)?;
+            let tol = if dtype == DType::F32 { 2e-6 } else { 1e-12 };
+            let erf: Vec<f64> = xv.iter().map(|&v| ref_erf(v)).collect();
+            assert_close(&x.erf()?.to_vec_f64()?, &erf, tol);
+            let gelu: Vec<f64> = xv
+                .iter()
+                .map(|&v| 0.5 * v * (1.0 + ref_erf(v / 2f64.sqrt())))
+                .collect();
+            assert_close(&x.gelu_exact()?.to_vec_f64()?, &gelu, tol);
+            let silu: Vec<f64> = xv.iter().map(|&v| v / (1.0 + (-v).exp())).collect();
+            assert_close(&x.silu()?.to_vec_f64()?, &silu, tol);
+        }
+        // Far tails: no NaN where e^-x overflows.
+        let big = s.from_slice(&[-1000.0f32, 1000.0], &[2])?;
+        assert_eq!(big.silu()?.to_vec::<f32>()?, vec![-0.0, 1000.0]);
+        assert_eq!(big.gelu_exact()?.to_vec::<f32>()?, vec![-0.0, 1000.0]);
+        assert!(
+            s.from_slice(&[1i64], &[1])?.erf().is_err(),
+            "erf is float-only"
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn masked_fill_tril_and_triu() {
+    run(|s| {
+        let (x, xv) = tensor(s, &[2, 3, 4], 31)?;
+        for k in [-2isize, -1, 0, 1, 3] {
+            let (lower, upper) = (x.tril(k)?.to_vec_f64()?, x.triu(k)?.to_vec_f64()?);
+            for (n, idx) in indices(&[2, 3, 4]).iter().enumerate() {
+                let d = idx[2] as isize - idx[1] as isize;
+                assert_eq!(
+                    lower[n],
+                    if d <= k { xv[n] } else { 0.0 },
+                    "tril({k}) at {idx:?}"
+                );
+                assert_eq!(
+                    upper[n],
+                    if d >= k { xv[n] } else { 0.0 },
+                    "triu({k}) at {idx:?}"
+                );
+            }
+        }
+        // A masked infinity does not become NaN (a multiplication by zero would).
+        let inf = s.full(&[2, 2], f64::INFINITY)?;
+        assert_eq!(
+            inf.tril(0)?.to_vec::<f32>()?,
+            vec![f32::INFINITY, 0.0, f32::INFINITY, f32::INFINITY]
+        );
+        // masked_fill: a [3, 1] mask of any dtype broadcast over the last axis.
+        let mask = s.from_slice(&[1i64, 0, 1], &[3, 1])?;
+        let filled = x.masked_fill(&mask, -7.0)?.to_vec_f64()?;
+        for (n, idx) in indices(&[2, 3, 4]).iter().enumerate() {
+            let want = if idx[1] != 1 { -7.0 } else { xv[n] };
+            assert_eq!(filled[n], want, "masked_fill at {idx:?}");
+        }
+        // A mask may not make the result larger than the tensor it masks.
+        let wide = s.zeros(&[5, 3, 4])?;
+        assert!(matches!(
+            x.masked_fill(&wide, 0.0),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            s.zeros(&[4])?.tril(0),
+            Err(Error::InvalidShape { .. })
+        ));
+        Ok(())
+    });
+}
+
+#[test]
+fn layer_norm_and_rms_norm_normalise_each_row() {
+    run(|s| {
+        let (rows, width) = (6, 5);
+        let (x, xv) = tensor(s, &[2, 3, width], 41)?;
+        let (w, wv) = tensor(s, &[width], 42)?;
+        let (b, bv) = tensor(s, &[width], 43)?;
+        let tape = ndscope::Tape::no_grad(s);
+        let (xs, ws, bs) = (tape.constant(&x), tape.constant(&w), tape.constant(&b));
+        let layer = xs
+            .layer_norm(Some(&ws), Some(&bs), 1e-5)?
+            .value()
+            .to_vec_f64()?;
+        let rms = xs.rms_norm(Some(&ws), 1e-6)?.value().to_vec_f64()?;
+        let (mut want_layer, mut want_rms) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            let row = &xv[r * width..(r + 1) * width];
+            let mean = row.iter().sum::<f64>() / width as f64;
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / width as f64;
+            let ms = row.iter().map(|v| v * v).sum::<f64>() / width as f64;
+            for j in 0..width {
+                want_layer.push((row[j] - mean) / (var + 1e-5).sqrt() * wv[j] + bv[j]);
+                want_rms.push(row[j] / (ms + 1e-6).sqrt() * wv[j]);
+            }
+        }
+        assert_close(&layer, &want_layer, 1e-5);
+        assert_close(&rms, &want_rms, 1e-5);
+        // Without the affine parameters, each row has mean 0 and variance 1.
+        let plain = xs.layer_norm(None, None, 1e-12)?.value().to_vec_f64()?;
+        for row in plain.chunks(width) {
+            assert!(row.iter().sum::<f64>().abs() < 1e-5);
+            assert!((row.iter().map(|v| v * v).sum::<f64>() / width as f64 - 1.0).abs() < 1e-4);
+        }
+        assert!(matches!(
+            xs.layer_norm(Some(&bs.reshape(&[5, 1])?), None, 1e-5),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            xs.rms_norm(None, 0.0),
+            Err(Error::InvalidShape { .. })
+        ));
+        Ok(())
+    });
+}
+
+/// Attention by plain loops: `[batch, len, d]` operands (`dims`), scores scaled by `1/sqrt(d)`.
+fn ref_attention(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dims: (usize, usize, usize),
+    causal: bool,
+) -> (Vec<f64>, Vec<f64>) {
+    let (batch, len, d) = dims;
+    let (lq, lk) = (len, len);
+    let (mut out, mut weights) = (vec![0.0; batch * lq * d], vec![0.0; batch * lq * lk]);
+    for b in 0..batch {
+        for i in 0..lq {
+            let scores: Vec<f64> = (0..lk)
+                .map(|j| {
+                    if causal && j > i {
+                        f64::NEG_INFINITY
+                    } else {
+                        (0..d)
+                            .map(|c| q[(b * lq + i) * d + c] * k[(b * lk + j) * d + c])
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    }
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let total: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for j in 0..lk {
+                let w = (scores[j] - max).exp() / total;
+                weights[(b * lq + i) * lk + j] = w;
+                for c in 0..d {
+                    out[(b * lq + i) * d + c] += w * v[(b * lk + j) * d + c];
+                }
+            }
+        }
+    }
+    (out, weights)
+}
+
+#[test]
+fn attention_matches_a_plain_loop_with_and_without_the_causal_mask() {
+    use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
+    run(|s| {
+        let (batch, len, d) = (2, 5, 4);
+        let (q, qv) = tensor(s, &[batch, len, d], 51)?;
+        let (k, kv) = tensor(s, &[batch, len, d], 52)?;
+        let (v, vv) = tensor(s, &[batch, len, d], 53)?;
+        // Large scores: the softmax must subtract the row maximum to stay finite.
+        let (q, qv) = (
+            q.mul_scalar(30.0)?,
+            qv.iter().map(|x| x * 30.0).collect::<Vec<_>>(),
+        );
+        let tape = ndscope::Tape::no_grad(s);
+        for causal in [false, true] {
+            let options = AttentionOptions {
+                causal,
+                dropout: 0.5,
+            };
+            // Dropout is off in evaluation.
+            let a = scaled_dot_product_attention(
+                &tape.constant(&q),
+                &tape.constant(&k),
+                &tape.constant(&v),
+                options,
+                Mode::Eval,
+            )?;
+            let (want_out, want_w) = ref_attention(&qv, &kv, &vv, (batch, len, d), causal);
+            assert_close(&a.output.value().to_vec_f64()?, &want_out, 1e-5);
+            assert_close(&a.weights.value().to_vec_f64()?, &want_w, 1e-5);
+        }
+        let short = s.zeros(&[batch, len, d + 1])?;
+        let options = AttentionOptions {
+            causal: false,
+            dropout: 0.0,
+        };
+        let err = scaled_dot_product_attention(
+            &tape.constant(&q),
+            &tape.constant(&short),
+            &tape.constant(&v),
+            options,
+            Mode::Eval,
+        );
+        assert!(matches!(err, Err(Error::ShapeMismatch { .. })));
+        Ok(())
+    });
+}

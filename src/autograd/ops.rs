@@ -89,6 +89,12 @@ impl<'t, 's> Var<'t, 's> {
         relu => ReluGrad;
         /// GELU (tanh approximation).
         gelu => GeluGrad;
+        /// Exact GELU, `x Φ(x)`.
+        gelu_exact => GeluExactGrad;
+        /// SiLU, `x sigmoid(x)`.
+        silu => SiluGrad;
+        /// The error function.
+        erf => ErfGrad;
     }
 
     unary_from_output! {
@@ -127,6 +133,44 @@ impl<'t, 's> Var<'t, 's> {
         let y = value.clone();
         Var::record(&[self], "expm1", value, move |g, _| {
             Ok(smallvec![Some(g.mul(&y.add_scalar(1.0)?)?)])
+        })
+    }
+
+    /// `value` where `mask` is non-zero, `self` elsewhere; `mask` gets no gradient and the filled
+    /// elements pass none back.
+    ///
+    /// # Errors
+    /// As for [`Tensor::masked_fill`].
+    #[track_caller]
+    pub fn masked_fill(&self, mask: &Tensor<'s>, value: f64) -> Result<Var<'t, 's>> {
+        let out = self.value.masked_fill(mask, value)?;
+        let mask = mask.clone();
+        Var::record(&[self], "masked_fill", out, move |g, _| {
+            Ok(smallvec![Some(g.masked_fill(&mask, 0.0)?)])
+        })
+    }
+
+    /// The lower triangle of the last two dimensions ([`Tensor::tril`]).
+    ///
+    /// # Errors
+    /// As for [`Tensor::tril`].
+    #[track_caller]
+    pub fn tril(&self, k: isize) -> Result<Var<'t, 's>> {
+        let out = self.value.tril(k)?;
+        Var::record(&[self], "tril", out, move |g, _| {
+            Ok(smallvec![Some(g.tril(k)?)])
+        })
+    }
+
+    /// The upper triangle of the last two dimensions ([`Tensor::triu`]).
+    ///
+    /// # Errors
+    /// As for [`Tensor::triu`].
+    #[track_caller]
+    pub fn triu(&self, k: isize) -> Result<Var<'t, 's>> {
+        let out = self.value.triu(k)?;
+        Var::record(&[self], "triu", out, move |g, _| {
+            Ok(smallvec![Some(g.triu(k)?)])
         })
     }
 

@@ -26,11 +26,12 @@ pub(crate) trait Math: Element {
     fn cos(self) -> Self;
     fn powf(self, e: Self) -> Self;
     fn recip(self) -> Self;
+    fn erf(self) -> Self;
     fn is_nan(self) -> bool;
 }
 
 macro_rules! float_math {
-    ($t:ty) => {
+    ($t:ty, $erf:path) => {
         impl Math for $t {
             #[inline(always)]
             fn exp(self) -> Self {
@@ -73,14 +74,18 @@ macro_rules! float_math {
                 Float::recip(self)
             }
             #[inline(always)]
+            fn erf(self) -> Self {
+                $erf(self)
+            }
+            #[inline(always)]
             fn is_nan(self) -> bool {
                 Float::is_nan(self)
             }
         }
     };
 }
-float_math!(f32);
-float_math!(f64);
+float_math!(f32, libm::erff);
+float_math!(f64, libm::erf);
 
 macro_rules! via_f64 {
     ($($name:ident),*) => {$(
@@ -93,6 +98,10 @@ macro_rules! via_f64 {
 
 impl Math for i64 {
     via_f64!(exp, ln, ln_1p, exp_m1, sqrt, tanh, sin, cos);
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erf(self as f64) as i64
+    }
     #[inline(always)]
     fn powf(self, e: Self) -> Self {
         (self as f64).powf(e as f64) as i64
@@ -261,6 +270,17 @@ macro_rules! unary_maps {
             log1p: Log1p = 20, "U_LOG1P", float, |x| x.ln_1p();
             /// `e^self - 1`, accurate for `self` near 0.
             expm1: Expm1 = 21, "U_EXPM1", float, |x| x.exp_m1();
+            /// The error function `2/sqrt(pi) * integral from 0 to self of e^(-t²) dt`.
+            erf: Erf = 22, "U_ERF", float, |x| x.erf();
+            /// Exact GELU, `x Φ(x) = 0.5 x (1 + erf(x / sqrt(2)))` (PyTorch's default `gelu`; the
+            /// tanh approximation is [`gelu`](Self::Gelu)).
+            gelu_exact: GeluExact = 23, "U_GELU_EXACT", float, |x| {
+                let half = T::from_f64(0.5);
+                half.mul(x).mul(T::one().add(x.mul(T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf()))
+            };
+            /// SiLU (swish), `x * sigmoid(x) = x / (1 + e^-x)`; `-0` rather than NaN where `e^-x`
+            /// overflows.
+            silu: Silu = 24, "U_SILU", float, |x| x.div(T::one().add(x.neg().exp()));
         }
     };
 }
@@ -377,6 +397,20 @@ define_binary! {
     MaskNot = 28, "B_MASK_NOT", |g, m, _p0, _p1| g.mul(T::one().sub(m));
     /// `e^a b`.
     ExpMul = 29, "B_EXP_MUL", |a, b, _p0, _p1| a.exp().mul(b);
+    /// `g 2/sqrt(pi) e^(-x²)`.
+    ErfGrad = 30, "B_ERF_GRAD", |g, x, _p0, _p1| g.mul(T::from_f64(std::f64::consts::FRAC_2_SQRT_PI)).mul(x.mul(x).neg().exp());
+    /// `g (Φ(x) + x φ(x))`: the derivative of exact GELU.
+    GeluExactGrad = 31, "B_GELU_EXACT_GRAD", |g, x, _p0, _p1| {
+        let half = T::from_f64(0.5);
+        let cdf = half.mul(T::one().add(x.mul(T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf()));
+        let pdf = T::from_f64(0.3989422804014327).mul(half.mul(x).mul(x).neg().exp()); // 1/sqrt(2 pi)
+        g.mul(cdf.add(x.mul(pdf)))
+    };
+    /// `g s (1 + x (1 - s))` for `s = sigmoid(x)`: the derivative of SiLU.
+    SiluGrad = 32, "B_SILU_GRAD", |g, x, _p0, _p1| {
+        let s = T::one().div(T::one().add(x.neg().exp()));
+        g.mul(s).mul(T::one().add(x.mul(T::one().sub(s))))
+    };
 }
 
 /// A reduction of rows: sum, max or min.

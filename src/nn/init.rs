@@ -15,6 +15,9 @@ pub enum Init {
     XavierUniform,
     /// Glorot & Bengio (2010): normal with standard deviation `sqrt(2 / (fan_in + fan_out))`.
     XavierNormal,
+    /// Normal with mean 0 and the given standard deviation, whatever the fans (embeddings; GPT-2
+    /// initialises its weights with 0.02).
+    Normal(f64),
     /// Every element `value`.
     Constant(f64),
 }
@@ -29,7 +32,7 @@ impl Init {
     #[track_caller]
     pub fn tensor<'s>(self, scope: &Scope<'s>, shape: &[usize]) -> Result<Tensor<'s>> {
         let (fan_out, fan_in) = match shape {
-            [] if !matches!(self, Init::Constant(_)) => {
+            [] if !matches!(self, Init::Constant(_) | Init::Normal(_)) => {
                 return Err(crate::Error::InvalidShape {
                     op: "Init::tensor",
                     shape: Vec::new(),
@@ -54,6 +57,7 @@ impl Init {
             }
             Init::KaimingNormal => (scope.randn(shape)?, (2.0 / fan_in).sqrt(), 0.0),
             Init::XavierNormal => (scope.randn(shape)?, (2.0 / (fan_in + fan_out)).sqrt(), 0.0),
+            Init::Normal(std) => (scope.randn(shape)?, std, 0.0),
             Init::Constant(value) => (scope.zeros(shape)?, 0.0, value),
         };
         t.mul_scalar_(scale)?;

@@ -13,6 +13,10 @@ pub enum Activation {
     Relu,
     /// GELU, tanh approximation.
     Gelu,
+    /// GELU, exact (`x Φ(x)`, PyTorch's default).
+    GeluExact,
+    /// SiLU (swish), `x sigmoid(x)`.
+    Silu,
     /// Hyperbolic tangent.
     Tanh,
     /// Logistic sigmoid.
@@ -27,6 +31,8 @@ impl<'m> Module<'m> for Activation {
         match self {
             Activation::Relu => x.relu(),
             Activation::Gelu => x.gelu(),
+            Activation::GeluExact => x.gelu_exact(),
+            Activation::Silu => x.silu(),
             Activation::Tanh => x.tanh(),
             Activation::Sigmoid => x.sigmoid(),
         }

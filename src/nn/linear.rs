@@ -60,8 +60,19 @@ impl<'m> Module<'m> for Linear<'m> {
         'm: 's,
     {
         let tape = x.tape();
-        x.matmul(&tape.param(&self.weight).t()?)?
-            .add(&tape.param(&self.bias))
+        let (weight, bias) = (tape.param(&self.weight), tape.param(&self.bias));
+        if x.shape().len() <= 2 {
+            return x.matmul(&weight.t()?)?.add(&bias);
+        }
+        // [..., in] as one matrix: one product instead of a batch of small ones.
+        let mut shape = x.shape().to_vec();
+        let rows = shape[..shape.len() - 1].iter().product();
+        let y = x
+            .reshape(&[rows, self.in_features()])?
+            .matmul(&weight.t()?)?
+            .add(&bias)?;
+        *shape.last_mut().expect("rank > 2") = self.out_features();
+        y.reshape(&shape)
     }
 }
 

@@ -24,15 +24,24 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod attention;
+mod embedding;
 mod init;
 mod layers;
 mod linear;
+mod model;
+mod norm;
 mod params;
+mod transformer;
 
+pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_product_attention};
+pub use embedding::{Embedding, PositionalEmbedding};
 pub use init::Init;
 pub use layers::{Activation, Dropout, Layer, Sequential, mlp};
 pub use linear::Linear;
+pub use norm::{LayerNorm, RmsNorm};
 pub use params::Parameters;
+pub use transformer::TransformerBlock;
 
 use crate::autograd::Var;
 use crate::error::Result;

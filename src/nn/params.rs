@@ -42,3 +42,32 @@ impl<'m> Parameters<'m> for Tensor<'m> {
         f(self)
     }
 }
+
+/// A list of layers, named `{prefix}{index}.` like PyTorch's `ModuleList`.
+impl<'m, T: Parameters<'m>> Parameters<'m> for Vec<T> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
+        for (i, item) in self.iter().enumerate() {
+            item.visit(&format!("{prefix}{i}."), f);
+        }
+    }
+
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
+        self.iter_mut().try_for_each(|item| item.visit_mut(f))
+    }
+}
+
+/// An optional part (a bias, a layer switched off): nothing when `None`.
+impl<'m, T: Parameters<'m>> Parameters<'m> for Option<T> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
+        if let Some(item) = self {
+            item.visit(prefix, f);
+        }
+    }
+
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
+        match self {
+            Some(item) => item.visit_mut(f),
+            None => Ok(()),
+        }
+    }
+}

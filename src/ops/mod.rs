@@ -8,6 +8,7 @@ mod elementwise;
 pub(crate) mod fused;
 mod index;
 mod join;
+mod mask;
 mod matmul;
 mod reduce;
 mod softmax;
@@ -15,6 +16,7 @@ mod view;
 
 /// The binary ops and derivatives autograd chains, by name (stated in `backend::op`).
 pub(crate) use crate::backend::op::Binary;
+pub(crate) use mask::Triangle;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

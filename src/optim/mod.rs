@@ -30,9 +30,11 @@
 //! ```
 
 mod adam;
+mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig};
+pub use schedule::{Constant, Schedule, WarmupCosine};
 pub use sgd::{Sgd, SgdConfig};
 
 use crate::autograd::Gradients;
