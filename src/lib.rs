@@ -27,6 +27,7 @@ pub use error::{Error, Result};
 pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
 pub use memory::stats::{MemoryStats, ScopeStats};
+pub use ops::Conv2dOptions;
 pub use rng::DEFAULT_SEED;
 pub use scope::{
     Child, EventKind, Fault, MemoryEvent, Movable, Scope, Timeline, root, system_stats,

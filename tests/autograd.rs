@@ -657,3 +657,129 @@ fn embedding_gradients_add_up_over_repeated_ids() {
     })
     .unwrap();
 }
+
+#[test]
+fn convolution_and_pooling() {
+    use ndscope::Conv2dOptions;
+    let conv = |x: [usize; 4], w: [usize; 4]| {
+        vec![
+            input(&x, 41, -1.0, 1.0),
+            input(&w, 42, -1.0, 1.0),
+            input(&[w[0]], 43, -1.0, 1.0),
+        ]
+    };
+    check("conv2d", conv([2, 2, 5, 4], [3, 2, 3, 2]), |v| {
+        v[0].conv2d(&v[1], Some(&v[2]), &Conv2dOptions::default())
+    });
+    check(
+        "conv2d with stride, padding and dilation",
+        conv([1, 2, 7, 6], [2, 2, 2, 3]),
+        |v| {
+            let o = Conv2dOptions {
+                stride: [2, 1],
+                padding: [1, 2],
+                dilation: [2, 1],
+                groups: 1,
+            };
+            v[0].conv2d(&v[1], Some(&v[2]), &o)
+        },
+    );
+    check("conv2d in groups", conv([2, 4, 4, 4], [4, 2, 3, 3]), |v| {
+        let o = Conv2dOptions {
+            padding: [1, 1],
+            groups: 2,
+            ..Conv2dOptions::default()
+        };
+        v[0].conv2d(&v[1], Some(&v[2]), &o)
+    });
+    let image = || vec![input(&[2, 2, 6, 5], 44, -2.0, 2.0)];
+    check("max_pool2d", image(), |v| {
+        v[0].max_pool2d([2, 2], [2, 2], [1, 0])
+    });
+    check("max_pool2d overlapping", image(), |v| {
+        v[0].max_pool2d([3, 3], [1, 2], [1, 1])
+    });
+    check("avg_pool2d", image(), |v| {
+        v[0].avg_pool2d([3, 2], [2, 1], [1, 1])
+    });
+    check("adaptive_avg_pool2d", image(), |v| {
+        v[0].adaptive_avg_pool2d([4, 3])
+    });
+    check("unfold2d", image(), |v| {
+        v[0].unfold2d([2, 3], &Conv2dOptions::default())
+    });
+}
+
+#[test]
+fn convolution_layers() {
+    use ndscope::Conv2dOptions;
+    use ndscope::nn::{BatchNorm2d, Conv2d, Init, Mode, Module};
+    let same = Conv2dOptions {
+        padding: [1, 1],
+        ..Conv2dOptions::default()
+    };
+    check_layer!(
+        Conv2d,
+        [2, 2, 4, 3],
+        |s| Conv2d::new(s, 2, 3, [3, 3], same, Init::XavierUniform)?,
+        |m, x| m.forward(&x, Mode::Train)
+    );
+    check_layer!(
+        BatchNorm2d,
+        [3, 2, 2, 3],
+        |s| BatchNorm2d::new(s, 2)?,
+        |m, x| { m.forward(&x, Mode::Train) }
+    );
+}
+
+#[test]
+fn batch_norm_updates_its_running_statistics_in_place_and_uses_them_in_evaluation() {
+    use ndscope::nn::{BatchNorm2d, Mode, Module};
+    root(Device::Cpu, |m| {
+        let bn = BatchNorm2d::new(m, 2)?;
+        let data: Vec<f64> = values(2 * 2 * 3, 51, -1.0, 3.0);
+        m.scope(|b| {
+            let tape = Tape::new(b);
+            let x = tape.constant(&b.from_slice(&data, &[2, 2, 3, 1])?.to_dtype(DType::F32)?);
+            // The batch's events join the model scope's counters when it closes: a change now is an
+            // allocation in the model scope itself.
+            let before = m.stats().allocations;
+            bn.forward(&x, Mode::Train)?;
+            assert_eq!(
+                m.stats().allocations,
+                before,
+                "the update allocated in the model scope"
+            );
+            Ok::<_, Error>(())
+        })?;
+        // Channel c holds data[n*6 + c*3 + i] for n in 0..2, i in 0..3.
+        for c in 0..2 {
+            let xs: Vec<f64> = (0..2)
+                .flat_map(|n| (0..3).map(move |i| n * 6 + c * 3 + i))
+                .map(|k| data[k])
+                .collect();
+            let mean = xs.iter().sum::<f64>() / 6.0;
+            let unbiased = xs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / 5.0;
+            let rm = bn.running_mean.borrow().to_vec_f64()?[c];
+            let rv = bn.running_var.borrow().to_vec_f64()?[c];
+            assert!((rm - 0.1 * mean).abs() < 1e-6, "running mean {rm}");
+            assert!(
+                (rv - (0.9 + 0.1 * unbiased)).abs() < 1e-5,
+                "running var {rv}"
+            );
+        }
+        // Evaluation normalises with the running statistics.
+        m.scope(|b| {
+            let tape = Tape::no_grad(b);
+            let x = tape.constant(&b.full(&[1, 2, 1, 1], 2.0)?);
+            let y = bn.forward(&x, Mode::Eval)?.value().to_vec_f64()?;
+            for (c, got) in y.iter().enumerate() {
+                let rm = bn.running_mean.borrow().to_vec_f64()?[c];
+                let rv = bn.running_var.borrow().to_vec_f64()?[c];
+                assert!((got - (2.0 - rm) / (rv + 1e-5).sqrt()).abs() < 1e-5);
+            }
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}

@@ -361,6 +361,70 @@ fn transformer_ops_agree_with_the_host() {
     );
 }
 
+#[test]
+fn convolution_and_pooling_agree_with_the_host() {
+    agree(
+        "conv2d, pooling, unfold and fold, forward and backward",
+        1e-4,
+        &|s| {
+            let x = s.randn(&[2, 4, 9, 8])?;
+            let w = s.randn(&[6, 2, 3, 3])?;
+            let b = s.randn(&[6])?;
+            let options = ndscope::Conv2dOptions {
+                stride: [2, 1],
+                padding: [1, 2],
+                dilation: [1, 2],
+                groups: 2,
+            };
+            let tape = Tape::new(s);
+            let (xv, wv, bv) = (tape.param(&x), tape.param(&w), tape.param(&b));
+            let y = xv.conv2d(&wv, Some(&bv), &options)?;
+            let pooled = y.max_pool2d([2, 2], [2, 2], [1, 1])?;
+            let averaged = xv.avg_pool2d([3, 3], [2, 2], [1, 1])?;
+            let adaptive = xv.adaptive_avg_pool2d([3, 5])?;
+            let loss = pooled
+                .square()?
+                .sum_all()?
+                .add(&averaged.sum_all()?)?
+                .add(&adaptive.square()?.sum_all()?)?;
+            let grads = tape.backward(&loss)?;
+            let grad = |t: &Tensor<'_>| grads.get(t).expect("watched").deep_copy();
+            let cols = x.unfold2d([2, 3], &options)?;
+            Ok(vec![
+                y.into_value(),
+                pooled.into_value(),
+                averaged.into_value(),
+                adaptive.into_value(),
+                grad(&x)?,
+                grad(&w)?,
+                grad(&b)?,
+                cols.fold2d([9, 8], [2, 3], &options)?,
+                cols,
+            ])
+        },
+    );
+    agree("batch norm in training and evaluation", 1e-4, &|s| {
+        let bn = nn::BatchNorm2d::new(s, 3)?;
+        let x = s.randn(&[4, 3, 5, 5])?;
+        let tape = Tape::new(s);
+        let y = bn.forward(&tape.param(&x), Mode::Train)?;
+        let grads = tape.backward(&y.square()?.sum_all()?)?;
+        let eval = bn.forward(&tape.constant(&x), Mode::Eval)?;
+        let running = [
+            bn.running_mean.borrow().deep_copy()?,
+            bn.running_var.borrow().deep_copy()?,
+        ];
+        let [mean, var] = running;
+        Ok(vec![
+            y.into_value(),
+            grads.get(&x).expect("watched").deep_copy()?,
+            eval.into_value(),
+            mean,
+            var,
+        ])
+    });
+}
+
 /// Three SGD steps of a two-block causal transformer on token ids, from the same seed; returns
 /// the parameters and the losses. SGD rather than Adam: some gradients are zero in exact arithmetic
 /// (a key bias shifts every score of a row, which the softmax ignores), so both devices compute

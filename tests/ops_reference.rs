@@ -930,3 +930,234 @@ fn attention_matches_a_plain_loop_with_and_without_the_causal_mask() {
         Ok(())
     });
 }
+
+/// Cross-correlation by plain loops over `[n, c, h, w]` with `[o, c / groups, kh, kw]` weights.
+#[allow(clippy::needless_range_loop)]
+fn ref_conv2d(
+    x: &[f64],
+    xs: [usize; 4],
+    w: &[f64],
+    ws: [usize; 4],
+    bias: &[f64],
+    o: &ndscope::Conv2dOptions,
+) -> (Vec<f64>, [usize; 4]) {
+    let [n, c, h, wd] = xs;
+    let [oc, cg, kh, kw] = ws;
+    let out_dim = |size: usize, k: usize, a: usize| {
+        (size + 2 * o.padding[a] - o.dilation[a] * (k - 1) - 1) / o.stride[a] + 1
+    };
+    let (oh, ow) = (out_dim(h, kh, 0), out_dim(wd, kw, 1));
+    let per_group = oc / o.groups;
+    let mut out = vec![0.0; n * oc * oh * ow];
+    for b in 0..n {
+        for q in 0..oc {
+            let g = q / per_group;
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let mut acc = bias[q];
+                    for ci in 0..cg {
+                        for i in 0..kh {
+                            for j in 0..kw {
+                                let iy = (y * o.stride[0] + i * o.dilation[0]) as isize
+                                    - o.padding[0] as isize;
+                                let ix = (xx * o.stride[1] + j * o.dilation[1]) as isize
+                                    - o.padding[1] as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                    continue;
+                                }
+                                let ch = g * cg + ci;
+                                acc += w[((q * cg + ci) * kh + i) * kw + j]
+                                    * x[((b * c + ch) * h + iy as usize) * wd + ix as usize];
+                            }
+                        }
+                    }
+                    out[((b * oc + q) * oh + y) * ow + xx] = acc;
+                }
+            }
+        }
+    }
+    (out, [n, oc, oh, ow])
+}
+
+#[test]
+fn conv2d_matches_a_plain_loop_for_every_option() {
+    use ndscope::Conv2dOptions;
+    run(|s| {
+        let cases = [
+            ([2, 3, 7, 6], [4, 3, 3, 3], Conv2dOptions::default()),
+            (
+                [1, 2, 8, 8],
+                [2, 2, 3, 2],
+                Conv2dOptions {
+                    stride: [2, 3],
+                    padding: [1, 2],
+                    ..Conv2dOptions::default()
+                },
+            ),
+            (
+                [2, 2, 9, 9],
+                [3, 2, 2, 3],
+                Conv2dOptions {
+                    dilation: [2, 3],
+                    padding: [1, 1],
+                    ..Conv2dOptions::default()
+                },
+            ),
+            (
+                [1, 4, 5, 5],
+                [6, 2, 3, 3],
+                Conv2dOptions {
+                    groups: 2,
+                    padding: [1, 1],
+                    ..Conv2dOptions::default()
+                },
+            ),
+            ([3, 1, 4, 4], [2, 1, 1, 1], Conv2dOptions::default()),
+        ];
+        let tape = ndscope::Tape::no_grad(s);
+        for (k, (xs, ws, options)) in cases.into_iter().enumerate() {
+            let (x, xv) = tensor(s, &xs, 60 + k as u64)?;
+            let (w, wv) = tensor(s, &ws, 70 + k as u64)?;
+            let (b, bv) = tensor(s, &[ws[0]], 80 + k as u64)?;
+            let got =
+                tape.constant(&x)
+                    .conv2d(&tape.constant(&w), Some(&tape.constant(&b)), &options)?;
+            let (want, shape) = ref_conv2d(&xv, xs, &wv, ws, &bv, &options);
+            assert_eq!(got.shape(), &shape, "case {k}");
+            assert_close(&got.value().to_vec_f64()?, &want, 1e-5);
+        }
+        // The weight must match the channels and groups; the window must fit.
+        let x = tape.constant(&s.zeros(&[1, 4, 5, 5])?);
+        let two_groups = Conv2dOptions {
+            groups: 2,
+            ..Conv2dOptions::default()
+        };
+        assert!(matches!(
+            x.conv2d(&tape.constant(&s.zeros(&[2, 4, 3, 3])?), None, &two_groups),
+            Err(Error::InvalidShape { .. })
+        ));
+        assert!(matches!(
+            x.conv2d(
+                &tape.constant(&s.zeros(&[2, 4, 6, 6])?),
+                None,
+                &Conv2dOptions::default()
+            ),
+            Err(Error::InvalidShape { .. })
+        ));
+        let zero_stride = Conv2dOptions {
+            stride: [0, 1],
+            ..Conv2dOptions::default()
+        };
+        assert!(matches!(
+            x.conv2d(&tape.constant(&s.zeros(&[2, 4, 3, 3])?), None, &zero_stride),
+            Err(Error::InvalidShape { .. })
+        ));
+        assert!(matches!(
+            tape.constant(&s.zeros(&[4, 5, 5])?)
+                .unfold2d([2, 2], &Conv2dOptions::default()),
+            Err(Error::InvalidShape { .. })
+        ));
+        Ok(())
+    });
+}
+
+#[test]
+fn pooling_and_fold_match_plain_loops() {
+    use ndscope::Conv2dOptions;
+    run(|s| {
+        let (n, c, h, w) = (2, 3, 7, 6);
+        let (x, xv) = tensor(s, &[n, c, h, w], 90)?;
+        let at = |p: usize, y: isize, xx: isize| -> Option<f64> {
+            (y >= 0 && xx >= 0 && y < h as isize && xx < w as isize)
+                .then(|| xv[(p * h + y as usize) * w + xx as usize])
+        };
+        let tape = ndscope::Tape::no_grad(s);
+        let xc = tape.constant(&x);
+        let (k, st, pad) = ([3, 2], [2, 2], [1, 1]);
+        let (oh, ow) = ((h + 2 - 3) / 2 + 1, (w + 2 - 2) / 2 + 1);
+        let (mut want_max, mut want_avg) = (Vec::new(), Vec::new());
+        for p in 0..n * c {
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let taps: Vec<Option<f64>> = (0..k[0])
+                        .flat_map(|i| (0..k[1]).map(move |j| (i, j)))
+                        .map(|(i, j)| {
+                            at(
+                                p,
+                                (y * st[0] + i) as isize - pad[0] as isize,
+                                (xx * st[1] + j) as isize - pad[1] as isize,
+                            )
+                        })
+                        .collect();
+                    want_max.push(
+                        taps.iter()
+                            .flatten()
+                            .cloned()
+                            .fold(f64::NEG_INFINITY, f64::max),
+                    );
+                    want_avg.push(
+                        taps.iter().map(|t| t.unwrap_or(0.0)).sum::<f64>() / taps.len() as f64,
+                    );
+                }
+            }
+        }
+        let max = xc.max_pool2d(k, st, pad)?;
+        assert_eq!(max.shape(), &[n, c, oh, ow]);
+        assert_close(&max.value().to_vec_f64()?, &want_max, 1e-6);
+        assert_close(
+            &xc.avg_pool2d(k, st, pad)?.value().to_vec_f64()?,
+            &want_avg,
+            1e-6,
+        );
+        assert!(matches!(
+            xc.max_pool2d([2, 2], [2, 2], [2, 0]),
+            Err(Error::InvalidShape { .. })
+        ));
+        // Adaptive pooling to 3x4: PyTorch's windows floor(i H / 3) .. ceil((i + 1) H / 3).
+        let mut want = Vec::new();
+        for p in 0..n * c {
+            for i in 0..3 {
+                for j in 0..4 {
+                    let (y0, y1) = (i * h / 3, ((i + 1) * h).div_ceil(3));
+                    let (x0, x1) = (j * w / 4, ((j + 1) * w).div_ceil(4));
+                    let cells: Vec<f64> = (y0..y1)
+                        .flat_map(|y| (x0..x1).map(move |xx| (y, xx)))
+                        .map(|(y, xx)| xv[(p * h + y) * w + xx])
+                        .collect();
+                    want.push(cells.iter().sum::<f64>() / cells.len() as f64);
+                }
+            }
+        }
+        assert_close(
+            &xc.adaptive_avg_pool2d([3, 4])?.value().to_vec_f64()?,
+            &want,
+            1e-6,
+        );
+        // fold2d sums every tap back where it was read: folding unfolded ones counts the taps.
+        let options = Conv2dOptions {
+            stride: [2, 1],
+            padding: [1, 0],
+            dilation: [1, 2],
+            groups: 1,
+        };
+        let ones = s.ones(&[1, 1, 5, 6])?;
+        let counts = ones
+            .unfold2d([2, 2], &options)?
+            .fold2d([5, 6], [2, 2], &options)?
+            .to_vec_f64()?;
+        for y in 0..5 {
+            for xx in 0..6 {
+                let mut taps = 0.0;
+                for (i, j) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    let ty = y + 1 - i;
+                    let tx = xx as isize - 2 * j as isize;
+                    if ty % 2 == 0 && ty / 2 < 3 && tx >= 0 && (tx as usize) < 4 {
+                        taps += 1.0;
+                    }
+                }
+                assert_eq!(counts[y * 6 + xx], taps, "taps reading ({y}, {xx})");
+            }
+        }
+        Ok(())
+    });
+}

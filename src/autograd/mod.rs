@@ -23,6 +23,7 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod conv;
 mod norm;
 mod ops;
 mod reduce_to;

@@ -26,7 +26,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::layout::Layout;
-use op::{Binary, FusedUpdate, Reduce, Unary};
+use op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
 
 /// The bytes of one storage block, readable by kernels of its device for `'a`.
 #[derive(Clone, Copy)]
@@ -298,6 +298,16 @@ pub(crate) trait Backend: Sync {
         targets: SmallVec<[Dst; 3]>,
         grad: Src,
     ) -> Result<()>;
+
+    /// Sliding windows of the planes of the contiguous `x` (`[planes, rows, cols]`) as columns: the
+    /// contiguous `out` is `[planes, kernel rows, kernel cols, output rows, output cols]`, each element
+    /// the input element its window tap reads (`Window2d::source`), or `pad` in the padding.
+    fn unfold2d(&self, dtype: DType, window: &Window2d, pad: f64, x: Src, out: Dst) -> Result<()>;
+
+    /// The adjoint of [`unfold2d`](Self::unfold2d): every element of the contiguous `out`
+    /// (`[planes, rows, cols]`) is the sum of the columns of the contiguous `cols` that read it, added
+    /// in kernel-offset order (so every device rounds the same way); padding taps are dropped.
+    fn fold2d(&self, dtype: DType, window: &Window2d, cols: Src, out: Dst) -> Result<()>;
 
     /// Copies host bytes (elements of `dtype` in row-major order) into the contiguous `out`.
     fn upload(&self, dtype: DType, data: &[u8], out: Dst) -> Result<()>;

@@ -553,6 +553,45 @@ impl FusedUpdate {
     }
 }
 
+/// A two-dimensional sliding window over `planes` planes of `height × width` elements (an
+/// `[n, c, h, w]` tensor has `n c` planes): what `unfold2d` copies into columns and `fold2d` sums back.
+///
+/// Output position `(oy, ox)` and kernel offset `(ki, kj)` read input element
+/// `(oy sh + ki dh - ph, ox sw + kj dw - pw)`; one outside the plane reads the padding value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Window2d {
+    /// Planes (batch × channels).
+    pub(crate) planes: usize,
+    /// Rows and columns of a plane.
+    pub(crate) input: [usize; 2],
+    /// Rows and columns of the window.
+    pub(crate) kernel: [usize; 2],
+    /// Step between windows.
+    pub(crate) stride: [usize; 2],
+    /// Padding rows and columns on each side.
+    pub(crate) padding: [usize; 2],
+    /// Step between the window's taps.
+    pub(crate) dilation: [usize; 2],
+    /// Windows per column and per row: `(input + 2 padding - dilation (kernel - 1) - 1) / stride + 1`.
+    pub(crate) output: [usize; 2],
+}
+
+impl Window2d {
+    /// The input coordinate that output `o` reads at kernel offset `k` on axis `axis`, or `None` in
+    /// the padding.
+    #[inline(always)]
+    pub(crate) fn source(&self, axis: usize, o: usize, k: usize) -> Option<usize> {
+        (o * self.stride[axis] + k * self.dilation[axis])
+            .checked_sub(self.padding[axis])
+            .filter(|&i| i < self.input[axis])
+    }
+
+    /// Elements of one plane's columns: `kernel rows × kernel columns × output rows × output columns`.
+    pub(crate) fn columns_per_plane(&self) -> usize {
+        self.kernel[0] * self.kernel[1] * self.output[0] * self.output[1]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -25,6 +25,8 @@
 //! ```
 
 mod attention;
+mod batch_norm;
+mod conv;
 mod embedding;
 mod init;
 mod layers;
@@ -35,6 +37,8 @@ mod params;
 mod transformer;
 
 pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_product_attention};
+pub use batch_norm::BatchNorm2d;
+pub use conv::{Conv2d, Pool2d, PoolKind};
 pub use embedding::{Embedding, PositionalEmbedding};
 pub use init::Init;
 pub use layers::{Activation, Dropout, Layer, Sequential, mlp};

@@ -13,10 +13,13 @@ mod matmul;
 mod reduce;
 mod softmax;
 mod view;
+mod window;
 
 /// The binary ops and derivatives autograd chains, by name (stated in `backend::op`).
 pub(crate) use crate::backend::op::Binary;
 pub(crate) use mask::Triangle;
+pub use window::Conv2dOptions;
+pub(crate) use window::window;
 
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;

@@ -9,11 +9,12 @@ mod fused;
 mod index;
 mod matmul;
 mod reduce;
+mod window;
 
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary};
+use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -152,6 +153,16 @@ impl Backend for Cpu {
         src: Src,
     ) -> Result<()> {
         index::scatter_add(dtype, target, axis, index, src);
+        Ok(())
+    }
+
+    fn unfold2d(&self, dtype: DType, window: &Window2d, pad: f64, x: Src, out: Dst) -> Result<()> {
+        window::unfold2d(dtype, window, pad, x, out);
+        Ok(())
+    }
+
+    fn fold2d(&self, dtype: DType, window: &Window2d, cols: Src, out: Dst) -> Result<()> {
+        window::fold2d(dtype, window, cols, out);
         Ok(())
     }
 

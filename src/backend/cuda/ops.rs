@@ -6,16 +6,46 @@
 //! returns; the stream orders the kernel before any later reuse of those bytes, so a kernel never
 //! reads memory that was handed to another tensor.
 
-use cudarc::driver::PushKernelArg;
+use cudarc::driver::{DeviceRepr, PushKernelArg};
 use smallvec::SmallVec;
 
 use crate::backend::cuda::kernels::{Geo, elementwise_launch, family, kernel, rows_launch};
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
-use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary};
+use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::Result;
 use crate::layout::Layout;
+
+/// A [`Window2d`] as the kernels take it (`struct Window` in `kernels/window.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct WindowArg([i64; 13]);
+
+// SAFETY: `WindowArg` is `repr(C)` plain data: thirteen 8-byte integers, the layout of the kernels'
+// `struct Window`, so it can be passed by value as a kernel argument.
+unsafe impl DeviceRepr for WindowArg {}
+
+impl WindowArg {
+    fn of(w: &Window2d) -> WindowArg {
+        let v = [
+            w.planes,
+            w.input[0],
+            w.input[1],
+            w.kernel[0],
+            w.kernel[1],
+            w.stride[0],
+            w.stride[1],
+            w.padding[0],
+            w.padding[1],
+            w.dilation[0],
+            w.dilation[1],
+            w.output[0],
+            w.output[1],
+        ];
+        WindowArg(v.map(|x| x as i64))
+    }
+}
 
 /// The device address of the first element an operand's layout names (for kernels that read packed
 /// rows rather than a geometry).
@@ -346,6 +376,49 @@ impl Backend for Gpu {
         // stays inside the target, which nothing else reads or writes while the kernel runs.
         unsafe { l.launch(elementwise_launch(n)) }
             .map_err(|e| cuda_error("scatter-add kernel", e))?;
+        Ok(())
+    }
+
+    fn unfold2d(&self, dtype: DType, window: &Window2d, pad: f64, x: Src, out: Dst) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("unfold2d"), dtype))?;
+        let (count, w) = (n as i64, WindowArg::of(window));
+        let (o, i) = (
+            first(out.buf.address(), out.layout, dtype),
+            first(x.buf.address(), x.layout, dtype),
+        );
+        with_dtype!(dtype, T => {
+            let pad = T::from_f64(pad);
+            let mut l = self.stream.launch_builder(&f);
+            l.arg(&count).arg(&o).arg(&i).arg(&w).arg(&pad);
+            // SAFETY: the arguments match `unfold2d_<dtype>` (i64, T*, const T*, Window, T); `x` is
+            // contiguous `[planes, rows, cols]` and `out` contiguous with `n` elements
+            // `[planes, kh, kw, oh, ow]`, and every read is bounds-checked against the plane.
+            unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("unfold2d kernel", e))?;
+        });
+        Ok(())
+    }
+
+    fn fold2d(&self, dtype: DType, window: &Window2d, cols: Src, out: Dst) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("fold2d"), dtype))?;
+        let (count, w) = (n as i64, WindowArg::of(window));
+        let (o, c) = (
+            first(out.buf.address(), out.layout, dtype),
+            first(cols.buf.address(), cols.layout, dtype),
+        );
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&count).arg(&o).arg(&c).arg(&w);
+        // SAFETY: the arguments match `fold2d_<dtype>` (i64, T*, const T*, Window); `out` is
+        // contiguous `[planes, rows, cols]` with `n` elements, `cols` contiguous
+        // `[planes, kh, kw, oh, ow]`, and every column index is checked against `oh` and `ow`.
+        unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("fold2d kernel", e))?;
         Ok(())
     }
 

@@ -1,0 +1,315 @@
+//! A small convolutional network on the bundled 8x8 handwritten digits, on the CPU by default
+//! (`--device cuda:0` with the `cuda` feature).
+//!
+//! Three 3x3 convolutions with batch normalisation and ReLU, two 2x2 max poolings, and a linear
+//! classifier; AdamW with a warm-up + cosine schedule; training images shifted by up to a pixel. The model is a user struct declared with
+//! `ndscope::model!`; its parameters, optimizer state and batch-norm running statistics live in a
+//! `model` scope (the statistics are updated in place), each step runs in a batch workspace.
+//!
+//! ```text
+//! cargo run --release --example cnn -- --help
+//! ```
+
+use std::time::Instant;
+
+use ndscope::data::{Batch, Dataset, Loader};
+use ndscope::nn::{BatchNorm2d, Conv2d, Init, Linear, Mode, Module, Parameters, Pool2d};
+use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
+use ndscope::{Conv2dOptions, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
+
+const USAGE: &str = "\
+Train a small CNN on the bundled 8x8 digits with ndscope.
+
+USAGE: cargo run --release --example cnn -- [OPTIONS]
+
+OPTIONS:
+  --epochs N        passes over the training set         [default: 30]
+  --batch-size N    examples per step                    [default: 64]
+  --lr X            peak learning rate                   [default: 0.003]
+  --channels N      channels of the first convolution    [default: 16]
+  --augment on|off  shift training images by up to a pixel [default: on]
+  --seed N          split, initialisation and shuffling  [default: 42]
+  --device D        cpu, or cuda:N (needs --features cuda) [default: cpu]
+  --help            this text";
+
+#[derive(Debug)]
+struct Options {
+    epochs: u64,
+    batch_size: usize,
+    lr: f64,
+    channels: usize,
+    augment: bool,
+    seed: u64,
+    device: Device,
+}
+
+impl Options {
+    fn parse(mut args: impl Iterator<Item = String>) -> std::result::Result<Options, String> {
+        let mut o = Options {
+            epochs: 30,
+            batch_size: 64,
+            lr: 0.003,
+            channels: 16,
+            augment: true,
+            seed: 42,
+            device: Device::Cpu,
+        };
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(String::new());
+            }
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let bad = |what: &str| format!("{flag}: {value:?} is not {what}");
+            match flag.as_str() {
+                "--epochs" => o.epochs = value.parse().map_err(|_| bad("a count"))?,
+                "--batch-size" => o.batch_size = value.parse().map_err(|_| bad("a count"))?,
+                "--lr" => o.lr = value.parse().map_err(|_| bad("a number"))?,
+                "--channels" => o.channels = value.parse().map_err(|_| bad("a count"))?,
+                "--augment" => {
+                    o.augment = match value.as_str() {
+                        "on" => true,
+                        "off" => false,
+                        _ => return Err(bad("on or off")),
+                    }
+                }
+                "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
+                "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
+                _ => return Err(format!("unknown option {flag}")),
+            }
+        }
+        if o.epochs == 0 || o.batch_size == 0 || o.channels == 0 {
+            return Err("--epochs, --batch-size and --channels must be at least 1".into());
+        }
+        Ok(o)
+    }
+}
+
+ndscope::model! {
+    /// Three blocks of conv 3x3 → batch norm → ReLU, max pooling 2x2 after the second and third,
+    /// and a linear classifier.
+    struct Cnn<'m> {
+        conv1: Conv2d<'m>,
+        bn1: BatchNorm2d<'m>,
+        conv2: Conv2d<'m>,
+        bn2: BatchNorm2d<'m>,
+        conv3: Conv2d<'m>,
+        bn3: BatchNorm2d<'m>,
+        pool: Pool2d,
+        head: Linear<'m>,
+    }
+}
+
+impl<'m> Cnn<'m> {
+    fn new(m: &Scope<'m>, channels: usize, classes: usize) -> Result<Cnn<'m>> {
+        let same = Conv2dOptions {
+            padding: [1, 1],
+            ..Conv2dOptions::default()
+        };
+        let init = Init::KaimingUniform;
+        Ok(Cnn {
+            conv1: Conv2d::new(m, 1, channels, [3, 3], same, init)?,
+            bn1: BatchNorm2d::new(m, channels)?,
+            conv2: Conv2d::new(m, channels, 2 * channels, [3, 3], same, init)?,
+            bn2: BatchNorm2d::new(m, 2 * channels)?,
+            conv3: Conv2d::new(m, 2 * channels, 4 * channels, [3, 3], same, init)?,
+            bn3: BatchNorm2d::new(m, 4 * channels)?,
+            pool: Pool2d::max([2, 2]),
+            head: Linear::new(m, 4 * channels * 4, classes, init)?,
+        })
+    }
+
+    /// Logits `[batch, classes]` for images `[batch, 1, 8, 8]`.
+    fn forward<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let x = self
+            .bn1
+            .forward(&self.conv1.forward(x, mode)?, mode)?
+            .relu()?;
+        let x = self
+            .bn2
+            .forward(&self.conv2.forward(&x, mode)?, mode)?
+            .relu()?;
+        let x = <Pool2d as Module<'m>>::forward(&self.pool, &x, mode)?;
+        let x = self
+            .bn3
+            .forward(&self.conv3.forward(&x, mode)?, mode)?
+            .relu()?;
+        let x = <Pool2d as Module<'m>>::forward(&self.pool, &x, mode)?;
+        let batch = x.shape()[0];
+        self.head.forward(
+            &x.reshape(&[batch, x.value().numel() / batch.max(1)])?,
+            mode,
+        )
+    }
+}
+
+/// The images of `features` (`[rows, 64]`) as `[rows, 1, 8, 8]` in scope `s`.
+fn images<'s>(s: &Scope<'s>, features: &[f32], rows: usize) -> Result<Tensor<'s>> {
+    s.from_slice(features, &[rows, 1, 8, 8])
+}
+
+/// Copies `batch`'s images into `out`, each shifted by a random whole pixel in `-1..=1` on both
+/// axes (zeros fill the edge): the network sees slightly different digits every epoch.
+fn shifted(batch: &Batch, rng: &mut u64, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(batch.features().len(), 0.0);
+    for (image, into) in batch.features().chunks(64).zip(out.chunks_mut(64)) {
+        // xorshift64: two shifts per image from one draw.
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        let (dy, dx) = ((*rng % 3) as isize - 1, ((*rng / 3) % 3) as isize - 1);
+        for y in 0..8isize {
+            for x in 0..8isize {
+                let (sy, sx) = (y - dy, x - dx);
+                if (0..8).contains(&sy) && (0..8).contains(&sx) {
+                    into[(y * 8 + x) as usize] = image[(sy * 8 + sx) as usize];
+                }
+            }
+        }
+    }
+}
+
+fn train_step<'m: 'b, 'b>(
+    b: &'b Scope<'b>,
+    model: &mut Cnn<'m>,
+    opt: &mut Adam<'m>,
+    batch: &Batch,
+    features: &[f32],
+) -> Result<(f32, usize)> {
+    let x = images(b, features, batch.rows())?;
+    let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
+    let tape = Tape::new(b);
+    let loss = model
+        .forward(&tape.constant(&x), Mode::Train)?
+        .cross_entropy(&labels)?;
+    let grads = tape.backward(&loss)?;
+    opt.step(model, &grads)?;
+    Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
+}
+
+fn accuracy<'m>(s: &Scope<'m>, model: &Cnn<'m>, data: &Dataset) -> Result<f64> {
+    s.named_scope("eval", |e| {
+        let x = images(e, data.features(), data.len())?;
+        let tape = Tape::no_grad(e);
+        let predicted = model
+            .forward(&tape.constant(&x), Mode::Eval)?
+            .value()
+            .argmax(-1, false)?
+            .to_vec::<i64>()?;
+        let correct = predicted
+            .iter()
+            .zip(data.labels())
+            .filter(|(p, l)| p == l)
+            .count();
+        Ok(correct as f64 / data.len() as f64)
+    })
+}
+
+fn run(o: &Options) -> Result<()> {
+    let started = Instant::now();
+    let (train, test) = Dataset::digits()?.split(0.2, o.seed)?;
+    println!(
+        "data: bundled 8x8 digits, {} training and {} test images",
+        train.len(),
+        test.len()
+    );
+    let loader = Loader::new(&train, o.batch_size)?.shuffle(o.seed);
+    let steps_per_epoch = loader.batches_per_epoch() as u64;
+    let total = o.epochs * steps_per_epoch;
+    let schedule = WarmupCosine::new(o.lr, total / 20, total)?.with_min(o.lr / 20.0);
+    let mut ws = Workspace::new("batch");
+    root(o.device, |s| {
+        s.set_seed(o.seed);
+        s.named_scope("model", |m| {
+            let mut model = Cnn::new(m, o.channels, train.classes())?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?;
+            println!(
+                "model: conv3x3({0}) bn relu, conv3x3({1}) bn relu maxpool2, conv3x3({7}) bn relu \
+                 maxpool2, linear({7}x2x2 -> {2}); {3} parameters; AdamW, batch {4}, lr {5} \
+                 (warm-up, cosine), seed {6}",
+                o.channels,
+                2 * o.channels,
+                train.classes(),
+                model.parameter_elements(),
+                o.batch_size,
+                o.lr,
+                o.seed,
+                4 * o.channels
+            );
+            let mut step = 0u64;
+            let mut training = std::time::Duration::ZERO;
+            let (mut rng, mut augmented) = (o.seed | 1, Vec::new());
+            for epoch in 1..=o.epochs {
+                let (mut loss_sum, mut batch_peak) = (0.0f64, 0);
+                let before = m.stats();
+                loader.for_each_batch(epoch, false, |batch| {
+                    opt.set_learning_rate(schedule.lr(step));
+                    step += 1;
+                    let features = if o.augment {
+                        shifted(batch, &mut rng, &mut augmented);
+                        &augmented[..]
+                    } else {
+                        batch.features()
+                    };
+                    let t = Instant::now();
+                    let (loss, peak) = m.workspace(&mut ws, |b| {
+                        train_step(b, &mut model, &mut opt, batch, features)
+                    })?;
+                    training += t.elapsed();
+                    loss_sum += f64::from(loss);
+                    batch_peak = batch_peak.max(peak);
+                    Ok(())
+                })?;
+                let acc = accuracy(m, &model, &test)?;
+                let after = m.stats();
+                println!(
+                    "epoch {epoch:>3}  loss {:.4}  test acc {:5.1}%  | model: {} tensors, {} B live | \
+                     batch: peak {} B, {} allocs/step, {} from system this epoch",
+                    loss_sum / steps_per_epoch as f64,
+                    acc * 100.0,
+                    after.live_tensors,
+                    after.live_bytes,
+                    batch_peak,
+                    (after.allocations - before.allocations) / steps_per_epoch,
+                    after.system_allocations - before.system_allocations,
+                );
+            }
+            println!(
+                "\ntraining: {step} steps in {:.1} s, {:.0} steps/s; workspace arena {} B after {} cycles",
+                training.as_secs_f64(),
+                step as f64 / training.as_secs_f64(),
+                ws.capacity(),
+                ws.cycles()
+            );
+            println!(
+                "final test accuracy: {:.1}%",
+                accuracy(m, &model, &test)? * 100.0
+            );
+            println!("\nscope tree at the end of training:\n{}", s.dump());
+            Ok::<_, Error>(())
+        })
+    })?;
+    println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn main() {
+    let options = match Options::parse(std::env::args().skip(1)) {
+        Ok(o) => o,
+        Err(message) => {
+            if message.is_empty() {
+                println!("{USAGE}");
+                return;
+            }
+            eprintln!("error: {message}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&options) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
