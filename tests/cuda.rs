@@ -362,6 +362,28 @@ fn transformer_ops_agree_with_the_host() {
 }
 
 #[test]
+fn random_draws_are_the_same_on_every_device() {
+    // Uniform draws are exact on every device; normal draws go through the GPU's own `log` and
+    // `cos` in f64 before rounding to f32.
+    agree("rand, same seed", 0.0, &|s| {
+        s.set_seed(21);
+        Ok(vec![s.rand(&[257, 33])?, s.rand(&[5])?])
+    });
+    agree("randn, same seed", 1e-6, &|s| {
+        s.set_seed(22);
+        Ok(vec![s.randn(&[1000, 17])?, s.randn(&[3])?])
+    });
+    agree("dropout masks, same seed", 0.0, &|s| {
+        s.set_seed(23);
+        let tape = Tape::new(s);
+        let x = tape.constant(&s.ones(&[64, 32])?);
+        let dropped =
+            <nn::Dropout as Module<'_>>::forward(&nn::Dropout::new(0.3)?, &x, Mode::Train)?;
+        Ok(vec![dropped.into_value()])
+    });
+}
+
+#[test]
 fn convolution_and_pooling_agree_with_the_host() {
     agree(
         "conv2d, pooling, unfold and fold, forward and backward",

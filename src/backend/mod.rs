@@ -26,6 +26,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::layout::Layout;
+use crate::rng::Distribution;
 use op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
 
 /// The bytes of one storage block, readable by kernels of its device for `'a`.
@@ -308,6 +309,17 @@ pub(crate) trait Backend: Sync {
     /// (`[planes, rows, cols]`) is the sum of the columns of the contiguous `cols` that read it, added
     /// in kernel-offset order (so every device rounds the same way); padding taps are dropped.
     fn fold2d(&self, dtype: DType, window: &Window2d, cols: Src, out: Dst) -> Result<()>;
+
+    /// Fills the contiguous float `out` with element `i` = `dist.sample(seed, offset + i)`, rounded
+    /// to `dtype` (`crate::rng` states the function).
+    fn random(
+        &self,
+        dtype: DType,
+        dist: Distribution,
+        seed: u64,
+        offset: u64,
+        out: Dst,
+    ) -> Result<()>;
 
     /// Copies host bytes (elements of `dtype` in row-major order) into the contiguous `out`.
     fn upload(&self, dtype: DType, data: &[u8], out: Dst) -> Result<()>;

@@ -25,7 +25,7 @@ use crate::device::Device;
 use crate::error::Result;
 use crate::memory::arena::Workspace;
 use crate::memory::stats::{MemoryStats, ScopeStats};
-use crate::rng::Rng;
+use crate::rng::Stream;
 use node::{CloseOnDrop, ScopeName, ScopeNode, TreeState};
 
 /// A memory manager that owns the tensors created in it; `'s` is its brand.
@@ -391,17 +391,20 @@ impl<'s> Scope<'s> {
         self.node.tree().timeline.mark_step()
     }
 
-    /// Reseeds the tree's random generator (used by [`rand`](Self::rand) and [`randn`](Self::randn)).
+    /// Reseeds the tree's random generator (used by [`rand`](Self::rand), [`randn`](Self::randn),
+    /// dropout and the initialisers): the next draws are those of a tree that started with `seed`.
     pub fn set_seed(&self, seed: u64) {
-        self.node.tree().rng.set(Rng::new(seed));
+        self.node.tree().random.set(Stream::new(seed));
     }
 
-    pub(crate) fn with_rng<T>(&self, f: impl FnOnce(&mut Rng) -> T) -> T {
-        let cell = &self.node.tree().rng;
-        let mut rng = cell.get();
-        let out = f(&mut rng);
-        cell.set(rng);
-        out
+    /// The seed of the tree's generator and the first counter of a draw of `n` elements, which the
+    /// generator skips past.
+    pub(crate) fn reserve_random(&self, n: usize) -> (u64, u64) {
+        let cell = &self.node.tree().random;
+        let mut stream = cell.get();
+        let first = stream.reserve(n);
+        cell.set(stream);
+        (stream.seed, first)
     }
 }
 

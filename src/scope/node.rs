@@ -22,7 +22,7 @@ use crate::memory::pool::{Pool, Source, Taken};
 use crate::memory::raw::{ALIGN, DeviceMemory};
 use crate::memory::reclaim::{Refused, SharedPool, default_cache_limit};
 use crate::memory::stats::{MemoryStats, ScopeStats};
-use crate::rng::Rng;
+use crate::rng::Stream;
 use crate::scope::fault::FaultPlan;
 use crate::scope::timeline::{EventKind, Recorder};
 
@@ -37,7 +37,7 @@ pub(crate) struct TreeState {
     /// shared with the process-wide registry, through which other trees release their idle blocks.
     pools: RefCell<Vec<Arc<SharedPool>>>,
     pub(crate) slab: RefCell<HeaderSlab>,
-    pub(crate) rng: Cell<Rng>,
+    pub(crate) random: Cell<Stream>,
     pub(crate) root: Cell<*const ScopeNode>,
     pub(crate) faults: FaultPlan,
     pub(crate) timeline: Recorder,
@@ -48,7 +48,7 @@ impl TreeState {
         TreeState {
             pools: RefCell::new(vec![SharedPool::register(Device::Cpu)]),
             slab: RefCell::new(HeaderSlab::default()),
-            rng: Cell::new(Rng::new(crate::rng::DEFAULT_SEED)),
+            random: Cell::new(Stream::new(crate::rng::DEFAULT_SEED)),
             root: Cell::new(ptr::null()),
             faults: FaultPlan::default(),
             timeline: Recorder::default(),

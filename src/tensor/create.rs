@@ -6,6 +6,7 @@ use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
+use crate::rng::Distribution;
 use crate::scope::Scope;
 use crate::tensor::{Owner, Tensor};
 
@@ -180,25 +181,31 @@ impl<'s> Scope<'s> {
         })
     }
 
-    /// An `f32` tensor whose elements are drawn one by one from the tree's generator.
+    /// An `f32` tensor drawn on the scope's device from the tree's counter-based generator.
     fn sampled(
         &self,
         shape: &[usize],
-        draw: impl Fn(&mut crate::rng::Rng) -> f64,
+        dist: Distribution,
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
-        self.written::<f32>(shape, at, |out| {
-            self.with_rng(|rng| out.iter_mut().for_each(|v| *v = draw(rng) as f32))
-        })
+        let device = self.node.device;
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), device, DType::F32, shape, at)?;
+        let (seed, offset) = self.reserve_random(t.numel());
+        t.backend()?
+            .random(DType::F32, dist, seed, offset, t.dst())?;
+        Ok(t)
     }
 
-    /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator.
+    /// An `f32` tensor of uniform samples in `[0, 1)` from the tree's seeded generator (Philox
+    /// 4x32-10): drawn on the scope's device, the same numbers on every device for the same seed.
     #[track_caller]
     pub fn rand(&self, shape: &[usize]) -> Result<Tensor<'s>> {
-        self.sampled(shape, crate::rng::Rng::uniform, Location::caller())
+        self.sampled(shape, Distribution::Uniform, Location::caller())
     }
 
-    /// An `f32` tensor of standard normal samples from the tree's seeded generator.
+    /// An `f32` tensor of standard normal samples from the tree's seeded generator (Philox 4x32-10
+    /// and Box-Muller): drawn on the scope's device, the same numbers on every device for the same
+    /// seed (to the last bit but for rare roundings of the GPU's `log` and `cos`).
     ///
     /// ```
     /// # ndscope::root(ndscope::Device::Cpu, |s| {
@@ -210,6 +217,6 @@ impl<'s> Scope<'s> {
     /// ```
     #[track_caller]
     pub fn randn(&self, shape: &[usize]) -> Result<Tensor<'s>> {
-        self.sampled(shape, crate::rng::Rng::normal, Location::caller())
+        self.sampled(shape, Distribution::Normal, Location::caller())
     }
 }

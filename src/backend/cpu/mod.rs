@@ -17,8 +17,10 @@ use smallvec::SmallVec;
 use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::DType;
+use crate::dtype::{Element, with_dtype};
 use crate::error::Result;
 use crate::layout::{Layout, RowWalk};
+use crate::rng::Distribution;
 
 /// Outputs with fewer elements than this are computed on the calling thread: below it, waking rayon's
 /// workers costs more than the work (measured on the 2-core CI machine; see BENCHMARKS.md).
@@ -153,6 +155,28 @@ impl Backend for Cpu {
         src: Src,
     ) -> Result<()> {
         index::scatter_add(dtype, target, axis, index, src);
+        Ok(())
+    }
+
+    fn random(
+        &self,
+        dtype: DType,
+        dist: Distribution,
+        seed: u64,
+        offset: u64,
+        out: Dst,
+    ) -> Result<()> {
+        with_dtype!(dtype, T => {
+            out.contiguous_host::<T>()
+                .par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    let first = offset.wrapping_add((c * CHUNK) as u64);
+                    for (i, v) in chunk.iter_mut().enumerate() {
+                        *v = T::from_f64(dist.sample(seed, first.wrapping_add(i as u64)));
+                    }
+                });
+        });
         Ok(())
     }
 

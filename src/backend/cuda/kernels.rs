@@ -8,13 +8,14 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 /// The kernel files in compilation order (`.ci/check-kernels` reads this list).
-pub(crate) const SOURCES: [&str; 7] = [
+pub(crate) const SOURCES: [&str; 8] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/reduce.cu"),
     include_str!("../../../kernels/softmax.cu"),
     include_str!("../../../kernels/index.cu"),
     include_str!("../../../kernels/window.cu"),
+    include_str!("../../../kernels/random.cu"),
     include_str!("../../../kernels/optim.cu"),
 ];
 

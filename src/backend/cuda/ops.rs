@@ -16,6 +16,7 @@ use crate::backend::{Backend, Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::Result;
 use crate::layout::Layout;
+use crate::rng::Distribution;
 
 /// A [`Window2d`] as the kernels take it (`struct Window` in `kernels/window.cu`).
 #[repr(C)]
@@ -376,6 +377,34 @@ impl Backend for Gpu {
         // stays inside the target, which nothing else reads or writes while the kernel runs.
         unsafe { l.launch(elementwise_launch(n)) }
             .map_err(|e| cuda_error("scatter-add kernel", e))?;
+        Ok(())
+    }
+
+    fn random(
+        &self,
+        dtype: DType,
+        dist: Distribution,
+        seed: u64,
+        offset: u64,
+        out: Dst,
+    ) -> Result<()> {
+        let n = out.layout.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let name = match dtype {
+            DType::F32 => "random_f32",
+            DType::F64 => "random_f64",
+            DType::I64 => unreachable!("creation ops draw floats only"),
+        };
+        let f = self.function(name)?;
+        let (count, code) = (n as i64, dist.code());
+        let o = first(out.buf.address(), out.layout, dtype);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&count).arg(&o).arg(&code).arg(&seed).arg(&offset);
+        // SAFETY: the arguments match `random_<dtype>` (i64, T*, int, unsigned long long,
+        // unsigned long long); `out` is contiguous with `n` elements, each written once.
+        unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("random kernel", e))?;
         Ok(())
     }
 
