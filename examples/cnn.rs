@@ -1,9 +1,9 @@
 //! A small convolutional network on the bundled 8x8 handwritten digits, on the CPU by default
 //! (`--device cuda:0` with the `cuda` feature).
 //!
-//! Three 3x3 convolutions with batch normalisation and ReLU, two 2x2 max poolings, and a linear
-//! classifier; AdamW with a warm-up + cosine schedule; training images shifted by up to a pixel. The model is a user struct declared with
-//! `ndscope::model!`; its parameters, optimizer state and batch-norm running statistics live in a
+//! Two 3x3 convolutions with batch normalisation and ReLU, a 2x2 max pooling, a hidden linear layer
+//! with dropout and a linear classifier; AdamW with a warm-up + cosine schedule; training images
+//! shifted by up to a pixel. The model is a user struct declared with `ndscope::model!`; its parameters, optimizer state and batch-norm running statistics live in a
 //! `model` scope (the statistics are updated in place), each step runs in a batch workspace.
 //!
 //! ```text
@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use ndscope::data::{Batch, Dataset, Loader};
-use ndscope::nn::{BatchNorm2d, Conv2d, Init, Linear, Mode, Module, Parameters, Pool2d};
+use ndscope::nn::{BatchNorm2d, Conv2d, Dropout, Init, Linear, Mode, Module, Parameters, Pool2d};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{Conv2dOptions, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
 
@@ -26,8 +26,9 @@ OPTIONS:
   --epochs N        passes over the training set         [default: 30]
   --batch-size N    examples per step                    [default: 64]
   --lr X            peak learning rate                   [default: 0.003]
-  --channels N      channels of the first convolution    [default: 16]
+  --channels N      channels of the first convolution    [default: 32]
   --augment on|off  shift training images by up to a pixel [default: on]
+  --dropout X       dropout before the classifier        [default: 0.3]
   --seed N          split, initialisation and shuffling  [default: 42]
   --device D        cpu, or cuda:N (needs --features cuda) [default: cpu]
   --help            this text";
@@ -42,6 +43,7 @@ struct Options {
     lr: f64,
     channels: usize,
     augment: bool,
+    dropout: f64,
     seed: u64,
     device: Device,
 }
@@ -52,8 +54,9 @@ impl Options {
             epochs: 30,
             batch_size: 64,
             lr: 0.003,
-            channels: 16,
+            channels: 32,
             augment: true,
+            dropout: 0.3,
             seed: 42,
             device: Device::Cpu,
         };
@@ -75,6 +78,7 @@ impl Options {
                         _ => return Err(bad("on or off")),
                     }
                 }
+                "--dropout" => o.dropout = value.parse().map_err(|_| bad("a number"))?,
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 _ => return Err(format!("unknown option {flag}")),
@@ -88,22 +92,21 @@ impl Options {
 }
 
 ndscope::model! {
-    /// Three blocks of conv 3x3 → batch norm → ReLU, max pooling 2x2 after the second and third,
-    /// and a linear classifier.
+    /// conv 3x3 → batch norm → ReLU, twice; max pooling 2x2; linear → ReLU → dropout → linear.
     struct Cnn<'m> {
         conv1: Conv2d<'m>,
         bn1: BatchNorm2d<'m>,
         conv2: Conv2d<'m>,
         bn2: BatchNorm2d<'m>,
-        conv3: Conv2d<'m>,
-        bn3: BatchNorm2d<'m>,
         pool: Pool2d,
+        hidden: Linear<'m>,
+        dropout: Dropout,
         head: Linear<'m>,
     }
 }
 
 impl<'m> Cnn<'m> {
-    fn new(m: &Scope<'m>, channels: usize, classes: usize) -> Result<Cnn<'m>> {
+    fn new(m: &Scope<'m>, channels: usize, classes: usize, dropout: f64) -> Result<Cnn<'m>> {
         let same = Conv2dOptions {
             padding: [1, 1],
             ..Conv2dOptions::default()
@@ -114,10 +117,10 @@ impl<'m> Cnn<'m> {
             bn1: BatchNorm2d::new(m, channels)?,
             conv2: Conv2d::new(m, channels, 2 * channels, [3, 3], same, init)?,
             bn2: BatchNorm2d::new(m, 2 * channels)?,
-            conv3: Conv2d::new(m, 2 * channels, 4 * channels, [3, 3], same, init)?,
-            bn3: BatchNorm2d::new(m, 4 * channels)?,
             pool: Pool2d::max([2, 2]),
-            head: Linear::new(m, 4 * channels * 4, classes, init)?,
+            hidden: Linear::new(m, 2 * channels * 16, 128, init)?,
+            dropout: Dropout::new(dropout)?,
+            head: Linear::new(m, 128, classes, init)?,
         })
     }
 
@@ -135,16 +138,11 @@ impl<'m> Cnn<'m> {
             .forward(&self.conv2.forward(&x, mode)?, mode)?
             .relu()?;
         let x = <Pool2d as Module<'m>>::forward(&self.pool, &x, mode)?;
-        let x = self
-            .bn3
-            .forward(&self.conv3.forward(&x, mode)?, mode)?
-            .relu()?;
-        let x = <Pool2d as Module<'m>>::forward(&self.pool, &x, mode)?;
         let batch = x.shape()[0];
-        self.head.forward(
-            &x.reshape(&[batch, x.value().numel() / batch.max(1)])?,
-            mode,
-        )
+        let x = x.reshape(&[batch, x.value().numel() / batch.max(1)])?;
+        let x = self.hidden.forward(&x, mode)?.relu()?;
+        let x = <Dropout as Module<'m>>::forward(&self.dropout, &x, mode)?;
+        self.head.forward(&x, mode)
     }
 }
 
@@ -227,20 +225,20 @@ fn run(o: &Options) -> Result<()> {
     root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
-            let mut model = Cnn::new(m, o.channels, train.classes())?;
+            let mut model = Cnn::new(m, o.channels, train.classes(), o.dropout)?;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?;
             println!(
-                "model: conv3x3({0}) bn relu, conv3x3({1}) bn relu maxpool2, conv3x3({7}) bn relu \
-                 maxpool2, linear({7}x2x2 -> {2}); {3} parameters; AdamW, batch {4}, lr {5} \
-                 (warm-up, cosine), seed {6}",
+                "model: conv3x3({0}) bn relu, conv3x3({1}) bn relu, maxpool2, linear({1}x4x4 -> 128) \
+                 relu dropout {2}, linear(128 -> {3}); {4} parameters; AdamW, batch {5}, lr {6} \
+                 (warm-up, cosine), seed {7}",
                 o.channels,
                 2 * o.channels,
+                o.dropout,
                 train.classes(),
                 model.parameter_elements(),
                 o.batch_size,
                 o.lr,
-                o.seed,
-                4 * o.channels
+                o.seed
             );
             let mut step = 0u64;
             let mut training = std::time::Duration::ZERO;

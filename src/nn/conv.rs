@@ -152,19 +152,3 @@ impl<'m> Module<'m> for Pool2d {
         }
     }
 }
-
-/// Pooling has no parameters: a model struct may hold one beside its layers.
-impl<'m> Parameters<'m> for Pool2d {
-    fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &Tensor<'m>)) {}
-
-    fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        Ok(())
-    }
-}
-
-impl<'m> Movable<'m> for Pool2d {
-    type Moved<'b> = Pool2d;
-    fn move_into<'b>(self, _target: &Scope<'b>) -> Result<Pool2d> {
-        Ok(self)
-    }
-}

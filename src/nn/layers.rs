@@ -216,3 +216,25 @@ impl<'m> Movable<'m> for Sequential<'m> {
         })
     }
 }
+
+/// Stateless layers have no parameters and move as they are, so a model struct may hold them.
+macro_rules! stateless {
+    ($($t:ty),*) => {$(
+        impl<'m> Parameters<'m> for $t {
+            fn visit(&self, _prefix: &str, _f: &mut dyn FnMut(&str, &Tensor<'m>)) {}
+
+            fn visit_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
+                Ok(())
+            }
+        }
+
+        impl<'m> Movable<'m> for $t {
+            type Moved<'b> = $t;
+            fn move_into<'b>(self, _target: &Scope<'b>) -> Result<$t> {
+                Ok(self)
+            }
+        }
+    )*};
+}
+
+stateless!(Activation, Dropout, super::Pool2d);
