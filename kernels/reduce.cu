@@ -91,3 +91,21 @@ template <typename T> __device__ __forceinline__ bool argmax_better(T v, i64 j, 
 REDUCE(float, f32)
 REDUCE(double, f64)
 REDUCE(i64, i64)
+
+// Running sums of contiguous rows, one thread per row, added in order (from the end when reverse)
+// as the host adds them.
+#define CUMSUM(T, S)                                                                               \
+    extern "C" __global__ void cumsum_##S(i64 rows, i64 len, T* out, const T* x, int reverse) {   \
+        GRID_STRIDE(r, rows) {                                                                     \
+            T acc = (T)0;                                                                          \
+            for (i64 k = 0; k < len; ++k) {                                                        \
+                i64 j = reverse ? len - 1 - k : k;                                                 \
+                acc += x[r * len + j];                                                             \
+                out[r * len + j] = acc;                                                            \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+CUMSUM(float, f32)
+CUMSUM(double, f64)
+CUMSUM(i64, i64)

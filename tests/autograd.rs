@@ -451,6 +451,8 @@ fn transformer_ops() {
     check("gelu_exact", any(), |v| v[0].gelu_exact());
     check("silu", any(), |v| v[0].silu());
     check("tril", any(), |v| v[0].tril(0));
+    check("cumsum", any(), |v| v[0].cumsum(1));
+    check("cumsum along the first axis", any(), |v| v[0].cumsum(0));
     check("triu", any(), |v| v[0].triu(1));
     check("masked_fill", any(), |v| {
         let mask = v[0].value().gt(&v[0].value().mul_scalar(0.0)?)?;

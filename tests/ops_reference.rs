@@ -1161,3 +1161,28 @@ fn pooling_and_fold_match_plain_loops() {
         Ok(())
     });
 }
+
+#[test]
+fn cumsum_along_every_axis() {
+    run(|s| {
+        let shape = [3, 4, 5];
+        let (x, xv) = tensor(s, &shape, 95)?;
+        for axis in 0..3 {
+            let got = x.cumsum(axis as isize)?.to_vec_f64()?;
+            for (n, idx) in indices(&shape).iter().enumerate() {
+                let mut want = 0.0;
+                for j in 0..=idx[axis] {
+                    let mut at = idx.clone();
+                    at[axis] = j;
+                    want += xv[(at[0] * 4 + at[1]) * 5 + at[2]];
+                }
+                assert!((got[n] - want).abs() < 1e-5, "cumsum({axis}) at {idx:?}: {} vs {want}", got[n]);
+            }
+        }
+        let ints = s.arange(1i64, 7, 1)?.reshape(&[2, 3])?;
+        assert_eq!(ints.cumsum(-1)?.to_vec::<i64>()?, vec![1, 3, 6, 4, 9, 15]);
+        assert!(matches!(ints.cumsum(2), Err(Error::AxisOutOfRange { .. })));
+        assert_eq!(s.full(&[], 2.0)?.cumsum(0)?.to_vec::<f32>()?, vec![2.0]);
+        Ok(())
+    });
+}

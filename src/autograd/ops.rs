@@ -150,6 +150,19 @@ impl<'t, 's> Var<'t, 's> {
         })
     }
 
+    /// Running sums along `axis` ([`Tensor::cumsum`]); the derivative is the running sum of the
+    /// gradient from the end.
+    ///
+    /// # Errors
+    /// As for [`Tensor::cumsum`].
+    #[track_caller]
+    pub fn cumsum(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let out = self.value.cumsum(axis)?;
+        Var::record(&[self], "cumsum", out, move |g, _| {
+            Ok(smallvec![Some(g.reverse_cumsum(axis)?)])
+        })
+    }
+
     /// The lower triangle of the last two dimensions ([`Tensor::tril`]).
     ///
     /// # Errors

@@ -242,6 +242,10 @@ pub(crate) trait Backend: Sync {
     /// contiguous `i64` output (`axis` as size 1).
     fn argmax(&self, dtype: DType, x: Src, axis: usize, out: Dst) -> Result<()>;
 
+    /// Running sums of the rows of the contiguous `x` along its last axis (from the end when
+    /// `reverse`), added in order, into the contiguous `out`.
+    fn cumsum(&self, dtype: DType, x: Src, reverse: bool, out: Dst) -> Result<()>;
+
     /// Softmax (or log-softmax) of the rows of the contiguous `x` along its last axis.
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()>;
 

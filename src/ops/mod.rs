@@ -11,6 +11,7 @@ mod join;
 mod mask;
 mod matmul;
 mod reduce;
+mod scan;
 mod softmax;
 mod view;
 mod window;

@@ -158,6 +158,32 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn cumsum(&self, dtype: DType, x: Src, reverse: bool, out: Dst) -> Result<()> {
+        let len = x.layout.shape().last().copied().unwrap_or(1);
+        if len == 0 {
+            return Ok(());
+        }
+        with_dtype!(dtype, T => {
+            let x = x.contiguous_host::<T>();
+            out.contiguous_host::<T>()
+                .par_chunks_mut(len)
+                .zip(x.par_chunks(len))
+                .for_each(|(out, row)| {
+                    let mut acc = T::zero();
+                    let mut step = |(o, &v): (&mut T, &T)| {
+                        acc = acc.add(v);
+                        *o = acc;
+                    };
+                    if reverse {
+                        out.iter_mut().zip(row).rev().for_each(&mut step);
+                    } else {
+                        out.iter_mut().zip(row).for_each(&mut step);
+                    }
+                });
+        });
+        Ok(())
+    }
+
     fn random(
         &self,
         dtype: DType,

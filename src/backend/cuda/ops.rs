@@ -380,6 +380,27 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn cumsum(&self, dtype: DType, x: Src, reverse: bool, out: Dst) -> Result<()> {
+        let len = x.layout.shape().last().copied().unwrap_or(1);
+        let n = out.layout.numel();
+        if n == 0 || len == 0 {
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("cumsum"), dtype))?;
+        let (rows, len, rev) = ((n / len) as i64, len as i64, i32::from(reverse));
+        let (o, i) = (
+            first(out.buf.address(), out.layout, dtype),
+            first(x.buf.address(), x.layout, dtype),
+        );
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&rows).arg(&len).arg(&o).arg(&i).arg(&rev);
+        // SAFETY: the arguments match `cumsum_<dtype>` (i64, i64, T*, const T*, int); `x` and `out`
+        // are contiguous with `rows * len` elements, and each thread walks one row of both.
+        unsafe { l.launch(elementwise_launch(rows as usize)) }
+            .map_err(|e| cuda_error("cumsum kernel", e))?;
+        Ok(())
+    }
+
     fn random(
         &self,
         dtype: DType,
