@@ -1176,7 +1176,11 @@ fn cumsum_along_every_axis() {
                     at[axis] = j;
                     want += xv[(at[0] * 4 + at[1]) * 5 + at[2]];
                 }
-                assert!((got[n] - want).abs() < 1e-5, "cumsum({axis}) at {idx:?}: {} vs {want}", got[n]);
+                assert!(
+                    (got[n] - want).abs() < 1e-5,
+                    "cumsum({axis}) at {idx:?}: {} vs {want}",
+                    got[n]
+                );
             }
         }
         let ints = s.arange(1i64, 7, 1)?.reshape(&[2, 3])?;

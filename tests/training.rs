@@ -653,3 +653,61 @@ fn a_panic_in_a_training_step_returns_every_byte_and_the_next_step_runs() {
     })
     .unwrap();
 }
+
+#[test]
+fn accumulated_micro_batches_step_like_one_large_batch() {
+    use ndscope::optim::{GradientAccumulator, Sgd, SgdConfig};
+    let x: Vec<f64> = (0..32 * 4)
+        .map(|i| ((i * 37 % 23) as f64 - 11.0) / 7.0)
+        .collect();
+    let labels: Vec<i64> = (0..32).map(|i| (i * 5 % 3) as i64).collect();
+    let train = |micro: usize| -> Vec<f64> {
+        root(Device::Cpu, |m| {
+            m.set_seed(3);
+            let mut model = nn::mlp(m, &[4, 6, 3], Activation::Tanh, Init::XavierUniform)?;
+            model.visit_mut(&mut |p| {
+                *p = p.to_dtype(DType::F64)?;
+                Ok(())
+            })?;
+            let mut opt = Sgd::new(m, &model, SgdConfig::new(0.5).momentum(0.9))?;
+            let mut sums = GradientAccumulator::new(m, &model)?;
+            let rows = 32 / micro;
+            for k in 0..micro {
+                m.scope(|b| {
+                    let xs = b.from_slice(&x[k * rows * 4..(k + 1) * rows * 4], &[rows, 4])?;
+                    let ys = b.from_slice(&labels[k * rows..(k + 1) * rows], &[rows])?;
+                    let tape = Tape::new(b);
+                    let loss = model
+                        .forward(&tape.constant(&xs), Mode::Train)?
+                        .cross_entropy(&ys)?;
+                    let grads = tape.backward(&loss)?;
+                    let before = m.stats().allocations;
+                    sums.add(&grads)?;
+                    assert_eq!(
+                        m.stats().allocations,
+                        before,
+                        "accumulating allocated in the model scope"
+                    );
+                    Ok::<_, Error>(())
+                })?;
+            }
+            sums.step(&mut opt, &mut model)?;
+            assert!(
+                sums.step(&mut opt, &mut model).is_err(),
+                "a step needs a micro-batch"
+            );
+            let mut out = Vec::new();
+            model.visit("", &mut |_, p| out.extend(p.to_vec::<f64>().unwrap()));
+            Ok::<_, Error>(out)
+        })
+        .unwrap()
+    };
+    let whole = train(1);
+    let pieces = train(4);
+    for (a, b) in whole.iter().zip(&pieces) {
+        assert!(
+            (a - b).abs() < 1e-12,
+            "one batch of 32 gives {a}, four of 8 give {b}"
+        );
+    }
+}

@@ -306,6 +306,56 @@ impl<'s> Gradients<'s> {
         }
     }
 
+    /// Zero gradients for `params`, allocated in `scope` (gradient sums that outlive one batch).
+    #[track_caller]
+    pub(crate) fn zeros_for<'p>(
+        scope: &Scope<'s>,
+        params: impl IntoIterator<Item = &'p Tensor<'p>>,
+    ) -> Result<Gradients<'s>> {
+        let mut entries = Vec::new();
+        for p in params {
+            let zeros = scope
+                .full_dtype(p.shape(), 0.0, p.dtype())?
+                .named("grad sum");
+            entries.push((ParamKey::of(p), zeros));
+        }
+        Ok(Gradients { entries })
+    }
+
+    /// Adds `other` into these gradients in place; `other` may hold only parameters these hold.
+    pub(crate) fn add_in_place(&mut self, op: &'static str, other: &Gradients<'_>) -> Result<()> {
+        if let Some((key, _)) = other
+            .entries
+            .iter()
+            .find(|(k, _)| !self.entries.iter().any(|(mine, _)| mine == k))
+        {
+            return Err(Error::InvalidShape {
+                op,
+                shape: key.shape.to_vec(),
+                reason: "the gradients hold a parameter the accumulator was not created for;                          accumulate the gradients of the model it was created with"
+                    .into(),
+            });
+        }
+        for (key, g) in &other.entries {
+            if let Some((_, sum)) = self.entries.iter_mut().find(|(k, _)| k == key) {
+                sum.add_(g)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Multiplies every gradient by `factor` in place.
+    pub(crate) fn scale_in_place(&mut self, factor: f64) -> Result<()> {
+        self.entries
+            .iter_mut()
+            .try_for_each(|(_, g)| g.mul_scalar_(factor))
+    }
+
+    /// Sets every gradient to zero in place (a NaN sum too).
+    pub(crate) fn zero_in_place(&mut self) -> Result<()> {
+        self.entries.iter_mut().try_for_each(|(_, g)| g.fill_(0.0))
+    }
+
     /// The gradient of `param`, or `None` when the loss does not depend on it (or it was not watched).
     pub fn get(&self, param: &Tensor<'_>) -> Option<&Tensor<'s>> {
         let key = ParamKey::of(param);

@@ -29,10 +29,12 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod accumulate;
 mod adam;
 mod schedule;
 mod sgd;
 
+pub use accumulate::GradientAccumulator;
 pub use adam::{Adam, AdamConfig};
 pub use schedule::{Constant, Schedule, WarmupCosine};
 pub use sgd::{Sgd, SgdConfig};
