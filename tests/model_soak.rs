@@ -55,12 +55,12 @@ ndscope::model! {
     }
 }
 
-const ROUNDS: usize = 8;
-const STEPS_PER_ROUND: u64 = 15;
+const ROUNDS: usize = 6;
+const STEPS_PER_ROUND: u64 = 8;
 const WARMUP_ROUNDS: usize = 2;
 const VOCAB: usize = 12;
 const LEN: usize = 8;
-const BATCH: usize = 16;
+const BATCH: usize = 8;
 
 /// A batch of sequences `a, a+1, a+2, ...` (mod the vocabulary): the next token is predictable.
 fn batch_ids(step: u64) -> Vec<i64> {
@@ -149,17 +149,17 @@ fn soak_gpt(workspace: bool) -> Result<(Vec<Snapshot>, Vec<f32>)> {
                 dropout: 0.1,
             };
             let mut model = Gpt {
-                tokens: Embedding::new(m, VOCAB, 32, init)?,
-                positions: PositionalEmbedding::new(m, LEN, 32, init)?,
+                tokens: Embedding::new(m, VOCAB, 16, init)?,
+                positions: PositionalEmbedding::new(m, LEN, 16, init)?,
                 blocks: vec![
-                    TransformerBlock::new(m, 32, 4, opts, init)?,
-                    TransformerBlock::new(m, 32, 4, opts, init)?,
+                    TransformerBlock::new(m, 16, 2, opts, init)?,
+                    TransformerBlock::new(m, 16, 2, opts, init)?,
                 ],
-                ln: LayerNorm::new(m, 32)?,
-                head: Linear::new(m, 32, VOCAB, init)?,
+                ln: LayerNorm::new(m, 16)?,
+                head: Linear::new(m, 16, VOCAB, init)?,
             };
-            let mut opt = Adam::new(m, &model, AdamConfig::adamw(3e-3, 1e-2))?;
-            let schedule = WarmupCosine::new(3e-3, 10, ROUNDS as u64 * STEPS_PER_ROUND)?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
+            let schedule = WarmupCosine::new(1e-2, 5, ROUNDS as u64 * STEPS_PER_ROUND)?;
             rounds(m, |i| {
                 opt.set_learning_rate(schedule.lr(i));
                 if workspace {
@@ -245,7 +245,7 @@ fn soak_cnn(workspace: bool) -> Result<(Vec<Snapshot>, Vec<f32>)> {
                 pool: Pool2d::max([2, 2]),
                 head: Linear::new(m, 8 * 16, 4, Init::KaimingUniform)?,
             };
-            let mut opt = Adam::new(m, &model, AdamConfig::adamw(3e-3, 1e-4))?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-4))?;
             rounds(m, |i| {
                 if workspace {
                     m.workspace(&mut ws, |b| cnn_step(m, b, &mut model, &mut opt, i))
@@ -271,11 +271,12 @@ fn assert_flat(mode: &str, snapshots: &[Snapshot], losses: &[f32]) {
             );
         }
     }
-    let first = losses[..10].iter().sum::<f32>();
-    let last = losses[losses.len() - 10..].iter().sum::<f32>();
+    // A sanity check that the steps trained something; the test is about memory.
+    let first = losses[..5].iter().sum::<f32>();
+    let last = losses[losses.len() - 5..].iter().sum::<f32>();
     assert!(
-        last < 0.5 * first,
-        "{mode}: the model did not learn (loss {first} -> {last} over 10 steps)"
+        last < 0.9 * first,
+        "{mode}: the model did not learn (loss {first} -> {last} over 5 steps)"
     );
 }
 
