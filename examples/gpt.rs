@@ -517,13 +517,13 @@ fn run(o: &Options) -> Result<()> {
                     let after = m.stats();
                     let quality = match &job {
                         Job::Addition(add) => format!(
-                            "held-out exact {:5.1}%",
+                            "  held-out exact {:5.1}%",
                             held_out_accuracy(m, &model, add)?.0 * 100.0
                         ),
                         Job::Text(_) => String::new(),
                     };
                     println!(
-                        "step {:>5}  loss {:.4}  {quality}  | model: {} tensors, {} B live | \
+                        "step {:>5}  loss {:.4}{quality}  | model: {} tensors, {} B live | \
                          batch: peak {} B, {} allocs/step, {} from system | {:.0} s",
                         step + 1,
                         loss_sum / report_every as f64,
