@@ -2,13 +2,13 @@
 
 use std::panic::Location;
 
-use super::{Dropout, Init, Linear, Mode, Module, Parameters};
+use super::params::layer_parts;
+use super::{Dropout, Init, Linear, Mode, Module};
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::Triangle;
-use crate::scope::{Movable, Scope};
-use crate::tensor::Tensor;
+use crate::scope::Scope;
 
 /// What attention computed: the output and the attention weights (after the softmax, before
 /// dropout). Both are branded with the batch scope: the weights can be plotted or copied to the host,
@@ -207,26 +207,8 @@ impl<'m> Module<'m> for MultiHeadAttention<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for MultiHeadAttention<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        self.qkv.visit(&format!("{prefix}qkv."), f);
-        self.proj.visit(&format!("{prefix}proj."), f);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        self.qkv.visit_mut(f)?;
-        self.proj.visit_mut(f)
-    }
-}
-
-impl<'m> Movable<'m> for MultiHeadAttention<'m> {
-    type Moved<'b> = MultiHeadAttention<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<MultiHeadAttention<'b>> {
-        Ok(MultiHeadAttention {
-            qkv: self.qkv.move_into(target)?,
-            proj: self.proj.move_into(target)?,
-            heads: self.heads,
-            options: self.options,
-        })
-    }
-}
+layer_parts!(MultiHeadAttention {
+    tensors: [],
+    layers: [qkv, proj],
+    plain: [heads, options]
+});

@@ -1,10 +1,11 @@
 //! Convolution and pooling layers over `[batch, channels, rows, cols]`.
 
-use super::{Init, Mode, Module, Parameters};
+use super::params::layer_parts;
+use super::{Init, Mode, Module};
 use crate::autograd::Var;
 use crate::error::{Error, Result};
 use crate::ops::Conv2dOptions;
-use crate::scope::{Movable, Scope};
+use crate::scope::Scope;
 use crate::tensor::Tensor;
 
 /// A 2-D convolution ([`Var::conv2d`]) with a learned kernel and bias.
@@ -76,28 +77,11 @@ impl<'m> Module<'m> for Conv2d<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for Conv2d<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-        f(&format!("{prefix}bias"), &self.bias);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)?;
-        f(&mut self.bias)
-    }
-}
-
-impl<'m> Movable<'m> for Conv2d<'m> {
-    type Moved<'b> = Conv2d<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Conv2d<'b>> {
-        Ok(Conv2d {
-            weight: self.weight.move_into(target)?,
-            bias: self.bias.move_into(target)?,
-            options: self.options,
-        })
-    }
-}
+layer_parts!(Conv2d {
+    tensors: [weight, bias],
+    layers: [],
+    plain: [options]
+});
 
 /// Which statistic a [`Pool2d`] takes of each window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

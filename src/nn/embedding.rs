@@ -1,9 +1,10 @@
 //! Lookup tables: token embeddings and learned positional embeddings.
 
-use super::{Init, Parameters};
+use super::Init;
+use super::params::layer_parts;
 use crate::autograd::{Tape, Var};
 use crate::error::{Error, Result};
-use crate::scope::{Movable, Scope};
+use crate::scope::Scope;
 use crate::tensor::Tensor;
 
 /// A table of `num` vectors of width `dim`; looking up `i64` ids gives their rows (PyTorch's
@@ -64,24 +65,11 @@ impl<'m> Embedding<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for Embedding<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)
-    }
-}
-
-impl<'m> Movable<'m> for Embedding<'m> {
-    type Moved<'b> = Embedding<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Embedding<'b>> {
-        Ok(Embedding {
-            weight: self.weight.move_into(target)?,
-        })
-    }
-}
+layer_parts!(Embedding {
+    tensors: [weight],
+    layers: [],
+    plain: []
+});
 
 /// Learned positional embeddings: position `p` of a sequence gets row `p` of a `[max_len, dim]`
 /// table added (GPT-2's `wpe`).
@@ -141,21 +129,8 @@ impl<'m> PositionalEmbedding<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for PositionalEmbedding<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)
-    }
-}
-
-impl<'m> Movable<'m> for PositionalEmbedding<'m> {
-    type Moved<'b> = PositionalEmbedding<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<PositionalEmbedding<'b>> {
-        Ok(PositionalEmbedding {
-            weight: self.weight.move_into(target)?,
-        })
-    }
-}
+layer_parts!(PositionalEmbedding {
+    tensors: [weight],
+    layers: [],
+    plain: []
+});

@@ -1,9 +1,10 @@
 //! The fully connected layer.
 
-use super::{Init, Mode, Module, Parameters};
+use super::params::layer_parts;
+use super::{Init, Mode, Module};
 use crate::autograd::Var;
 use crate::error::{Error, Result};
-use crate::scope::{Movable, Scope};
+use crate::scope::Scope;
 use crate::tensor::Tensor;
 
 /// `y = x Wᵀ + b`, with `W` of shape `[out_features, in_features]` (PyTorch's layout, so checkpoints
@@ -76,24 +77,8 @@ impl<'m> Module<'m> for Linear<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for Linear<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-        f(&format!("{prefix}bias"), &self.bias);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)?;
-        f(&mut self.bias)
-    }
-}
-
-impl<'m> Movable<'m> for Linear<'m> {
-    type Moved<'b> = Linear<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Linear<'b>> {
-        Ok(Linear {
-            weight: self.weight.move_into(target)?,
-            bias: self.bias.move_into(target)?,
-        })
-    }
-}
+layer_parts!(Linear {
+    tensors: [weight, bias],
+    layers: [],
+    plain: []
+});

@@ -1,9 +1,10 @@
 //! Normalisation layers: [`LayerNorm`] and [`RmsNorm`] over the last dimension.
 
-use super::{Mode, Module, Parameters};
+use super::params::layer_parts;
+use super::{Mode, Module};
 use crate::autograd::Var;
 use crate::error::{Error, Result};
-use crate::scope::{Movable, Scope};
+use crate::scope::Scope;
 use crate::tensor::Tensor;
 
 fn check_features(op: &'static str, features: usize) -> Result<()> {
@@ -57,28 +58,11 @@ impl<'m> Module<'m> for LayerNorm<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for LayerNorm<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-        f(&format!("{prefix}bias"), &self.bias);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)?;
-        f(&mut self.bias)
-    }
-}
-
-impl<'m> Movable<'m> for LayerNorm<'m> {
-    type Moved<'b> = LayerNorm<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<LayerNorm<'b>> {
-        Ok(LayerNorm {
-            weight: self.weight.move_into(target)?,
-            bias: self.bias.move_into(target)?,
-            eps: self.eps,
-        })
-    }
-}
+layer_parts!(LayerNorm {
+    tensors: [weight, bias],
+    layers: [],
+    plain: [eps]
+});
 
 /// RMS normalisation with a learned scale (ones): [`Var::rms_norm`].
 #[derive(Debug)]
@@ -112,22 +96,8 @@ impl<'m> Module<'m> for RmsNorm<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for RmsNorm<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(&format!("{prefix}weight"), &self.weight);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)
-    }
-}
-
-impl<'m> Movable<'m> for RmsNorm<'m> {
-    type Moved<'b> = RmsNorm<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<RmsNorm<'b>> {
-        Ok(RmsNorm {
-            weight: self.weight.move_into(target)?,
-            eps: self.eps,
-        })
-    }
-}
+layer_parts!(RmsNorm {
+    tensors: [weight],
+    layers: [],
+    plain: [eps]
+});

@@ -71,3 +71,50 @@ impl<'m, T: Parameters<'m>> Parameters<'m> for Option<T> {
         }
     }
 }
+
+/// Implements [`Parameters`] and [`Movable`](crate::Movable) for a layer struct `$ty<'m>` from its
+/// fields: `tensors` are parameters named `{prefix}{field}`, `layers` are nested layers visited under
+/// `{prefix}{field}.`, `plain` are copied as they are when the layer moves. Visits follow the order
+/// given (tensors, then layers), which fixes checkpoint names and optimizer state order.
+macro_rules! layer_parts {
+    ($ty:ident { tensors: [$($t:ident),*], layers: [$($l:ident),*], plain: [$($p:ident),*] }) => {
+        impl<'m> $crate::nn::Parameters<'m> for $ty<'m> {
+            fn visit(
+                &self,
+                prefix: &str,
+                f: &mut dyn FnMut(&str, &$crate::tensor::Tensor<'m>),
+            ) {
+                $(f(&format!(concat!("{}", stringify!($t)), prefix), &self.$t);)*
+                $($crate::nn::Parameters::visit(
+                    &self.$l,
+                    &format!(concat!("{}", stringify!($l), "."), prefix),
+                    f,
+                );)*
+            }
+
+            fn visit_mut(
+                &mut self,
+                f: &mut dyn FnMut(&mut $crate::tensor::Tensor<'m>) -> $crate::error::Result<()>,
+            ) -> $crate::error::Result<()> {
+                $(f(&mut self.$t)?;)*
+                $($crate::nn::Parameters::visit_mut(&mut self.$l, f)?;)*
+                Ok(())
+            }
+        }
+
+        impl<'m> $crate::scope::Movable<'m> for $ty<'m> {
+            type Moved<'b> = $ty<'b>;
+            fn move_into<'b>(
+                self,
+                target: &$crate::scope::Scope<'b>,
+            ) -> $crate::error::Result<$ty<'b>> {
+                Ok($ty {
+                    $($t: $crate::scope::Movable::move_into(self.$t, target)?,)*
+                    $($l: $crate::scope::Movable::move_into(self.$l, target)?,)*
+                    $($p: self.$p,)*
+                })
+            }
+        }
+    };
+}
+pub(crate) use layer_parts;

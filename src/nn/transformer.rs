@@ -1,13 +1,13 @@
 //! The pre-norm transformer block (GPT-2's).
 
+use super::params::layer_parts;
 use super::{
     Activation, AttentionOptions, Dropout, Init, LayerNorm, Linear, Mode, Module,
-    MultiHeadAttention, Parameters,
+    MultiHeadAttention,
 };
 use crate::autograd::Var;
 use crate::error::Result;
-use crate::scope::{Movable, Scope};
-use crate::tensor::Tensor;
+use crate::scope::Scope;
 
 /// `x + drop(attn(ln1(x)))`, then `y + drop(fc2(gelu(fc1(ln2(y)))))`, with a hidden width of four
 /// times the model width and exact GELU (Radford et al., 2019).
@@ -64,34 +64,8 @@ impl<'m> Module<'m> for TransformerBlock<'m> {
     }
 }
 
-impl<'m> Parameters<'m> for TransformerBlock<'m> {
-    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        self.ln1.visit(&format!("{prefix}ln1."), f);
-        self.attn.visit(&format!("{prefix}attn."), f);
-        self.ln2.visit(&format!("{prefix}ln2."), f);
-        self.fc1.visit(&format!("{prefix}fc1."), f);
-        self.fc2.visit(&format!("{prefix}fc2."), f);
-    }
-
-    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        self.ln1.visit_mut(f)?;
-        self.attn.visit_mut(f)?;
-        self.ln2.visit_mut(f)?;
-        self.fc1.visit_mut(f)?;
-        self.fc2.visit_mut(f)
-    }
-}
-
-impl<'m> Movable<'m> for TransformerBlock<'m> {
-    type Moved<'b> = TransformerBlock<'b>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<TransformerBlock<'b>> {
-        Ok(TransformerBlock {
-            ln1: self.ln1.move_into(target)?,
-            attn: self.attn.move_into(target)?,
-            ln2: self.ln2.move_into(target)?,
-            fc1: self.fc1.move_into(target)?,
-            fc2: self.fc2.move_into(target)?,
-            dropout: self.dropout,
-        })
-    }
-}
+layer_parts!(TransformerBlock {
+    tensors: [],
+    layers: [ln1, attn, ln2, fc1, fc2],
+    plain: [dropout]
+});
