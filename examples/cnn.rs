@@ -17,6 +17,8 @@ use ndscope::nn::{BatchNorm2d, Conv2d, Dropout, Init, Linear, Mode, Module, Para
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{Conv2dOptions, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
 
+mod common;
+
 const USAGE: &str = "\
 Train a small CNN on the bundled 8x8 digits with ndscope.
 
@@ -299,19 +301,5 @@ fn run(o: &Options) -> Result<()> {
 }
 
 fn main() {
-    let options = match Options::parse(std::env::args().skip(1)) {
-        Ok(o) => o,
-        Err(message) => {
-            if message.is_empty() {
-                println!("{USAGE}");
-                return;
-            }
-            eprintln!("error: {message}\n\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = run(&options) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    common::main_with(USAGE, Options::parse, run);
 }

@@ -23,6 +23,8 @@ use ndscope::nn::{
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
 
+mod common;
+
 const USAGE: &str = "\
 Train a small GPT with ndscope: two-digit addition by default, or any text.
 
@@ -572,19 +574,5 @@ fn run(o: &Options) -> Result<()> {
 }
 
 fn main() {
-    let options = match Options::parse(std::env::args().skip(1)) {
-        Ok(o) => o,
-        Err(message) => {
-            if message.is_empty() {
-                println!("{USAGE}");
-                return;
-            }
-            eprintln!("error: {message}\n\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = run(&options) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    common::main_with(USAGE, Options::parse, run);
 }

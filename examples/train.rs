@@ -18,6 +18,8 @@ use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ndscope::{Device, Error, Result, Scope, Tape, Tensor, Workspace, checkpoint, root};
 
+mod common;
+
 const USAGE: &str = "\
 Train an MLP on handwritten digits with ndscope.
 
@@ -347,19 +349,5 @@ fn names(model: &Sequential<'_>) -> Vec<String> {
 }
 
 fn main() {
-    let options = match Options::parse(std::env::args().skip(1)) {
-        Ok(o) => o,
-        Err(message) => {
-            if message.is_empty() {
-                println!("{USAGE}");
-                return;
-            }
-            eprintln!("error: {message}\n\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = run(&options) {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    common::main_with(USAGE, Options::parse, run);
 }
