@@ -273,7 +273,7 @@ macro_rules! unary_maps {
             /// The error function `2/sqrt(pi) * integral from 0 to self of e^(-t²) dt`.
             erf: Erf = 22, "U_ERF", float, |x| x.erf();
             /// Exact GELU, `x Φ(x) = 0.5 x (1 + erf(x / sqrt(2)))` (PyTorch's default `gelu`; the
-            /// tanh approximation is [`gelu`](Self::Gelu)).
+            /// tanh approximation is `gelu`).
             gelu_exact: GeluExact = 23, "U_GELU_EXACT", float, |x| {
                 let half = T::from_f64(0.5);
                 half.mul(x).mul(T::one().add(x.mul(T::from_f64(std::f64::consts::FRAC_1_SQRT_2)).erf()))
