@@ -8,7 +8,7 @@ use smallvec::smallvec;
 
 use super::Var;
 use crate::error::{Error, Result};
-use crate::ops::{Conv2dOptions, window};
+use crate::ops::{Conv2dOptions, Window2d, window};
 
 impl<'t, 's> Var<'t, 's> {
     /// The sliding windows as columns ([`Tensor::unfold2d`](crate::Tensor::unfold2d)); the
@@ -18,18 +18,19 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::unfold2d`](crate::Tensor::unfold2d).
     #[track_caller]
     pub fn unfold2d(&self, kernel: [usize; 2], options: &Conv2dOptions) -> Result<Var<'t, 's>> {
-        self.windows("unfold2d", kernel, options, 0.0, Location::caller())
+        let w = window("unfold2d", self.shape(), kernel, options)?;
+        self.windows("unfold2d", w, 0.0, Location::caller())
     }
 
+    /// The columns of the window `w` of this value, with `pad` in the padding, recorded with
+    /// `fold2d` as the derivative.
     fn windows(
         &self,
         op: &'static str,
-        kernel: [usize; 2],
-        options: &Conv2dOptions,
+        w: Window2d,
         pad: f64,
         at: &'static Location<'static>,
     ) -> Result<Var<'t, 's>> {
-        let w = window(op, self.shape(), kernel, options)?;
         let out = self.value.unfold_window(&w, pad, at)?;
         Var::record(&[self], op, out, move |g, _| {
             Ok(smallvec![Some(g.fold_window(&w, at)?)])
@@ -107,7 +108,7 @@ impl<'t, 's> Var<'t, 's> {
         let batch = self.shape()[0];
         let windows = w.output[0] * w.output[1];
         let taps = group_channels * kh * kw;
-        let cols = self.windows(OP, [kh, kw], options, 0.0, at)?;
+        let cols = self.windows(OP, w, 0.0, at)?;
         let out = if groups == 1 {
             // [out, taps] @ [batch, taps, windows]: one weight for the whole batch.
             weight.reshape(&[out_channels, taps])?.matmul(&cols)?
@@ -183,7 +184,7 @@ impl<'t, 's> Var<'t, 's> {
             "max_pool2d" => (f64::NEG_INFINITY, true),
             _ => (0.0, false),
         };
-        let taps = self.windows(op, kernel, &options, pad, at)?.reshape(&[
+        let taps = self.windows(op, w, pad, at)?.reshape(&[
             batch,
             channels,
             kernel[0] * kernel[1],

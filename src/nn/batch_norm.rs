@@ -86,10 +86,11 @@ impl<'m> Module<'m> for BatchNorm2d<'m> {
         }
         let tape = x.tape();
         let per_channel = [1, c, 1, 1];
-        let (mean, var) = match mode {
+        let (centred, var) = match mode {
             Mode::Train => {
                 let mean = x.mean(&[0, 2, 3], true)?;
-                let var = x.sub(&mean)?.square()?.mean(&[0, 2, 3], true)?;
+                let centred = x.sub(&mean)?;
+                let var = centred.square()?.mean(&[0, 2, 3], true)?;
                 // The running statistics move in place: no allocation in the model scope.
                 let unbiased = count as f64 / (count - 1) as f64;
                 let m = self.momentum;
@@ -101,7 +102,7 @@ impl<'m> Module<'m> for BatchNorm2d<'m> {
                 let batch_var = var.value().reshape(&[c])?.to_dtype(rv.dtype())?;
                 rv.mul_scalar_(1.0 - m)?;
                 rv.axpy_(m * unbiased, &batch_var)?;
-                (mean, var)
+                (centred, var)
             }
             Mode::Eval => {
                 let running = |t: &RefCell<Tensor<'m>>| -> Result<Var<'t, 's>> {
@@ -111,12 +112,13 @@ impl<'m> Module<'m> for BatchNorm2d<'m> {
                         .to_dtype(x.value().dtype())?;
                     Ok(tape.constant(&t))
                 };
-                (running(&self.running_mean)?, running(&self.running_var)?)
+                (
+                    x.sub(&running(&self.running_mean)?)?,
+                    running(&self.running_var)?,
+                )
             }
         };
-        let normalised = x
-            .sub(&mean)?
-            .mul(&var.add_scalar(self.eps)?.sqrt()?.recip()?)?;
+        let normalised = centred.mul(&var.add_scalar(self.eps)?.sqrt()?.recip()?)?;
         normalised
             .mul(&tape.param(&self.weight).reshape(&per_channel)?)?
             .add(&tape.param(&self.bias).reshape(&per_channel)?)

@@ -9,7 +9,7 @@
 /// use ndscope::nn::{AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
 ///     PositionalEmbedding, TransformerBlock};
 /// use ndscope::optim::{Adam, AdamConfig, Optimizer};
-/// use ndscope::{Device, Movable, Tape, root};
+/// use ndscope::{Device, Tape, root};
 ///
 /// ndscope::model! {
 ///     /// A tiny decoder.
@@ -53,6 +53,9 @@
 ///         let loss = logits.reshape(&[4, 10])?.cross_entropy(&next)?;
 ///         opt.step(&mut model, &tape.backward(&loss)?)
 ///     })?;
+///     // A checkpoint of every parameter, loaded back into the same struct.
+///     let bytes = ndscope::checkpoint::to_bytes(&model)?;
+///     ndscope::checkpoint::load_bytes(&mut model, &bytes)?;
 ///     Ok::<_, ndscope::Error>(())
 /// })?;
 /// # Ok::<(), ndscope::Error>(())

@@ -7,7 +7,7 @@
 
 use std::panic::Location;
 
-use crate::dtype::DType;
+use crate::dtype::{DType, with_dtype};
 use crate::error::{Error, Result};
 use crate::ops::same_device;
 use crate::tensor::Tensor;
@@ -44,11 +44,7 @@ impl<'s> Tensor<'s> {
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
         let mut mask = Tensor::output_of(&[self], dtype, &[rows, cols], at)?;
-        match dtype {
-            DType::F32 => mask.upload(&triangle_values::<f32>(rows, cols, triangle, k))?,
-            DType::F64 => mask.upload(&triangle_values::<f64>(rows, cols, triangle, k))?,
-            DType::I64 => mask.upload(&triangle_values::<i64>(rows, cols, triangle, k))?,
-        }
+        with_dtype!(dtype, T => mask.upload(&triangle_values::<T>(rows, cols, triangle, k))?);
         Ok(mask)
     }
 

@@ -17,7 +17,7 @@ mod view;
 mod window;
 
 /// The binary ops and derivatives autograd chains, by name (stated in `backend::op`).
-pub(crate) use crate::backend::op::Binary;
+pub(crate) use crate::backend::op::{Binary, Window2d};
 pub(crate) use mask::Triangle;
 pub use window::Conv2dOptions;
 pub(crate) use window::window;
