@@ -26,6 +26,7 @@ pub use dtype::{DType, Element, Float};
 pub use error::{Error, Result};
 pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
+pub use memory::plan::{Plan, PlannedSlot};
 pub use memory::stats::{MemoryStats, ScopeStats};
 pub use ops::Conv2dOptions;
 pub use rng::DEFAULT_SEED;

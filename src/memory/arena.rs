@@ -1,20 +1,36 @@
-//! Workspaces: arenas that a scope allocates from by bumping a pointer and resets in O(1) when it
-//! closes, reused cycle after cycle (DL4J's cyclic workspaces).
+//! Workspaces: arenas that a scope allocates from and resets in O(1) when it closes, reused cycle
+//! after cycle (DL4J's cyclic workspaces).
 //!
-//! The arena starts empty. During a cycle, requests that do not fit *spill* to the tree's pool, and the
-//! workspace records how much the cycle would have needed: the top of a virtual bump pointer that also
-//! advances for every spilled byte (a bump arena cannot reuse a block freed out of order, so a chain
-//! of temporaries needs the sum of its allocations, not its peak of live bytes); when the cycle closes, the arena grows to
-//! that size (one system allocation), so from the next cycle on a steady loop runs entirely inside it.
+//! A workspace works in one of two modes.
+//!
+//! - **Bump** ([`Workspace::new`]): allocations bump a pointer. The arena starts empty. During a
+//!   cycle, requests that do not fit *spill* to the tree's pool, and the workspace records how much the
+//!   cycle would have needed: the top of a virtual bump pointer that also advances for every spilled
+//!   byte (a bump arena cannot reuse a block freed out of order, so a chain of temporaries needs the sum
+//!   of its allocations, not its peak of live bytes); when the cycle closes, the arena grows to that
+//!   size (one system allocation), so from the next cycle on a steady loop runs entirely inside it.
+//! - **Planned** ([`Workspace::planned`]): the first cycle allocates from the pool and records its
+//!   sequence of allocations and frees; when it closes, a [`Plan`] gives every allocation an offset
+//!   so that allocations alive at the same time never share a byte, and the arena is sized to the plan's
+//!   peak — close to the largest total of bytes live at once, where a bump arena needs the sum of a
+//!   chain. A later cycle that repeats the sequence gets each allocation by a table lookup. A cycle
+//!   that diverges (another size, another order of frees, more allocations) keeps the slots it already
+//!   has, takes the rest from the pool, and is planned anew when it closes.
+//!
 //! Resetting is safe without any run-time check because no tensor of a cycle can outlive it: the
-//! cycle's tensors carry the workspace scope's lifetime.
+//! cycle's tensors carry the workspace scope's lifetime. Reusing a planned slot within a cycle is safe
+//! because the cycle has made exactly the recorded sequence up to that allocation, so every allocation
+//! the plan lets the slot share bytes with has been freed.
 //!
 //! The arena lives on the device of the scopes that cycle in it (a workspace used under a GPU scope
-//! learns a GPU arena). Requests for another device's memory during a cycle go to that device's pool.
+//! learns a GPU arena; a GPU reuses bytes in stream order, as its pool does). Requests for another
+//! device's memory during a cycle go to that device's pool.
 
 use std::ptr::NonNull;
 
 use crate::device::Device;
+use crate::memory::block::NO_SLOT;
+use crate::memory::plan::{Event, Plan};
 use crate::memory::raw::ALIGN;
 use crate::memory::{raw, reclaim};
 
@@ -54,6 +70,47 @@ pub struct Workspace {
     spills: u64,
     last_cycle_spills: u64,
     grows: u64,
+    /// `Some` in planned mode.
+    planner: Option<Planner>,
+}
+
+/// The state of a planned workspace.
+#[derive(Default)]
+struct Planner {
+    plan: Option<Plan>,
+    /// Whether the current cycle has followed the plan so far.
+    replaying: bool,
+    /// Events of the plan the current cycle has repeated.
+    cursor: usize,
+    /// The current cycle's events once it stopped following the plan (or when there is none).
+    recording: Vec<Event>,
+    /// Allocations of the current cycle (the next allocation's slot).
+    allocations: u32,
+    replayed_cycles: u64,
+    plans: u64,
+    last_cycle_replayed: bool,
+}
+
+impl Planner {
+    /// The current cycle leaves the plan: what it repeated so far starts its own recording.
+    fn diverge(&mut self) {
+        self.replaying = false;
+        self.recording.clear();
+        if let Some(plan) = &self.plan {
+            self.recording
+                .extend_from_slice(&plan.events()[..self.cursor]);
+        }
+    }
+}
+
+/// What a workspace gives an allocation request.
+pub(crate) struct Grant {
+    /// Arena memory, or `None`: the caller takes the block from the pool.
+    pub(crate) ptr: Option<NonNull<u8>>,
+    /// The allocation's slot in a planned cycle, or `NO_SLOT`.
+    pub(crate) slot: u32,
+    /// Whether a request of the cycle's device went to the pool (counted as a spill).
+    pub(crate) spilled: bool,
 }
 
 // SAFETY: a workspace owns its buffer exclusively; between cycles no tensor points into it (a cycle's
@@ -76,6 +133,41 @@ impl Workspace {
             spills: 0,
             last_cycle_spills: 0,
             grows: 0,
+            planner: None,
+        }
+    }
+
+    /// An empty planned workspace: its first cycle records the sequence of allocations, later cycles
+    /// that repeat it get each allocation at an offset solved for it (see the [module
+    /// docs](crate::Workspace) and [`Plan`]).
+    ///
+    /// ```
+    /// use ndscope::{Device, Workspace};
+    /// let mut ws = Workspace::planned("batch");
+    /// ndscope::root(Device::Cpu, |model| {
+    ///     for _ in 0..3 {
+    ///         model.workspace(&mut ws, |w| -> ndscope::Result<()> {
+    ///             let mut x = w.ones(&[1024])?;
+    ///             for _ in 0..8 {
+    ///                 x = x.mul_scalar(0.5)?; // each result frees the previous one
+    ///             }
+    ///             Ok(())
+    ///         })?;
+    ///     }
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// let plan = ws.plan().expect("the first cycle was planned");
+    /// assert_eq!(plan.peak(), plan.lower_bound()); // two live buffers of 4 KiB
+    /// assert_eq!(plan.peak(), 8192);
+    /// assert_eq!(plan.bump_size(), 9 * 4096); // a bump arena needs the whole chain
+    /// assert_eq!(ws.capacity(), 8192);
+    /// assert_eq!(ws.replayed_cycles(), 2);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn planned(name: &'static str) -> Workspace {
+        Workspace {
+            planner: Some(Planner::default()),
+            ..Workspace::new(name)
         }
     }
 
@@ -122,9 +214,119 @@ impl Workspace {
         self.grows
     }
 
+    /// Whether the workspace plans its cycles ([`Workspace::planned`]).
+    pub fn is_planned(&self) -> bool {
+        self.planner.is_some()
+    }
+
+    /// The plan later cycles replay: the last one solved (planned mode, after the first cycle).
+    pub fn plan(&self) -> Option<&Plan> {
+        self.planner.as_ref()?.plan.as_ref()
+    }
+
+    /// Cycles that followed the plan to their end (planned mode).
+    pub fn replayed_cycles(&self) -> u64 {
+        self.planner.as_ref().map_or(0, |p| p.replayed_cycles)
+    }
+
+    /// Plans solved: one for the first cycle and one per cycle that diverged (planned mode).
+    pub fn plans_solved(&self) -> u64 {
+        self.planner.as_ref().map_or(0, |p| p.plans)
+    }
+
+    /// Whether the last completed cycle followed the plan (planned mode).
+    pub fn last_cycle_replayed(&self) -> bool {
+        self.planner.as_ref().is_some_and(|p| p.last_cycle_replayed)
+    }
+
+    /// Whether the current cycle has followed the plan so far (planned mode).
+    pub(crate) fn replaying(&self) -> bool {
+        self.planner.as_ref().is_some_and(|p| p.replaying)
+    }
+
+    /// Memory for a request of `bytes` (> 0) of `device` memory during a cycle.
+    pub(crate) fn alloc(&mut self, device: Device, bytes: usize) -> Grant {
+        let granted = if self.planner.is_some() {
+            self.slot(device, bytes)
+        } else {
+            self.bump(device, bytes).map(|ptr| Grant {
+                ptr: Some(ptr),
+                slot: NO_SLOT,
+                spilled: false,
+            })
+        };
+        granted.unwrap_or_else(|| {
+            let spilled = self.note_spill(device, bytes);
+            let slot = match &mut self.planner {
+                Some(p) if spilled && p.allocations != NO_SLOT => {
+                    p.recording.push(Event::Alloc {
+                        bytes: bytes.next_multiple_of(ALIGN),
+                    });
+                    p.allocations += 1;
+                    p.allocations - 1
+                }
+                _ => NO_SLOT,
+            };
+            Grant {
+                ptr: None,
+                slot,
+                spilled,
+            }
+        })
+    }
+
+    /// The planned slot of the cycle's next allocation, if the cycle still follows the plan and the
+    /// request matches it.
+    fn slot(&mut self, device: Device, bytes: usize) -> Option<Grant> {
+        let p = self.planner.as_mut()?;
+        if !p.replaying || device != self.cycle_device {
+            return None;
+        }
+        let size = bytes.next_multiple_of(ALIGN);
+        let offset = match (&p.plan, self.buf) {
+            (Some(plan), Some(_))
+                if plan.events().get(p.cursor) == Some(&Event::Alloc { bytes: size }) =>
+            {
+                plan.slots()[p.allocations as usize].offset
+            }
+            _ => {
+                p.diverge();
+                return None;
+            }
+        };
+        let buf = self.buf?;
+        let slot = p.allocations;
+        p.cursor += 1;
+        p.allocations += 1;
+        // SAFETY: a cycle replays only when the arena holds the plan's peak (`begin_cycle`), and every
+        // slot ends at or below the peak.
+        let ptr = unsafe { buf.add(offset) };
+        Some(Grant {
+            ptr: Some(ptr),
+            slot,
+            spilled: false,
+        })
+    }
+
+    /// Allocation `slot` of the current planned cycle was freed or left the cycle's scope.
+    pub(crate) fn leave(&mut self, slot: u32) {
+        let Some(p) = self.planner.as_mut() else {
+            return;
+        };
+        if p.replaying {
+            let expected = p.plan.as_ref().and_then(|plan| plan.events().get(p.cursor));
+            if expected == Some(&Event::Free { slot }) {
+                p.cursor += 1;
+                return;
+            }
+            p.diverge();
+        }
+        p.recording.push(Event::Free { slot });
+    }
+
     /// Bump-allocates `bytes` (> 0) of `device` memory, or `None` if the arena is full or on another
     /// device (the caller spills).
-    pub(crate) fn bump(&mut self, device: Device, bytes: usize) -> Option<NonNull<u8>> {
+    fn bump(&mut self, device: Device, bytes: usize) -> Option<NonNull<u8>> {
         let size = bytes.next_multiple_of(ALIGN);
         let buf = self.buf?;
         if device != self.buf_device {
@@ -142,7 +344,7 @@ impl Workspace {
 
     /// Records a spill of `bytes` of `device` memory that went to the pool instead; returns whether it
     /// counts as a spill (requests for another device than the cycle's never fit the arena).
-    pub(crate) fn note_spill(&mut self, device: Device, bytes: usize) -> bool {
+    fn note_spill(&mut self, device: Device, bytes: usize) -> bool {
         if device != self.cycle_device {
             return false;
         }
@@ -156,6 +358,9 @@ impl Workspace {
     /// Frees an arena region; only the topmost region actually rolls the pointer back (a chain of
     /// temporaries freed in reverse order reuses the same bytes).
     pub(crate) fn pop(&mut self, ptr: NonNull<u8>, bytes: usize) {
+        if self.planner.is_some() {
+            return; // planned slots stay where the plan put them
+        }
         let size = bytes.next_multiple_of(ALIGN);
         if let Some(buf) = self.buf
             && ptr.as_ptr() as usize + size == buf.as_ptr() as usize + self.top
@@ -171,6 +376,15 @@ impl Workspace {
         self.demand = 0;
         self.spilled = 0;
         self.last_cycle_spills = 0;
+        let (buf_device, capacity, has_buf) = (self.buf_device, self.capacity, self.buf.is_some());
+        if let Some(p) = &mut self.planner {
+            p.allocations = 0;
+            p.cursor = 0;
+            p.recording.clear();
+            p.replaying = p.plan.as_ref().is_some_and(|plan| {
+                buf_device == device && capacity >= plan.peak() && (has_buf || plan.peak() == 0)
+            });
+        }
     }
 
     /// Ends a cycle: resets the arena and grows it to what the cycle needed. Returns whether the arena
@@ -178,8 +392,19 @@ impl Workspace {
     pub(crate) fn end_cycle(&mut self) -> bool {
         self.cycles += 1;
         self.top = 0;
-        let needed = self.demand;
+        let mut needed = self.demand;
         self.spilled = 0;
+        if let Some(p) = &mut self.planner {
+            p.last_cycle_replayed = p.replaying;
+            if p.replaying {
+                p.replayed_cycles += 1;
+                return false;
+            }
+            let plan = Plan::solve(std::mem::take(&mut p.recording));
+            needed = plan.peak();
+            p.plan = Some(plan);
+            p.plans += 1;
+        }
         let moved = self.buf_device != self.cycle_device && needed > 0;
         if needed > self.capacity || moved {
             self.grow_to(self.cycle_device, needed);
@@ -228,6 +453,7 @@ impl std::fmt::Debug for Workspace {
             .field("device", &self.buf_device)
             .field("cycles", &self.cycles)
             .field("spills", &self.spills)
+            .field("plan", &self.plan())
             .finish()
     }
 }

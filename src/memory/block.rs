@@ -78,7 +78,12 @@ pub(crate) struct Region {
     pub(crate) home: Home,
     /// The memory space `ptr` points into (a device address for a GPU).
     pub(crate) device: Device,
+    /// The allocation's slot in a planned workspace cycle, or [`NO_SLOT`].
+    pub(crate) slot: u32,
 }
+
+/// The slot of a block that is not an allocation of a planned workspace cycle.
+pub(crate) const NO_SLOT: u32 = u32::MAX;
 
 impl Region {
     /// A pool or system allocation of `capacity` bytes at `ptr` holding `bytes` used bytes.
@@ -89,6 +94,7 @@ impl Region {
             capacity,
             home: Home::Heap,
             device,
+            slot: NO_SLOT,
         }
     }
 
@@ -101,6 +107,7 @@ impl Region {
             capacity: 0,
             home: Home::Empty,
             device,
+            slot: NO_SLOT,
         }
     }
 }
@@ -122,6 +129,9 @@ pub(crate) struct BlockHeader {
     pub(crate) capacity: Cell<usize>,
     pub(crate) home: Cell<Home>,
     pub(crate) device: Cell<Device>,
+    /// The block's slot in its planned workspace cycle ([`NO_SLOT`] for other blocks, and once the
+    /// block has left the cycle's scope).
+    pub(crate) slot: Cell<u32>,
     /// The owning scope; `None` for the system scope. Memory does not name scopes: the scope layer
     /// implements [`BlockOwner`] and reads its own type back (`ScopeNode::owning`).
     pub(crate) owner: Cell<Option<NonNull<dyn BlockOwner>>>,
@@ -149,6 +159,7 @@ impl BlockHeader {
             capacity: Cell::new(0),
             home: Cell::new(Home::Empty),
             device: Cell::new(Device::Cpu),
+            slot: Cell::new(NO_SLOT),
             owner: Cell::new(None),
             prev: Cell::new(ptr::null()),
             next: Cell::new(ptr::null()),
@@ -173,6 +184,7 @@ impl BlockHeader {
         self.capacity.set(region.capacity);
         self.home.set(region.home);
         self.device.set(region.device);
+        self.slot.set(region.slot);
         self.owner.set(None);
         self.prev.set(ptr::null());
         self.next.set(ptr::null());

@@ -3,6 +3,7 @@
 use std::fmt::Write;
 
 use crate::device::Device;
+use crate::memory::arena::Workspace;
 use crate::memory::stats::Bytes;
 use crate::scope::node::ScopeNode;
 
@@ -26,8 +27,8 @@ pub(crate) fn dump_tree(root: &ScopeNode) -> String {
 fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     let stats = *n.stats.borrow();
     let _ = write!(out, "{indent}scope \"{}\": {stats}", n.name);
-    if let Some((name, capacity)) = n.with_arena(|ws| (ws.name(), ws.capacity())) {
-        let _ = write!(out, " [workspace \"{name}\" arena {}]", Bytes(capacity));
+    if let Some(arena) = n.with_arena(|ws| describe_workspace(ws)) {
+        out.push_str(&arena);
     }
     if n.is_capped() {
         out.push_str(" [capped]");
@@ -66,4 +67,33 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     for c in n.children() {
         node(out, c, &child_indent);
     }
+}
+
+/// ` [workspace "name" arena 1.0 MiB]`, with the plan's figures for a planned workspace.
+fn describe_workspace(ws: &Workspace) -> String {
+    let mut text = format!(
+        " [workspace \"{}\" arena {}",
+        ws.name(),
+        Bytes(ws.capacity())
+    );
+    if let Some(plan) = ws.plan() {
+        let _ = write!(
+            text,
+            ", planned: {} slots, peak {} ({:.2}x lower bound {}; bump {}), {}",
+            plan.slots().len(),
+            Bytes(plan.peak()),
+            plan.ratio_to_lower_bound(),
+            Bytes(plan.lower_bound()),
+            Bytes(plan.bump_size()),
+            if ws.replaying() {
+                "this cycle replays it"
+            } else {
+                "this cycle diverged and is recorded"
+            }
+        );
+    } else if ws.is_planned() {
+        text.push_str(", recording its first cycle");
+    }
+    text.push(']');
+    text
 }

@@ -14,9 +14,9 @@ use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::checked_numel;
-use crate::memory::arena::Workspace;
+use crate::memory::arena::{Grant, Workspace};
 use crate::memory::block::{
-    BlockHeader, BlockOwner, BlockRef, HeaderSlab, Home, Region, ShapeSummary,
+    BlockHeader, BlockOwner, BlockRef, HeaderSlab, Home, NO_SLOT, Region, ShapeSummary,
 };
 use crate::memory::pool::{Pool, Source, Taken};
 use crate::memory::raw::{ALIGN, DeviceMemory};
@@ -419,34 +419,48 @@ impl ScopeNode {
         let bytes = checked_numel(shape, dtype.size())? * dtype.size();
         self.tree().faults.on_alloc(self, bytes)?;
         self.admit(device, bytes, None)?;
-        let region = if bytes == 0 {
-            Region::empty(device)
-        } else if let Some(ptr) = self.with_arena(|a| a.bump(device, bytes)).flatten() {
-            Region {
+        let grant = if bytes == 0 {
+            None
+        } else {
+            self.with_arena(|a| a.alloc(device, bytes))
+        };
+        let region = match grant {
+            _ if bytes == 0 => Region::empty(device),
+            Some(Grant {
+                ptr: Some(ptr),
+                slot,
+                ..
+            }) => Region {
                 ptr,
                 bytes,
                 capacity: bytes.next_multiple_of(ALIGN),
                 home: Home::Arena,
                 device,
-            }
-        } else {
-            if self.with_arena(|a| a.note_spill(device, bytes)) == Some(true) {
-                self.stats.borrow_mut().spills += 1;
-            }
-            let (ptr, capacity, source) = match self.tree().take(device, bytes) {
-                Ok(taken) => taken,
-                Err(Refused { released }) => {
-                    self.stats.borrow_mut().ooms += 1;
-                    return Err(refused(self.name, device, bytes, released, Some(self), 0));
+                slot,
+            },
+            _ => {
+                let (slot, spilled) = grant.map_or((NO_SLOT, false), |g| (g.slot, g.spilled));
+                if spilled {
+                    self.stats.borrow_mut().spills += 1;
                 }
-            };
-            let mut stats = self.stats.borrow_mut();
-            match (source, device) {
-                (Source::Reused, _) => stats.reuses += 1,
-                (Source::System, Device::Cpu) => stats.system_allocations += 1,
-                (Source::System, Device::Cuda(_)) => stats.device_allocations += 1,
+                let (ptr, capacity, source) = match self.tree().take(device, bytes) {
+                    Ok(taken) => taken,
+                    Err(Refused { released }) => {
+                        self.stats.borrow_mut().ooms += 1;
+                        return Err(refused(self.name, device, bytes, released, Some(self), 0));
+                    }
+                };
+                let mut stats = self.stats.borrow_mut();
+                match (source, device) {
+                    (Source::Reused, _) => stats.reuses += 1,
+                    (Source::System, Device::Cpu) => stats.system_allocations += 1,
+                    (Source::System, Device::Cuda(_)) => stats.device_allocations += 1,
+                }
+                Region {
+                    slot,
+                    ..Region::heap(ptr, bytes, capacity, device)
+                }
             }
-            Region::heap(ptr, bytes, capacity, device)
         };
         let (header, grew) = self.tree().slab.borrow_mut().take();
         // SAFETY: the slab hands out headers that no handle refers to; we initialise it with one
@@ -490,6 +504,11 @@ impl ScopeNode {
     /// Unlinks a block from this scope's list and uncounts it.
     fn detach(&self, h: &BlockHeader, event: EventKind) {
         self.tree().timeline.record(self.name, event, h);
+        // A block of a planned workspace cycle leaves the cycle: freed, or moved out of its scope.
+        let slot = h.slot.replace(NO_SLOT);
+        if slot != NO_SLOT {
+            self.with_arena(|a| a.leave(slot));
+        }
         let (prev, next) = (h.prev.get(), h.next.get());
         // SAFETY: neighbours in the list are live headers of this scope.
         unsafe {

@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::panic::Location;
 use std::time::Instant;
 
-use crate::memory::block::BlockHeader;
+use crate::memory::block::{BlockHeader, NO_SLOT};
 use crate::scope::node::{ScopeName, ScopeNode};
 
 /// What happened to a block.
@@ -66,6 +66,10 @@ pub struct MemoryEvent {
     pub tensor: Option<&'static str>,
     /// Where the block was created.
     pub created_at: String,
+    /// The block's slot in its planned workspace cycle (an index into the workspace's
+    /// [`Plan::slots`](crate::Plan::slots), which gives its offset, size and live interval); `None`
+    /// for other blocks.
+    pub slot: Option<u32>,
 }
 
 /// An event as recorded: copies of static data only, so recording allocates nothing but the list.
@@ -78,6 +82,7 @@ struct RawEvent {
     bytes: usize,
     tensor: Option<&'static str>,
     created_at: &'static Location<'static>,
+    slot: u32,
 }
 
 /// The recorder a tree carries; inactive until [`Scope::record_timeline`](crate::Scope::record_timeline).
@@ -119,6 +124,7 @@ impl Recorder {
                     bytes: e.bytes,
                     tensor: e.tensor,
                     created_at: format!("{}:{}", e.created_at.file(), e.created_at.line()),
+                    slot: (e.slot != NO_SLOT).then_some(e.slot),
                 })
                 .collect(),
         }
@@ -143,6 +149,7 @@ impl Recorder {
             bytes: h.bytes.get(),
             tensor: h.name.get(),
             created_at: h.created_at.get(),
+            slot: h.slot.get(),
         });
     }
 }
@@ -196,8 +203,8 @@ impl Timeline {
     }
 
     /// The timeline as JSON: `{"baseline": {"scope": bytes, ..}, "events": [{"time_us": .., "step": ..,
-    /// "scope": "..", "kind": "alloc", "bytes": .., "tensor": ".." | null, "created_at": "file:line"},
-    /// ..]}`.
+    /// "scope": "..", "kind": "alloc", "bytes": .., "tensor": ".." | null, "created_at": "file:line", "slot": .. | null}, ..]}` (`slot`: see
+    /// [`MemoryEvent::slot`]).
     pub fn to_json(&self) -> String {
         let mut out = String::from("{\"baseline\": {");
         for (i, (scope, bytes)) in self.baseline.iter().enumerate() {
@@ -212,7 +219,7 @@ impl Timeline {
             let _ = writeln!(
                 out,
                 "  {{\"time_us\": {}, \"step\": {}, \"scope\": \"{}\", \"kind\": \"{}\", \"bytes\": {}, \
-                 \"tensor\": {}, \"created_at\": \"{}\"}}{}",
+                 \"tensor\": {}, \"created_at\": \"{}\", \"slot\": {}}}{}",
                 e.time_us,
                 e.step,
                 escape(&e.scope),
@@ -220,6 +227,7 @@ impl Timeline {
                 e.bytes,
                 tensor,
                 escape(&e.created_at),
+                e.slot.map_or_else(|| "null".to_string(), |s| s.to_string()),
                 if i + 1 < self.events.len() { "," } else { "" }
             );
         }

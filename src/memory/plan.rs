@@ -1,0 +1,455 @@
+//! Memory plans for workspaces: offsets for one cycle's allocations, solved from a recorded cycle.
+//!
+//! A planned [`Workspace`](crate::Workspace) records the sequence of its first cycle — every
+//! allocation's (aligned) size and every free, in order — and solves an offset for each allocation
+//! so that two allocations live at the same time never share a byte. Later cycles that make the same
+//! sequence get their memory by a table lookup. The solver is the greedy placement of static
+//! planners (TFLite's arena planner, XLA's heap simulator): take the allocations in some order and put
+//! each into the smallest gap between the already placed allocations whose live intervals overlap
+//! its own, or above them all. Placing optimally is NP-hard (dynamic storage allocation), and which
+//! order does best depends on the cycle, so the solver tries several — largest first ("greedy by
+//! size"), in allocation order, longest-lived first, largest size × lifetime first — and then seeded
+//! shuffles while a work budget lasts, and keeps the smallest peak; it stops early when a plan reaches
+//! the lower bound. Solving runs once per recorded cycle, never per allocation.
+//!
+//! Every plan is reported beside two numbers: the *lower bound*, the largest total of bytes live at
+//! one time (no placement can do better), and the size the bump arena needs for the same cycle (a bump
+//! arena reclaims a freed block only when it is the topmost one).
+
+use std::fmt;
+
+use crate::memory::stats::Bytes;
+
+/// One event of a recorded cycle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// The cycle's next allocation (its slot is the count of allocations before it), of `bytes`
+    /// aligned bytes.
+    Alloc { bytes: usize },
+    /// Allocation `slot` was freed or left the cycle's scope.
+    Free { slot: u32 },
+}
+
+/// Where one allocation of a planned cycle lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PlannedSlot {
+    /// Byte offset in the arena.
+    pub offset: usize,
+    /// Aligned bytes.
+    pub bytes: usize,
+    /// Position of its allocation in the cycle's sequence of allocations and frees.
+    pub start: usize,
+    /// Position of its free (the sequence's length for an allocation alive when the cycle closed).
+    pub end: usize,
+}
+
+impl PlannedSlot {
+    fn overlaps_in_time(&self, other: &PlannedSlot) -> bool {
+        self.start < other.end && other.start < self.end
+    }
+
+    fn overlaps_in_space(&self, other: &PlannedSlot) -> bool {
+        self.offset < other.offset + other.bytes && other.offset < self.offset + self.bytes
+    }
+}
+
+/// A workspace's memory plan: the recorded cycle, an offset per allocation, and its figures.
+/// Read it with [`Workspace::plan`](crate::Workspace::plan); `Display` prints the slot table.
+#[derive(Clone)]
+pub struct Plan {
+    events: Vec<Event>,
+    slots: Vec<PlannedSlot>,
+    peak: usize,
+    lower_bound: usize,
+    bump_size: usize,
+    orders_tried: usize,
+}
+
+impl Plan {
+    /// Solves a plan for a recorded cycle. Frees of unknown slots are ignored; allocations never freed
+    /// live to the end of the cycle.
+    pub(crate) fn solve(events: Vec<Event>) -> Plan {
+        let slots = live_intervals(&events);
+        let lower_bound = lower_bound(&events);
+        let (slots, orders_tried) = search(&slots, lower_bound);
+        debug_assert!(conflict(&slots).is_none(), "a plan places live slots apart");
+        Plan {
+            peak: peak_of(&slots),
+            lower_bound,
+            bump_size: bump_size(&events),
+            events,
+            slots,
+            orders_tried,
+        }
+    }
+
+    /// The recorded cycle a later cycle must repeat to replay the plan.
+    pub(crate) fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Bytes the plan needs: the end of its highest slot.
+    pub fn peak(&self) -> usize {
+        self.peak
+    }
+
+    /// The largest total of bytes live at one time in the recorded cycle; no plan needs less.
+    pub fn lower_bound(&self) -> usize {
+        self.lower_bound
+    }
+
+    /// Bytes a bump arena needs for the recorded cycle (what an unplanned workspace learns).
+    pub fn bump_size(&self) -> usize {
+        self.bump_size
+    }
+
+    /// Every allocation of the cycle, in allocation order.
+    pub fn slots(&self) -> &[PlannedSlot] {
+        &self.slots
+    }
+
+    /// `peak / lower_bound` (1.0 is optimal; 1.0 for an empty plan).
+    pub fn ratio_to_lower_bound(&self) -> f64 {
+        if self.lower_bound == 0 {
+            1.0
+        } else {
+            self.peak as f64 / self.lower_bound as f64
+        }
+    }
+}
+
+impl fmt::Debug for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Plan")
+            .field("slots", &self.slots.len())
+            .field("peak", &self.peak)
+            .field("lower_bound", &self.lower_bound)
+            .field("bump_size", &self.bump_size)
+            .field("orders_tried", &self.orders_tried)
+            .finish()
+    }
+}
+
+impl fmt::Display for Plan {
+    /// A summary line, then one line per slot: index, offset, size and live interval.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "plan: {} slots, peak {} = {:.3}x lower bound {}, bump arena {}",
+            self.slots.len(),
+            Bytes(self.peak),
+            self.ratio_to_lower_bound(),
+            Bytes(self.lower_bound),
+            Bytes(self.bump_size)
+        )?;
+        writeln!(f, "  slot     offset        bytes  live")?;
+        for (i, s) in self.slots.iter().enumerate() {
+            writeln!(
+                f,
+                "  {i:>4} {:>10} {:>12}  {}..{}",
+                s.offset, s.bytes, s.start, s.end
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Each allocation's size and live interval (positions in `events`), offsets still 0.
+fn live_intervals(events: &[Event]) -> Vec<PlannedSlot> {
+    let mut slots = Vec::new();
+    for (at, e) in events.iter().enumerate() {
+        match *e {
+            Event::Alloc { bytes } => slots.push(PlannedSlot {
+                offset: 0,
+                bytes,
+                start: at,
+                end: events.len(),
+            }),
+            Event::Free { slot } => {
+                if let Some(s) = slots.get_mut(slot as usize) {
+                    s.end = s.end.min(at);
+                }
+            }
+        }
+    }
+    slots
+}
+
+/// Work the solver may spend on one plan, in slot-pair visits (about 10 ms).
+const SEARCH_BUDGET: usize = 20_000_000;
+
+/// Shuffled orders tried at most, however small the cycle.
+const MAX_SHUFFLES: usize = 256;
+
+/// The plan with the smallest peak over the deterministic orders and seeded shuffles the budget allows;
+/// returns it and the number of orders tried.
+fn search(slots: &[PlannedSlot], lower_bound: usize) -> (Vec<PlannedSlot>, usize) {
+    let n = slots.len();
+    let mut orders: Vec<Vec<usize>> = Vec::new();
+    let by = |key: &dyn Fn(&PlannedSlot) -> usize| {
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(key(&slots[i])), slots[i].start));
+        order
+    };
+    orders.push(by(&|s| s.bytes));
+    orders.push((0..n).collect());
+    orders.push(by(&|s| s.end - s.start));
+    orders.push(by(&|s| s.bytes.saturating_mul(s.end - s.start)));
+    let per_order = n.saturating_mul(n).max(1);
+    let shuffles = (SEARCH_BUDGET / per_order).min(MAX_SHUFFLES);
+    let mut rng = SplitMix64(0x9E37_79B9_7F4A_7C15 ^ n as u64);
+
+    let mut best: Option<Vec<PlannedSlot>> = None;
+    let mut tried = 0;
+    let mut base = orders[0].clone();
+    for k in 0..orders.len() + shuffles {
+        let order = if k < orders.len() {
+            std::mem::take(&mut orders[k])
+        } else {
+            // Perturb the size order: shuffle it, then stably re-sort by size rounded to a power of
+            // two, so large slots still come first but ties and near-ties are tried in new orders.
+            rng.shuffle(&mut base);
+            base.sort_by_key(|&i| std::cmp::Reverse(slots[i].bytes.ilog2()));
+            base.clone()
+        };
+        let placed = place(slots, &order);
+        tried += 1;
+        if best.as_ref().is_none_or(|b| peak_of(&placed) < peak_of(b)) {
+            best = Some(placed);
+        }
+        if best.as_ref().is_some_and(|b| peak_of(b) <= lower_bound) {
+            break;
+        }
+    }
+    (best.unwrap_or_default(), tried)
+}
+
+/// A small seeded generator for the solver's shuffles (SplitMix64), so plans are reproducible.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn shuffle(&mut self, items: &mut [usize]) {
+        for i in (1..items.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            items.swap(i, j);
+        }
+    }
+}
+
+/// Places the slots in `order`, each into the smallest gap that fits it between the placed slots
+/// whose live intervals overlap its own (or above them all). O(n²) in the number of slots.
+fn place(slots: &[PlannedSlot], order: &[usize]) -> Vec<PlannedSlot> {
+    let mut placed = slots.to_vec();
+    // Indices of placed slots, sorted by offset.
+    let mut by_offset: Vec<usize> = Vec::with_capacity(slots.len());
+    for &i in order {
+        let me = placed[i];
+        let mut below = 0; // the lowest free offset above the overlapping slots seen so far
+        let mut best: Option<(usize, usize)> = None; // (gap, offset)
+        for &j in &by_offset {
+            let other = &placed[j];
+            if !other.overlaps_in_time(&me) {
+                continue;
+            }
+            if other.offset >= below {
+                let gap = other.offset - below;
+                if gap >= me.bytes && best.is_none_or(|(g, _)| gap < g) {
+                    best = Some((gap, below));
+                }
+            }
+            below = below.max(other.offset + other.bytes);
+        }
+        let offset = best.map_or(below, |(_, at)| at);
+        placed[i].offset = offset;
+        let at = by_offset.partition_point(|&j| placed[j].offset <= offset);
+        by_offset.insert(at, i);
+    }
+    placed
+}
+
+fn peak_of(slots: &[PlannedSlot]) -> usize {
+    slots.iter().map(|s| s.offset + s.bytes).max().unwrap_or(0)
+}
+
+/// The largest total of bytes live at once.
+fn lower_bound(events: &[Event]) -> usize {
+    let mut sizes = Vec::new();
+    let mut freed = Vec::new();
+    let (mut live, mut most) = (0usize, 0usize);
+    for e in events {
+        match *e {
+            Event::Alloc { bytes } => {
+                sizes.push(bytes);
+                freed.push(false);
+                live += bytes;
+                most = most.max(live);
+            }
+            Event::Free { slot } => {
+                let slot = slot as usize;
+                if slot < sizes.len() && !freed[slot] {
+                    freed[slot] = true;
+                    live -= sizes[slot];
+                }
+            }
+        }
+    }
+    most
+}
+
+/// What a bump arena needs for the cycle: allocations go on top, and a free rolls the top back only
+/// when the freed block is the topmost one (as [`Workspace`](crate::Workspace) in bump mode does).
+fn bump_size(events: &[Event]) -> usize {
+    let mut placed: Vec<(usize, usize)> = Vec::new(); // (offset, bytes) per slot
+    let (mut top, mut most) = (0usize, 0usize);
+    for e in events {
+        match *e {
+            Event::Alloc { bytes } => {
+                placed.push((top, bytes));
+                top += bytes;
+                most = most.max(top);
+            }
+            Event::Free { slot } => {
+                if let Some(&(offset, bytes)) = placed.get(slot as usize)
+                    && offset + bytes == top
+                {
+                    top = offset;
+                }
+            }
+        }
+    }
+    most
+}
+
+/// Two slots live at the same time that share bytes, if any (a plan must have none).
+fn conflict(slots: &[PlannedSlot]) -> Option<(usize, usize)> {
+    for (i, a) in slots.iter().enumerate() {
+        for (j, b) in slots.iter().enumerate().skip(i + 1) {
+            if a.bytes > 0 && b.bytes > 0 && a.overlaps_in_time(b) && a.overlaps_in_space(b) {
+                return Some((i, j));
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn alloc(bytes: usize) -> Event {
+        Event::Alloc { bytes }
+    }
+
+    fn free(slot: u32) -> Event {
+        Event::Free { slot }
+    }
+
+    #[test]
+    fn a_chain_of_temporaries_reuses_two_slots() {
+        // x0 -> x1 -> x2 -> x3, each freed once the next exists: a bump arena needs the sum (freed
+        // blocks are never on top), a plan the two live at once.
+        let events = vec![
+            alloc(64),
+            alloc(64),
+            free(0),
+            alloc(64),
+            free(1),
+            alloc(64),
+            free(2),
+        ];
+        let plan = Plan::solve(events);
+        assert_eq!(plan.lower_bound(), 128);
+        assert_eq!(plan.peak(), 128);
+        assert_eq!(plan.bump_size(), 256);
+        assert_eq!(plan.slots()[2].offset, plan.slots()[0].offset);
+        assert_eq!(plan.slots()[3].end, 7, "alive when the cycle closed");
+    }
+
+    #[test]
+    fn a_freed_large_block_hosts_two_small_ones() {
+        let events = vec![
+            alloc(256),
+            alloc(64),
+            free(0),
+            alloc(128),
+            alloc(128),
+            free(3),
+        ];
+        let plan = Plan::solve(events);
+        assert_eq!(plan.lower_bound(), 320);
+        assert_eq!(plan.peak(), 320);
+        assert!(conflict(plan.slots()).is_none());
+    }
+
+    #[test]
+    fn the_summary_and_the_slot_table_print() {
+        let plan = Plan::solve(vec![alloc(64), alloc(128), free(0)]);
+        let text = plan.to_string();
+        assert!(
+            text.starts_with("plan: 2 slots, peak 192 B = 1.000x lower bound 192 B"),
+            "{text}"
+        );
+        // Largest first: the 128-byte slot goes to offset 0.
+        assert!(
+            text.contains("     1          0          128  1..3"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn an_empty_cycle_plans_nothing() {
+        let plan = Plan::solve(Vec::new());
+        assert_eq!(
+            (plan.peak(), plan.lower_bound(), plan.bump_size()),
+            (0, 0, 0)
+        );
+        assert_eq!(plan.ratio_to_lower_bound(), 1.0);
+    }
+
+    /// Random cycles: allocations of 64-byte multiples, each freed at a random later point or never.
+    fn cycles() -> impl Strategy<Value = Vec<Event>> {
+        prop::collection::vec((1usize..64, 0usize..8, any::<bool>()), 1..120).prop_map(|ops| {
+            let mut events = Vec::new();
+            let mut live: Vec<u32> = Vec::new();
+            let mut next = 0u32;
+            for (size, frees, grow) in ops {
+                if grow || live.is_empty() {
+                    events.push(alloc(size * 64));
+                    live.push(next);
+                    next += 1;
+                }
+                for k in 0..frees.min(live.len()) {
+                    if (size + k) % 3 == 0 {
+                        let slot = live.remove((size * 7 + k) % live.len());
+                        events.push(free(slot));
+                    }
+                }
+            }
+            events
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn plans_never_overlap_live_slots_and_stay_between_the_bounds(events in cycles()) {
+            let plan = Plan::solve(events.clone());
+            prop_assert!(conflict(plan.slots()).is_none());
+            prop_assert!(plan.peak() >= plan.lower_bound());
+            prop_assert!(plan.peak() <= plan.slots().iter().map(|s| s.bytes).sum::<usize>());
+            prop_assert!(plan.bump_size() >= plan.lower_bound());
+            for s in plan.slots() {
+                prop_assert_eq!(s.offset % 64, 0);
+            }
+        }
+    }
+}
