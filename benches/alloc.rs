@@ -1,4 +1,5 @@
-//! Create-and-drop of temporaries: ndscope's pool and workspace modes against plain `Vec<f32>`.
+//! Create-and-drop of temporaries: ndscope's pool and workspace modes (bump and planned) against
+//! plain `Vec<f32>`.
 //!
 //! Every variant writes the same values into its memory (`vec![1.0; n]` against `ones(&[n])`), so the
 //! difference is what allocation costs. Run with `cargo bench --bench alloc -- --noplot`.
@@ -28,13 +29,17 @@ fn alloc(c: &mut Criterion) {
                         .unwrap()
                 });
             });
-            let mut ws = Workspace::new("bench");
-            group.bench_function(BenchmarkId::new("workspace_cycle", label), |b| {
-                b.iter(|| {
-                    s.workspace(&mut ws, |w| black_box(w.ones(&[black_box(n)]).map(drop)))
-                        .unwrap()
+            for (mode, mut ws) in [
+                ("workspace_cycle", Workspace::new("bench")),
+                ("planned_cycle", Workspace::planned("bench")),
+            ] {
+                group.bench_function(BenchmarkId::new(mode, label), |b| {
+                    b.iter(|| {
+                        s.workspace(&mut ws, |w| black_box(w.ones(&[black_box(n)]).map(drop)))
+                            .unwrap()
+                    });
                 });
-            });
+            }
             Ok(())
         })
         .unwrap();
@@ -63,19 +68,25 @@ fn alloc(c: &mut Criterion) {
                 .unwrap()
             })
         });
-        let mut ws = Workspace::new("bench");
-        group.bench_function("workspace_cycle", |b| {
-            b.iter(|| {
-                s.workspace(&mut ws, |w| -> Result<()> {
-                    let kept: [_; 10] = std::array::from_fn(|_| w.ones(&[black_box(n)]));
-                    for t in kept {
-                        black_box(t?);
-                    }
-                    Ok(())
+        // Bump against planned: the cost of an allocation that bumps a pointer against one that
+        // checks the recorded sequence and looks its offset up.
+        for (mode, mut ws) in [
+            ("workspace_cycle", Workspace::new("bench")),
+            ("planned_cycle", Workspace::planned("bench")),
+        ] {
+            group.bench_function(mode, |b| {
+                b.iter(|| {
+                    s.workspace(&mut ws, |w| -> Result<()> {
+                        let kept: [_; 10] = std::array::from_fn(|_| w.ones(&[black_box(n)]));
+                        for t in kept {
+                            black_box(t?);
+                        }
+                        Ok(())
+                    })
+                    .unwrap()
                 })
-                .unwrap()
-            })
-        });
+            });
+        }
         Ok(())
     })
     .unwrap();

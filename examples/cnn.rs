@@ -223,7 +223,7 @@ fn run(o: &Options) -> Result<()> {
     let steps_per_epoch = loader.batches_per_epoch() as u64;
     let total = o.epochs * steps_per_epoch;
     let schedule = WarmupCosine::new(o.lr, total / 20, total)?.with_min(o.lr / 20.0);
-    let mut ws = Workspace::new("batch");
+    let mut ws = Workspace::planned("batch");
     root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
@@ -288,6 +288,9 @@ fn run(o: &Options) -> Result<()> {
                 ws.capacity(),
                 ws.cycles()
             );
+            if let Some(line) = common::plan_summary(&ws) {
+                println!("{line}");
+            }
             println!(
                 "final test accuracy: {:.1}%",
                 accuracy(m, &model, &test)? * 100.0

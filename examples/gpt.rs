@@ -476,7 +476,7 @@ fn run(o: &Options) -> Result<()> {
     });
     let schedule = WarmupCosine::new(o.lr, steps / 20, steps)?.with_min(o.lr / 10.0);
     let report_every = (steps / 10).max(1);
-    let mut ws = Workspace::new("batch");
+    let mut ws = Workspace::planned("batch");
 
     root(o.device, |s| {
         s.set_seed(o.seed);
@@ -553,6 +553,9 @@ fn run(o: &Options) -> Result<()> {
                 ws.cycles(),
                 ws.last_cycle_spills()
             );
+            if let Some(line) = common::plan_summary(&ws) {
+                println!("{line}");
+            }
             match &job {
                 Job::Addition(add) => {
                     let (acc, shown) = held_out_accuracy(m, &model, add)?;

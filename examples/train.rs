@@ -31,7 +31,8 @@ OPTIONS:
   --lr X               learning rate                        [default: 0.003]
   --hidden N           hidden units                         [default: 128]
   --optimizer NAME     adam, adamw or sgd (momentum 0.9)    [default: adamw]
-  --workspace on|off   batch scopes in a reused arena       [default: on]
+  --workspace MODE     batch scopes in a reused arena: planned (offsets solved from
+                       the first step), bump, or off (pool)  [default: planned]
   --seed N             initialisation, split and shuffling  [default: 42]
   --device D           cpu, or cuda:N (needs --features cuda) [default: cpu]
   --data DIR           MNIST IDX files in DIR instead of the bundled digits
@@ -49,7 +50,8 @@ struct Options {
     lr: f64,
     hidden: usize,
     optimizer: String,
-    workspace: bool,
+    /// `planned`, `bump` or `off`.
+    workspace: String,
     seed: u64,
     device: Device,
     data: Option<String>,
@@ -66,7 +68,7 @@ impl Options {
             lr: 0.003,
             hidden: 128,
             optimizer: "adamw".into(),
-            workspace: true,
+            workspace: "planned".into(),
             seed: 42,
             device: Device::Cpu,
             data: None,
@@ -97,11 +99,10 @@ impl Options {
                     o.optimizer = value;
                 }
                 "--workspace" => {
-                    o.workspace = match value.as_str() {
-                        "on" => true,
-                        "off" => false,
-                        _ => return Err(bad("on or off")),
+                    if !["planned", "bump", "off"].contains(&value.as_str()) {
+                        return Err(bad("planned, bump or off"));
                     }
+                    o.workspace = value;
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
                 "--device" => {
@@ -230,7 +231,12 @@ fn run(o: &Options) -> Result<()> {
     let progress = Progress {
         on_terminal: std::io::stderr().is_terminal(),
     };
-    let mut ws = Workspace::new("batch");
+    let mut ws = if o.workspace == "bump" {
+        Workspace::new("batch")
+    } else {
+        Workspace::planned("batch")
+    };
+    let use_workspace = o.workspace != "off";
 
     root(o.device, |s| {
         s.set_seed(o.seed);
@@ -248,7 +254,11 @@ fn run(o: &Options) -> Result<()> {
                 o.optimizer,
                 o.batch_size,
                 o.lr,
-                if o.workspace { "workspace" } else { "pool" },
+                match o.workspace.as_str() {
+                    "planned" => "planned workspace",
+                    "bump" => "bump workspace",
+                    _ => "pool",
+                },
                 o.seed
             );
             let model_at_start = m.stats();
@@ -262,7 +272,7 @@ fn run(o: &Options) -> Result<()> {
                 let before = m.stats();
                 loader.for_each_batch(epoch, true, |batch| {
                     let leak = o.leak.then_some(&mut leaked);
-                    let (loss, peak) = if o.workspace {
+                    let (loss, peak) = if use_workspace {
                         m.workspace(&mut ws, |b| {
                             train_step(m, b, &mut model, &mut opt, batch, leak)
                         })?
@@ -302,6 +312,9 @@ fn run(o: &Options) -> Result<()> {
                 ws.spills(),
                 ws.last_cycle_spills()
             );
+            if let Some(line) = common::plan_summary(&ws) {
+                println!("{line}");
+            }
             if let Some(prefix) = &o.timeline {
                 let timeline = s.take_timeline();
                 let title = if o.leak {

@@ -225,7 +225,7 @@ fn a_cycle_that_frees_later_than_recorded_diverges_and_keeps_its_values() -> Res
 }
 
 #[test]
-fn a_cycle_of_another_shape_diverges_and_is_planned_anew() -> Result<()> {
+fn a_cycle_of_another_shape_is_planned_anew_and_both_plans_replay() -> Result<()> {
     let mut ws = Workspace::planned("cycle");
     root(Device::Cpu, |s| {
         let sum = |n: usize, ws: &mut Workspace| {
@@ -241,6 +241,15 @@ fn a_cycle_of_another_shape_diverges_and_is_planned_anew() -> Result<()> {
         assert!(!ws.last_cycle_replayed());
         assert_eq!(sum(10, &mut ws)?, 285.0);
         assert!(ws.last_cycle_replayed());
+        assert_eq!(ws.plans_solved(), 2);
+        // Both plans are kept: alternating shapes (a last, smaller batch per epoch) replay without
+        // planning again.
+        for _ in 0..3 {
+            assert_eq!(sum(100, &mut ws)?, 328_350.0);
+            assert!(ws.last_cycle_replayed());
+            assert_eq!(sum(10, &mut ws)?, 285.0);
+            assert!(ws.last_cycle_replayed());
+        }
         assert_eq!(ws.plans_solved(), 2);
         Ok::<_, Error>(())
     })

@@ -30,7 +30,7 @@ use std::ptr::NonNull;
 
 use crate::device::Device;
 use crate::memory::block::NO_SLOT;
-use crate::memory::plan::{Event, Plan};
+use crate::memory::plan::{Plan, Planner};
 use crate::memory::raw::ALIGN;
 use crate::memory::{raw, reclaim};
 
@@ -72,35 +72,6 @@ pub struct Workspace {
     grows: u64,
     /// `Some` in planned mode.
     planner: Option<Planner>,
-}
-
-/// The state of a planned workspace.
-#[derive(Default)]
-struct Planner {
-    plan: Option<Plan>,
-    /// Whether the current cycle has followed the plan so far.
-    replaying: bool,
-    /// Events of the plan the current cycle has repeated.
-    cursor: usize,
-    /// The current cycle's events once it stopped following the plan (or when there is none).
-    recording: Vec<Event>,
-    /// Allocations of the current cycle (the next allocation's slot).
-    allocations: u32,
-    replayed_cycles: u64,
-    plans: u64,
-    last_cycle_replayed: bool,
-}
-
-impl Planner {
-    /// The current cycle leaves the plan: what it repeated so far starts its own recording.
-    fn diverge(&mut self) {
-        self.replaying = false;
-        self.recording.clear();
-        if let Some(plan) = &self.plan {
-            self.recording
-                .extend_from_slice(&plan.events()[..self.cursor]);
-        }
-    }
 }
 
 /// What a workspace gives an allocation request.
@@ -219,9 +190,16 @@ impl Workspace {
         self.planner.is_some()
     }
 
-    /// The plan later cycles replay: the last one solved (planned mode, after the first cycle).
+    /// The plan in use, or last used (planned mode, after the first cycle).
     pub fn plan(&self) -> Option<&Plan> {
-        self.planner.as_ref()?.plan.as_ref()
+        self.plans().first()
+    }
+
+    /// The plans kept for replay, the one in use (or last used) first: a cycle that starts like
+    /// none of them is planned anew, and up to four plans are kept, so loops that alternate between a
+    /// few shapes (a last, smaller batch per epoch) replay without planning again.
+    pub fn plans(&self) -> &[Plan] {
+        self.planner.as_ref().map_or(&[], |p| p.plans())
     }
 
     /// Cycles that followed the plan to their end (planned mode).
@@ -231,7 +209,7 @@ impl Workspace {
 
     /// Plans solved: one for the first cycle and one per cycle that diverged (planned mode).
     pub fn plans_solved(&self) -> u64 {
-        self.planner.as_ref().map_or(0, |p| p.plans)
+        self.planner.as_ref().map_or(0, |p| p.plans_solved)
     }
 
     /// Whether the last completed cycle followed the plan (planned mode).
@@ -241,87 +219,53 @@ impl Workspace {
 
     /// Whether the current cycle has followed the plan so far (planned mode).
     pub(crate) fn replaying(&self) -> bool {
-        self.planner.as_ref().is_some_and(|p| p.replaying)
+        self.planner.as_ref().is_some_and(|p| p.replaying())
     }
 
     /// Memory for a request of `bytes` (> 0) of `device` memory during a cycle.
     pub(crate) fn alloc(&mut self, device: Device, bytes: usize) -> Grant {
-        let granted = if self.planner.is_some() {
-            self.slot(device, bytes)
-        } else {
-            self.bump(device, bytes).map(|ptr| Grant {
+        let size = bytes.next_multiple_of(ALIGN);
+        if let Some(p) = &mut self.planner
+            && device == self.cycle_device
+        {
+            let (slot, offset) = p.alloc(size);
+            if let (Some(offset), Some(buf)) = (offset, self.buf) {
+                // SAFETY: the planner replays only plans whose peak fits the arena (`begin_cycle`
+                // gives it the arena's size), and every slot ends at or below its plan's peak.
+                let ptr = unsafe { buf.add(offset) };
+                return Grant {
+                    ptr: Some(ptr),
+                    slot,
+                    spilled: false,
+                };
+            }
+            return Grant {
+                ptr: None,
+                slot,
+                spilled: self.note_spill(device, bytes),
+            };
+        }
+        if self.planner.is_none()
+            && let Some(ptr) = self.bump(device, bytes)
+        {
+            return Grant {
                 ptr: Some(ptr),
                 slot: NO_SLOT,
                 spilled: false,
-            })
-        };
-        granted.unwrap_or_else(|| {
-            let spilled = self.note_spill(device, bytes);
-            let slot = match &mut self.planner {
-                Some(p) if spilled && p.allocations != NO_SLOT => {
-                    p.recording.push(Event::Alloc {
-                        bytes: bytes.next_multiple_of(ALIGN),
-                    });
-                    p.allocations += 1;
-                    p.allocations - 1
-                }
-                _ => NO_SLOT,
             };
-            Grant {
-                ptr: None,
-                slot,
-                spilled,
-            }
-        })
-    }
-
-    /// The planned slot of the cycle's next allocation, if the cycle still follows the plan and the
-    /// request matches it.
-    fn slot(&mut self, device: Device, bytes: usize) -> Option<Grant> {
-        let p = self.planner.as_mut()?;
-        if !p.replaying || device != self.cycle_device {
-            return None;
         }
-        let size = bytes.next_multiple_of(ALIGN);
-        let offset = match (&p.plan, self.buf) {
-            (Some(plan), Some(_))
-                if plan.events().get(p.cursor) == Some(&Event::Alloc { bytes: size }) =>
-            {
-                plan.slots()[p.allocations as usize].offset
-            }
-            _ => {
-                p.diverge();
-                return None;
-            }
-        };
-        let buf = self.buf?;
-        let slot = p.allocations;
-        p.cursor += 1;
-        p.allocations += 1;
-        // SAFETY: a cycle replays only when the arena holds the plan's peak (`begin_cycle`), and every
-        // slot ends at or below the peak.
-        let ptr = unsafe { buf.add(offset) };
-        Some(Grant {
-            ptr: Some(ptr),
-            slot,
-            spilled: false,
-        })
+        Grant {
+            ptr: None,
+            slot: NO_SLOT,
+            spilled: self.note_spill(device, bytes),
+        }
     }
 
     /// Allocation `slot` of the current planned cycle was freed or left the cycle's scope.
     pub(crate) fn leave(&mut self, slot: u32) {
-        let Some(p) = self.planner.as_mut() else {
-            return;
-        };
-        if p.replaying {
-            let expected = p.plan.as_ref().and_then(|plan| plan.events().get(p.cursor));
-            if expected == Some(&Event::Free { slot }) {
-                p.cursor += 1;
-                return;
-            }
-            p.diverge();
+        if let Some(p) = &mut self.planner {
+            p.free(slot);
         }
-        p.recording.push(Event::Free { slot });
     }
 
     /// Bump-allocates `bytes` (> 0) of `device` memory, or `None` if the arena is full or on another
@@ -376,14 +320,13 @@ impl Workspace {
         self.demand = 0;
         self.spilled = 0;
         self.last_cycle_spills = 0;
-        let (buf_device, capacity, has_buf) = (self.buf_device, self.capacity, self.buf.is_some());
+        let room = if self.buf.is_some() && self.buf_device == device {
+            self.capacity
+        } else {
+            0
+        };
         if let Some(p) = &mut self.planner {
-            p.allocations = 0;
-            p.cursor = 0;
-            p.recording.clear();
-            p.replaying = p.plan.as_ref().is_some_and(|plan| {
-                buf_device == device && capacity >= plan.peak() && (has_buf || plan.peak() == 0)
-            });
+            p.begin(room);
         }
     }
 
@@ -395,15 +338,10 @@ impl Workspace {
         let mut needed = self.demand;
         self.spilled = 0;
         if let Some(p) = &mut self.planner {
-            p.last_cycle_replayed = p.replaying;
-            if p.replaying {
-                p.replayed_cycles += 1;
-                return false;
+            match p.end() {
+                Some(peak) => needed = peak,
+                None => return false,
             }
-            let plan = Plan::solve(std::mem::take(&mut p.recording));
-            needed = plan.peak();
-            p.plan = Some(plan);
-            p.plans += 1;
         }
         let moved = self.buf_device != self.cycle_device && needed > 0;
         if needed > self.capacity || moved {

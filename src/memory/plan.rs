@@ -18,6 +18,7 @@
 
 use std::fmt;
 
+use crate::memory::block::NO_SLOT;
 use crate::memory::stats::Bytes;
 
 /// One event of a recorded cycle.
@@ -84,11 +85,6 @@ impl Plan {
         }
     }
 
-    /// The recorded cycle a later cycle must repeat to replay the plan.
-    pub(crate) fn events(&self) -> &[Event] {
-        &self.events
-    }
-
     /// Bytes the plan needs: the end of its highest slot.
     pub fn peak(&self) -> usize {
         self.peak
@@ -152,6 +148,131 @@ impl fmt::Display for Plan {
             )?;
         }
         Ok(())
+    }
+}
+
+/// Plans kept for cycles of different shapes (a last, smaller batch of an epoch; an evaluation step).
+const KEPT_PLANS: usize = 4;
+
+/// The replay state of a planned workspace: which plan the current cycle follows and how far, or
+/// the cycle's own recording once it follows none.
+#[derive(Default)]
+pub(crate) struct Planner {
+    /// Solved plans, the one in use (or last used) first.
+    plans: Vec<Plan>,
+    /// Whether the current cycle has followed `plans[0]` (or, before its first allocation, may
+    /// follow one of the plans) so far.
+    replaying: bool,
+    /// Events of `plans[0]` the current cycle has repeated.
+    cursor: usize,
+    /// The current cycle's events once it follows no plan.
+    recording: Vec<Event>,
+    /// Allocations of the current cycle (the next allocation's slot).
+    allocations: u32,
+    /// Bytes of arena the current cycle may replay a plan into.
+    room: usize,
+    pub(crate) replayed_cycles: u64,
+    pub(crate) plans_solved: u64,
+    pub(crate) last_cycle_replayed: bool,
+}
+
+impl Planner {
+    /// The plans kept, the one in use (or last used) first.
+    pub(crate) fn plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// Whether the current cycle has followed a plan so far.
+    pub(crate) fn replaying(&self) -> bool {
+        self.replaying
+    }
+
+    /// Starts a cycle whose arena holds `room` bytes.
+    pub(crate) fn begin(&mut self, room: usize) {
+        self.room = room;
+        self.allocations = 0;
+        self.cursor = 0;
+        self.recording.clear();
+        self.replaying = self.plans.iter().any(|p| p.peak <= room);
+    }
+
+    /// The cycle's next allocation, of `size` aligned bytes: its slot, and its offset in the arena
+    /// while the cycle follows a plan (`None`: the caller takes the memory from the pool).
+    pub(crate) fn alloc(&mut self, size: usize) -> (u32, Option<usize>) {
+        let slot = self.allocations;
+        if slot == NO_SLOT {
+            return (NO_SLOT, None); // 2³² allocations in one cycle: the rest are not planned
+        }
+        self.allocations += 1;
+        let event = Event::Alloc { bytes: size };
+        if self.replaying && (self.follows(event) || self.cursor == 0 && self.choose(event)) {
+            self.cursor += 1;
+            return (slot, Some(self.plans[0].slots[slot as usize].offset));
+        }
+        self.diverge();
+        self.recording.push(event);
+        (slot, None)
+    }
+
+    /// Allocation `slot` of the current cycle was freed or left the cycle's scope.
+    pub(crate) fn free(&mut self, slot: u32) {
+        let event = Event::Free { slot };
+        if self.replaying && self.follows(event) {
+            self.cursor += 1;
+            return;
+        }
+        self.diverge();
+        self.recording.push(event);
+    }
+
+    /// Ends the cycle. A cycle that followed a plan changes nothing; one that did not is solved into
+    /// a new plan, put first, whose peak (the arena size it needs) is returned.
+    pub(crate) fn end(&mut self) -> Option<usize> {
+        self.last_cycle_replayed = self.replaying;
+        if self.replaying {
+            self.replayed_cycles += 1;
+            return None;
+        }
+        let plan = Plan::solve(std::mem::take(&mut self.recording));
+        let peak = plan.peak;
+        self.plans_solved += 1;
+        self.plans.retain(|p| p.events != plan.events);
+        self.plans.insert(0, plan);
+        self.plans.truncate(KEPT_PLANS);
+        Some(peak)
+    }
+
+    /// Whether `event` is the next event of the plan in use (which fits the arena).
+    fn follows(&self, event: Event) -> bool {
+        self.plans
+            .first()
+            .is_some_and(|p| p.peak <= self.room && p.events.get(self.cursor) == Some(&event))
+    }
+
+    /// Before a cycle's first event: puts first the most recently used plan that fits the arena and
+    /// starts with `event`, if there is one.
+    fn choose(&mut self, event: Event) -> bool {
+        let found = self
+            .plans
+            .iter()
+            .position(|p| p.peak <= self.room && p.events.first() == Some(&event));
+        if let Some(i) = found {
+            self.plans[..=i].rotate_right(1);
+        }
+        found.is_some()
+    }
+
+    /// The current cycle leaves its plan: what it repeated so far starts its own recording.
+    fn diverge(&mut self) {
+        if !self.replaying {
+            return;
+        }
+        self.replaying = false;
+        self.recording.clear();
+        if let Some(plan) = self.plans.first() {
+            self.recording
+                .extend_from_slice(&plan.events[..self.cursor]);
+        }
     }
 }
 
