@@ -1,5 +1,6 @@
 // Indexing: gather along an axis (index_select is a gather whose index is broadcast). The index
-// geometry's shape is the output's shape; ndscope checks every index against the axis first.
+// geometry's shape is the output's shape; ndscope checks every index against the axis first (a
+// gather also guards on the device, see GATHER).
 
 // Where the i-th element of an index (in row-major order of its shape) is, in the index and in the
 // tensor it indexes along `axis`, leaving out the axis coordinate the index itself supplies.
@@ -16,19 +17,22 @@ __device__ __forceinline__ void index_positions(i64 i, const Geo& gi, const Geo&
     }
 }
 
-#define GATHER(T, S)                                                                               \
+// An index out of range reads nothing and gives `missing` (NaN, or 0 for integers): ndscope checks
+// indices on the host first, except inside a captured CUDA graph, where the host cannot read them.
+#define GATHER(T, S, missing)                                                                      \
     extern "C" __global__ void gather_##S(i64 n, T* out, const T* src, Geo gs, const i64* index,   \
                                           Geo gi, int axis) {                                      \
         GRID_STRIDE(i, n) {                                                                        \
             i64 at_index, at_src;                                                                  \
             index_positions(i, gi, gs, axis, &at_index, &at_src);                                  \
-            out[i] = src[at_src + index[at_index] * gs.stride[axis]];                              \
+            i64 k = index[at_index];                                                               \
+            out[i] = (k >= 0 && k < gs.shape[axis]) ? src[at_src + k * gs.stride[axis]] : (missing);\
         }                                                                                          \
     }
 
-GATHER(float, f32)
-GATHER(double, f64)
-GATHER(i64, i64)
+GATHER(float, f32, __int_as_float(0x7fc00000))
+GATHER(double, f64, __longlong_as_double(0x7ff8000000000000LL))
+GATHER(i64, i64, 0)
 
 // Scatter-add: target[p with coordinate axis replaced by index[p]] += src[p], one thread per element
 // of src (whose shape the index geometry has). Two elements may land on one target element, so the

@@ -207,6 +207,17 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// Something a step captured as a CUDA graph cannot do: the host does not run during a replay, so
+    /// nothing in the step may wait for the GPU, copy host data, draw host-seeded random numbers or
+    /// allocate outside the step's plan.
+    InsideCapture {
+        /// The operation.
+        op: &'static str,
+        /// The GPU being captured.
+        device: String,
+        /// What the operation would have done.
+        what: &'static str,
+    },
     /// A file that could not be read or written.
     Io {
         /// The file.
@@ -359,6 +370,13 @@ impl fmt::Display for Error {
             ),
             Error::Empty { op } => write!(f, "{op}: needs at least one tensor, got none"),
             Error::Autograd { op, reason } => write!(f, "{op}: {reason}"),
+            Error::InsideCapture { op, device, what } => write!(
+                f,
+                "{op}: {what} inside a step being captured as a CUDA graph on {device}; a replayed step \
+                 runs without the host, so read results from the loss the step returns, pass batch data \
+                 as the step's inputs, and keep host-side work (logging, checks, random draws) out of the \
+                 captured closure"
+            ),
             Error::Io { path, reason } => write!(f, "cannot access {path}: {reason}"),
             Error::Format { format, reason } => write!(
                 f,

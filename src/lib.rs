@@ -15,6 +15,7 @@ mod memory;
 pub mod nn;
 mod ops;
 pub mod optim;
+mod replay;
 mod rng;
 mod scope;
 mod tensor;
@@ -29,6 +30,7 @@ pub use memory::arena::Workspace;
 pub use memory::plan::{Plan, PlannedSlot};
 pub use memory::stats::{MemoryStats, ScopeStats};
 pub use ops::Conv2dOptions;
+pub use replay::{Input, StepGraph};
 pub use rng::DEFAULT_SEED;
 pub use scope::{
     Child, EventKind, Fault, MemoryEvent, Movable, Scope, Timeline, root, system_stats,

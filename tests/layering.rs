@@ -16,7 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["memory"],
     &["scope"],
     &["tensor"],
-    &["ops"],
+    &["ops", "replay"],
     &["autograd"],
     &["nn"],
     &["optim"],
@@ -24,7 +24,7 @@ const LAYERS: &[&[&str]] = &[
 ];
 
 /// Modules that may name the backend.
-const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops"];
+const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops", "replay"];
 
 fn layer(module: &str) -> Option<usize> {
     LAYERS.iter().position(|l| l.contains(&module))

@@ -626,8 +626,10 @@ impl<'t, 's> Var<'t, 's> {
         let out = picked.mean_all()?.neg()?;
         let labels = labels.clone();
         Var::record(&[self], OP, out, move |g, _| {
-            let scale = g.to_dtype(DType::F64)?.to_scalar::<f64>()? / batch.max(1) as f64;
-            Ok(smallvec![Some(log_p.cross_entropy_grad(&labels, scale)?)])
+            // The incoming gradient stays on the device (no host read per step): the mean's 1/batch
+            // goes into the fused kernel, `g` multiplies its result.
+            let grad = log_p.cross_entropy_grad(&labels, 1.0 / batch.max(1) as f64)?;
+            Ok(smallvec![Some(grad.mul(&g.to_dtype(grad.dtype())?)?)])
         })
     }
 

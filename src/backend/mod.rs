@@ -19,6 +19,7 @@ pub(crate) mod op;
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use smallvec::SmallVec;
 
@@ -333,6 +334,97 @@ pub(crate) trait Backend: Sync {
 
     /// Waits until every queued kernel has run.
     fn synchronize(&self) -> Result<()>;
+
+    /// Whether the device's stream is being captured into a CUDA graph now (kernels are recorded,
+    /// not run, so nothing may wait for them).
+    fn capturing(&self) -> bool {
+        false
+    }
+}
+
+/// Captures in progress on any GPU; lets [`capturing`] answer for every other case without a lookup.
+static ACTIVE_CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether `device`'s stream is being captured into a CUDA graph now.
+#[inline]
+pub(crate) fn capturing(device: Device) -> bool {
+    ACTIVE_CAPTURES.load(Ordering::Acquire) > 0
+        && device != Device::Cpu
+        && of(device).is_ok_and(|b| b.capturing())
+}
+
+thread_local! {
+    /// Whether this thread opened the capture in progress (one thread captures a GPU at a time).
+    static CAPTURER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// A step captured on a GPU's stream (uninhabited without the `cuda` feature).
+pub(crate) use cuda::Graph;
+
+/// Starts capturing the stream of `device` (a GPU) on this thread: from now until
+/// [`end_capture`], its kernels and copies are recorded, not run.
+pub(crate) fn begin_capture(device: Device) -> Result<()> {
+    let ordinal = gpu_ordinal(device)?;
+    cuda::begin_capture(ordinal)?;
+    CAPTURER.with(|c| c.set(true));
+    ACTIVE_CAPTURES.fetch_add(1, Ordering::AcqRel);
+    Ok(())
+}
+
+/// Ends the capture that [`begin_capture`] started and instantiates the graph.
+pub(crate) fn end_capture(device: Device) -> Result<Graph> {
+    let ordinal = gpu_ordinal(device)?;
+    ACTIVE_CAPTURES.fetch_sub(1, Ordering::AcqRel);
+    CAPTURER.with(|c| c.set(false));
+    cuda::end_capture(ordinal)
+}
+
+/// Whether `device` is being captured by another thread than this one (whose kernels would land in
+/// that thread's graph, since a GPU has one stream).
+#[inline]
+pub(crate) fn captured_elsewhere(device: Device) -> bool {
+    capturing(device) && !CAPTURER.with(std::cell::Cell::get)
+}
+
+/// Copies `data` to the GPU memory at `ptr` (a device address) on `device`'s stream.
+///
+/// # Safety
+/// `ptr` starts `data.len()` bytes of live memory of `device` that nothing else writes until the
+/// stream has run the copy.
+pub(crate) unsafe fn copy_to_device(device: Device, ptr: NonNull<u8>, data: &[u8]) -> Result<()> {
+    let ordinal = gpu_ordinal(device)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { cuda::copy_to_device(ordinal, ptr, data) }
+}
+
+/// Copies the GPU memory at `ptr` on `device` into `out`, after everything queued on the stream.
+///
+/// # Safety
+/// `ptr` starts `out.len()` bytes of live memory of `device`.
+pub(crate) unsafe fn copy_from_device(
+    device: Device,
+    ptr: NonNull<u8>,
+    out: &mut [u8],
+) -> Result<()> {
+    let ordinal = gpu_ordinal(device)?;
+    // SAFETY: forwarded from the caller.
+    unsafe { cuda::copy_from_device(ordinal, ptr, out) }
+}
+
+/// `Err(InsideCapture)` for `op` doing `what` on `device` while it is being captured.
+pub(crate) fn refuse_inside_capture(
+    device: Device,
+    op: &'static str,
+    what: &'static str,
+) -> Result<()> {
+    if capturing(device) {
+        return Err(crate::error::Error::InsideCapture {
+            op,
+            device: device.to_string(),
+            what,
+        });
+    }
+    Ok(())
 }
 
 /// The backend of `device`.

@@ -42,3 +42,43 @@ pub(crate) fn alloc(_ordinal: usize, _bytes: usize) -> Option<NonNull<u8>> {
 /// # Safety
 /// None needed; the signature matches the CUDA backend's.
 pub(crate) unsafe fn free(_ordinal: usize, _ptr: NonNull<u8>, _bytes: usize) {}
+
+/// A captured step: none exist in this build.
+pub(crate) enum Graph {}
+
+impl Graph {
+    /// Never called: no graph exists.
+    pub(crate) fn launch(&self) -> Result<()> {
+        match *self {}
+    }
+}
+
+/// Captures are refused: no GPU opens in this build.
+pub(crate) fn begin_capture(ordinal: usize) -> Result<()> {
+    Err(unavailable(ordinal))
+}
+
+/// Captures are refused: no GPU opens in this build.
+pub(crate) fn end_capture(ordinal: usize) -> Result<Graph> {
+    Err(unavailable(ordinal))
+}
+
+/// Refused: no GPU opens in this build.
+///
+/// # Safety
+/// None needed; the signature matches the CUDA backend's.
+pub(crate) unsafe fn copy_to_device(ordinal: usize, _ptr: NonNull<u8>, _data: &[u8]) -> Result<()> {
+    Err(unavailable(ordinal))
+}
+
+/// Refused: no GPU opens in this build.
+///
+/// # Safety
+/// None needed; the signature matches the CUDA backend's.
+pub(crate) unsafe fn copy_from_device(
+    ordinal: usize,
+    _ptr: NonNull<u8>,
+    _out: &mut [u8],
+) -> Result<()> {
+    Err(unavailable(ordinal))
+}

@@ -8,6 +8,12 @@ use std::ptr::NonNull;
 use crate::backend::cuda;
 use crate::device::Device;
 
+/// Whether `device` is being captured into a CUDA graph: memory taken from or given back to a pool
+/// now would be baked into the graph's replays, so the scopes refuse the first and keep the second.
+pub(crate) fn capturing(device: Device) -> bool {
+    crate::backend::capturing(device)
+}
+
 /// Every block is aligned for the widest SIMD loads (and a cache line).
 pub(crate) const ALIGN: usize = 64;
 

@@ -1,5 +1,6 @@
 //! Indexing with index tensors: `index_select` and `gather` (PyTorch semantics). Indices are `i64`;
-//! negative or too-large indices are errors, checked before any element is read.
+//! negative or too-large indices are errors, checked before any element is read (inside a captured
+//! CUDA graph, where the host cannot read them, a gather gives NaN, or 0 for integers, instead).
 
 use std::panic::Location;
 
@@ -11,8 +12,17 @@ use crate::layout::{Layout, Shape, resolve_axis};
 use crate::ops::{same_device, same_dtype};
 use crate::tensor::{Owner, Tensor};
 
+/// What an op's kernel does through its indices.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Access {
+    /// Reads (a gather): its kernel guards against an index out of range by itself.
+    Read,
+    /// Writes (a scatter): every index must be checked on the host before the kernel runs.
+    Write,
+}
+
 /// Checks that `index` holds `i64` values in `0..size` (host indices are read in place).
-fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()> {
+fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize, access: Access) -> Result<()> {
     if index.dtype() != DType::I64 {
         return Err(Error::UnsupportedDType {
             op,
@@ -20,10 +30,15 @@ fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize) -> Result<()
             expected: "i64 indices",
         });
     }
+    if access == Access::Read && crate::backend::capturing(index.device()) {
+        // Inside a captured CUDA graph the host cannot read the indices; the gather kernel reads
+        // nothing for an index out of range (it gives NaN, or 0 for integers).
+        return Ok(());
+    }
     let mut bad = None;
     // Indices in device memory are read on the host: one copy of (small) index data, so that a bad
     // index is an error here instead of an out-of-bounds read in a kernel.
-    index.for_each_element::<i64>(|i| {
+    index.for_each_element::<i64>(op, |i| {
         if bad.is_none() && (i < 0 || i as u64 >= size as u64) {
             bad = Some(i);
         }
@@ -94,7 +109,7 @@ impl<'s> Tensor<'s> {
         same_device(OP, self, indices)?;
         let axis = resolve_axis(OP, axis, self.rank())?;
         check_1d(OP, indices)?;
-        check_indices(OP, indices, self.shape()[axis])?;
+        check_indices(OP, indices, self.shape()[axis], Access::Read)?;
         let mut shape: Shape = self.shape().into();
         shape[axis] = indices.numel();
         // A gather whose index is `indices` along `axis`, broadcast over every other axis.
@@ -129,7 +144,7 @@ impl<'s> Tensor<'s> {
             axis,
             "the index must have the same rank, and no larger size on any axis but the gathered one",
         )?;
-        check_indices(OP, index, self.shape()[axis])?;
+        check_indices(OP, index, self.shape()[axis], Access::Read)?;
         self.gather_with(axis, index, index.layout())
     }
 
@@ -236,7 +251,7 @@ impl<'s> Tensor<'s> {
             axis_u,
             "the index must have the same rank, and no larger size on any axis but the scattered one",
         )?;
-        check_indices(OP, index, self.shape()[axis_u])?;
+        check_indices(OP, index, self.shape()[axis_u], Access::Write)?;
         scatter_add_into(OP, self, axis_u, index, index.layout(), src)
     }
 
@@ -269,7 +284,7 @@ impl<'s> Tensor<'s> {
                 hint: "the source must have the target's shape with one entry per index along the axis",
             });
         }
-        check_indices(OP, indices, self.shape()[axis_u])?;
+        check_indices(OP, indices, self.shape()[axis_u], Access::Write)?;
         let index_layout = along_axis(indices, axis_u, src.shape());
         scatter_add_into(OP, self, axis_u, indices, &index_layout, src)
     }

@@ -128,6 +128,12 @@ impl<'m> Optimizer<'m> for Adam<'m> {
         let frozen = &self.frozen;
         let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
         for_each_param(params, |i, p| {
+            // The bias corrections come from the host's step count: a replayed graph would repeat
+            // this step's values forever.
+            p.refuse_inside_capture(
+                "Adam::step",
+                "updating with bias corrections computed on the host (use Sgd in a captured step)",
+            )?;
             if frozen.contains(i) {
                 return Ok(());
             }

@@ -19,7 +19,7 @@ use crate::memory::block::{
     BlockHeader, BlockOwner, BlockRef, HeaderSlab, Home, NO_SLOT, Region, ShapeSummary,
 };
 use crate::memory::pool::{Pool, Source, Taken};
-use crate::memory::raw::{ALIGN, DeviceMemory};
+use crate::memory::raw::{self, ALIGN, DeviceMemory};
 use crate::memory::reclaim::{Refused, SharedPool, default_cache_limit};
 use crate::memory::stats::{MemoryStats, ScopeStats};
 use crate::rng::Stream;
@@ -439,6 +439,15 @@ impl ScopeNode {
                 slot,
             },
             _ => {
+                if raw::capturing(device) {
+                    // A pool block would be handed to other tensors after this step while the graph
+                    // keeps writing it on every replay.
+                    return Err(Error::InsideCapture {
+                        op: "alloc",
+                        device: device.to_string(),
+                        what: "allocating GPU memory outside the step's planned workspace",
+                    });
+                }
                 let (slot, spilled) = grant.map_or((NO_SLOT, false), |g| (g.slot, g.spilled));
                 if spilled {
                     self.stats.borrow_mut().spills += 1;
@@ -555,6 +564,10 @@ impl ScopeNode {
     fn free_bytes(&self, h: &BlockHeader) {
         match h.home.get() {
             Home::Empty => {}
+            // A block freed while its GPU is captured may be written by every replay of the graph:
+            // it is never reused (leaked until the process ends; a captured step that frees tensors
+            // from outside its workspace is rare).
+            Home::Heap if raw::capturing(h.device.get()) => {}
             // SAFETY: heap blocks came from the tree's pool of their device with a class capacity,
             // and the block has no user left: its last handle dropped, or its scope is closing (for a
             // GPU, later users of the bytes are ordered after earlier ones by the device's stream).

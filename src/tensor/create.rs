@@ -189,6 +189,8 @@ impl<'s> Scope<'s> {
         at: &'static Location<'static>,
     ) -> Result<Tensor<'s>> {
         let device = self.node.device;
+        // The generator's position is a host counter: a replay would draw the same numbers again.
+        crate::backend::refuse_inside_capture(device, "rand", "drawing random numbers")?;
         let mut t = Tensor::uninit_in(Owner::Node(&self.node), device, DType::F32, shape, at)?;
         let (seed, offset) = self.reserve_random(t.numel());
         t.backend()?

@@ -5,6 +5,7 @@ mod display;
 
 use std::marker::PhantomData;
 use std::panic::Location;
+use std::ptr::NonNull;
 
 use crate::backend::{self, Backend, Dst, Src, bytes_of, bytes_of_mut};
 use crate::device::Device;
@@ -231,7 +232,15 @@ impl<'s> Tensor<'s> {
     /// The backend of the tensor's device.
     #[inline]
     pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
-        backend::of(self.device())
+        let device = self.device();
+        if backend::captured_elsewhere(device) {
+            return Err(Error::InsideCapture {
+                op: "an op",
+                device: device.to_string(),
+                what: "running a kernel from another thread",
+            });
+        }
+        backend::of(device)
     }
 
     /// The tensor as a kernel operand.
@@ -268,8 +277,26 @@ impl<'s> Tensor<'s> {
         }
     }
 
+    /// Where the first element is, when the tensor is contiguous and lives in a workspace arena: a
+    /// planned slot keeps that address in every cycle that replays its plan.
+    pub(crate) fn arena_address(&self) -> Option<NonNull<u8>> {
+        let h = self.block.header();
+        if h.home.get() != Home::Arena || !self.layout.is_contiguous() {
+            return None;
+        }
+        let offset = self.layout.offset() * self.dtype.size();
+        NonNull::new(h.ptr.get().as_ptr().wrapping_add(offset))
+    }
+
+    /// `Err(InsideCapture)` naming `op` and `what` it would do, when the tensor's GPU is being
+    /// captured into a CUDA graph.
+    pub(crate) fn refuse_inside_capture(&self, op: &'static str, what: &'static str) -> Result<()> {
+        backend::refuse_inside_capture(self.device(), op, what)
+    }
+
     /// Writes `data` (row-major, the tensor's dtype) into the contiguous, unique tensor.
     pub(crate) fn upload<T: Element>(&mut self, data: &[T]) -> Result<()> {
+        self.refuse_inside_capture("upload", "copying host data to the GPU")?;
         let backend = self.backend()?;
         backend.upload(self.dtype, bytes_of(data), self.dst())
     }
@@ -317,12 +344,14 @@ impl<'s> Tensor<'s> {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         self.check_dtype::<T>("to_vec")?;
         let mut out = vec![T::zero(); self.numel()];
-        self.download_into(bytes_of_mut(&mut out))?;
+        self.download_into("to_vec", bytes_of_mut(&mut out))?;
         Ok(out)
     }
 
-    /// Copies the elements in row-major order into host bytes (`numel * dtype.size()` of them).
-    fn download_into(&self, out: &mut [u8]) -> Result<()> {
+    /// Copies the elements in row-major order into host bytes (`numel * dtype.size()` of them), for
+    /// `op`.
+    fn download_into(&self, op: &'static str, out: &mut [u8]) -> Result<()> {
+        self.refuse_inside_capture(op, "reading a GPU tensor on the host")?;
         let backend = self.backend()?;
         if backend.reads_any_layout() {
             backend.download(self.dtype, self.src(), out)
@@ -334,9 +363,15 @@ impl<'s> Tensor<'s> {
 
     /// Calls `f` on every element in row-major order (the caller checked the dtype); the elements of
     /// a GPU tensor are copied to the host first.
-    pub(crate) fn for_each_element<T: Element>(&self, mut f: impl FnMut(T)) -> Result<()> {
+    pub(crate) fn for_each_element<T: Element>(
+        &self,
+        op: &'static str,
+        mut f: impl FnMut(T),
+    ) -> Result<()> {
         if self.device() != Device::Cpu {
-            self.to_vec::<T>()?.into_iter().for_each(f);
+            let mut all = vec![T::zero(); self.numel()];
+            self.download_into(op, bytes_of_mut(&mut all))?;
+            all.into_iter().for_each(f);
             return Ok(());
         }
         let src = self.src().buf.host::<T>();
@@ -374,7 +409,7 @@ impl<'s> Tensor<'s> {
             });
         }
         let mut value = [T::zero()];
-        self.download_into(bytes_of_mut(&mut value))?;
+        self.download_into("to_scalar", bytes_of_mut(&mut value))?;
         Ok(value[0])
     }
 
@@ -557,7 +592,7 @@ impl<'s> Tensor<'s> {
         if out.device() == Device::Cpu {
             let bytes = out.numel() * self.dtype.size();
             let dst = out.dst();
-            return self.download_into(&mut dst.buf.bytes()[..bytes]);
+            return self.download_into("to_device", &mut dst.buf.bytes()[..bytes]);
         }
         with_dtype!(self.dtype, T => {
             if self.device() == Device::Cpu {

@@ -8,13 +8,14 @@
 //! feature runs everywhere and reports a missing driver as [`Error::DeviceUnavailable`].
 
 mod blas;
+mod graph;
 mod kernels;
 mod memory;
 mod ops;
 mod transfer;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -25,7 +26,9 @@ use crate::backend::{Backend, GpuMemory};
 use crate::device::Device;
 use crate::error::{Error, Result};
 
+pub(crate) use graph::{Graph, begin_capture, end_capture};
 pub(crate) use memory::{alloc, free};
+pub(crate) use transfer::{copy_from_device, copy_to_device};
 
 /// What the backend holds for one GPU.
 pub(crate) struct Gpu {
@@ -39,6 +42,10 @@ pub(crate) struct Gpu {
     /// Whether the driver has stream-ordered allocation (`cuMemAllocAsync`).
     pub(crate) async_alloc: bool,
     pub(crate) counters: Counters,
+    /// Whether the stream is being captured into a CUDA graph (`graph.rs`).
+    pub(crate) capturing: AtomicBool,
+    /// cuBLAS's own workspace, set before the first capture.
+    blas_workspace: OnceLock<std::result::Result<(), String>>,
 }
 
 /// Allocator traffic of one GPU, over the whole process.
@@ -136,6 +143,8 @@ impl Gpu {
             blas: OnceLock::new(),
             async_alloc,
             counters: Counters::default(),
+            capturing: AtomicBool::new(false),
+            blas_workspace: OnceLock::new(),
         })
     }
 

@@ -550,4 +550,8 @@ impl Backend for Gpu {
             .synchronize()
             .map_err(|e| cuda_error("synchronizing the stream", e))
     }
+
+    fn capturing(&self) -> bool {
+        self.capturing.load(std::sync::atomic::Ordering::Acquire)
+    }
 }

@@ -34,3 +34,36 @@ pub(crate) fn download(gpu: &Gpu, address: u64, out: &mut [u8]) -> Result<()> {
         .synchronize()
         .map_err(|e| cuda_error("synchronizing the stream", e))
 }
+
+/// Copies `data` to the device address `ptr` of GPU `ordinal`.
+///
+/// # Safety
+/// `ptr` starts `data.len()` bytes of live memory of that GPU that nothing else writes until the
+/// stream has run the copy.
+pub(crate) unsafe fn copy_to_device(
+    ordinal: usize,
+    ptr: std::ptr::NonNull<u8>,
+    data: &[u8],
+) -> Result<()> {
+    upload(
+        crate::backend::cuda::gpu(ordinal)?,
+        ptr.as_ptr() as u64,
+        data,
+    )
+}
+
+/// Copies from the device address `ptr` of GPU `ordinal` into `out`, after the queued work.
+///
+/// # Safety
+/// `ptr` starts `out.len()` bytes of live memory of that GPU.
+pub(crate) unsafe fn copy_from_device(
+    ordinal: usize,
+    ptr: std::ptr::NonNull<u8>,
+    out: &mut [u8],
+) -> Result<()> {
+    download(
+        crate::backend::cuda::gpu(ordinal)?,
+        ptr.as_ptr() as u64,
+        out,
+    )
+}
