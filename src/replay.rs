@@ -191,12 +191,12 @@ where
         }
     }
 
-    /// A step that never captures: every call runs eagerly in the planned workspace (a step that
-    /// needs the host, or to compare against the captured one).
-    pub fn eager(name: &'static str, step: F) -> StepGraph<'s, F> {
+    /// The same step, never captured: every call runs eagerly in the planned workspace (for a step
+    /// that needs the host, or to compare with the captured one).
+    pub fn without_capture(self) -> StepGraph<'s, F> {
         StepGraph {
             capture: false,
-            ..StepGraph::new(name, step)
+            ..self
         }
     }
 

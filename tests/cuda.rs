@@ -11,7 +11,9 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use ndscope::nn::{self, Activation, Init, Mode, Module};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ndscope::{DType, Device, Error, Fault, Result, Scope, Tape, Tensor, Workspace, root};
+use ndscope::{
+    DType, Device, Error, Fault, Input, Result, Scope, StepGraph, Tape, Tensor, Workspace, root,
+};
 
 /// The GPU the tests use, or `None` with the reason printed.
 fn gpu() -> Option<Device> {
@@ -676,4 +678,137 @@ fn gpu_scopes_keep_the_memory_rules() {
         reserved_before,
         "closing the tree handed every cached GPU block back"
     );
+}
+
+/// Batch `i` of a deterministic stream for the step-graph tests: 784 features, 10 classes.
+fn graph_batch(i: usize) -> (Vec<f32>, Vec<i64>) {
+    let x = (0..128 * 784)
+        .map(|k| ((k * 31 + i * 17) % 101) as f32 / 50.0 - 1.0)
+        .collect();
+    let y = (0..128).map(|r| ((r * 7 + i) % 10) as i64).collect();
+    (x, y)
+}
+
+/// Trains the 784-256-10 MLP with SGD (momentum) for `steps` calls of a step graph on `device`
+/// (captured, or eager when `capture` is false); returns the losses, the final parameters, and the
+/// graph's (eager steps, captures, replays).
+fn train_graph(
+    device: Device,
+    capture: bool,
+    steps: usize,
+) -> Result<(Vec<f32>, Vec<f64>, [u64; 3])> {
+    root(device, |s| {
+        s.set_seed(3);
+        s.named_scope("model", |m| {
+            let mut model = nn::mlp(m, &[784, 256, 10], Activation::Relu, Init::KaimingUniform)?;
+            let mut opt = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
+            let mut step = StepGraph::new("step", |b, inputs| {
+                let tape = Tape::new(b);
+                let loss = model
+                    .forward(&tape.constant(&inputs[0]), Mode::Train)?
+                    .cross_entropy(&inputs[1])?;
+                let grads = tape.backward(&loss)?;
+                opt.step(&mut model, &grads)?;
+                Ok(loss.value().clone())
+            });
+            if !capture {
+                step = step.without_capture();
+            }
+            let mut losses = Vec::new();
+            for i in 0..steps {
+                let (x, y) = graph_batch(i);
+                losses.push(step.run(m, &[Input::new(&x, &[128, 784]), Input::new(&y, &[128])])?);
+            }
+            let counts = [step.eager_steps(), step.captures(), step.replays()];
+            drop(step);
+            let mut params = Vec::new();
+            ndscope::nn::Parameters::visit(&model, "", &mut |_, p| {
+                params.extend(p.to_vec_f64().expect("a parameter reads back"))
+            });
+            Ok((losses, params, counts))
+        })
+    })
+}
+
+#[test]
+fn a_captured_step_replays_bit_identical_to_eager_steps() {
+    let Some(device) = gpu() else { return };
+    // A capture records every launch on the GPU's one stream: no other test may use the GPU meanwhile.
+    let _gpu = gpu_exclusive();
+    // Three eager steps plan the workspace, the fourth is captured, then 100 replays.
+    let steps = 104;
+    let (eager_losses, eager_params, eager_counts) =
+        train_graph(device, false, steps).expect("eager steps");
+    let (graph_losses, graph_params, graph_counts) =
+        train_graph(device, true, steps).expect("captured steps");
+    assert_eq!(eager_counts, [steps as u64, 0, 0]);
+    assert_eq!(graph_counts, [3, 1, 100]);
+    assert_eq!(graph_losses, eager_losses, "every loss, bit for bit");
+    assert_eq!(
+        graph_params, eager_params,
+        "the parameters after 104 steps, bit for bit"
+    );
+    let host = train_graph(Device::Cpu, true, 8).expect("the same steps on the host");
+    assert_eq!(host.2, [8, 0, 0], "the host runs every step eagerly");
+    for (h, g) in host.0.iter().zip(&graph_losses) {
+        assert!(
+            (h - g).abs() <= 1e-4 * h.abs().max(1.0),
+            "host {h} against GPU {g}"
+        );
+    }
+}
+
+#[test]
+fn what_a_captured_step_cannot_do_is_a_typed_error() {
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_exclusive();
+    let (x, y) = graph_batch(0);
+    // Each step is fine eagerly; the error comes when the fourth call captures it.
+    let refused = |what: &str, expected_op: &str, kind: usize| {
+        root(device, |m| -> Result<()> {
+            let mut model = nn::mlp(m, &[784, 16, 10], Activation::Relu, Init::KaimingUniform)?;
+            let mut sgd = Sgd::new(m, &model, SgdConfig::new(0.05))?;
+            let mut adam = Adam::new(m, &model, AdamConfig::adamw(1e-3, 1e-2))?;
+            let mut step = StepGraph::new("step", |b, inputs| {
+                let tape = Tape::new(b);
+                let mut x = inputs[0].clone();
+                if kind == 2 {
+                    x = x.add(&b.rand(&[128, 784])?)?;
+                }
+                let loss = model
+                    .forward(&tape.constant(&x), Mode::Train)?
+                    .cross_entropy(&inputs[1])?;
+                let grads = tape.backward(&loss)?;
+                match kind {
+                    1 => adam.step(&mut model, &grads)?,
+                    _ => sgd.step(&mut model, &grads)?,
+                }
+                if kind == 0 {
+                    let _ = loss.value().to_scalar::<f32>()?;
+                }
+                Ok(loss.value().clone())
+            });
+            let inputs = || [Input::new(&x, &[128, 784]), Input::new(&y, &[128])];
+            for _ in 0..3 {
+                step.run(m, &inputs())?;
+            }
+            let err = step.run(m, &inputs()).expect_err(what);
+            match &err {
+                Error::InsideCapture { op, .. } => assert_eq!(*op, expected_op, "{what}: {err}"),
+                other => panic!("{what}: expected InsideCapture, got {other}"),
+            }
+            // The step runs eagerly from then on, and the GPU works normally.
+            step.run(m, &inputs())?;
+            assert_eq!((step.captures(), step.replays()), (0, 0));
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    };
+    refused("a host read of the loss", "to_scalar", 0);
+    refused(
+        "Adam, whose bias corrections come from the host",
+        "Adam::step",
+        1,
+    );
+    refused("random numbers", "rand", 2);
 }

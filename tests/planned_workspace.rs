@@ -1,14 +1,15 @@
 //! Planned workspaces: a training step's cycle is recorded once, solved into fixed offsets, and
 //! replayed; the plan is close to the lower bound (the largest total live at once) where the bump
-//! arena needs much more; a cycle that diverges is still correct and is planned anew; and the numbers a
-//! replayed cycle computes are the numbers an unplanned one computes.
+//! arena needs much more; a cycle that diverges is still correct and is planned anew; the numbers a
+//! replayed cycle computes are the numbers an unplanned one computes; and a `StepGraph` runs its
+//! step in such a workspace (on the host, always eagerly; tests/cuda.rs captures it on a GPU).
 
 use ndscope::nn::{
     self, Activation, AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module,
     PositionalEmbedding, TransformerBlock,
 };
 use ndscope::optim::{Adam, AdamConfig, Optimizer};
-use ndscope::{Device, Error, Result, Scope, Tape, Workspace, root};
+use ndscope::{Device, Error, Input, Result, Scope, StepGraph, Tape, Workspace, root};
 
 const FEATURES: usize = 64;
 const CLASSES: usize = 10;
@@ -339,6 +340,85 @@ fn the_dump_and_the_timeline_show_the_plan() -> Result<()> {
             [Some(0), Some(1), Some(0), Some(2), Some(2), Some(1)]
         );
         assert!(timeline.to_json().contains("\"slot\": 2"));
+        Ok::<_, Error>(())
+    })
+}
+
+/// The MLP step of `train_mlp` through a [`StepGraph`] on the host: every call runs eagerly in the
+/// graph's planned workspace.
+fn train_mlp_graph(steps: u64) -> Result<(Vec<f32>, [u64; 3], u64)> {
+    root(Device::Cpu, |s| {
+        s.set_seed(11);
+        s.named_scope("model", |m| {
+            let mut model = nn::mlp(
+                m,
+                &[FEATURES, 128, CLASSES],
+                Activation::Relu,
+                Init::KaimingUniform,
+            )?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-4))?;
+            let mut step = StepGraph::new("batch", |b, inputs| {
+                let tape = Tape::new(b);
+                let loss = model
+                    .forward(&tape.constant(&inputs[0]), Mode::Train)?
+                    .cross_entropy(&inputs[1])?;
+                let grads = tape.backward(&loss)?;
+                opt.step(&mut model, &grads)?;
+                Ok(loss.value().clone())
+            });
+            let mut losses = Vec::new();
+            for i in 0..steps {
+                let (x, y) = batch(i);
+                let inputs = [Input::new(&x, &[BATCH, FEATURES]), Input::new(&y, &[BATCH])];
+                losses.push(step.run(m, &inputs)?);
+            }
+            Ok((
+                losses,
+                [step.eager_steps(), step.captures(), step.replays()],
+                step.workspace().replayed_cycles(),
+            ))
+        })
+    })
+}
+
+#[test]
+fn a_step_graph_on_the_host_runs_every_step_eagerly_in_its_plan() -> Result<()> {
+    let (losses, counts, replayed) = train_mlp_graph(6)?;
+    assert_eq!(
+        losses,
+        train_mlp(None, 6)?,
+        "the same numbers as plain scopes"
+    );
+    assert_eq!(counts, [6, 0, 0]);
+    assert_eq!(
+        replayed, 5,
+        "planned by the first step, replayed by the others"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_step_graph_wants_its_loss_as_one_float() -> Result<()> {
+    root(Device::Cpu, |m| {
+        let mut step = StepGraph::new("step", |b, inputs| {
+            b.ones(&[2]).map(|t| t.add(&inputs[0]))?
+        });
+        let x = [1.0f32, 2.0];
+        let err = step.run(m, &[Input::new(&x, &[2])]).unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "the step must return its loss as one float element, got a f32 tensor of 2 elements"
+            ),
+            "{err}"
+        );
+        let mut step = StepGraph::new("step", |_, inputs| inputs[0].sum_all());
+        let y = [1i64, 2];
+        let err = step.run(m, &[Input::new(&y, &[2])]).unwrap_err();
+        assert!(matches!(err, Error::InvalidShape { .. }), "{err}");
+        // A float scalar of another dtype is read as f32.
+        let mut step = StepGraph::new("step", |_, inputs| inputs[0].sum_all());
+        let z = [1.5f64, 2.0];
+        assert_eq!(step.run(m, &[Input::new(&z, &[2])])?, 3.5);
         Ok::<_, Error>(())
     })
 }

@@ -208,3 +208,24 @@ mod tests {
         assert_eq!(matrix_form(3, 4, 2, 1), None); // overlapping rows
     }
 }
+
+/// cuBLAS's workspace (what PyTorch gives it on Hopper: 32 MiB).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Gives the new handle `blas` a workspace of its own, so that no product allocates memory: one
+/// captured into a CUDA graph must not, and every product then runs the same way captured or not.
+pub(super) fn give_workspace(
+    gpu: &Gpu,
+    blas: &cudarc::cublas::CudaBlas,
+) -> std::result::Result<(), String> {
+    let memory = crate::backend::cuda::alloc(gpu.ordinal, WORKSPACE_BYTES)
+        .ok_or("the GPU refused memory for cuBLAS's workspace")?;
+    // SAFETY: the handle belongs to this GPU's context; the workspace is memory of this GPU that is
+    // never freed (the handle lives as long as the process) and that nothing else uses.
+    let status = unsafe {
+        sys::cublasSetWorkspace_v2(*blas.handle(), memory.as_ptr().cast(), WORKSPACE_BYTES)
+    };
+    status
+        .result()
+        .map_err(|e| format!("cublasSetWorkspace: {e}"))
+}

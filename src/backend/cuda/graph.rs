@@ -2,18 +2,15 @@
 //!
 //! While a capture is open the stream records kernels and copies instead of running them, so the
 //! layers above refuse everything that would wait for the GPU or need the host during a replay
-//! (`Gpu::capturing` is what they ask). cuBLAS gets a workspace of its own before the first capture:
-//! without one it may allocate inside a captured product.
+//! (`Gpu::capturing` is what they ask). cuBLAS has a workspace of its own (`blas.rs`), so it
+//! allocates nothing inside a captured product.
 
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{CudaGraph, sys};
 
-use crate::backend::cuda::{Gpu, cuda_error, gpu};
+use crate::backend::cuda::{cuda_error, gpu};
 use crate::error::Result;
-
-/// cuBLAS's workspace for captured products (what PyTorch gives it on Hopper: 32 MiB).
-const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 /// A captured step, replayable on its GPU's stream.
 pub(crate) struct Graph {
@@ -33,7 +30,7 @@ impl Graph {
 pub(crate) fn begin_capture(ordinal: usize) -> Result<()> {
     let gpu = gpu(ordinal)?;
     gpu.bind()?;
-    give_blas_a_workspace(gpu)?;
+    gpu.blas()?; // created (with its workspace) outside the capture
     gpu.stream
         .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .map_err(|e| cuda_error("starting a CUDA graph capture", e))?;
@@ -60,29 +57,4 @@ pub(crate) fn end_capture(ordinal: usize) -> Result<Graph> {
         .upload()
         .map_err(|e| cuda_error("uploading a CUDA graph", e))?;
     Ok(Graph { graph })
-}
-
-/// Sets a workspace for the GPU's cuBLAS handle, once per process.
-fn give_blas_a_workspace(gpu: &Gpu) -> Result<()> {
-    let outcome = gpu.blas_workspace.get_or_init(|| {
-        let blas = gpu.blas().map_err(|e| e.to_string())?;
-        let memory = crate::backend::cuda::alloc(gpu.ordinal, BLAS_WORKSPACE_BYTES)
-            .ok_or("the GPU refused memory for cuBLAS's workspace")?;
-        // SAFETY: the handle belongs to this GPU's context (current); the workspace is device memory
-        // of this GPU that is never freed (the handle lives as long as the process) and that nothing
-        // else uses.
-        let status = unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(
-                *blas.handle(),
-                memory.as_ptr().cast(),
-                BLAS_WORKSPACE_BYTES,
-            )
-        };
-        status
-            .result()
-            .map_err(|e| format!("cublasSetWorkspace: {e}"))
-    });
-    outcome
-        .clone()
-        .map_err(|reason| cuda_error("preparing cuBLAS for a CUDA graph", reason))
 }

@@ -44,8 +44,6 @@ pub(crate) struct Gpu {
     pub(crate) counters: Counters,
     /// Whether the stream is being captured into a CUDA graph (`graph.rs`).
     pub(crate) capturing: AtomicBool,
-    /// cuBLAS's own workspace, set before the first capture.
-    blas_workspace: OnceLock<std::result::Result<(), String>>,
 }
 
 /// Allocator traffic of one GPU, over the whole process.
@@ -144,7 +142,6 @@ impl Gpu {
             async_alloc,
             counters: Counters::default(),
             capturing: AtomicBool::new(false),
-            blas_workspace: OnceLock::new(),
         })
     }
 
@@ -176,8 +173,10 @@ impl Gpu {
                         .into(),
                 );
             }
-            CudaBlas::new(self.stream.clone())
-                .map_err(|e| format!("cannot create a cuBLAS handle: {e}"))
+            let blas = CudaBlas::new(self.stream.clone())
+                .map_err(|e| format!("cannot create a cuBLAS handle: {e}"))?;
+            blas::give_workspace(self, &blas)?;
+            Ok(blas)
         });
         blas.as_ref().map_err(|reason| Error::DeviceUnavailable {
             device: Device::Cuda(self.ordinal).to_string(),
