@@ -193,22 +193,6 @@ pub(crate) fn matmul(
     status.map_err(|e| cuda_error("cuBLAS gemm", e))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::matrix_form;
-
-    #[test]
-    fn matrix_forms_name_row_and_column_major_and_refuse_the_rest() {
-        assert_eq!(matrix_form(3, 4, 4, 1), Some((false, 4))); // row-major
-        assert_eq!(matrix_form(3, 4, 8, 1), Some((false, 8))); // rows of a wider block
-        assert_eq!(matrix_form(3, 4, 1, 3), Some((true, 3))); // a transposed view
-        assert_eq!(matrix_form(1, 4, 0, 1), Some((false, 4))); // one row: its stride is irrelevant
-        assert_eq!(matrix_form(3, 1, 1, 0), Some((false, 1))); // one column
-        assert_eq!(matrix_form(3, 4, 4, 2), None); // every other column
-        assert_eq!(matrix_form(3, 4, 2, 1), None); // overlapping rows
-    }
-}
-
 /// cuBLAS's workspace (what PyTorch gives it on Hopper: 32 MiB).
 const WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -228,4 +212,20 @@ pub(super) fn give_workspace(
     status
         .result()
         .map_err(|e| format!("cublasSetWorkspace: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matrix_form;
+
+    #[test]
+    fn matrix_forms_name_row_and_column_major_and_refuse_the_rest() {
+        assert_eq!(matrix_form(3, 4, 4, 1), Some((false, 4))); // row-major
+        assert_eq!(matrix_form(3, 4, 8, 1), Some((false, 8))); // rows of a wider block
+        assert_eq!(matrix_form(3, 4, 1, 3), Some((true, 3))); // a transposed view
+        assert_eq!(matrix_form(1, 4, 0, 1), Some((false, 4))); // one row: its stride is irrelevant
+        assert_eq!(matrix_form(3, 1, 1, 0), Some((false, 1))); // one column
+        assert_eq!(matrix_form(3, 4, 4, 2), None); // every other column
+        assert_eq!(matrix_form(3, 4, 2, 1), None); // overlapping rows
+    }
 }
