@@ -1,5 +1,5 @@
 //! GPU benchmarks (`--features cuda`, on a machine with an NVIDIA GPU): the MLP training step of the
-//! digits/MNIST size and a large matrix product, with the numbers PyTorch's
+//! digits/MNIST size (eager, and through a `StepGraph` eager and captured) and a large matrix product, with the numbers PyTorch's
 //! `benches/pytorch_reference.py` prints for the same work on the same GPU.
 //!
 //! `cargo bench --features cuda --bench cuda`. Besides criterion's timings it prints the step's GPU
@@ -11,9 +11,12 @@ mod common;
 use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use ndscope::nn::{self, Activation, Init};
-use ndscope::optim::{Adam, AdamConfig};
-use ndscope::{Device, Error, Result, Workspace, gpu_memory, reset_gpu_memory_peak, root};
+use ndscope::nn::{self, Activation, Init, Mode, Module};
+use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ndscope::{
+    Device, Error, Input, Result, StepGraph, Tape, Workspace, gpu_memory, reset_gpu_memory_peak,
+    root,
+};
 
 const GPU: Device = Device::Cuda(0);
 
@@ -68,6 +71,68 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
     })
 }
 
+/// The MLP step through a [`StepGraph`], new host inputs every step and the loss read back every
+/// step, eager and captured as a CUDA graph; SGD momentum (Adam cannot be captured yet).
+fn graph_step(c: &mut Criterion) -> Result<()> {
+    let batches: Vec<(Vec<f32>, Vec<i64>)> = (0..4)
+        .map(|i| {
+            let x = (0..128 * 784)
+                .map(|k| ((k * 31 + i * 17) % 101) as f32 / 50.0 - 1.0)
+                .collect();
+            let y = (0..128).map(|r| ((r * 7 + i) % 10) as i64).collect();
+            (x, y)
+        })
+        .collect();
+    let mut group = c.benchmark_group("cuda");
+    for capture in [false, true] {
+        root(GPU, |m| {
+            m.set_seed(1);
+            let mut model = nn::mlp(m, &[784, 256, 10], Activation::Relu, Init::KaimingUniform)?;
+            let mut opt = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
+            let mut step = StepGraph::new("batch", |b, inputs| {
+                let tape = Tape::new(b);
+                let loss = model
+                    .forward(&tape.constant(&inputs[0]), Mode::Train)?
+                    .cross_entropy(&inputs[1])?;
+                let grads = tape.backward(&loss)?;
+                opt.step(&mut model, &grads)?;
+                Ok(loss.value().clone())
+            });
+            if !capture {
+                step = step.without_capture();
+            }
+            let mut i = 0;
+            let mut run = || {
+                let (x, y) = &batches[i % batches.len()];
+                i += 1;
+                step.run(m, &[Input::new(x, &[128, 784]), Input::new(y, &[128])])
+            };
+            for _ in 0..20 {
+                run()?;
+            }
+            let steps = 2000;
+            let start = Instant::now();
+            for _ in 0..steps {
+                run()?;
+            }
+            let label = if capture { "CUDA graph" } else { "eager" };
+            println!(
+                "graph_step 784-256-10 b128 SGD momentum {label} on {GPU}: {:.0} steps/s over {steps} \
+                 steps (host inputs copied in, loss read every step)",
+                steps as f64 / start.elapsed().as_secs_f64(),
+            );
+            let name = format!(
+                "graph_step_784_256_10_b128_sgd_{}",
+                if capture { "captured" } else { "eager" }
+            );
+            group.bench_function(name, |bench| bench.iter(|| run().expect("a step runs")));
+            Ok::<_, Error>(())
+        })?;
+    }
+    group.finish();
+    Ok(())
+}
+
 /// Square f32 products through cuBLAS.
 fn matmul(c: &mut Criterion) -> Result<()> {
     root(GPU, |s| {
@@ -97,6 +162,7 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     for (name, run) in [
         ("mlp_step", mlp_step as fn(&mut Criterion) -> Result<()>),
+        ("graph_step", graph_step),
         ("matmul", matmul),
     ] {
         if let Err(e) = run(&mut c) {

@@ -4,6 +4,7 @@
     python3 benches/pytorch_reference.py variable_shape   # examples/variable_shape.rs
     python3 benches/pytorch_reference.py churn            # examples/churn.rs
     python3 benches/pytorch_reference.py gpt              # examples/gpt.rs's training step
+    python3 benches/pytorch_reference.py graph            # benches/cuda.rs's graph_step (CUDA graphs)
 
 Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to measure PyTorch's other allocator design.
 
@@ -208,6 +209,74 @@ def gpt(steps=1000, width=128, heads=4, layers=2, vocab=12, context=8, batch=64)
     )
 
 
+def graph_step(steps=2000):
+    """The MLP step with new host inputs every step, eager and captured whole in a CUDA graph
+    (torch.cuda.graph, static inputs, loss read every step), with SGD momentum 0.9 (what ndscope's
+    StepGraph captures) and with AdamW(capturable=True)."""
+    f = torch.nn.functional
+    batches = [
+        (torch.randn(128, 784), (torch.arange(128) * 7 + i) % 10) for i in range(4)
+    ]
+    for name in ("sgd", "adamw"):
+        for graphed in (False, True):
+            torch.manual_seed(1)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(784, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+            ).to(dev)
+            if name == "sgd":
+                opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            else:
+                opt = torch.optim.AdamW(
+                    model.parameters(), lr=1e-3, weight_decay=1e-2, capturable=graphed
+                )
+            static_x = torch.zeros(128, 784, device=dev)
+            static_y = torch.zeros(128, dtype=torch.long, device=dev)
+
+            def eager():
+                opt.zero_grad(set_to_none=True)
+                loss = f.cross_entropy(model(static_x), static_y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    eager()
+            torch.cuda.current_stream().wait_stream(side)
+            if graphed:
+                graph = torch.cuda.CUDAGraph()
+                opt.zero_grad(set_to_none=True)
+                with torch.cuda.graph(graph):
+                    static_loss = f.cross_entropy(model(static_x), static_y)
+                    static_loss.backward()
+                    opt.step()
+
+            def step(i):
+                x, y = batches[i % len(batches)]
+                static_x.copy_(x)
+                static_y.copy_(y)
+                if graphed:
+                    graph.replay()
+                    return static_loss.item()
+                return eager().item()
+
+            for i in range(20):
+                step(i)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            print(
+                f"pytorch graph_step 784-256-10 b128 {name} {'CUDA graph' if graphed else 'eager'} "
+                f"on {torch.cuda.get_device_name(0)}: {steps / elapsed:.0f} steps/s over {steps} "
+                f"steps (host inputs copied in, loss read every step)"
+            )
+
+
 if __name__ == "__main__":
     import sys
 
@@ -218,6 +287,8 @@ if __name__ == "__main__":
         churn()
     elif what == "gpt":
         gpt()
+    elif what == "graph":
+        graph_step()
     else:
         mlp_step()
         matmul()
