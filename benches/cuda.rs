@@ -72,7 +72,7 @@ fn mlp_step(c: &mut Criterion) -> Result<()> {
 }
 
 /// The MLP step through a [`StepGraph`], new host inputs every step and the loss read back every
-/// step, eager and captured as a CUDA graph; SGD momentum (Adam cannot be captured yet).
+/// step, eager and captured as a CUDA graph, with AdamW and with SGD momentum.
 fn graph_step(c: &mut Criterion) -> Result<()> {
     let batches: Vec<(Vec<f32>, Vec<i64>)> = (0..4)
         .map(|i| {
@@ -84,18 +84,23 @@ fn graph_step(c: &mut Criterion) -> Result<()> {
         })
         .collect();
     let mut group = c.benchmark_group("cuda");
-    for capture in [false, true] {
+    for (adam, capture) in [(true, false), (true, true), (false, false), (false, true)] {
         root(GPU, |m| {
             m.set_seed(1);
             let mut model = nn::mlp(m, &[784, 256, 10], Activation::Relu, Init::KaimingUniform)?;
-            let mut opt = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
+            let mut adamw = Adam::new(m, &model, AdamConfig::adamw(1e-3, 1e-2))?;
+            let mut sgd = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
             let mut step = StepGraph::new("batch", |b, inputs| {
                 let tape = Tape::new(b);
                 let loss = model
                     .forward(&tape.constant(&inputs[0]), Mode::Train)?
                     .cross_entropy(&inputs[1])?;
                 let grads = tape.backward(&loss)?;
-                opt.step(&mut model, &grads)?;
+                if adam {
+                    adamw.step(&mut model, &grads)?;
+                } else {
+                    sgd.step(&mut model, &grads)?;
+                }
                 Ok(loss.value().clone())
             });
             if !capture {

@@ -123,7 +123,7 @@ impl Options {
 
 /// Either optimizer, chosen on the command line.
 enum AnyOptimizer<'m> {
-    Adam(Adam<'m>),
+    Adam(Box<Adam<'m>>),
     Sgd(Sgd<'m>),
 }
 
@@ -245,8 +245,8 @@ fn run(o: &Options) -> Result<()> {
             let mut model = nn::mlp(m, &sizes, Activation::Relu, Init::KaimingUniform)?;
             let mut opt = match o.optimizer.as_str() {
                 "sgd" => AnyOptimizer::Sgd(Sgd::new(m, &model, SgdConfig::new(o.lr).momentum(0.9))?),
-                "adam" => AnyOptimizer::Adam(Adam::new(m, &model, AdamConfig::adam(o.lr))?),
-                _ => AnyOptimizer::Adam(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?),
+                "adam" => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adam(o.lr))?)),
+                _ => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?)),
             };
             println!(
                 "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, seed {}",

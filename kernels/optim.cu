@@ -12,8 +12,12 @@
             p[i] = p[i] - lr * step;                                                               \
         }                                                                                          \
     }                                                                                              \
-    extern "C" __global__ void adam_##S(i64 n, T* p, T* m, T* v, const T* g, T b1, T b2, T eps,    \
-                                        T step_size, T v_scale, T l2, T decay) {                   \
+    extern "C" __global__ void adam_##S(i64 n, T* p, T* m, T* v, const T* g,                       \
+                                        const double* powers, T b1, T b2, T eps, double lr, T l2,  \
+                                        T decay) {                                                 \
+        /* The bias corrections from [b1^t, b2^t] on the device (a replayed graph sees each t). */ \
+        T step_size = (T)(lr / (1.0 - powers[0]));                                                 \
+        T v_scale = (T)(1.0 / sqrt(1.0 - powers[1]));                                              \
         GRID_STRIDE(i, n) {                                                                        \
             T gi = g[i] + l2 * p[i];                                                               \
             T mi = b1 * m[i] + ((T)1 - b1) * gi;                                                   \

@@ -19,10 +19,11 @@
 //!
 //! What a captured step cannot do, each an [`Error::InsideCapture`] naming the op: read a GPU tensor
 //! on the host (`to_vec`, `to_scalar`, index checks of scatters), copy host data to the GPU (pass
-//! batch data as inputs), draw random numbers (dropout), take GPU memory from outside the planned
-//! workspace, or update with [`Adam`](crate::optim::Adam) (its bias corrections come from a host step
-//! count; [`Sgd`](crate::optim::Sgd) works). Scalars the step passes to kernels — a learning rate —
-//! are fixed at capture; make a new graph after changing them.
+//! batch data as inputs), draw random numbers (dropout), or take GPU memory from outside the planned
+//! workspace. Optimizers work: [`Adam`](crate::optim::Adam) keeps its bias corrections' powers on
+//! the device, so each replay corrects by its own step. Scalars the step passes to kernels — a
+//! learning rate set with `set_learning_rate` — are fixed at capture; make a new graph after
+//! changing them.
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;

@@ -296,13 +296,15 @@ pub(crate) trait Backend: Sync {
         out: Dst,
     ) -> Result<()>;
 
-    /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape.
+    /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape;
+    /// `powers` is the contiguous `f64` `[b1^t, b2^t]` an Adam update reads (`None` for SGD).
     fn fused_update(
         &self,
         dtype: DType,
         update: FusedUpdate,
         targets: SmallVec<[Dst; 3]>,
         grad: Src,
+        powers: Option<Src>,
     ) -> Result<()>;
 
     /// Sliding windows of the planes of the contiguous `x` (`[planes, rows, cols]`) as columns: the

@@ -490,14 +490,15 @@ pub(crate) enum FusedUpdate {
         weight_decay: f64,
         nesterov: bool,
     },
-    /// Adam and AdamW; targets `[param, first moment, second moment]`. `step_size` and `v_scale`
-    /// fold in the bias corrections; `l2` is Adam's L2 term, `decay` AdamW's decoupled factor.
+    /// Adam and AdamW; targets `[param, first moment, second moment]`; `l2` is Adam's L2 term,
+    /// `decay` AdamW's decoupled factor. The bias corrections come from the device: an `f64` tensor
+    /// `[b1^t, b2^t]` that the update reads (so a replayed CUDA graph sees each step's `t`), folded
+    /// into `step_size = lr / (1 - b1^t)` and `v_scale = 1 / sqrt(1 - b2^t)`, computed in `f64`.
     Adam {
         b1: f64,
         b2: f64,
         eps: f64,
-        step_size: f64,
-        v_scale: f64,
+        lr: f64,
         l2: f64,
         decay: f64,
     },
@@ -512,8 +513,13 @@ impl FusedUpdate {
         }
     }
 
-    /// Hands the host update to `v`.
-    pub(crate) fn host<T: Math>(self, v: impl UpdateFn<T>) {
+    /// Whether the update reads the bias-correction powers `[b1^t, b2^t]`.
+    pub(crate) fn reads_powers(self) -> bool {
+        matches!(self, FusedUpdate::Adam { .. })
+    }
+
+    /// Hands the host update to `v`; `powers` are Adam's `[b1^t, b2^t]`.
+    pub(crate) fn host<T: Math>(self, powers: [f64; 2], v: impl UpdateFn<T>) {
         match self {
             FusedUpdate::Sgd {
                 lr,
@@ -533,11 +539,11 @@ impl FusedUpdate {
                 b1,
                 b2,
                 eps,
-                step_size,
-                v_scale,
+                lr,
                 l2,
                 decay,
             } => {
+                let (step_size, v_scale) = adam_bias_corrections(lr, powers);
                 let [b1, b2, eps, step_size, v_scale, l2, decay] =
                     [b1, b2, eps, step_size, v_scale, l2, decay].map(T::from_f64);
                 let (one_b1, one_b2) = (T::one().sub(b1), T::one().sub(b2));
@@ -551,6 +557,12 @@ impl FusedUpdate {
             }
         }
     }
+}
+
+/// Adam's step size and second-moment scale from the learning rate and `[b1^t, b2^t]` (what
+/// `adam_<dtype>` in `kernels/optim.cu` computes too, in `f64`).
+pub(crate) fn adam_bias_corrections(lr: f64, [b1t, b2t]: [f64; 2]) -> (f64, f64) {
+    (lr / (1.0 - b1t), 1.0 / (1.0 - b2t).sqrt())
 }
 
 /// A two-dimensional sliding window over `planes` planes of `height × width` elements (an

@@ -5,6 +5,7 @@
 use smallvec::SmallVec;
 
 pub(crate) use crate::backend::op::FusedUpdate;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::{same_device, same_dtype};
 use crate::tensor::Tensor;
@@ -14,13 +15,21 @@ use crate::tensor::Tensor;
 /// Every target must have `source`'s shape and dtype, a float dtype. A shared or strided target first
 /// gets a private contiguous copy (copy-on-write, like every in-place op); a unique contiguous one is
 /// updated where it lies, so a steady-state optimizer step allocates nothing.
+///
+/// An Adam update also reads `powers`, the `f64` tensor `[b1^t, b2^t]` on the source's device.
 pub(crate) fn update_in_place(
     op: &'static str,
     update: FusedUpdate,
     targets: &mut [&mut Tensor<'_>],
     source: &Tensor<'_>,
+    powers: Option<&Tensor<'_>>,
 ) -> Result<()> {
     debug_assert_eq!(targets.len(), update.targets());
+    debug_assert_eq!(powers.is_some(), update.reads_powers());
+    if let Some(p) = powers {
+        same_device(op, p, source)?;
+        debug_assert!(p.dtype() == DType::F64 && p.shape() == [2] && p.layout().is_contiguous());
+    }
     if !source.dtype().is_float() {
         return Err(Error::UnsupportedDType {
             op,
@@ -51,5 +60,11 @@ pub(crate) fn update_in_place(
         source.contiguous()?
     };
     let dsts: SmallVec<[_; 3]> = targets.iter_mut().map(|t| t.dst()).collect();
-    backend.fused_update(source.dtype(), update, dsts, packed.src())
+    backend.fused_update(
+        source.dtype(),
+        update,
+        dsts,
+        packed.src(),
+        powers.map(|p| p.src()),
+    )
 }

@@ -45,13 +45,20 @@ impl AdamConfig {
     }
 }
 
-/// Adam / AdamW, as PyTorch defines them. Both moment estimates live in the model scope.
+/// Adam / AdamW, as PyTorch defines them. Both moment estimates live in the model scope, and so do
+/// the bias corrections' powers `[b1^t, b2^t]` (an `f64` pair on the parameters' device, advanced by
+/// each step), so that a step captured as a CUDA graph ([`StepGraph`](crate::StepGraph)) corrects
+/// each replayed step by its own `t`, as PyTorch's `capturable` Adam does.
 #[derive(Debug)]
 pub struct Adam<'m> {
     config: AdamConfig,
     steps: u64,
     first_moment: Vec<Tensor<'m>>,
     second_moment: Vec<Tensor<'m>>,
+    /// `[b1^t, b2^t]` after `t` steps.
+    powers: Tensor<'m>,
+    /// `[b1, b2]`, what `powers` is multiplied by at each step.
+    betas: Tensor<'m>,
     frozen: Frozen,
 }
 
@@ -82,11 +89,15 @@ impl<'m> Adam<'m> {
                 ),
             });
         }
+        let pair =
+            |values: [f64; 2], name| Ok::<_, Error>(scope.from_slice(&values, &[2])?.named(name));
         Ok(Adam {
             config,
             steps: 0,
             first_moment: zeros_like_each(scope, params, "adam.m")?,
             second_moment: zeros_like_each(scope, params, "adam.v")?,
+            powers: pair([1.0, 1.0], "adam.powers")?,
+            betas: pair([b1, b2], "adam.betas")?,
             frozen: Frozen::default(),
         })
     }
@@ -104,11 +115,7 @@ impl<'m> Optimizer<'m> for Adam<'m> {
         grads: &Gradients<'_>,
     ) -> Result<()> {
         let c = self.config;
-        let t = self.steps + 1;
         let (b1, b2) = c.betas;
-        // Bias corrections folded into the step size and the denominator's scale.
-        let step_size = c.lr / (1.0 - b1.powi(t.min(i32::MAX as u64) as i32));
-        let v_scale = 1.0 / (1.0 - b2.powi(t.min(i32::MAX as u64) as i32)).sqrt();
         let (l2, decay) = if c.decoupled_weight_decay {
             (0.0, 1.0 - c.lr * c.weight_decay)
         } else {
@@ -118,29 +125,34 @@ impl<'m> Optimizer<'m> for Adam<'m> {
             b1,
             b2,
             eps: c.eps,
-            step_size,
-            v_scale,
+            lr: c.lr,
             l2,
             decay,
         };
         check_param_set("Adam::step", params, &self.first_moment)?;
         self.frozen.check_gradients("Adam::step", params, grads)?;
+        // `[b1^t, b2^t]` for this step's `t`, advanced on the device.
+        self.powers.mul_(&self.betas)?;
         let frozen = &self.frozen;
-        let (ms, vs) = (&mut self.first_moment, &mut self.second_moment);
+        let (ms, vs, powers) = (
+            &mut self.first_moment,
+            &mut self.second_moment,
+            &self.powers,
+        );
         for_each_param(params, |i, p| {
-            // The bias corrections come from the host's step count: a replayed graph would repeat
-            // this step's values forever.
-            p.refuse_inside_capture(
-                "Adam::step",
-                "updating with bias corrections computed on the host (use Sgd in a captured step)",
-            )?;
             if frozen.contains(i) {
                 return Ok(());
             }
             let g = grads.get(p).expect("checked above");
-            update_in_place("Adam::step", update, &mut [p, &mut ms[i], &mut vs[i]], g)
+            update_in_place(
+                "Adam::step",
+                update,
+                &mut [p, &mut ms[i], &mut vs[i]],
+                g,
+                Some(powers),
+            )
         })?;
-        self.steps = t;
+        self.steps += 1;
         Ok(())
     }
 

@@ -11,8 +11,18 @@ use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, with_float_dtype};
 use crate::layout::RowWalk;
 
-pub(super) fn update(dtype: DType, update: FusedUpdate, targets: SmallVec<[Dst; 3]>, grad: Src) {
-    with_float_dtype!(dtype, T => update.host::<T>(Update { targets, grad }),
+pub(super) fn update(
+    dtype: DType,
+    update: FusedUpdate,
+    targets: SmallVec<[Dst; 3]>,
+    grad: Src,
+    powers: Option<Src>,
+) {
+    let powers = powers.map_or([0.0; 2], |p| {
+        let p = p.contiguous_host::<f64>();
+        [p[0], p[1]]
+    });
+    with_float_dtype!(dtype, T => update.host::<T>(powers, Update { targets, grad }),
         else unreachable!("optimizers refuse integer parameters before updating"));
 }
 

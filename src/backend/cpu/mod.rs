@@ -239,8 +239,9 @@ impl Backend for Cpu {
         update: FusedUpdate,
         targets: SmallVec<[Dst; 3]>,
         grad: Src,
+        powers: Option<Src>,
     ) -> Result<()> {
-        fused::update(dtype, update, targets, grad);
+        fused::update(dtype, update, targets, grad, powers);
         Ok(())
     }
 

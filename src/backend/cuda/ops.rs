@@ -494,12 +494,14 @@ impl Backend for Gpu {
         update: FusedUpdate,
         targets: SmallVec<[Dst; 3]>,
         grad: Src,
+        powers: Option<Src>,
     ) -> Result<()> {
         let n = grad.layout.numel();
         if n == 0 {
             return Ok(());
         }
         let count = n as i64;
+        let powers = powers.map_or(0, |p| first(p.buf.address(), p.layout, DType::F64));
         let gp = first(grad.buf.address(), grad.layout, dtype);
         let ptrs: SmallVec<[u64; 3]> = targets
             .iter()
@@ -517,17 +519,16 @@ impl Backend for Gpu {
                 // unique handles, so no other tensor sees the writes.
                 unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("sgd kernel", e))?;
             }
-            (FusedUpdate::Adam { b1, b2, eps, step_size, v_scale, l2, decay }, [pp, mp, vp]) => {
+            (FusedUpdate::Adam { b1, b2, eps, lr, l2, decay }, [pp, mp, vp]) => {
                 let f = self.function(kernel(family!("adam"), dtype))?;
-                let scalars = [b1, b2, eps, step_size, v_scale, l2, decay].map(T::from_f64);
+                let [b1, b2, eps, l2, decay] = [b1, b2, eps, l2, decay].map(T::from_f64);
                 let mut l = self.stream.launch_builder(&f);
-                l.arg(&count).arg(pp).arg(mp).arg(vp).arg(&gp);
-                for s in &scalars {
-                    l.arg(s);
-                }
-                // SAFETY: the arguments match `adam_<dtype>` (i64, four T pointers, then b1, b2, eps,
-                // step_size, v_scale, l2, decay as T) for a float dtype; the four are contiguous
-                // with `n` elements, and the three targets are unique handles.
+                l.arg(&count).arg(pp).arg(mp).arg(vp).arg(&gp).arg(&powers);
+                l.arg(&b1).arg(&b2).arg(&eps).arg(&lr).arg(&l2).arg(&decay);
+                // SAFETY: the arguments match `adam_<dtype>` (i64, four T pointers, const double*,
+                // then b1, b2, eps as T, lr as double, l2, decay as T) for a float dtype; the four are
+                // contiguous with `n` elements, the three targets are unique handles, and `powers`
+                // is the contiguous f64 pair the op checked.
                 unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("adam kernel", e))?;
             }
             _ => unreachable!("an update gets the {} targets its kernel rewrites", update.targets()),
