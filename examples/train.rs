@@ -38,6 +38,7 @@ OPTIONS:
   --data DIR           MNIST IDX files in DIR instead of the bundled digits
   --checkpoint FILE    write the trained parameters as safetensors
   --timeline PREFIX    record the memory timeline: PREFIX.json and a chart, PREFIX.svg
+                       (and the workspace's plan, PREFIX-plan.svg)
   --leak               keep every batch's logits in the model scope (with `move_to`),
                        to see what a leak looks like in the stats and the timeline
   --help               this text";
@@ -324,6 +325,11 @@ fn run(o: &Options) -> Result<()> {
                 };
                 write_file(&format!("{prefix}.json"), &timeline.to_json())?;
                 write_file(&format!("{prefix}.svg"), &timeline.to_svg(title))?;
+                if let Some(plan) = ws.plans().iter().max_by_key(|p| p.peak()) {
+                    let title = "the batch workspace's plan: one rectangle per allocation of a step";
+                    write_file(&format!("{prefix}-plan.svg"), &plan.to_svg(title))?;
+                    println!("workspace plan: drawn in {prefix}-plan.svg");
+                }
                 println!(
                     "timeline: {} events in {prefix}.json, chart in {prefix}.svg",
                     timeline.events().len()

@@ -37,6 +37,15 @@ use crate::memory::{raw, reclaim};
 /// A reusable arena for a workspace scope; open a cycle with
 /// [`Scope::workspace`](crate::Scope::workspace).
 ///
+/// Two modes. [`Workspace::new`] bump-allocates: the arena learns the top a bump pointer reaches in
+/// a cycle (a chain of temporaries needs the sum of its allocations) and suits any loop, including
+/// one whose shapes change every cycle. [`Workspace::planned`] records the first cycle, solves an
+/// offset for each allocation so that tensors alive at the same time never share a byte, and replays
+/// those offsets in every cycle that repeats the sequence: its arena is near the cycle's live peak. A
+/// cycle that differs is served from the pool for the rest of it and planned in its turn; four plans
+/// are kept. Resetting and reusing the arena needs no run-time check: a cycle's tensors carry its
+/// scope's lifetime, so none outlives it.
+///
 /// ```
 /// use ndscope::{Device, Workspace};
 /// let mut ws = Workspace::new("batch");
@@ -109,8 +118,7 @@ impl Workspace {
     }
 
     /// An empty planned workspace: its first cycle records the sequence of allocations, later cycles
-    /// that repeat it get each allocation at an offset solved for it (see the [module
-    /// docs](crate::Workspace) and [`Plan`]).
+    /// that repeat it get each allocation at an offset solved for it ([`Plan`]).
     ///
     /// ```
     /// use ndscope::{Device, Workspace};
@@ -223,6 +231,7 @@ impl Workspace {
     }
 
     /// Memory for a request of `bytes` (> 0) of `device` memory during a cycle.
+    #[inline]
     pub(crate) fn alloc(&mut self, device: Device, bytes: usize) -> Grant {
         let size = bytes.next_multiple_of(ALIGN);
         if let Some(p) = &mut self.planner
@@ -262,6 +271,7 @@ impl Workspace {
     }
 
     /// Allocation `slot` of the current planned cycle was freed or left the cycle's scope.
+    #[inline]
     pub(crate) fn leave(&mut self, slot: u32) {
         if let Some(p) = &mut self.planner {
             p.free(slot);

@@ -31,6 +31,17 @@ pub(crate) enum Event {
     Free { slot: u32 },
 }
 
+impl Event {
+    /// The event as one integer, for the replay's comparisons (allocations even, frees odd).
+    #[inline]
+    fn code(self) -> u64 {
+        match self {
+            Event::Alloc { bytes } => (bytes as u64) << 1,
+            Event::Free { slot } => (u64::from(slot) << 1) | 1,
+        }
+    }
+}
+
 /// Where one allocation of a planned cycle lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -60,6 +71,9 @@ impl PlannedSlot {
 #[derive(Clone)]
 pub struct Plan {
     events: Vec<Event>,
+    /// `events` as codes, and each slot's offset: what a replay reads per event.
+    codes: Vec<u64>,
+    offsets: Vec<usize>,
     slots: Vec<PlannedSlot>,
     peak: usize,
     lower_bound: usize,
@@ -79,6 +93,8 @@ impl Plan {
             peak: peak_of(&slots),
             lower_bound,
             bump_size: bump_size(&events),
+            codes: events.iter().map(|e| e.code()).collect(),
+            offsets: slots.iter().map(|s| s.offset).collect(),
             events,
             slots,
             orders_tried,
@@ -103,6 +119,86 @@ impl Plan {
     /// Every allocation of the cycle, in allocation order.
     pub fn slots(&self) -> &[PlannedSlot] {
         &self.slots
+    }
+
+    /// The plan as an SVG picture, titled `title`: one rectangle per slot, spanning its live
+    /// interval (x, positions in the recorded cycle) and its bytes (y, offset in the arena), with the
+    /// lower bound and the bump arena's size as lines for scale.
+    pub fn to_svg(&self, title: &str) -> String {
+        use std::fmt::Write as _;
+        let (width, height) = (900.0, 420.0);
+        let (left, right, top, bottom) = (90.0, 20.0, 40.0, 45.0);
+        let (plot_w, plot_h) = (width - left - right, height - top - bottom);
+        let t_max = self.events.len().max(1) as f64;
+        let b_max = self.bump_size.max(self.peak).max(1) as f64;
+        let x = |t: usize| left + plot_w * t as f64 / t_max;
+        let y = |b: usize| top + plot_h * (1.0 - b as f64 / b_max);
+        let mut svg = String::new();
+        let _ = writeln!(
+            svg,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+             viewBox=\"0 0 {width} {height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+             <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+             <text x=\"{left}\" y=\"22\" font-size=\"14\">{}</text>",
+            xml_escape(title)
+        );
+        const FILLS: [&str; 6] = [
+            "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf", "#8c564b",
+        ];
+        for (i, s) in self.slots.iter().enumerate() {
+            let _ = writeln!(
+                svg,
+                "<rect x=\"{:.1}\" y=\"{:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{}\" \
+                 fill-opacity=\"0.75\" stroke=\"white\" stroke-width=\"0.5\"><title>slot {i}: offset {}, \
+                 {} bytes, live {}..{}</title></rect>",
+                x(s.start),
+                y(s.offset + s.bytes),
+                (x(s.end) - x(s.start)).max(0.5),
+                (y(s.offset) - y(s.offset + s.bytes)).max(0.5),
+                FILLS[i % FILLS.len()],
+                s.offset,
+                s.bytes,
+                s.start,
+                s.end
+            );
+        }
+        for (bytes, label, dash) in [
+            (self.lower_bound, "lower bound", "4 3"),
+            (self.peak, "plan", ""),
+            (self.bump_size, "bump arena", "8 4"),
+        ] {
+            let _ = writeln!(
+                svg,
+                "<line x1=\"{left}\" x2=\"{:.1}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#d62728\" \
+                 stroke-dasharray=\"{dash}\"/>\n<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\" \
+                 fill=\"#d62728\">{label} {}</text>",
+                left + plot_w,
+                left + plot_w - 4.0,
+                y(bytes) - 4.0,
+                Bytes(bytes),
+                y = y(bytes)
+            );
+        }
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{left}\" x2=\"{left}\" y1=\"{top}\" y2=\"{:.1}\" stroke=\"black\"/>\n\
+             <line x1=\"{left}\" x2=\"{:.1}\" y1=\"{:.1}\" y2=\"{:.1}\" stroke=\"black\"/>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"middle\">position in the cycle (allocations and \
+             frees)</text>\n<text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" \
+             text-anchor=\"middle\">offset in the arena</text>\n<text x=\"{:.1}\" y=\"{:.1}\" \
+             text-anchor=\"end\">0</text>\n</svg>",
+            top + plot_h,
+            left + plot_w,
+            top + plot_h,
+            top + plot_h,
+            left + plot_w / 2.0,
+            height - 12.0,
+            top + plot_h / 2.0,
+            top + plot_h / 2.0,
+            left - 6.0,
+            top + plot_h + 4.0
+        );
+        svg
     }
 
     /// `peak / lower_bound` (1.0 is optimal; 1.0 for an empty plan).
@@ -187,17 +283,25 @@ impl Planner {
         self.replaying
     }
 
-    /// Starts a cycle whose arena holds `room` bytes.
+    /// Starts a cycle whose arena holds `room` bytes. The plan in use first must fit it: a replay
+    /// reads offsets without checking them again.
     pub(crate) fn begin(&mut self, room: usize) {
         self.room = room;
         self.allocations = 0;
         self.cursor = 0;
         self.recording.clear();
-        self.replaying = self.plans.iter().any(|p| p.peak <= room);
+        match self.plans.iter().position(|p| p.peak <= room) {
+            Some(i) => {
+                self.plans[..=i].rotate_right(1);
+                self.replaying = true;
+            }
+            None => self.replaying = false,
+        }
     }
 
     /// The cycle's next allocation, of `size` aligned bytes: its slot, and its offset in the arena
     /// while the cycle follows a plan (`None`: the caller takes the memory from the pool).
+    #[inline]
     pub(crate) fn alloc(&mut self, size: usize) -> (u32, Option<usize>) {
         let slot = self.allocations;
         if slot == NO_SLOT {
@@ -205,9 +309,10 @@ impl Planner {
         }
         self.allocations += 1;
         let event = Event::Alloc { bytes: size };
-        if self.replaying && (self.follows(event) || self.cursor == 0 && self.choose(event)) {
+        let code = event.code();
+        if self.replaying && (self.follows(code) || self.cursor == 0 && self.choose(code)) {
             self.cursor += 1;
-            return (slot, Some(self.plans[0].slots[slot as usize].offset));
+            return (slot, Some(self.plans[0].offsets[slot as usize]));
         }
         self.diverge();
         self.recording.push(event);
@@ -215,9 +320,10 @@ impl Planner {
     }
 
     /// Allocation `slot` of the current cycle was freed or left the cycle's scope.
+    #[inline]
     pub(crate) fn free(&mut self, slot: u32) {
         let event = Event::Free { slot };
-        if self.replaying && self.follows(event) {
+        if self.replaying && self.follows(event.code()) {
             self.cursor += 1;
             return;
         }
@@ -242,20 +348,22 @@ impl Planner {
         Some(peak)
     }
 
-    /// Whether `event` is the next event of the plan in use (which fits the arena).
-    fn follows(&self, event: Event) -> bool {
+    /// Whether the event coded `code` is the next one of the plan in use (which fits the arena:
+    /// `begin` and `choose` put only such a plan first while replaying).
+    #[inline]
+    fn follows(&self, code: u64) -> bool {
         self.plans
             .first()
-            .is_some_and(|p| p.peak <= self.room && p.events.get(self.cursor) == Some(&event))
+            .is_some_and(|p| p.codes.get(self.cursor) == Some(&code))
     }
 
     /// Before a cycle's first event: puts first the most recently used plan that fits the arena and
-    /// starts with `event`, if there is one.
-    fn choose(&mut self, event: Event) -> bool {
+    /// starts with the event coded `code`, if there is one.
+    fn choose(&mut self, code: u64) -> bool {
         let found = self
             .plans
             .iter()
-            .position(|p| p.peak <= self.room && p.events.first() == Some(&event));
+            .position(|p| p.peak <= self.room && p.codes.first() == Some(&code));
         if let Some(i) = found {
             self.plans[..=i].rotate_right(1);
         }
@@ -274,6 +382,13 @@ impl Planner {
                 .extend_from_slice(&plan.events[..self.cursor]);
         }
     }
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 /// Each allocation's size and live interval (positions in `events`), offsets still 0.
@@ -525,6 +640,18 @@ mod tests {
             text.contains("     1          0          128  1..3"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_picture_has_a_rectangle_per_slot_and_the_three_sizes() {
+        let plan = Plan::solve(vec![alloc(64), alloc(128), free(0), alloc(64)]);
+        let svg = plan.to_svg("a <small> plan");
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<title>slot ").count(), 3);
+        assert!(svg.contains("a &lt;small&gt; plan"));
+        for label in ["lower bound 192 B", "plan 192 B", "bump arena 256 B"] {
+            assert!(svg.contains(label), "{label} in {svg}");
+        }
     }
 
     #[test]

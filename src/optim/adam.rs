@@ -96,8 +96,9 @@ impl<'m> Adam<'m> {
             steps: 0,
             first_moment: zeros_like_each(scope, params, "adam.m")?,
             second_moment: zeros_like_each(scope, params, "adam.v")?,
-            powers: pair([1.0, 1.0], "adam.powers")?,
-            betas: pair([b1, b2], "adam.betas")?,
+            // Direct calls, so the creation site dumps show is the optimizer's caller.
+            powers: scope.from_slice(&[1.0f64, 1.0], &[2])?.named("adam.powers"),
+            betas: scope.from_slice(&[b1, b2], &[2])?.named("adam.betas"),
             frozen: Frozen::default(),
         })
     }
