@@ -89,8 +89,6 @@ impl<'m> Adam<'m> {
                 ),
             });
         }
-        let pair =
-            |values: [f64; 2], name| Ok::<_, Error>(scope.from_slice(&values, &[2])?.named(name));
         Ok(Adam {
             config,
             steps: 0,
