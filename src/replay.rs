@@ -1,29 +1,6 @@
 //! Replayed steps: a training step that runs in a planned workspace and, on a GPU, is captured once
-//! as a CUDA graph and replayed with one launch per step.
-//!
-//! A step of a training loop launches the same kernels on the same addresses every time once its
-//! workspace replays a plan: the inputs land in the same slots, every temporary gets the offset the
-//! plan gave it, and the parameters are updated in place. [`StepGraph`] uses that. It runs the step
-//! eagerly in a [planned workspace](crate::Workspace::planned) until the plan replays steadily, then
-//! (on a GPU) records one step's launches into a CUDA graph. Every later call copies the new inputs
-//! into their planned slots, replays the graph, and copies the loss back: the host issues three
-//! calls instead of one launch per op. On the host the step always runs eagerly, in the planned
-//! workspace, so one training loop serves both devices.
-//!
-//! What the types guarantee: the step closure returns its loss as a tensor of the cycle, which
-//! [`run`](StepGraph::run) consumes and turns into an `f32` — no tensor of a captured step survives
-//! it, and nothing can read a slot while the next replay writes it. The closure is stored in the
-//! graph, so whatever it borrows (the model, the optimizer) stays borrowed, alive and in place, for
-//! as long as the graph can replay; drop the graph to use the model otherwise (evaluation,
-//! checkpoints), and make a new one to go on training.
-//!
-//! What a captured step cannot do, each an [`Error::InsideCapture`] naming the op: read a GPU tensor
-//! on the host (`to_vec`, `to_scalar`, index checks of scatters), copy host data to the GPU (pass
-//! batch data as inputs), draw random numbers (dropout), or take GPU memory from outside the planned
-//! workspace. Optimizers work: [`Adam`](crate::optim::Adam) keeps its bias corrections' powers on
-//! the device, so each replay corrects by its own step. Scalars the step passes to kernels — a
-//! learning rate set with `set_learning_rate` — are fixed at capture; make a new graph after
-//! changing them.
+//! as a CUDA graph and replayed with one launch per step ([`StepGraph`] says how and what it
+//! guarantees).
 
 use std::marker::PhantomData;
 use std::ptr::NonNull;
@@ -115,8 +92,31 @@ impl Captured {
     }
 }
 
-/// A training step run in a planned workspace, and captured as a CUDA graph on a GPU (see the
-/// [module docs](self)).
+/// A training step run in a planned workspace, and captured as a CUDA graph on a GPU.
+///
+/// A step of a training loop launches the same kernels on the same addresses every time once its
+/// workspace replays a plan: the inputs land in the same slots, every temporary gets the offset the
+/// plan gave it, and the parameters are updated in place. [`StepGraph`] uses that. It runs the step
+/// eagerly in a [planned workspace](crate::Workspace::planned) until the plan replays steadily, then
+/// (on a GPU) records one step's launches into a CUDA graph. Every later call copies the new inputs
+/// into their planned slots, replays the graph, and copies the loss back: the host issues three
+/// calls instead of one launch per op. On the host the step always runs eagerly, in the planned
+/// workspace, so one training loop serves both devices.
+///
+/// What the types guarantee: the step closure returns its loss as a tensor of the cycle, which
+/// [`run`](StepGraph::run) consumes and turns into an `f32` — no tensor of a captured step survives
+/// it, and nothing can read a slot while the next replay writes it. The closure is stored in the
+/// graph, so whatever it borrows (the model, the optimizer) stays borrowed, alive and in place, for
+/// as long as the graph can replay; drop the graph to use the model otherwise (evaluation,
+/// checkpoints), and make a new one to go on training.
+///
+/// What a captured step cannot do, each an [`Error::InsideCapture`] naming the op: read a GPU tensor
+/// on the host (`to_vec`, `to_scalar`, index checks of scatters), copy host data to the GPU (pass
+/// batch data as inputs), draw random numbers (dropout), or take GPU memory from outside the planned
+/// workspace. Optimizers work: [`Adam`](crate::optim::Adam) keeps its bias corrections' powers on
+/// the device, so each replay corrects by its own step. Scalars the step passes to kernels — a
+/// learning rate set with `set_learning_rate` — are fixed at capture; make a new graph after
+/// changing them.
 ///
 /// ```
 /// use ndscope::nn::{self, Activation, Init, Mode, Module};
