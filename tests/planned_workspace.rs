@@ -44,18 +44,24 @@ fn mlp_step<'m: 'b, 'b>(
     loss.value().to_scalar::<f32>()
 }
 
+/// The MLP and its AdamW optimizer, in the model scope `m`.
+fn mlp_and_adamw<'m>(m: &Scope<'m>) -> Result<(nn::Sequential<'m>, Adam<'m>)> {
+    let model = nn::mlp(
+        m,
+        &[FEATURES, 128, CLASSES],
+        Activation::Relu,
+        Init::KaimingUniform,
+    )?;
+    let opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-4))?;
+    Ok((model, opt))
+}
+
 /// Trains the MLP for `steps` steps in `ws` (or in plain scopes for `None`); returns the losses.
 fn train_mlp(ws: Option<&mut Workspace>, steps: u64) -> Result<Vec<f32>> {
     root(Device::Cpu, |s| {
         s.set_seed(11);
         s.named_scope("model", |m| {
-            let mut model = nn::mlp(
-                m,
-                &[FEATURES, 128, CLASSES],
-                Activation::Relu,
-                Init::KaimingUniform,
-            )?;
-            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-4))?;
+            let (mut model, mut opt) = mlp_and_adamw(m)?;
             let mut losses = Vec::new();
             let mut ws = ws;
             for i in 0..steps {
@@ -350,13 +356,7 @@ fn train_mlp_graph(steps: u64) -> Result<(Vec<f32>, [u64; 3], u64)> {
     root(Device::Cpu, |s| {
         s.set_seed(11);
         s.named_scope("model", |m| {
-            let mut model = nn::mlp(
-                m,
-                &[FEATURES, 128, CLASSES],
-                Activation::Relu,
-                Init::KaimingUniform,
-            )?;
-            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-4))?;
+            let (mut model, mut opt) = mlp_and_adamw(m)?;
             let mut step = StepGraph::new("batch", |b, inputs| {
                 let tape = Tape::new(b);
                 let loss = model

@@ -46,7 +46,7 @@ impl AdamConfig {
 }
 
 /// Adam / AdamW, as PyTorch defines them. Both moment estimates live in the model scope, and so do
-/// the bias corrections' powers `[b1^t, b2^t]` (an `f64` pair on the parameters' device, advanced by
+/// the bias corrections' powers `[b1^t, b2^t]` (an `f64` pair on the model scope's device, advanced by
 /// each step), so that a step captured as a CUDA graph ([`StepGraph`](crate::StepGraph)) corrects
 /// each replayed step by its own `t`, as PyTorch's `capturable` Adam does.
 #[derive(Debug)]
