@@ -110,13 +110,18 @@ impl Captured {
 /// as long as the graph can replay; drop the graph to use the model otherwise (evaluation,
 /// checkpoints), and make a new one to go on training.
 ///
+/// A replay does not call the closure: the GPU repeats the captured launches. Host-side state the
+/// closure changes — a step counter, a learning rate it sets from a schedule — advances in eager
+/// steps and in the capture only, so keep such state on the device (as [`Adam`](crate::optim::Adam)
+/// does with its step count) or use [`without_capture`](StepGraph::without_capture).
+///
 /// What a captured step cannot do, each an [`Error::InsideCapture`] naming the op: read a GPU tensor
 /// on the host (`to_vec`, `to_scalar`, index checks of scatters), copy host data to the GPU (pass
 /// batch data as inputs), draw random numbers (dropout), or take GPU memory from outside the planned
 /// workspace. Optimizers work: [`Adam`](crate::optim::Adam) keeps its bias corrections' powers on
-/// the device, so each replay corrects by its own step. Scalars the step passes to kernels — a
-/// learning rate set with `set_learning_rate` — are fixed at capture; make a new graph after
-/// changing them.
+/// the device, so each replay corrects by its own step. Scalars the step passes to kernels — the
+/// learning rate — are fixed at capture (the optimizer is borrowed by the graph, so it cannot be
+/// changed from outside meanwhile); drop the graph, change them, and make a new one.
 ///
 /// ```
 /// use ndscope::nn::{self, Activation, Init, Mode, Module};
