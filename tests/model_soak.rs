@@ -9,10 +9,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use ndscope::nn::{
-    AttentionOptions, BatchNorm2d, Conv2d, Embedding, Init, LayerNorm, Linear, Mode, Module,
-    Pool2d, PositionalEmbedding, TransformerBlock,
-};
+use ndscope::nn::{BatchNorm2d, Conv2d, Init, Linear, Mode, Module, Pool2d};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{Conv2dOptions, Device, Result, Scope, Tape, Workspace, root};
 
@@ -45,33 +42,16 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-ndscope::model! {
-    struct Gpt<'m> {
-        tokens: Embedding<'m>,
-        positions: PositionalEmbedding<'m>,
-        blocks: Vec<TransformerBlock<'m>>,
-        ln: LayerNorm<'m>,
-        head: Linear<'m>,
-    }
-}
+mod common;
+use common::gpt::Gpt;
 
 const ROUNDS: usize = 6;
 const STEPS_PER_ROUND: u64 = 8;
 const WARMUP_ROUNDS: usize = 2;
-const VOCAB: usize = 12;
-const LEN: usize = 8;
+/// Images per CNN batch.
 const BATCH: usize = 8;
 
-/// A batch of sequences `a, a+1, a+2, ...` (mod the vocabulary): the next token is predictable.
-fn batch_ids(step: u64) -> Vec<i64> {
-    (0..BATCH * (LEN + 1))
-        .map(|i| {
-            let (row, col) = (i / (LEN + 1), i % (LEN + 1));
-            ((row as u64 * 5 + step + col as u64) % VOCAB as u64) as i64
-        })
-        .collect()
-}
-
+/// One step in the batch scope `b`; checks that the model scope allocated nothing during it.
 fn gpt_step<'m: 'b, 'b>(
     m: &Scope<'m>,
     b: &'b Scope<'b>,
@@ -80,24 +60,8 @@ fn gpt_step<'m: 'b, 'b>(
     step: u64,
 ) -> Result<f32> {
     let model_allocs = m.stats().allocations;
-    let ids = b.from_slice(&batch_ids(step), &[BATCH, LEN + 1])?;
     let tape = Tape::new(b);
-    let mut x = model
-        .positions
-        .forward(&model.tokens.forward(&tape, &ids.narrow(1, 0, LEN)?)?)?;
-    for block in &model.blocks {
-        x = block.forward(&x, Mode::Train)?;
-    }
-    let logits = model
-        .head
-        .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
-    let next = ids
-        .narrow(1, 1, LEN)?
-        .contiguous()?
-        .reshape(&[BATCH * LEN])?;
-    let loss = logits
-        .reshape(&[BATCH * LEN, VOCAB])?
-        .cross_entropy(&next)?;
+    let loss = model.loss(&tape, b, step)?;
     let grads = tape.backward(&loss)?;
     opt.step(model, &grads)?;
     assert_eq!(
@@ -143,21 +107,7 @@ fn soak_gpt(workspace: bool) -> Result<(Vec<Snapshot>, Vec<f32>)> {
     root(Device::Cpu, |s| {
         s.set_seed(3);
         s.named_scope("model", |m| {
-            let init = Init::Normal(0.02);
-            let opts = AttentionOptions {
-                causal: true,
-                dropout: 0.1,
-            };
-            let mut model = Gpt {
-                tokens: Embedding::new(m, VOCAB, 16, init)?,
-                positions: PositionalEmbedding::new(m, LEN, 16, init)?,
-                blocks: vec![
-                    TransformerBlock::new(m, 16, 2, opts, init)?,
-                    TransformerBlock::new(m, 16, 2, opts, init)?,
-                ],
-                ln: LayerNorm::new(m, 16)?,
-                head: Linear::new(m, 16, VOCAB, init)?,
-            };
+            let mut model = Gpt::new(m)?;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
             let schedule = WarmupCosine::new(1e-2, 5, ROUNDS as u64 * STEPS_PER_ROUND)?;
             rounds(m, |i| {

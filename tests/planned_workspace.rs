@@ -4,12 +4,12 @@
 //! replayed cycle computes are the numbers an unplanned one computes; and a `StepGraph` runs its
 //! step in such a workspace (on the host, always eagerly; tests/cuda.rs captures it on a GPU).
 
-use ndscope::nn::{
-    self, Activation, AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module,
-    PositionalEmbedding, TransformerBlock,
-};
+use ndscope::nn::{self, Activation, Init, Mode, Module};
 use ndscope::optim::{Adam, AdamConfig, Optimizer};
 use ndscope::{Device, Error, Input, Result, Scope, StepGraph, Tape, Workspace, root};
+
+mod common;
+use common::gpt::Gpt;
 
 const FEATURES: usize = 64;
 const CLASSES: usize = 10;
@@ -115,41 +115,14 @@ fn an_mlp_step_replays_its_plan_near_the_lower_bound() -> Result<()> {
     Ok(())
 }
 
-ndscope::model! {
-    struct Gpt<'m> {
-        tokens: Embedding<'m>,
-        positions: PositionalEmbedding<'m>,
-        blocks: Vec<TransformerBlock<'m>>,
-        ln: LayerNorm<'m>,
-        head: Linear<'m>,
-    }
-}
-
-const VOCAB: usize = 12;
-const LEN: usize = 8;
-
 fn gpt_step<'m: 'b, 'b>(
     b: &'b Scope<'b>,
     model: &mut Gpt<'m>,
     opt: &mut Adam<'m>,
     step: u64,
 ) -> Result<f32> {
-    let ids: Vec<i64> = (0..8 * (LEN + 1))
-        .map(|i| ((i as u64 / (LEN as u64 + 1) * 5 + step + i as u64) % VOCAB as u64) as i64)
-        .collect();
-    let ids = b.from_slice(&ids, &[8, LEN + 1])?;
     let tape = Tape::new(b);
-    let mut x = model
-        .positions
-        .forward(&model.tokens.forward(&tape, &ids.narrow(1, 0, LEN)?)?)?;
-    for block in &model.blocks {
-        x = block.forward(&x, Mode::Train)?;
-    }
-    let logits = model
-        .head
-        .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
-    let next = ids.narrow(1, 1, LEN)?.contiguous()?.reshape(&[8 * LEN])?;
-    let loss = logits.reshape(&[8 * LEN, VOCAB])?.cross_entropy(&next)?;
+    let loss = model.loss(&tape, b, step)?;
     let grads = tape.backward(&loss)?;
     opt.step(model, &grads)?;
     loss.value().to_scalar::<f32>()
@@ -161,21 +134,7 @@ fn a_transformer_step_replays_its_plan_near_the_lower_bound() -> Result<()> {
     root(Device::Cpu, |s| {
         s.set_seed(3);
         s.named_scope("model", |m| {
-            let init = Init::Normal(0.02);
-            let opts = AttentionOptions {
-                causal: true,
-                dropout: 0.1,
-            };
-            let mut model = Gpt {
-                tokens: Embedding::new(m, VOCAB, 16, init)?,
-                positions: PositionalEmbedding::new(m, LEN, 16, init)?,
-                blocks: vec![
-                    TransformerBlock::new(m, 16, 2, opts, init)?,
-                    TransformerBlock::new(m, 16, 2, opts, init)?,
-                ],
-                ln: LayerNorm::new(m, 16)?,
-                head: Linear::new(m, 16, VOCAB, init)?,
-            };
+            let mut model = Gpt::new(m)?;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
             for i in 0..4 {
                 m.workspace(&mut ws, |b| gpt_step(b, &mut model, &mut opt, i))?;

@@ -3,6 +3,8 @@
 //! bytes of test files.
 #![allow(dead_code)]
 
+pub mod gpt;
+
 /// Row-major strides of `shape`.
 pub fn strides(shape: &[usize]) -> Vec<usize> {
     let mut s = vec![1; shape.len()];
