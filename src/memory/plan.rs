@@ -19,7 +19,7 @@
 use std::fmt;
 
 use crate::memory::block::NO_SLOT;
-use crate::memory::stats::Bytes;
+use crate::memory::stats::{Bytes, xml_escape};
 
 /// One event of a recorded cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -382,13 +382,6 @@ impl Planner {
                 .extend_from_slice(&plan.events[..self.cursor]);
         }
     }
-}
-
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 /// Each allocation's size and live interval (positions in `events`), offsets still 0.

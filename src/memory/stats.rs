@@ -189,3 +189,12 @@ impl fmt::Display for MemoryStats {
         Ok(())
     }
 }
+
+/// `s` with the characters XML gives a meaning escaped, for the SVG charts (the timeline's and a
+/// plan's).
+pub(crate) fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}

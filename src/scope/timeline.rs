@@ -10,6 +10,7 @@ use std::panic::Location;
 use std::time::Instant;
 
 use crate::memory::block::{BlockHeader, NO_SLOT};
+use crate::memory::stats::xml_escape;
 use crate::scope::node::{ScopeName, ScopeNode};
 
 /// What happened to a block.
@@ -364,12 +365,4 @@ fn escape(s: &str) -> String {
         }
     }
     out
-}
-
-/// Escapes text for SVG (XML) content.
-fn xml_escape(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
