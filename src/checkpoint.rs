@@ -22,7 +22,7 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
 
-use crate::dtype::{DType, Element, with_dtype};
+use crate::dtype::{DType, Element, bf16, f16, with_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
 use crate::scope::Scope;
@@ -69,6 +69,8 @@ fn safetensors_dtype(dtype: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F64 => Dtype::F64,
         DType::I64 => Dtype::I64,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
     }
 }
 
@@ -77,23 +79,29 @@ fn our_dtype(name: &str, dtype: Dtype) -> Result<DType> {
         Dtype::F32 => Ok(DType::F32),
         Dtype::F64 => Ok(DType::F64),
         Dtype::I64 => Ok(DType::I64),
+        Dtype::BF16 => Ok(DType::BF16),
+        Dtype::F16 => Ok(DType::F16),
         other => Err(Error::Format {
             format: "safetensors",
             reason: format!(
-                "tensor \"{name}\" has dtype {other:?}; ndscope reads F32, F64 and I64"
+                "tensor \"{name}\" has dtype {other:?}; ndscope reads F32, F64, I64, BF16 and F16"
             ),
         }),
     }
 }
 
-/// Little-endian bytes of a tensor's elements.
-fn bytes_of(t: &Tensor<'_>) -> Result<Vec<u8>> {
-    with_dtype!(t.dtype(), T => {
-        let values = t.to_vec::<T>()?;
-        let mut bytes = Vec::with_capacity(values.len() * std::mem::size_of::<T>());
-        values.iter().for_each(|v| v.put_le(&mut bytes));
+/// Little-endian bytes of a tensor's elements, converted to `dtype` (rounded to nearest).
+fn bytes_of(t: &Tensor<'_>, dtype: DType) -> Result<Vec<u8>> {
+    with_dtype!(t.dtype(), S => with_dtype!(dtype, D => {
+        let values = t.to_vec::<S>()?;
+        let mut bytes = Vec::with_capacity(values.len() * std::mem::size_of::<D>());
+        if S::DTYPE == D::DTYPE {
+            values.iter().for_each(|v| v.put_le(&mut bytes));
+        } else {
+            values.iter().for_each(|v| D::from_f64(v.to_f64()).put_le(&mut bytes));
+        }
         Ok(bytes)
-    })
+    }))
 }
 
 /// The parameters of `params` in the safetensors format.
@@ -101,18 +109,64 @@ fn bytes_of(t: &Tensor<'_>) -> Result<Vec<u8>> {
 /// # Errors
 /// [`Error::Format`] when two parameters share a name.
 pub fn to_bytes<'m>(params: &(impl Parameters<'m> + ?Sized)) -> Result<Vec<u8>> {
+    serialize(params, None)
+}
+
+/// The parameters of `params` in the safetensors format, with every float parameter converted to
+/// `dtype` (rounded to nearest): an `f32` model saved as `bf16` or `f16` takes half the bytes.
+/// Integer tensors keep their dtype. Load it back into the `f32` model with [`load_bytes_cast`].
+///
+/// ```
+/// use ndscope::nn::{self, Activation, Init, Parameters};
+/// use ndscope::{DType, Device, checkpoint, root};
+///
+/// root(Device::Cpu, |s| {
+///     let model = nn::mlp(s, &[64, 32, 10], Activation::Relu, Init::KaimingUniform)?;
+///     let half = checkpoint::to_bytes_in(&model, DType::BF16)?;
+///     assert!(half.len() < checkpoint::to_bytes(&model)?.len() * 6 / 10);
+///     let mut restored = nn::mlp(s, &[64, 32, 10], Activation::Relu, Init::Constant(0.0))?;
+///     checkpoint::load_bytes_cast(&mut restored, &half)?; // bf16 values into f32 parameters
+///     Ok::<_, ndscope::Error>(())
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+///
+/// # Errors
+/// As for [`to_bytes`]; [`Error::UnsupportedDType`] for an integer `dtype`.
+pub fn to_bytes_in<'m>(params: &(impl Parameters<'m> + ?Sized), dtype: DType) -> Result<Vec<u8>> {
+    if !dtype.is_float() {
+        return Err(Error::UnsupportedDType {
+            op: "checkpoint::to_bytes_in",
+            dtype,
+            expected: "a float dtype to convert the float parameters to",
+        });
+    }
+    serialize(params, Some(dtype))
+}
+
+/// The safetensors bytes of `params`, float parameters converted to `float_dtype` if given.
+fn serialize<'m>(
+    params: &(impl Parameters<'m> + ?Sized),
+    float_dtype: Option<DType>,
+) -> Result<Vec<u8>> {
     let mut entries: Vec<(String, Entry)> = Vec::new();
     let mut failure = None;
-    params.visit("", &mut |name, t| match bytes_of(t) {
-        Ok(bytes) => entries.push((
-            name.to_string(),
-            Entry {
-                dtype: safetensors_dtype(t.dtype()),
-                shape: t.shape().to_vec(),
-                bytes,
-            },
-        )),
-        Err(e) => failure = failure.take().or(Some(e)),
+    params.visit("", &mut |name, t| {
+        let dtype = match float_dtype {
+            Some(d) if t.dtype().is_float() => d,
+            _ => t.dtype(),
+        };
+        match bytes_of(t, dtype) {
+            Ok(bytes) => entries.push((
+                name.to_string(),
+                Entry {
+                    dtype: safetensors_dtype(dtype),
+                    shape: t.shape().to_vec(),
+                    bytes,
+                },
+            )),
+            Err(e) => failure = failure.take().or(Some(e)),
+        }
     });
     if let Some(e) = failure {
         return Err(e);
@@ -148,6 +202,27 @@ pub fn save<'m>(params: &(impl Parameters<'m> + ?Sized), path: impl AsRef<Path>)
 /// checkpoint lacks; [`Error::ShapeMismatch`] / [`Error::DTypeMismatch`] for one saved with another
 /// shape or dtype.
 pub fn load_bytes<'m>(params: &mut (impl Parameters<'m> + ?Sized), bytes: &[u8]) -> Result<()> {
+    load_into(params, bytes, false)
+}
+
+/// As [`load_bytes`], converting each saved float tensor to its parameter's float dtype (a `bf16`
+/// checkpoint into an `f32` model, or back); integer tensors must match exactly.
+///
+/// # Errors
+/// As for [`load_bytes`]; [`Error::DTypeMismatch`] between a float and an integer dtype.
+pub fn load_bytes_cast<'m>(
+    params: &mut (impl Parameters<'m> + ?Sized),
+    bytes: &[u8],
+) -> Result<()> {
+    load_into(params, bytes, true)
+}
+
+/// Loads `bytes` into `params`; with `cast`, float tensors convert to the parameters' dtypes.
+fn load_into<'m>(
+    params: &mut (impl Parameters<'m> + ?Sized),
+    bytes: &[u8],
+    cast: bool,
+) -> Result<()> {
     const OP: &str = "checkpoint::load";
     let file = SafeTensors::deserialize(bytes).map_err(format_error)?;
     let mut wanted: Vec<(String, Vec<usize>, DType)> = Vec::new();
@@ -166,7 +241,8 @@ pub fn load_bytes<'m>(params: &mut (impl Parameters<'m> + ?Sized), bytes: &[u8])
             },
         })?;
         let saved = our_dtype(name, view.dtype())?;
-        if saved != *dtype {
+        let convertible = cast && saved.is_float() && dtype.is_float();
+        if saved != *dtype && !convertible {
             return Err(Error::DTypeMismatch {
                 op: OP,
                 lhs: *dtype,
@@ -188,7 +264,15 @@ pub fn load_bytes<'m>(params: &mut (impl Parameters<'m> + ?Sized), bytes: &[u8])
         let view = next
             .next()
             .expect("visit_mut visits the parameters visit named");
-        with_dtype!(p.dtype(), T => p.copy_from_slice_(&decode::<T>(view.data())))
+        let saved = our_dtype("", view.dtype())?;
+        with_dtype!(saved, S => with_dtype!(p.dtype(), T => {
+            let values = decode::<S>(view.data());
+            if S::DTYPE == T::DTYPE {
+                p.copy_from_slice_(&values)
+            } else {
+                p.copy_from_slice_(&values.iter().map(|v| T::from_f64(v.to_f64())).collect::<Vec<T>>())
+            }
+        }))
     })
 }
 
@@ -202,10 +286,24 @@ pub fn load<'m>(params: &mut (impl Parameters<'m> + ?Sized), path: impl AsRef<Pa
     load_bytes(params, &bytes)
 }
 
+/// Loads `path` into `params`, as [`load_bytes_cast`] does.
+///
+/// # Errors
+/// [`Error::Io`] when the file cannot be read; as for [`load_bytes_cast`].
+pub fn load_cast<'m>(
+    params: &mut (impl Parameters<'m> + ?Sized),
+    path: impl AsRef<Path>,
+) -> Result<()> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
+    load_bytes_cast(params, &bytes)
+}
+
 /// Every tensor of a safetensors file's bytes, created in `scope`, sorted by name.
 ///
 /// # Errors
-/// [`Error::Format`] for bytes that are not safetensors or hold a dtype other than F32, F64, I64.
+/// [`Error::Format`] for bytes that are not safetensors or hold a dtype other than F32, F64, I64,
+/// BF16 and F16.
 pub fn read_bytes<'s>(scope: &Scope<'s>, bytes: &[u8]) -> Result<Vec<(String, Tensor<'s>)>> {
     let file = SafeTensors::deserialize(bytes).map_err(format_error)?;
     let mut out = Vec::new();
@@ -246,4 +344,4 @@ macro_rules! little_endian {
     )*};
 }
 
-little_endian!(f32, f64, i64);
+little_endian!(f32, f64, i64, bf16, f16);

@@ -1,10 +1,16 @@
 //! Element types.
 //!
 //! `f32` is the first-class type; `f64` serves reference computations and `i64` holds indices and
-//! labels. Comparisons return a tensor of the operands' dtype holding `1` and `0`, so masks multiply
-//! directly into float computations.
+//! labels. `bf16` and `f16` are storage types: every op loads them into `f32`, computes there (sums,
+//! softmax and losses accumulate in `f32` too) and rounds the result once when it stores it, so a
+//! 16-bit op differs from the `f32` op on the same values by that one rounding. Comparisons return a
+//! tensor of the operands' dtype holding `1` and `0`, so masks multiply directly into float
+//! computations.
 
 use std::fmt;
+use std::str::FromStr;
+
+pub use half::{bf16, f16};
 
 /// The element type of a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -15,12 +21,19 @@ pub enum DType {
     F64,
     /// 64-bit signed integer, for indices and labels.
     I64,
+    /// bfloat16: `f32`'s 8-bit exponent with an 8-bit significand (about 2-3 decimal digits, the
+    /// range of `f32`). The 16-bit type to train in without loss scaling.
+    BF16,
+    /// IEEE 754 half precision: 5-bit exponent, 11-bit significand (largest finite value 65504).
+    /// Training in `f16` needs loss scaling (`optim::LossScaler`) so small gradients do not flush to 0.
+    F16,
 }
 
 impl DType {
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {
+            DType::BF16 | DType::F16 => 2,
             DType::F32 => 4,
             DType::F64 | DType::I64 => 8,
         }
@@ -28,8 +41,28 @@ impl DType {
 
     /// Whether the type is a floating-point type.
     pub const fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        !matches!(self, DType::I64)
     }
+
+    /// Whether the type is a 16-bit float, stored in 16 bits and computed in `f32`.
+    pub const fn is_half(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
+    }
+
+    /// The smallest `e` with `1 + e != 1`: what one rounding to this type may cost, relative to the
+    /// value (`2^-7` for `bf16`, `2^-10` for `f16`, `2^-23` for `f32`, `2^-52` for `f64`; 0 for `i64`).
+    pub const fn epsilon(self) -> f64 {
+        match self {
+            DType::BF16 => 0.0078125,
+            DType::F16 => 0.0009765625,
+            DType::F32 => f32::EPSILON as f64,
+            DType::F64 => f64::EPSILON,
+            DType::I64 => 0.0,
+        }
+    }
+
+    /// Every dtype, in declaration order.
+    pub const ALL: [DType; 5] = [DType::F32, DType::F64, DType::I64, DType::BF16, DType::F16];
 }
 
 impl fmt::Display for DType {
@@ -38,7 +71,37 @@ impl fmt::Display for DType {
             DType::F32 => "f32",
             DType::F64 => "f64",
             DType::I64 => "i64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
         })
+    }
+}
+
+/// Why a string names no dtype.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseDTypeError(String);
+
+impl fmt::Display for ParseDTypeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "`{}` names no dtype; use one of f32, f64, i64, bf16, f16",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for ParseDTypeError {}
+
+impl FromStr for DType {
+    type Err = ParseDTypeError;
+
+    /// Parses the names [`Display`](fmt::Display) writes: `f32`, `f64`, `i64`, `bf16`, `f16`.
+    fn from_str(s: &str) -> Result<DType, ParseDTypeError> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.to_string() == s)
+            .ok_or_else(|| ParseDTypeError(s.to_string()))
     }
 }
 
@@ -47,9 +110,12 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for f64 {}
     impl Sealed for i64 {}
+    impl Sealed for super::bf16 {}
+    impl Sealed for super::f16 {}
 }
 
-/// A Rust type that can be the element of a tensor. Sealed: implemented for `f32`, `f64`, `i64`.
+/// A Rust type that can be the element of a tensor. Sealed: implemented for `f32`, `f64`, `i64`,
+/// [`bf16`] and [`f16`] (the `half` crate's types, re-exported here).
 ///
 /// Arithmetic on `i64` wraps on overflow instead of panicking, as tensor libraries do.
 pub trait Element:
@@ -304,6 +370,122 @@ impl Element for i64 {
     }
 }
 
+/// 16-bit floats: each operation converts to `f32`, computes and rounds back, so one operation
+/// rounds once. Kernels do better for chains (`op::Math::Compute`): they load once, run the whole
+/// op in `f32` and store once.
+macro_rules! half_element {
+    ($t:ty, $d:expr) => {
+        impl Element for $t {
+            const DTYPE: DType = $d;
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                <$t>::to_f64(self)
+            }
+            #[inline(always)]
+            fn zero() -> Self {
+                <$t>::ZERO
+            }
+            #[inline(always)]
+            fn one() -> Self {
+                <$t>::ONE
+            }
+            #[inline(always)]
+            fn lowest() -> Self {
+                <$t>::NEG_INFINITY
+            }
+            #[inline(always)]
+            fn highest() -> Self {
+                <$t>::INFINITY
+            }
+            #[inline(always)]
+            fn add(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            #[inline(always)]
+            fn sub(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() - o.to_f32())
+            }
+            #[inline(always)]
+            fn mul(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+            #[inline(always)]
+            fn div(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() / o.to_f32())
+            }
+            #[inline(always)]
+            fn neg(self) -> Self {
+                -self
+            }
+            #[inline(always)]
+            fn abs(self) -> Self {
+                <$t>::from_bits(self.to_bits() & 0x7fff)
+            }
+            #[inline(always)]
+            fn max_nan(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32().max_nan(o.to_f32()))
+            }
+            #[inline(always)]
+            fn min_nan(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32().min_nan(o.to_f32()))
+            }
+        }
+        impl Float for $t {
+            #[inline(always)]
+            fn exp(self) -> Self {
+                <$t>::from_f32(Float::exp(self.to_f32()))
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::from_f32(self.to_f32().ln())
+            }
+            #[inline(always)]
+            fn ln_1p(self) -> Self {
+                <$t>::from_f32(self.to_f32().ln_1p())
+            }
+            #[inline(always)]
+            fn exp_m1(self) -> Self {
+                <$t>::from_f32(self.to_f32().exp_m1())
+            }
+            #[inline(always)]
+            fn sqrt(self) -> Self {
+                <$t>::from_f32(self.to_f32().sqrt())
+            }
+            #[inline(always)]
+            fn tanh(self) -> Self {
+                <$t>::from_f32(Float::tanh(self.to_f32()))
+            }
+            #[inline(always)]
+            fn sin(self) -> Self {
+                <$t>::from_f32(self.to_f32().sin())
+            }
+            #[inline(always)]
+            fn cos(self) -> Self {
+                <$t>::from_f32(self.to_f32().cos())
+            }
+            #[inline(always)]
+            fn powf(self, e: Self) -> Self {
+                <$t>::from_f32(self.to_f32().powf(e.to_f32()))
+            }
+            #[inline(always)]
+            fn recip(self) -> Self {
+                <$t>::from_f32(1.0 / self.to_f32())
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+
+half_element!(bf16, DType::BF16);
+half_element!(f16, DType::F16);
+
 /// Runs `$body` with `$T` bound to the Rust type of `$dtype`.
 macro_rules! with_dtype {
     ($dtype:expr, $T:ident => $body:expr) => {
@@ -320,6 +502,14 @@ macro_rules! with_dtype {
                 type $T = i64;
                 $body
             }
+            $crate::dtype::DType::BF16 => {
+                type $T = $crate::dtype::bf16;
+                $body
+            }
+            $crate::dtype::DType::F16 => {
+                type $T = $crate::dtype::f16;
+                $body
+            }
         }
     };
 }
@@ -334,6 +524,14 @@ macro_rules! with_float_dtype {
             }
             $crate::dtype::DType::F64 => {
                 type $T = f64;
+                $body
+            }
+            $crate::dtype::DType::BF16 => {
+                type $T = $crate::dtype::bf16;
+                $body
+            }
+            $crate::dtype::DType::F16 => {
+                type $T = $crate::dtype::f16;
                 $body
             }
             $crate::dtype::DType::I64 => $err,

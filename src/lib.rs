@@ -23,7 +23,7 @@ mod tensor;
 pub use autograd::{Gradients, Tape, Var};
 pub use backend::{GpuMemory, gpu_memory, reset_gpu_memory_peak};
 pub use device::Device;
-pub use dtype::{DType, Element, Float};
+pub use dtype::{DType, Element, Float, ParseDTypeError, bf16, f16};
 pub use error::{Error, Result};
 pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;

@@ -70,6 +70,9 @@ impl<'t, 's> Var<'t, 's> {
         options: &Conv2dOptions,
     ) -> Result<Var<'t, 's>> {
         const OP: &str = "conv2d";
+        if let Some([x, w]) = Var::autocast_operands([self, weight])? {
+            return x.conv2d(&w, bias, options);
+        }
         let at = Location::caller();
         let &[out_channels, group_channels, kh, kw] = weight.shape() else {
             return Err(Error::InvalidShape {

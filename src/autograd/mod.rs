@@ -23,6 +23,7 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod autocast;
 mod conv;
 mod norm;
 mod ops;
@@ -375,6 +376,26 @@ impl<'s> Gradients<'s> {
     /// The gradients, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = &Tensor<'s>> {
         self.entries.iter().map(|(_, g)| g)
+    }
+
+    /// Whether every gradient is finite (no inf or NaN). One host read for all of them: each
+    /// gradient adds `sum(g * 0)` — 0 when finite, NaN otherwise — to one scalar on its device.
+    ///
+    /// # Errors
+    /// Only allocation errors.
+    pub fn all_finite(&self) -> Result<bool> {
+        let mut total: Option<Tensor<'s>> = None;
+        for g in self.iter() {
+            let z = g.mul_scalar(0.0)?.sum_all()?.to_dtype(crate::DType::F32)?;
+            total = Some(match total {
+                None => z,
+                Some(t) => t.add(&z)?,
+            });
+        }
+        match total {
+            None => Ok(true),
+            Some(t) => Ok(t.to_scalar::<f32>()?.is_finite()),
+        }
     }
 
     /// The L2 norm of all gradients together.

@@ -54,6 +54,9 @@ impl<'t, 's> Var<'t, 's> {
         bias: Option<&Var<'t, 's>>,
         eps: f64,
     ) -> Result<Var<'t, 's>> {
+        if let Some(x) = self.autocast_f32()? {
+            return x.layer_norm(weight, bias, eps);
+        }
         check_norm("layer_norm", self, &[weight, bias], eps)?;
         let centred = self.sub(&self.mean(&[-1], true)?)?;
         let variance = centred.square()?.mean(&[-1], true)?;
@@ -68,6 +71,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`layer_norm`](Self::layer_norm).
     #[track_caller]
     pub fn rms_norm(&self, weight: Option<&Var<'t, 's>>, eps: f64) -> Result<Var<'t, 's>> {
+        if let Some(x) = self.autocast_f32()? {
+            return x.rms_norm(weight, eps);
+        }
         check_norm("rms_norm", self, &[weight], eps)?;
         let mean_square = self.square()?.mean(&[-1], true)?;
         let normalised = self.mul(&mean_square.add_scalar(eps)?.sqrt()?.recip()?)?;

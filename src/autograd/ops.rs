@@ -16,7 +16,7 @@ fn not_float(op: &'static str, dtype: DType) -> Error {
     Error::UnsupportedDType {
         op,
         dtype,
-        expected: "a float dtype (f32 or f64) to be differentiated",
+        expected: "a float dtype (f32, f64, bf16 or f16) to be differentiated",
     }
 }
 
@@ -275,6 +275,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::add`].
     #[track_caller]
     pub fn add(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.add(&b);
+        }
         let out = self.value.add(&other.value)?;
         self.binary(other, "add", out, |g, _| {
             Ok([Some(g.clone()), Some(g.clone())])
@@ -287,6 +290,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::sub`].
     #[track_caller]
     pub fn sub(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.sub(&b);
+        }
         let out = self.value.sub(&other.value)?;
         self.binary(other, "sub", out, |g, needs| {
             let gb = if needs[1] { Some(g.neg()?) } else { None };
@@ -300,6 +306,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::mul`].
     #[track_caller]
     pub fn mul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.mul(&b);
+        }
         let out = self.value.mul(&other.value)?;
         let (a, b) = (self.value.clone(), other.value.clone());
         self.binary(other, "mul", out, move |g, needs| {
@@ -315,6 +324,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::div`].
     #[track_caller]
     pub fn div(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.div(&b);
+        }
         let out = self.value.div(&other.value)?;
         let (b, y) = (other.value.clone(), out.clone());
         self.binary(other, "div", out, move |g, needs| {
@@ -336,6 +348,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::pow`].
     #[track_caller]
     pub fn pow(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.pow(&b);
+        }
         let out = self.value.pow(&other.value)?;
         let (a, b, y) = (self.value.clone(), other.value.clone(), out.clone());
         self.binary(other, "pow", out, move |g, needs| {
@@ -361,6 +376,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::maximum`].
     #[track_caller]
     pub fn maximum(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.maximum(&b);
+        }
         let out = self.value.maximum(&other.value)?;
         let mask = self.value.ge(&other.value)?;
         self.select_grad(other, "maximum", out, mask)
@@ -372,6 +390,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::minimum`].
     #[track_caller]
     pub fn minimum(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = self.autocast_mixed(other)? {
+            return a.minimum(&b);
+        }
         let out = self.value.minimum(&other.value)?;
         let mask = self.value.le(&other.value)?;
         self.select_grad(other, "minimum", out, mask)
@@ -421,6 +442,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::matmul`].
     #[track_caller]
     pub fn matmul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        if let Some([a, b]) = Var::autocast_operands([self, other])? {
+            return a.matmul(&b);
+        }
         let out = self.value.matmul(&other.value)?;
         let (a, b) = (self.value.clone(), other.value.clone());
         Var::record(&[self, other], "matmul", out, move |g, needs| {
@@ -573,6 +597,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::softmax`].
     #[track_caller]
     pub fn softmax(&self, axis: isize) -> Result<Var<'t, 's>> {
+        if let Some(x) = self.autocast_f32()? {
+            return x.softmax(axis);
+        }
         let out = self.value.softmax(axis)?;
         let y = out.clone();
         Var::record(&[self], "softmax", out, move |g, _| {
@@ -589,6 +616,9 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::log_softmax`].
     #[track_caller]
     pub fn log_softmax(&self, axis: isize) -> Result<Var<'t, 's>> {
+        if let Some(x) = self.autocast_f32()? {
+            return x.log_softmax(axis);
+        }
         let out = self.value.log_softmax(axis)?;
         let y = out.clone();
         Var::record(&[self], "log_softmax", out, move |g, _| {
@@ -607,6 +637,9 @@ impl<'t, 's> Var<'t, 's> {
     /// [`Error::IndexOutOfRange`] for a label outside `0..classes`.
     #[track_caller]
     pub fn cross_entropy(&self, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        if let Some(x) = self.autocast_f32()? {
+            return x.cross_entropy(labels);
+        }
         const OP: &str = "cross_entropy";
         let logits = &self.value;
         if logits.rank() != 2 || labels.rank() != 1 || labels.shape()[0] != logits.shape()[0] {

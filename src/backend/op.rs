@@ -15,7 +15,16 @@ use crate::dtype::{Element, Float};
 /// Element math for every element type, so one generic host loop serves every dtype. The `i64`
 /// versions of float functions go through `f64`, like the kernels' integer instances; ops never
 /// call them (float-only maps refuse integer tensors first).
+///
+/// Kernels compute in [`Math::Compute`]: a 16-bit element is loaded into `f32`, the whole op (a GELU's
+/// chain, a row's sum, a softmax) runs there, and the result is rounded once when it is stored.
 pub(crate) trait Math: Element {
+    /// The type kernels compute in: `f32` for the 16-bit types, the type itself otherwise.
+    type Compute: Math<Compute = Self::Compute>;
+    /// Widens to the compute type (exact).
+    fn load(self) -> Self::Compute;
+    /// Rounds a computed value to the element type (to nearest, ties to even).
+    fn store(c: Self::Compute) -> Self;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
     fn ln_1p(self) -> Self;
@@ -33,6 +42,15 @@ pub(crate) trait Math: Element {
 macro_rules! float_math {
     ($t:ty, $erf:path) => {
         impl Math for $t {
+            type Compute = $t;
+            #[inline(always)]
+            fn load(self) -> Self {
+                self
+            }
+            #[inline(always)]
+            fn store(c: Self) -> Self {
+                c
+            }
             #[inline(always)]
             fn exp(self) -> Self {
                 Float::exp(self)
@@ -96,7 +114,55 @@ macro_rules! via_f64 {
     )*};
 }
 
+/// The 16-bit types compute in `f32`; their own math (never called by kernels, which compute in
+/// `f32`) rounds after each function.
+macro_rules! half_math {
+    ($t:ty) => {
+        impl Math for $t {
+            type Compute = f32;
+            #[inline(always)]
+            fn load(self) -> f32 {
+                self.to_f32()
+            }
+            #[inline(always)]
+            fn store(c: f32) -> Self {
+                <$t>::from_f32(c)
+            }
+            via_compute!(exp, ln, ln_1p, exp_m1, sqrt, tanh, sin, cos, recip, erf);
+            #[inline(always)]
+            fn powf(self, e: Self) -> Self {
+                Self::store(Math::powf(self.load(), e.load()))
+            }
+            #[inline(always)]
+            fn is_nan(self) -> bool {
+                <$t>::is_nan(self)
+            }
+        }
+    };
+}
+
+macro_rules! via_compute {
+    ($($name:ident),*) => {$(
+        #[inline(always)]
+        fn $name(self) -> Self {
+            Self::store(Math::$name(self.load()))
+        }
+    )*};
+}
+
+half_math!(crate::dtype::bf16);
+half_math!(crate::dtype::f16);
+
 impl Math for i64 {
+    type Compute = i64;
+    #[inline(always)]
+    fn load(self) -> i64 {
+        self
+    }
+    #[inline(always)]
+    fn store(c: i64) -> i64 {
+        c
+    }
     via_f64!(exp, ln, ln_1p, exp_m1, sqrt, tanh, sin, cos);
     #[inline(always)]
     fn erf(self) -> Self {

@@ -87,5 +87,12 @@ pub fn cross_entropy<'t, 's>(
 /// # Errors
 /// Shape, dtype or tape mismatches.
 pub fn mse<'t, 's>(prediction: &Var<'t, 's>, target: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+    // Under autocast the loss is computed in f32 (a 16-bit input is widened first).
+    if let Some(p) = prediction.autocast_f32()? {
+        return mse(&p, target);
+    }
+    if let Some(t) = target.autocast_f32()? {
+        return mse(prediction, &t);
+    }
     prediction.sub(target)?.square()?.mean_all()
 }

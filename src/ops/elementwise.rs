@@ -16,7 +16,7 @@ fn not_float(op: &'static str, dtype: DType) -> Error {
     Error::UnsupportedDType {
         op,
         dtype,
-        expected: "a float dtype (f32 or f64)",
+        expected: "a float dtype (f32, f64, bf16 or f16)",
     }
 }
 

@@ -34,7 +34,7 @@ pub(crate) fn update_in_place(
         return Err(Error::UnsupportedDType {
             op,
             dtype: source.dtype(),
-            expected: "float parameters (f32 or f64)",
+            expected: "float parameters (f32, f64, bf16 or f16)",
         });
     }
     for t in targets.iter() {

@@ -33,7 +33,7 @@ impl<'s> Tensor<'s> {
             return Err(Error::UnsupportedDType {
                 op: OP,
                 dtype: self.dtype(),
-                expected: "a float dtype (f32 or f64)",
+                expected: "a float dtype (f32, f64, bf16 or f16)",
             });
         }
         for t in [self, other] {

@@ -118,7 +118,7 @@ impl<'s> Tensor<'s> {
             return Err(Error::UnsupportedDType {
                 op: "mean",
                 dtype: self.dtype(),
-                expected: "a float dtype (f32 or f64)",
+                expected: "a float dtype (f32, f64, bf16 or f16)",
             });
         }
         let mut out = self.reduce("mean", Reduce::Sum, axes, keepdim)?;

@@ -15,7 +15,7 @@ impl<'s> Tensor<'s> {
             return Err(Error::UnsupportedDType {
                 op,
                 dtype: self.dtype(),
-                expected: "a float dtype (f32 or f64)",
+                expected: "a float dtype (f32, f64, bf16 or f16)",
             });
         }
         let last = self.rank() - 1;

@@ -4,7 +4,7 @@
 use std::panic::Location;
 
 use crate::backend::op::Window2d;
-use crate::dtype::DType;
+use crate::dtype::{DType, Element, with_float_dtype};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -213,17 +213,13 @@ impl<'s> Tensor<'s> {
             }
         }
         let mut t = Tensor::output_of(&[self], self.dtype(), &[output, input], at)?;
-        match self.dtype() {
-            DType::F32 => t.upload(&m.iter().map(|&v| v as f32).collect::<Vec<_>>())?,
-            DType::F64 => t.upload(&m)?,
-            DType::I64 => {
-                return Err(Error::UnsupportedDType {
-                    op: "adaptive_avg_pool2d",
-                    dtype: DType::I64,
-                    expected: "a float dtype (f32 or f64)",
-                });
-            }
-        }
+        with_float_dtype!(self.dtype(), T => t.upload(&m.iter().map(|&v| T::from_f64(v)).collect::<Vec<_>>())?, else {
+            return Err(Error::UnsupportedDType {
+                op: "adaptive_avg_pool2d",
+                dtype: DType::I64,
+                expected: "a float dtype",
+            });
+        });
         Ok(t)
     }
 }

@@ -31,11 +31,13 @@
 
 mod accumulate;
 mod adam;
+mod loss_scale;
 mod schedule;
 mod sgd;
 
 pub use accumulate::GradientAccumulator;
 pub use adam::{Adam, AdamConfig};
+pub use loss_scale::LossScaler;
 pub use schedule::{Constant, Schedule, WarmupCosine};
 pub use sgd::{Sgd, SgdConfig};
 

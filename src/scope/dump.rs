@@ -36,6 +36,9 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     if let Some(b) = n.budget() {
         let _ = write!(out, " [budget {}]", Bytes(b));
     }
+    if let Some(d) = n.autocast() {
+        let _ = write!(out, " [autocast {d}]");
+    }
     out.push('\n');
     let child_indent = format!("{indent}  ");
     for (shown, h) in n.blocks().enumerate() {

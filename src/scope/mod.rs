@@ -22,6 +22,7 @@ pub use system::system_stats;
 pub use timeline::{EventKind, MemoryEvent, Timeline};
 
 use crate::device::Device;
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::memory::arena::Workspace;
 use crate::memory::stats::{MemoryStats, ScopeStats};
@@ -253,6 +254,62 @@ impl<'s> Scope<'s> {
     /// The byte budget of this scope's subtree, if one is set.
     pub fn budget(&self) -> Option<usize> {
         self.node.budget()
+    }
+
+    /// Mixed precision for the differentiable ops recorded on tapes of this scope and of the scopes
+    /// opened inside it later (PyTorch's `torch.autocast`): matrix products and convolutions cast
+    /// their operands to `dtype` (`DType::BF16` or `DType::F16`) and compute in it; an elementwise op
+    /// whose operands mix float dtypes runs in `dtype`; softmax, log-softmax, cross-entropy and the
+    /// norms run in `f32`. The casts of the parameters live in this scope and are freed with it, so
+    /// the model scope keeps `f32` master weights and optimizer state, and the gradients come back in
+    /// the parameters' dtype. `dump()` shows `[autocast bf16]` on the scope.
+    ///
+    /// ```
+    /// use ndscope::nn::{self, Activation, Init, Mode, Module};
+    /// use ndscope::{DType, Device, Tape, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let model = nn::mlp(m, &[4, 8, 3], Activation::Relu, Init::KaimingUniform)?;
+    ///     m.scope(|b| {
+    ///         b.autocast(DType::BF16)?;
+    ///         let tape = Tape::new(b);
+    ///         let x = tape.constant(&b.randn(&[2, 4])?);
+    ///         let logits = model.forward(&x, Mode::Train)?;
+    ///         assert_eq!(logits.value().dtype(), DType::BF16); // computed in bf16
+    ///         let loss = logits.cross_entropy(&b.from_slice(&[0i64, 2], &[2])?)?;
+    ///         assert_eq!(loss.value().dtype(), DType::F32); // losses in f32
+    ///         let grads = tape.backward(&loss)?;
+    ///         assert!(grads.iter().all(|g| g.dtype() == DType::F32)); // as the parameters
+    ///         assert!(b.dump().contains("[autocast bf16]"));
+    ///         Ok(())
+    ///     })
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) for a dtype other than `bf16` and
+    /// `f16`.
+    pub fn autocast(&self, dtype: DType) -> Result<()> {
+        if !dtype.is_half() {
+            return Err(crate::Error::UnsupportedDType {
+                op: "autocast",
+                dtype,
+                expected: "a 16-bit float dtype (DType::BF16 or DType::F16)",
+            });
+        }
+        self.node.set_autocast(Some(dtype));
+        Ok(())
+    }
+
+    /// Ends [`autocast`](Self::autocast) in this scope (scopes opened later inside it inherit that).
+    pub fn no_autocast(&self) {
+        self.node.set_autocast(None);
+    }
+
+    /// The dtype [`autocast`](Self::autocast) computes matrix products in here, if any.
+    pub fn autocast_dtype(&self) -> Option<DType> {
+        self.node.autocast()
     }
 
     /// Hands every cached free block of the tree back to the system allocator and returns how many

@@ -193,6 +193,8 @@ pub(crate) struct ScopeNode {
     capped: Cell<bool>,
     budget: Cell<Option<usize>>,
     arena: Cell<Option<NonNull<Workspace>>>,
+    /// The 16-bit dtype differentiable matrix products compute in here (inherited by child scopes).
+    autocast: Cell<Option<DType>>,
 }
 
 // SAFETY: a node is reachable only through its `Scope` (which is neither `Send` nor `Sync`, by its
@@ -284,6 +286,7 @@ impl ScopeNode {
             capped: Cell::new(false),
             budget: Cell::new(None),
             arena: Cell::new(None),
+            autocast: Cell::new(parent.and_then(|p| p.autocast.get())),
         }
     }
 
@@ -380,6 +383,14 @@ impl ScopeNode {
 
     pub(crate) fn set_budget(&self, budget: Option<usize>) {
         self.budget.set(budget);
+    }
+
+    pub(crate) fn autocast(&self) -> Option<DType> {
+        self.autocast.get()
+    }
+
+    pub(crate) fn set_autocast(&self, dtype: Option<DType>) {
+        self.autocast.set(dtype);
     }
 
     /// Checks the cap and every budget on the way to the root before `bytes` come into this scope.

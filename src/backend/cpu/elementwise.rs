@@ -1,10 +1,17 @@
 //! Host elementwise kernels: unary and binary maps (out of place and in place), `where`, copies and
 //! casts, and the host side of uploads and downloads.
 
+//!
+//! Maps run in the element type's compute type ([`Math::Compute`]): a 16-bit element is widened to
+//! `f32` when loaded and rounded once when stored; for the other types loading and storing are the
+//! identity, so their loops are unchanged.
+
+use std::marker::PhantomData;
+
 use rayon::prelude::*;
 
 use super::{CHUNK, PARALLEL_MIN, fill_segments};
-use crate::backend::op::{Binary, MapFn, Unary, ZipFn};
+use crate::backend::op::{Binary, MapFn, Math, Unary, ZipFn};
 use crate::backend::{Dst, Src, bytes_of};
 use crate::dtype::{DType, Element, with_dtype};
 use crate::layout::{RowWalk, contiguous_strides};
@@ -65,7 +72,7 @@ fn binary_row<T: Copy, U>(
 }
 
 /// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads when large.
-fn map_contiguous<T: Element>(out: &mut [T], a: &[T], f: &(impl Fn(T) -> T + Sync)) {
+fn map_contiguous<T: Element, U: Element>(out: &mut [U], a: &[T], f: &(impl Fn(T) -> U + Sync)) {
     if out.len() < PARALLEL_MIN {
         for (o, &x) in out.iter_mut().zip(a) {
             *o = f(x);
@@ -90,15 +97,17 @@ fn zip_contiguous<T: Element>(out: &mut [T], a: &[T], b: &[T], f: &(impl Fn(T, T
         .for_each(|(o, (a, b))| zip_contiguous(o, a, b, f));
 }
 
-/// Runs a unary op's host function from `x` into the fresh contiguous `out`.
-struct MapInto<'a> {
+/// Runs a unary op's host function from `x` into the fresh contiguous `out`, both of element type `T`.
+struct MapInto<'a, T> {
     x: Src<'a>,
     out: Dst<'a>,
+    _element: PhantomData<T>,
 }
 
-impl<T: Element> MapFn<T> for MapInto<'_> {
-    fn call(self, f: impl Fn(T) -> T + Sync + Copy) {
-        let MapInto { x, out } = self;
+impl<T: Math> MapFn<T::Compute> for MapInto<'_, T> {
+    fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
+        let MapInto { x, out, .. } = self;
+        let f = move |v: T| T::store(f(v.load()));
         let out = out.contiguous_host::<T>();
         if x.layout.is_contiguous() {
             map_contiguous(out, x.contiguous_host::<T>(), &f);
@@ -111,28 +120,31 @@ impl<T: Element> MapFn<T> for MapInto<'_> {
     }
 }
 
-/// Runs a unary op's host function over contiguous elements in place.
-struct MapInPlace<'a>(Dst<'a>);
+/// Runs a unary op's host function over contiguous elements of type `T` in place.
+struct MapInPlace<'a, T>(Dst<'a>, PhantomData<T>);
 
-impl<T: Element> MapFn<T> for MapInPlace<'_> {
-    fn call(self, f: impl Fn(T) -> T + Sync + Copy) {
+impl<T: Math> MapFn<T::Compute> for MapInPlace<'_, T> {
+    fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
         self.0
             .contiguous_host::<T>()
             .iter_mut()
-            .for_each(|x| *x = f(*x));
+            .for_each(|x| *x = T::store(f(x.load())));
     }
 }
 
-/// Runs a binary op's host function from `a` and `b` (laid out with `out`'s shape) into `out`.
-struct ZipInto<'a> {
+/// Runs a binary op's host function from `a` and `b` (laid out with `out`'s shape) into `out`, all
+/// of element type `T`.
+struct ZipInto<'a, T> {
     a: Src<'a>,
     b: Src<'a>,
     out: Dst<'a>,
+    _element: PhantomData<T>,
 }
 
-impl<T: Element> ZipFn<T> for ZipInto<'_> {
-    fn call(self, f: impl Fn(T, T) -> T + Sync + Copy) {
-        let ZipInto { a, b, out } = self;
+impl<T: Math> ZipFn<T::Compute> for ZipInto<'_, T> {
+    fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
+        let ZipInto { a, b, out, .. } = self;
+        let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
         let shape = out.layout.shape();
         let out = out.contiguous_host::<T>();
         if a.layout.is_contiguous() && b.layout.is_contiguous() {
@@ -153,15 +165,17 @@ impl<T: Element> ZipFn<T> for ZipInto<'_> {
     }
 }
 
-/// Runs a binary op's host function as `x = f(x, b)` over the contiguous `x`.
-struct ZipInPlace<'a> {
+/// Runs a binary op's host function as `x = f(x, b)` over the contiguous `x`, both of type `T`.
+struct ZipInPlace<'a, T> {
     x: Dst<'a>,
     b: Src<'a>,
+    _element: PhantomData<T>,
 }
 
-impl<T: Element> ZipFn<T> for ZipInPlace<'_> {
-    fn call(self, f: impl Fn(T, T) -> T + Sync + Copy) {
-        let ZipInPlace { x, b } = self;
+impl<T: Math> ZipFn<T::Compute> for ZipInPlace<'_, T> {
+    fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
+        let ZipInPlace { x, b, .. } = self;
+        let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
         let shape = x.layout.shape();
         let walk = RowWalk::new(
             shape,
@@ -180,19 +194,19 @@ impl<T: Element> ZipFn<T> for ZipInPlace<'_> {
 }
 
 pub(super) fn unary(dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) {
-    with_dtype!(dtype, T => op.host::<T>(params, MapInto { x, out }));
+    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T> { x, out, _element: PhantomData }));
 }
 
 pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) {
-    with_dtype!(dtype, T => op.host::<T>(params, MapInPlace(x)));
+    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T>(x, PhantomData)));
 }
 
 pub(super) fn binary(dtype: DType, op: Binary, params: [f64; 2], a: Src, b: Src, out: Dst) {
-    with_dtype!(dtype, T => op.host::<T>(params, ZipInto { a, b, out }));
+    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T> { a, b, out, _element: PhantomData }));
 }
 
 pub(super) fn binary_in_place(dtype: DType, op: Binary, params: [f64; 2], x: Dst, b: Src) {
-    with_dtype!(dtype, T => op.host::<T>(params, ZipInPlace { x, b }));
+    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T> { x, b, _element: PhantomData }));
 }
 
 pub(super) fn where_cond(dtype: DType, cond: Src, on_true: Src, on_false: Src, out: Dst) {

@@ -6,7 +6,9 @@ use rayon::prelude::*;
 use smallvec::SmallVec;
 
 use super::{CHUNK, PARALLEL_MIN};
-use crate::backend::op::{FusedUpdate, UpdateFn};
+use std::marker::PhantomData;
+
+use crate::backend::op::{FusedUpdate, Math, UpdateFn};
 use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, with_float_dtype};
 use crate::layout::RowWalk;
@@ -22,19 +24,30 @@ pub(super) fn update(
         let p = p.contiguous_host::<f64>();
         [p[0], p[1]]
     });
-    with_float_dtype!(dtype, T => update.host::<T>(powers, Update { targets, grad }),
-        else unreachable!("optimizers refuse integer parameters before updating"));
+    with_float_dtype!(dtype, T => update.host::<<T as Math>::Compute>(
+            powers,
+            Update::<T> { targets, grad, _element: PhantomData },
+        ), else unreachable!("optimizers refuse integer parameters before updating"));
 }
 
-/// Runs an update's host function over its targets.
-struct Update<'a, 'b> {
+/// Runs an update's host function over its targets, all of element type `T`: each element is loaded
+/// into the compute type, updated there and stored back (one rounding per target for 16-bit ones).
+struct Update<'a, 'b, T> {
     targets: SmallVec<[Dst<'a>; 3]>,
     grad: Src<'b>,
+    _element: PhantomData<T>,
 }
 
-impl<T: Element> UpdateFn<T> for Update<'_, '_> {
-    fn call<const M: usize>(self, f: impl Fn([&mut T; M], T) + Sync + Copy) {
-        let Update { targets, grad } = self;
+impl<T: Math> UpdateFn<T::Compute> for Update<'_, '_, T> {
+    fn call<const M: usize>(self, f: impl Fn([&mut T::Compute; M], T::Compute) + Sync + Copy) {
+        let Update { targets, grad, .. } = self;
+        let f = move |targets: [&mut T; M], g: T| {
+            let mut wide = targets.map(|t| (t.load(), t));
+            f(wide.each_mut().map(|(w, _)| w), g.load());
+            for (w, t) in wide {
+                *t = T::store(w);
+            }
+        };
         assert_eq!(
             targets.len(),
             M,

@@ -1,10 +1,15 @@
 //! Host matrix products through the `gemm` crate, which reads any strides (so transposed views need
 //! no copy) and runs its own cache-blocked, SIMD kernels.
+//!
+//! 16-bit products accumulate in `f32`: `f16` through `gemm`'s own `f16` kernels (which widen to
+//! `f32` while packing), `bf16` by widening both operands to `f32` scratch (exact), multiplying in
+//! `f32` and rounding each output element once. The scratch is host memory of the backend's own, as
+//! `gemm`'s packing buffers are; it never holds a tensor.
 
 use gemm::Parallelism;
 
 use crate::backend::{Dst, Src};
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, Element, bf16};
 use crate::layout::{Layout, RowWalk, Shape, contiguous_strides};
 
 /// Products with fewer multiply-adds than this run on one thread.
@@ -19,16 +24,55 @@ pub(super) fn matmul(
     out: Dst,
 ) {
     match dtype {
-        DType::F32 => matmul_into::<f32>(a, b, batch, mkn, out.contiguous_host::<f32>()),
-        DType::F64 => matmul_into::<f64>(a, b, batch, mkn, out.contiguous_host::<f64>()),
+        DType::F32 => direct::<f32>(a, b, batch, mkn, out),
+        DType::F64 => direct::<f64>(a, b, batch, mkn, out),
+        DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
+        DType::BF16 => {
+            let (wa, la) = widen(a);
+            let (wb, lb) = widen(b);
+            let out = out.contiguous_host::<bf16>();
+            let mut wide = vec![0.0f32; out.len()];
+            matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
+            for (o, w) in out.iter_mut().zip(wide) {
+                *o = bf16::from_f32(w);
+            }
+        }
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
 }
 
-/// `out[b] = a[b] @ b[b]` for every batch index.
+/// A product in the operands' own type (`gemm` widens `f16` itself).
+fn direct<T: Element>(a: Src, b: Src, batch: &[usize], mkn: (usize, usize, usize), out: Dst) {
+    let (da, db) = (a.buf.host::<T>(), b.buf.host::<T>());
+    matmul_into::<T>(
+        (da, a.layout),
+        (db, b.layout),
+        batch,
+        mkn,
+        out.contiguous_host(),
+    );
+}
+
+/// The elements `x` views, widened from `bf16` to `f32` in row-major order, and their layout.
+fn widen(x: Src<'_>) -> (Vec<f32>, Layout) {
+    let (layout, data) = (x.layout, x.buf.host::<bf16>());
+    let mut wide = vec![0.0f32; layout.numel()];
+    let walk = RowWalk::new(layout.shape(), [layout.strides()], [layout.offset()]);
+    let [stride] = walk.row_strides();
+    let len = walk.row_len();
+    walk.for_rows(0, walk.rows(), |row, [start]| {
+        for (j, w) in wide[row * len..(row + 1) * len].iter_mut().enumerate() {
+            *w = data[start + j * stride].to_f32();
+        }
+    });
+    (wide, Layout::contiguous(layout.shape()))
+}
+
+/// `out[b] = a[b] @ b[b]` for every batch index; each operand is its block's elements and the
+/// layout through which the product reads them.
 fn matmul_into<T: Element>(
-    a: Src,
-    b: Src,
+    (da, a_layout): (&[T], &Layout),
+    (db, b_layout): (&[T], &Layout),
     batch: &[usize],
     (m, k, n): (usize, usize, usize),
     out: &mut [T],
@@ -40,7 +84,6 @@ fn matmul_into<T: Element>(
         out.fill(T::zero());
         return;
     }
-    let (a_layout, b_layout) = (a.layout, b.layout);
     let (ar, br) = (a_layout.rank(), b_layout.rank());
     let batch_layout = |t: &Layout, r: usize| {
         let mut shape: Shape = t.shape()[..r - 2].iter().copied().collect();
@@ -82,7 +125,6 @@ fn matmul_into<T: Element>(
     } else {
         Parallelism::None
     };
-    let (da, db) = (a.buf.host::<T>(), b.buf.host::<T>());
     let total: usize = batch.iter().product();
     walk.for_segments(0, total, |_, [oa, ob, oo], len| {
         for j in 0..len {

@@ -14,7 +14,7 @@ mod window;
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
+use crate::backend::op::{Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::DType;
 use crate::dtype::{Element, with_dtype};
@@ -169,10 +169,11 @@ impl Backend for Cpu {
                 .par_chunks_mut(len)
                 .zip(x.par_chunks(len))
                 .for_each(|(out, row)| {
-                    let mut acc = T::zero();
+                    // Running sums in the compute type, each rounded once when stored.
+                    let mut acc = <T as Math>::Compute::zero();
                     let mut step = |(o, &v): (&mut T, &T)| {
-                        acc = acc.add(v);
-                        *o = acc;
+                        acc = acc.add(v.load());
+                        *o = T::store(acc);
                     };
                     if reverse {
                         out.iter_mut().zip(row).rev().for_each(&mut step);

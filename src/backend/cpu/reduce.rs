@@ -4,6 +4,9 @@
 //! Reducing trailing axes of a contiguous tensor (the common case: per-row sums, softmax
 //! denominators) reduces contiguous rows, in parallel for large inputs. Any other case walks the input
 //! once, accumulating into the output through strides that are 0 along the reduced axes.
+//!
+//! Everything accumulates in the compute type ([`Math::Compute`]): `f32` for 16-bit elements, which
+//! are widened as they are read and rounded once when the result is stored.
 
 use rayon::prelude::*;
 
@@ -13,7 +16,7 @@ use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, Float, with_dtype, with_float_dtype};
 use crate::layout::{RowWalk, contiguous_strides};
 
-fn reduce_into<T: Element>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
+fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
     let (layout, kept) = (x.layout, out.layout.shape());
     let data = x.buf.host::<T>();
     let out = out.contiguous_host::<T>();
@@ -25,7 +28,12 @@ fn reduce_into<T: Element>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
     if trailing && layout.is_contiguous() {
         let inner: usize = axes.iter().map(|&a| layout.shape()[a]).product();
         let base = layout.offset();
-        let row = |i: usize| kind.slice(&data[base + i * inner..base + (i + 1) * inner]);
+        let row = |i: usize| {
+            T::store(reduce_row(
+                kind,
+                &data[base + i * inner..base + (i + 1) * inner],
+            ))
+        };
         if layout.numel() >= PARALLEL_MIN {
             out.par_iter_mut()
                 .enumerate()
@@ -35,7 +43,29 @@ fn reduce_into<T: Element>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
         }
         return;
     }
-    out.fill(kind.identity());
+    if T::DTYPE.is_half() {
+        // Partial results in the compute type, rounded once at the end.
+        let mut acc = vec![kind.identity::<T::Compute>(); out.len()];
+        reduce_walk(kind, x, data, kept, axes, &mut acc);
+        out.iter_mut().zip(acc).for_each(|(o, a)| *o = T::store(a));
+    } else {
+        // The compute type is `T`: partial results go straight into the output.
+        reduce_walk(kind, x, data, kept, axes, out);
+    }
+}
+
+/// Reduces `data` (read through `x`'s layout) over `axes` into `acc` (the kept shape, contiguous),
+/// whose elements are `T` or its compute type.
+fn reduce_walk<T: Math, A: Math<Compute = T::Compute>>(
+    kind: Reduce,
+    x: Src,
+    data: &[T],
+    kept: &[usize],
+    axes: &[usize],
+    acc: &mut [A],
+) {
+    let layout = x.layout;
+    acc.fill(kind.identity());
     let mut out_strides = contiguous_strides(kept);
     for &a in axes {
         out_strides[a] = 0;
@@ -47,15 +77,35 @@ fn reduce_into<T: Element>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
     );
     let [si, so] = walk.row_strides();
     let len = walk.row_len();
+    let add = |a: &mut A, v: T::Compute| *a = A::store(kind.combine(a.load(), v));
     walk.for_rows(0, walk.rows(), |_, [i, o]| {
         if so == 0 && si == 1 {
-            out[o] = kind.combine(out[o], kind.slice(&data[i..i + len]));
+            add(&mut acc[o], reduce_row(kind, &data[i..i + len]));
         } else {
             for j in 0..len {
-                out[o + j * so] = kind.combine(out[o + j * so], data[i + j * si]);
+                add(&mut acc[o + j * so], data[i + j * si].load());
             }
         }
     });
+}
+
+/// Reduces a contiguous row in the compute type (a plain slice reduction when that is the element
+/// type; in chunks widened on the stack otherwise).
+#[inline(always)]
+fn reduce_row<T: Math>(kind: Reduce, xs: &[T]) -> T::Compute {
+    if !T::DTYPE.is_half() {
+        // The compute type is `T` itself: `load` is the identity.
+        return kind.slice(xs).load();
+    }
+    let mut acc = kind.identity::<T::Compute>();
+    let mut wide = [T::Compute::zero(); 64];
+    for chunk in xs.chunks(64) {
+        for (w, &x) in wide.iter_mut().zip(chunk) {
+            *w = x.load();
+        }
+        acc = kind.combine(acc, kind.slice(&wide[..chunk.len()]));
+    }
+    acc
 }
 
 pub(super) fn reduce(dtype: DType, kind: Reduce, x: Src, axes: &[usize], out: Dst) {
@@ -91,28 +141,41 @@ pub(super) fn argmax(dtype: DType, x: Src, axis: usize, out: Dst) {
     });
 }
 
-/// One row: `out = softmax(x)` or `log_softmax(x)`.
-fn softmax_row<T: Float>(x: &[T], out: &mut [T], log: bool) {
-    let m = x.iter().fold(T::lowest(), |a, &b| a.max_nan(b));
-    if m == T::lowest() {
+/// One row: `out = softmax(x)` or `log_softmax(x)`, computed in `C` (the elements' compute type).
+fn softmax_row<T: Math<Compute = C>, C: Math + Float>(x: &[T], out: &mut [T], log: bool) {
+    let m = x.iter().fold(C::lowest(), |a, &b| a.max_nan(b.load()));
+    if m == C::lowest() {
         // Every entry is -inf (a fully masked row): the distribution is undefined; PyTorch gives NaN.
         out.fill(T::from_f64(f64::NAN));
         return;
     }
-    let mut sum = T::zero();
-    for (o, &v) in out.iter_mut().zip(x) {
-        let e = v.sub(m).exp();
-        *o = e;
-        sum = sum.add(e);
+    let mut sum = C::zero();
+    if !log && !T::DTYPE.is_half() {
+        // Keep each e^(x - m) in the output (no rounding: the compute type is the element type) and
+        // scale it, one exponential per element.
+        for (o, &v) in out.iter_mut().zip(x) {
+            let e = Float::exp(v.load().sub(m));
+            *o = T::store(e);
+            sum = sum.add(e);
+        }
+        let inv = Float::recip(sum);
+        out.iter_mut()
+            .for_each(|o| *o = T::store(o.load().mul(inv)));
+        return;
+    }
+    for &v in x {
+        sum = sum.add(Float::exp(v.load().sub(m)));
     }
     if log {
-        let lse = sum.ln();
+        let lse = Float::ln(sum);
         for (o, &v) in out.iter_mut().zip(x) {
-            *o = v.sub(m).sub(lse);
+            *o = T::store(v.load().sub(m).sub(lse));
         }
     } else {
-        let inv = sum.recip();
-        out.iter_mut().for_each(|o| *o = o.mul(inv));
+        let inv = Float::recip(sum);
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = T::store(Float::exp(v.load().sub(m)).mul(inv));
+        }
     }
 }
 
@@ -140,11 +203,12 @@ pub(super) fn cross_entropy_grad(dtype: DType, log_p: Src, labels: Src, scale: f
     let labels = labels.contiguous_host::<i64>();
     with_float_dtype!(dtype, T => {
         let (lp, o) = (log_p.contiguous_host::<T>(), out.contiguous_host::<T>());
-        let scale = T::from_f64(scale);
+        let scale = <T as Math>::Compute::from_f64(scale);
+        let one = <T as Math>::Compute::one();
         for ((o, lp), &label) in o.chunks_mut(classes).zip(lp.chunks(classes)).zip(labels) {
             for (j, (o, &l)) in o.iter_mut().zip(lp).enumerate() {
-                let p = Math::exp(l);
-                *o = if j as i64 == label { p.sub(T::one()) } else { p }.mul(scale);
+                let p = Math::exp(l.load());
+                *o = T::store(if j as i64 == label { p.sub(one) } else { p }.mul(scale));
             }
         }
     }, else unreachable!("cross-entropy refuses integer dtypes before computing"));

@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::backend::op::Window2d;
+use crate::backend::op::{Math, Window2d};
 use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
 
@@ -44,35 +44,49 @@ pub(super) fn unfold2d(dtype: DType, w: &Window2d, pad: f64, x: Src, out: Dst) {
 }
 
 pub(super) fn fold2d(dtype: DType, w: &Window2d, cols: Src, out: Dst) {
-    let [rows, width] = w.input;
-    let plane = rows * width;
-    let [oh, ow] = w.output;
+    if w.planes == 0 {
+        return;
+    }
     with_dtype!(dtype, T => {
         let cols = &cols.contiguous_host::<T>()[..w.planes * w.columns_per_plane()];
         let out = out.contiguous_host::<T>();
-        if w.planes == 0 {
-            return;
-        }
+        let plane = w.input[0] * w.input[1];
         out.par_chunks_mut(plane)
             .zip(cols.par_chunks(w.columns_per_plane()))
             .for_each(|(out, columns)| {
-                out.fill(T::zero());
-                let mut at = 0;
-                for ki in 0..w.kernel[0] {
-                    for kj in 0..w.kernel[1] {
-                        for oy in 0..oh {
-                            let row = &columns[at..at + ow];
-                            at += ow;
-                            let Some(iy) = w.source(0, oy, ki) else { continue };
-                            let line = &mut out[iy * width..(iy + 1) * width];
-                            for (ox, &v) in row.iter().enumerate() {
-                                if let Some(ix) = w.source(1, ox, kj) {
-                                    line[ix] = line[ix].add(v);
-                                }
-                            }
-                        }
-                    }
+                if T::DTYPE.is_half() {
+                    // Sums of overlapping windows accumulate in `f32`, rounded once at the end.
+                    let mut acc = vec![<T as Math>::Compute::zero(); plane];
+                    fold_plane(w, &mut acc, columns);
+                    out.iter_mut().zip(acc).for_each(|(o, a)| *o = T::store(a));
+                } else {
+                    fold_plane(w, out, columns);
                 }
             });
     });
+}
+
+/// Sums one plane's columns into `acc` (of element type `A`, the columns' type or its compute type).
+fn fold_plane<T: Math, A: Math<Compute = T::Compute>>(w: &Window2d, acc: &mut [A], columns: &[T]) {
+    let width = w.input[1];
+    let [oh, ow] = w.output;
+    acc.fill(A::zero());
+    let mut at = 0;
+    for ki in 0..w.kernel[0] {
+        for kj in 0..w.kernel[1] {
+            for oy in 0..oh {
+                let row = &columns[at..at + ow];
+                at += ow;
+                let Some(iy) = w.source(0, oy, ki) else {
+                    continue;
+                };
+                let line = &mut acc[iy * width..(iy + 1) * width];
+                for (ox, &v) in row.iter().enumerate() {
+                    if let Some(ix) = w.source(1, ox, kj) {
+                        line[ix] = A::store(line[ix].load().add(v.load()));
+                    }
+                }
+            }
+        }
+    }
 }
