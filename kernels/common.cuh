@@ -79,6 +79,74 @@ template <> struct Limits<i64> {
 
 template <typename T> __device__ __forceinline__ bool is_nan(T x) { return x != x; }
 
+// 16-bit floats are stored as their bits and computed in float, as on the host (src/dtype.rs):
+// `ld` widens an element to its compute type (exactly), `put` rounds a computed value into an element
+// (to nearest, ties to even; NaN stays NaN, overflow gives inf). The conversions are written out in
+// integer arithmetic, so no CUDA header is needed and the host compiler can check them
+// (.ci/check-kernels runs them against the compiler's own conversions).
+struct bf16 {
+    unsigned short bits;
+};
+struct f16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float bf16_to_float(unsigned short h) { return __uint_as_float((unsigned int)h << 16); }
+
+__device__ __forceinline__ unsigned short bf16_from_float(float f) {
+    unsigned int x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u); // quiet NaN
+    // Adding 0x7fff plus the lowest kept bit rounds to nearest, ties to even; a carry moves into
+    // the exponent, and out of the largest finite value into inf, as it should.
+    return (unsigned short)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ float f16_to_float(unsigned short h) {
+    unsigned int sign = (unsigned int)(h & 0x8000u) << 16;
+    unsigned int exponent = (h >> 10) & 0x1fu;
+    unsigned int mantissa = h & 0x3ffu;
+    if (exponent == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (mantissa << 13)); // inf, NaN
+    if (exponent == 0) {
+        // Zero or subnormal: mantissa * 2^-24, exact in float.
+        float magnitude = (float)mantissa * 5.9604644775390625e-8f;
+        return __uint_as_float(sign | __float_as_uint(magnitude));
+    }
+    return __uint_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+}
+
+__device__ __forceinline__ unsigned short f16_from_float(float f) {
+    unsigned int x = __float_as_uint(f);
+    unsigned int sign = (x >> 16) & 0x8000u;
+    unsigned int a = x & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u); // NaN
+    if (a >= 0x47800000u) return (unsigned short)(sign | 0x7c00u); // 2^16 and above (and inf): inf
+    if (a < 0x38800000u) {
+        // Below 2^-14, f16 is subnormal (steps of 2^-24): adding 0.5 moves the value's bits so that
+        // the float addition itself rounds them to that step, to nearest, ties to even.
+        float shifted = __uint_as_float(a) + 0.5f;
+        return (unsigned short)(sign | (__float_as_uint(shifted) - 0x3f000000u));
+    }
+    // Normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest, ties to even;
+    // a carry out of the largest finite value (65504) gives inf.
+    unsigned int rounded = a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u;
+    return (unsigned short)(sign | (rounded >> 13));
+}
+
+__device__ __forceinline__ bf16 bf16_of_bits(unsigned short b) { bf16 h; h.bits = b; return h; }
+__device__ __forceinline__ f16 f16_of_bits(unsigned short b) { f16 h; h.bits = b; return h; }
+
+__device__ __forceinline__ float ld(float x) { return x; }
+__device__ __forceinline__ double ld(double x) { return x; }
+__device__ __forceinline__ i64 ld(i64 x) { return x; }
+__device__ __forceinline__ float ld(bf16 x) { return bf16_to_float(x.bits); }
+__device__ __forceinline__ float ld(f16 x) { return f16_to_float(x.bits); }
+
+__device__ __forceinline__ void put(float* at, float v) { *at = v; }
+__device__ __forceinline__ void put(double* at, double v) { *at = v; }
+__device__ __forceinline__ void put(i64* at, i64 v) { *at = v; }
+__device__ __forceinline__ void put(bf16* at, float v) { at->bits = bf16_from_float(v); }
+__device__ __forceinline__ void put(f16* at, float v) { at->bits = f16_from_float(v); }
+
 // max and min that propagate NaN, as the host kernels do.
 template <typename T> __device__ __forceinline__ T max_nan(T a, T b) { return (is_nan(a) || a > b) ? a : b; }
 template <typename T> __device__ __forceinline__ T min_nan(T a, T b) { return (is_nan(a) || a < b) ? a : b; }

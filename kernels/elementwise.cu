@@ -113,40 +113,64 @@ template <typename T> __device__ __forceinline__ T binary_apply(int op, T a, T b
     }
 }
 
-#define ELEMENTWISE(T, S)                                                                          \
-    extern "C" __global__ void unary_##S(int op, i64 n, T* out, Geo go, const T* a, Geo ga, T p0,  \
-                                         T p1) {                                                   \
-        GRID_STRIDE(i, n) { out[geo_at(go, i)] = unary_apply<T>(op, a[geo_at(ga, i)], p0, p1); }   \
+// T is the element type, C the type it computes in (float for the 16-bit types; T otherwise).
+#define ELEMENTWISE(T, C, S)                                                                       \
+    extern "C" __global__ void unary_##S(int op, i64 n, T* out, Geo go, const T* a, Geo ga, C p0,  \
+                                         C p1) {                                                   \
+        GRID_STRIDE(i, n) { put(&out[geo_at(go, i)], unary_apply<C>(op, ld(a[geo_at(ga, i)]), p0, p1)); } \
     }                                                                                              \
     extern "C" __global__ void binary_##S(int op, i64 n, T* out, Geo go, const T* a, Geo ga,       \
-                                          const T* b, Geo gb, T p0, T p1) {                        \
+                                          const T* b, Geo gb, C p0, C p1) {                        \
         GRID_STRIDE(i, n) {                                                                        \
-            out[geo_at(go, i)] = binary_apply<T>(op, a[geo_at(ga, i)], b[geo_at(gb, i)], p0, p1);  \
+            C v = binary_apply<C>(op, ld(a[geo_at(ga, i)]), ld(b[geo_at(gb, i)]), p0, p1);         \
+            put(&out[geo_at(go, i)], v);                                                           \
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void where_##S(i64 n, T* out, const T* c, Geo gc, const T* t, Geo gt,    \
                                          const T* f, Geo gf) {                                     \
-        GRID_STRIDE(i, n) { out[i] = c[geo_at(gc, i)] != (T)0 ? t[geo_at(gt, i)] : f[geo_at(gf, i)]; } \
+        GRID_STRIDE(i, n) { out[i] = ld(c[geo_at(gc, i)]) != (C)0 ? t[geo_at(gt, i)] : f[geo_at(gf, i)]; } \
     }
 
-ELEMENTWISE(float, f32)
-ELEMENTWISE(double, f64)
-ELEMENTWISE(i64, i64)
+ELEMENTWISE(float, float, f32)
+ELEMENTWISE(double, double, f64)
+ELEMENTWISE(i64, i64, i64)
+ELEMENTWISE(bf16, float, bf16)
+ELEMENTWISE(f16, float, f16)
 
-#define CAST(S, SN, D, DN)                                                                         \
+// A conversion as the host makes it: through double, and into a 16-bit type through float.
+#define CAST(S, SN, D, DC, DN)                                                                     \
     extern "C" __global__ void cast_##SN##_##DN(i64 n, D* out, Geo go, const S* a, Geo ga) {        \
-        GRID_STRIDE(i, n) { out[geo_at(go, i)] = convert<D>((double)a[geo_at(ga, i)]); }           \
+        GRID_STRIDE(i, n) { put(&out[geo_at(go, i)], convert<DC>((double)ld(a[geo_at(ga, i)]))); } \
     }
 
 // Same-type "casts" are strided copies; i64 -> i64 must not go through double (it would round).
-extern "C" __global__ void cast_i64_i64(i64 n, i64* out, Geo go, const i64* a, Geo ga) {
-    GRID_STRIDE(i, n) { out[geo_at(go, i)] = a[geo_at(ga, i)]; }
-}
-CAST(float, f32, float, f32)
-CAST(float, f32, double, f64)
-CAST(float, f32, i64, i64)
-CAST(double, f64, float, f32)
-CAST(double, f64, double, f64)
-CAST(double, f64, i64, i64)
-CAST(i64, i64, float, f32)
-CAST(i64, i64, double, f64)
+#define COPY(T, N)                                                                                 \
+    extern "C" __global__ void cast_##N##_##N(i64 n, T* out, Geo go, const T* a, Geo ga) {         \
+        GRID_STRIDE(i, n) { out[geo_at(go, i)] = a[geo_at(ga, i)]; }                               \
+    }
+
+COPY(float, f32)
+COPY(double, f64)
+COPY(i64, i64)
+COPY(bf16, bf16)
+COPY(f16, f16)
+CAST(float, f32, double, double, f64)
+CAST(float, f32, i64, i64, i64)
+CAST(float, f32, bf16, float, bf16)
+CAST(float, f32, f16, float, f16)
+CAST(double, f64, float, float, f32)
+CAST(double, f64, i64, i64, i64)
+CAST(double, f64, bf16, float, bf16)
+CAST(double, f64, f16, float, f16)
+CAST(i64, i64, float, float, f32)
+CAST(i64, i64, double, double, f64)
+CAST(i64, i64, bf16, float, bf16)
+CAST(i64, i64, f16, float, f16)
+CAST(bf16, bf16, float, float, f32)
+CAST(bf16, bf16, double, double, f64)
+CAST(bf16, bf16, i64, i64, i64)
+CAST(bf16, bf16, f16, float, f16)
+CAST(f16, f16, float, float, f32)
+CAST(f16, f16, double, double, f64)
+CAST(f16, f16, i64, i64, i64)
+CAST(f16, f16, bf16, float, bf16)

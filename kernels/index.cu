@@ -33,6 +33,8 @@ __device__ __forceinline__ void index_positions(i64 i, const Geo& gi, const Geo&
 GATHER(float, f32, __int_as_float(0x7fc00000))
 GATHER(double, f64, __longlong_as_double(0x7ff8000000000000LL))
 GATHER(i64, i64, 0)
+GATHER(bf16, bf16, bf16_of_bits(0x7fc0))
+GATHER(f16, f16, f16_of_bits(0x7e00))
 
 // Scatter-add: target[p with coordinate axis replaced by index[p]] += src[p], one thread per element
 // of src (whose shape the index geometry has). Two elements may land on one target element, so the
@@ -44,16 +46,42 @@ __device__ __forceinline__ void atomic_add(i64* at, i64 v) {
     atomicAdd((unsigned long long*)at, (unsigned long long)v);
 }
 
+// A 16-bit element is added by compare-and-swap on the aligned 32-bit word that holds it (its
+// neighbour in the word is written back unchanged). The word stays inside the block: blocks are
+// 64-byte aligned and sized in whole 64-byte units. The sum is computed in float and rounded once
+// per addition, as the host's scatter-add of 16-bit elements rounds each addition.
+#define ATOMIC_ADD_16(T)                                                                           \
+    __device__ __forceinline__ void atomic_add(T* at, float v) {                                   \
+        unsigned long long address = (unsigned long long)at;                                       \
+        unsigned int* word = (unsigned int*)(address & ~3ull);                                     \
+        unsigned int shift = (address & 2ull) ? 16u : 0u;                                          \
+        unsigned int old = *word;                                                                  \
+        unsigned int assumed;                                                                      \
+        do {                                                                                       \
+            assumed = old;                                                                         \
+            T current;                                                                             \
+            current.bits = (unsigned short)(assumed >> shift);                                     \
+            T sum;                                                                                 \
+            put(&sum, ld(current) + v);                                                            \
+            unsigned int next = (assumed & ~(0xffffu << shift)) | ((unsigned int)sum.bits << shift); \
+            old = atomicCAS(word, assumed, next);                                                  \
+        } while (old != assumed);                                                                  \
+    }
+ATOMIC_ADD_16(bf16)
+ATOMIC_ADD_16(f16)
+
 #define SCATTER_ADD(T, S)                                                                          \
     extern "C" __global__ void scatter_add_##S(i64 n, T* target, Geo gt, const T* src, Geo gs,     \
                                                const i64* index, Geo gi, int axis) {               \
         GRID_STRIDE(i, n) {                                                                        \
             i64 at_index, at_target;                                                               \
             index_positions(i, gi, gt, axis, &at_index, &at_target);                               \
-            atomic_add(&target[at_target + index[at_index] * gt.stride[axis]], src[geo_at(gs, i)]); \
+            atomic_add(&target[at_target + index[at_index] * gt.stride[axis]], ld(src[geo_at(gs, i)])); \
         }                                                                                          \
     }
 
 SCATTER_ADD(float, f32)
 SCATTER_ADD(double, f64)
 SCATTER_ADD(i64, i64)
+SCATTER_ADD(bf16, bf16)
+SCATTER_ADD(f16, f16)

@@ -22,7 +22,8 @@ __device__ __forceinline__ void philox4x32_10(unsigned int c[4], unsigned int k0
     }
 }
 
-// Computed in double on every device, as the host does, then rounded to the output type.
+// Computed in double on every device, as the host does, then rounded to the output type (a 16-bit
+// one through float, as the host converts).
 __device__ __forceinline__ double random_sample(int dist, unsigned long long seed,
                                                 unsigned long long index) {
     unsigned int c[4] = {(unsigned int)index, (unsigned int)(index >> 32), 0u, 0u};
@@ -34,11 +35,13 @@ __device__ __forceinline__ double random_sample(int dist, unsigned long long see
     return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
 }
 
-#define RANDOM(T, S)                                                                               \
+#define RANDOM(T, C, S)                                                                            \
     extern "C" __global__ void random_##S(i64 n, T* out, int dist, unsigned long long seed,        \
                                           unsigned long long offset) {                             \
-        GRID_STRIDE(i, n) { out[i] = (T)random_sample(dist, seed, offset + (unsigned long long)i); } \
+        GRID_STRIDE(i, n) { put(&out[i], (C)random_sample(dist, seed, offset + (unsigned long long)i)); } \
     }
 
-RANDOM(float, f32)
-RANDOM(double, f64)
+RANDOM(float, float, f32)
+RANDOM(double, double, f64)
+RANDOM(bf16, float, bf16)
+RANDOM(f16, float, f16)

@@ -1,6 +1,7 @@
 // Row reductions over a contiguous [rows, len] input: one block per row (blocks stride over rows),
 // each thread folds a strided share of the row, then the block combines the partial results in
 // shared memory. ndscope moves the reduced axes last (a copy when needed) before launching.
+// T is the element type, C the type partial results are kept in (float for the 16-bit types).
 
 template <typename T> __device__ __forceinline__ T reduce_identity(int op) {
     switch (op) {
@@ -29,33 +30,34 @@ template <typename T> __device__ __forceinline__ void block_combine(int op, T* b
     __syncthreads();
 }
 
-#define REDUCE(T, S)                                                                               \
+#define REDUCE(T, C, S)                                                                            \
     extern "C" __global__ void reduce_##S(int op, i64 rows, i64 len, T* out, const T* in) {        \
-        __shared__ T buf[ROW_THREADS];                                                             \
+        __shared__ C buf[ROW_THREADS];                                                             \
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
             const T* row = in + r * len;                                                           \
-            T acc = reduce_identity<T>(op);                                                        \
+            C acc = reduce_identity<C>(op);                                                        \
             for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) {                                 \
-                acc = reduce_combine(op, acc, row[j]);                                             \
+                acc = reduce_combine(op, acc, ld(row[j]));                                         \
             }                                                                                      \
             buf[threadIdx.x] = acc;                                                                \
             block_combine(op, buf);                                                                \
             if (threadIdx.x == 0) {                                                                \
-                out[r] = buf[0];                                                                   \
+                put(&out[r], buf[0]);                                                              \
             }                                                                                      \
             __syncthreads();                                                                       \
         }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void argmax_##S(i64 rows, i64 len, i64* out, const T* in) {              \
-        __shared__ T best[ROW_THREADS];                                                            \
+        __shared__ C best[ROW_THREADS];                                                            \
         __shared__ i64 at[ROW_THREADS];                                                            \
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
             const T* row = in + r * len;                                                           \
-            T b = row[0];                                                                          \
+            C b = ld(row[0]);                                                                      \
             i64 k = 0;                                                                             \
             for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) {                                 \
-                if (argmax_better(row[j], j, b, k)) {                                              \
-                    b = row[j];                                                                    \
+                C v = ld(row[j]);                                                                  \
+                if (argmax_better(v, j, b, k)) {                                                   \
+                    b = v;                                                                         \
                     k = j;                                                                         \
                 }                                                                                  \
             }                                                                                      \
@@ -88,24 +90,28 @@ template <typename T> __device__ __forceinline__ bool argmax_better(T v, i64 j, 
     return v > b || (v == b && j < k);
 }
 
-REDUCE(float, f32)
-REDUCE(double, f64)
-REDUCE(i64, i64)
+REDUCE(float, float, f32)
+REDUCE(double, double, f64)
+REDUCE(i64, i64, i64)
+REDUCE(bf16, float, bf16)
+REDUCE(f16, float, f16)
 
 // Running sums of contiguous rows, one thread per row, added in order (from the end when reverse)
 // as the host adds them.
-#define CUMSUM(T, S)                                                                               \
+#define CUMSUM(T, C, S)                                                                            \
     extern "C" __global__ void cumsum_##S(i64 rows, i64 len, T* out, const T* x, int reverse) {   \
         GRID_STRIDE(r, rows) {                                                                     \
-            T acc = (T)0;                                                                          \
+            C acc = (C)0;                                                                          \
             for (i64 k = 0; k < len; ++k) {                                                        \
                 i64 j = reverse ? len - 1 - k : k;                                                 \
-                acc += x[r * len + j];                                                             \
-                out[r * len + j] = acc;                                                            \
+                acc += ld(x[r * len + j]);                                                         \
+                put(&out[r * len + j], acc);                                                       \
             }                                                                                      \
         }                                                                                          \
     }
 
-CUMSUM(float, f32)
-CUMSUM(double, f64)
-CUMSUM(i64, i64)
+CUMSUM(float, float, f32)
+CUMSUM(double, double, f64)
+CUMSUM(i64, i64, i64)
+CUMSUM(bf16, float, bf16)
+CUMSUM(f16, float, f16)

@@ -6,9 +6,10 @@ struct Window {
     i64 planes, rows, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow;
 };
 
-#define WINDOW(T, S)                                                                               \
+// T is the element type, C the type sums are computed in (float for the 16-bit types).
+#define WINDOW(T, C, S)                                                                            \
     /* One thread per column element [plane, ki, kj, oy, ox]. */                                   \
-    extern "C" __global__ void unfold2d_##S(i64 n, T* out, const T* x, Window w, T pad) {          \
+    extern "C" __global__ void unfold2d_##S(i64 n, T* out, const T* x, Window w, C pad) {          \
         GRID_STRIDE(i, n) {                                                                        \
             i64 rest = i;                                                                          \
             i64 ox = rest % w.ow; rest /= w.ow;                                                    \
@@ -19,7 +20,7 @@ struct Window {
             i64 iy = oy * w.sh + ki * w.dh - w.ph;                                                 \
             i64 ix = ox * w.sw + kj * w.dw - w.pw;                                                 \
             bool inside = iy >= 0 && iy < w.rows && ix >= 0 && ix < w.cols;                        \
-            out[i] = inside ? x[(p * w.rows + iy) * w.cols + ix] : pad;                            \
+            put(&out[i], inside ? ld(x[(p * w.rows + iy) * w.cols + ix]) : pad);                   \
         }                                                                                          \
     }                                                                                              \
     /* One thread per plane element [plane, y, x]: the sum, in kernel-offset order, of the       */ \
@@ -29,20 +30,22 @@ struct Window {
             i64 x = i % w.cols;                                                                    \
             i64 y = (i / w.cols) % w.rows;                                                         \
             i64 p = i / (w.cols * w.rows);                                                         \
-            T sum = (T)0;                                                                          \
+            C sum = (C)0;                                                                          \
             for (i64 ki = 0; ki < w.kh; ++ki) {                                                    \
                 i64 ty = y + w.ph - ki * w.dh;                                                     \
                 if (ty < 0 || ty % w.sh != 0 || ty / w.sh >= w.oh) continue;                      \
                 for (i64 kj = 0; kj < w.kw; ++kj) {                                                \
                     i64 tx = x + w.pw - kj * w.dw;                                                 \
                     if (tx < 0 || tx % w.sw != 0 || tx / w.sw >= w.ow) continue;                   \
-                    sum += cols[(((p * w.kh + ki) * w.kw + kj) * w.oh + ty / w.sh) * w.ow + tx / w.sw]; \
+                    sum += ld(cols[(((p * w.kh + ki) * w.kw + kj) * w.oh + ty / w.sh) * w.ow + tx / w.sw]); \
                 }                                                                                  \
             }                                                                                      \
-            out[i] = sum;                                                                          \
+            put(&out[i], sum);                                                                     \
         }                                                                                          \
     }
 
-WINDOW(float, f32)
-WINDOW(double, f64)
-WINDOW(i64, i64)
+WINDOW(float, float, f32)
+WINDOW(double, double, f64)
+WINDOW(i64, i64, i64)
+WINDOW(bf16, float, bf16)
+WINDOW(f16, float, f16)

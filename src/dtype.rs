@@ -372,14 +372,15 @@ impl Element for i64 {
 
 /// 16-bit floats: each operation converts to `f32`, computes and rounds back, so one operation
 /// rounds once. Kernels do better for chains (`op::Math::Compute`): they load once, run the whole
-/// op in `f32` and store once.
+/// op in `f32` and store once. A value converts to a 16-bit type through `f32` (`from_f64` too), on
+/// every backend, so the host and the GPU round the same way.
 macro_rules! half_element {
     ($t:ty, $d:expr) => {
         impl Element for $t {
             const DTYPE: DType = $d;
             #[inline(always)]
             fn from_f64(v: f64) -> Self {
-                <$t>::from_f64(v)
+                <$t>::from_f32(v as f32)
             }
             #[inline(always)]
             fn to_f64(self) -> f64 {

@@ -825,3 +825,169 @@ fn what_a_captured_step_cannot_do_is_a_typed_error() {
     );
     refused("random numbers", "rand", 2);
 }
+
+/// Standard normal samples rounded to `dtype`.
+fn randn_in<'s>(s: &Scope<'s>, shape: &[usize], dtype: DType) -> Result<Tensor<'s>> {
+    s.randn(shape)?.to_dtype(dtype)
+}
+
+/// Every op in `bf16` and `f16` on the GPU against the host: the same `f32` arithmetic and one
+/// rounding on both, so results agree to a rounding of the dtype (a kernel's `f32` math or summation
+/// order may land on the other side of a rounding boundary).
+#[test]
+fn sixteen_bit_ops_agree_with_the_host() {
+    for dtype in [DType::BF16, DType::F16] {
+        let tol = 2.0 * dtype.epsilon();
+        agree(&format!("{dtype}: elementwise"), tol, &move |s| {
+            let x = randn_in(s, &[33, 17], dtype)?;
+            let y = randn_in(s, &[17], dtype)?;
+            let pos = x.abs()?.add_scalar(0.1)?;
+            Ok(vec![
+                x.neg()?,
+                x.relu()?,
+                x.exp()?,
+                pos.log()?,
+                pos.sqrt()?,
+                x.tanh()?,
+                x.sigmoid()?,
+                x.gelu()?,
+                x.silu()?,
+                x.erf()?,
+                x.mul_scalar(-2.0)?,
+                x.clamp(-0.5, 0.25)?,
+                x.add(&y)?,
+                x.mul(&y)?,
+                x.div(&y.abs()?.add_scalar(1.0)?)?,
+                x.t()?.sub(&x.t()?.contiguous()?)?,
+                Tensor::where_cond(&x.gt(&y)?, &x, &y.broadcast_to(&[33, 17])?)?,
+                x.to_dtype(DType::F32)?,
+                x.to_dtype(DType::F64)?,
+                x.mul_scalar(8.0)?.to_dtype(DType::I64)?,
+                s.randn(&[40])?.to_dtype(DType::F16)?.to_dtype(dtype)?,
+            ])
+        });
+        agree(
+            &format!("{dtype}: reductions, softmax, indexing"),
+            tol,
+            &move |s| {
+                let x = randn_in(s, &[9, 300], dtype)?;
+                let rows = s.from_slice(&[3i64, 0, 3, 8], &[4])?;
+                let mut acc = randn_in(s, &[9, 300], dtype)?;
+                acc.add_(&x)?;
+                Ok(vec![
+                    x.sum(&[1], false)?,
+                    x.sum(&[0], true)?,
+                    x.mean_all()?,
+                    x.max(&[1], false)?,
+                    x.min(&[0], false)?,
+                    x.argmax(1, false)?,
+                    x.cumsum(1)?,
+                    x.softmax(-1)?,
+                    x.log_softmax(0)?,
+                    x.index_select(0, &rows)?,
+                    x.index_add(0, &rows, &x.narrow(0, 0, 4)?)?,
+                    acc,
+                ])
+            },
+        );
+        agree(&format!("{dtype}: products and windows"), tol, &move |s| {
+            let a = randn_in(s, &[64, 96], dtype)?;
+            let b = randn_in(s, &[96, 40], dtype)?;
+            let batched = randn_in(s, &[3, 16, 96], dtype)?;
+            let image = randn_in(s, &[2, 3, 8, 8], dtype)?;
+            let padded = ndscope::Conv2dOptions {
+                padding: [1, 1],
+                ..Default::default()
+            };
+            let cols = image.unfold2d([3, 3], &padded)?;
+            Ok(vec![
+                a.matmul(&b)?,
+                a.t()?.t()?.matmul(&b.t()?.contiguous()?.t()?)?,
+                batched.matmul(&b)?,
+                cols.clone(),
+                cols.fold2d([8, 8], [3, 3], &padded)?,
+            ])
+        });
+        // The same Philox numbers, rounded through f32 on both.
+        agree(&format!("{dtype}: random draws"), 0.0, &move |s| {
+            Ok(vec![s.rand(&[1000])?.to_dtype(dtype)?])
+        });
+    }
+}
+
+/// Five steps of the small MLP in an autocast scope (`f16` with a loss scaler), against the host.
+fn train_autocast<'m>(m: &Scope<'m>, dtype: DType) -> Result<Vec<Tensor<'m>>> {
+    let mut model = nn::mlp(m, &[20, 32, 4], Activation::Gelu, Init::KaimingUniform)?;
+    let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
+    let mut scaler = ndscope::optim::LossScaler::new();
+    let mut losses = Vec::new();
+    for step in 0..5 {
+        let loss = m.scope(|b| -> Result<f64> {
+            b.autocast(dtype)?;
+            b.set_seed(100 + step);
+            let x = b.randn(&[16, 20])?;
+            let labels =
+                b.from_slice(&[0i64, 1, 2, 3, 3, 2, 1, 0, 1, 1, 2, 2, 0, 3, 0, 1], &[16])?;
+            let tape = Tape::new(b);
+            let loss = model
+                .forward(&tape.constant(&x), Mode::Train)?
+                .cross_entropy(&labels)?;
+            let mut grads = tape.backward(&scaler.scale_loss(&loss)?)?;
+            assert!(scaler.step(&mut opt, &mut model, &mut grads)?);
+            loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()
+        })?;
+        losses.push(loss);
+    }
+    let mut out: Vec<Tensor<'m>> = Vec::new();
+    ndscope::nn::Parameters::visit(&model, "", &mut |_, p| out.push(p.clone()));
+    out.push(m.from_slice(&losses, &[losses.len()])?);
+    Ok(out)
+}
+
+#[test]
+fn an_autocast_training_step_agrees_with_the_host() {
+    // Adam scales a rounding difference in a gradient to a step of up to `lr`: the tolerance is a few
+    // learning rates.
+    agree("MLP in bf16 autocast + AdamW, 5 steps", 5e-2, &|m| {
+        train_autocast(m, DType::BF16)
+    });
+    agree(
+        "MLP in f16 autocast + loss scaling + AdamW, 5 steps",
+        5e-2,
+        &|m| train_autocast(m, DType::F16),
+    );
+}
+
+#[test]
+fn tf32_products_are_opt_in_and_shown_in_the_dump() {
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_shared();
+    root(device, |s| {
+        let a = s.randn(&[256, 512])?;
+        let b = s.randn(&[512, 128])?;
+        let full = a.matmul(&b)?.to_vec::<f32>()?;
+        let exact = a
+            .to_dtype(DType::F64)?
+            .matmul(&b.to_dtype(DType::F64)?)?
+            .to_vec::<f64>()?;
+        s.allow_tf32(true);
+        assert!(s.dump().contains("[tf32 products]"), "{}", s.dump());
+        let fast = a.matmul(&b)?.to_vec::<f32>()?;
+        let error = |got: &[f32]| {
+            got.iter()
+                .zip(&exact)
+                .map(|(g, e)| (f64::from(*g) - e).abs())
+                .fold(0.0, f64::max)
+        };
+        let (full_error, tf32_error) = (error(&full), error(&fast));
+        // TF32 keeps 10 significand bits: its error is far above f32's, and still small against
+        // sqrt(512) ~ 23, the size of the entries.
+        assert!(
+            tf32_error > 10.0 * full_error,
+            "tf32 {tf32_error} vs f32 {full_error}"
+        );
+        assert!(tf32_error < 0.1, "tf32 error {tf32_error}");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

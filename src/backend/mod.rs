@@ -284,7 +284,9 @@ pub(crate) trait Backend: Sync {
     fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool;
 
     /// `out[b] = a[b] @ b[b]` for every index `b` of `batch` (operands of rank ≥ 2 whose batch
-    /// dimensions broadcast to it), `m×k @ k×n`, into the contiguous `out` (float dtypes).
+    /// dimensions broadcast to it), `m×k @ k×n`, into the contiguous `out` (float dtypes; 16-bit
+    /// products accumulate in `f32`). With `tf32`, an `f32` product may read its operands as TF32
+    /// (10-bit significands) on tensor cores; a backend without them computes in full `f32`.
     #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
@@ -294,6 +296,7 @@ pub(crate) trait Backend: Sync {
         batch: &[usize],
         mkn: (usize, usize, usize),
         out: Dst,
+        tf32: bool,
     ) -> Result<()>;
 
     /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape;

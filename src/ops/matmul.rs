@@ -87,7 +87,16 @@ impl<'s> Tensor<'s> {
             t.broadcast_to(&full)?.contiguous()
         };
         let (a, b) = (packed(a)?, packed(b)?);
-        backend.matmul(self.dtype(), a.src(), b.src(), &batch, (m, k, n), out.dst())?;
+        let tf32 = out.allows_tf32();
+        backend.matmul(
+            self.dtype(),
+            a.src(),
+            b.src(),
+            &batch,
+            (m, k, n),
+            out.dst(),
+            tf32,
+        )?;
         // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
         // right operand (at -1 whichever came before).
         let mut out = out;

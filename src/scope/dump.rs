@@ -39,6 +39,9 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     if let Some(d) = n.autocast() {
         let _ = write!(out, " [autocast {d}]");
     }
+    if n.tf32() {
+        out.push_str(" [tf32 products]");
+    }
     out.push('\n');
     let child_indent = format!("{indent}  ");
     for (shown, h) in n.blocks().enumerate() {

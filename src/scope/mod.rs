@@ -312,6 +312,36 @@ impl<'s> Scope<'s> {
         self.node.autocast()
     }
 
+    /// Lets `f32` matrix products whose output this scope owns (and those of scopes opened inside it
+    /// later) read their operands as TF32 on a GPU's tensor cores: 10-bit significands, `f32`
+    /// accumulation and range, several times the speed. Off by default, as in PyTorch
+    /// (`torch.backends.cuda.matmul.allow_tf32`); the host always computes in full `f32`. `dump()`
+    /// shows `[tf32 products]` on the scope.
+    ///
+    /// ```
+    /// use ndscope::{Device, root};
+    ///
+    /// root(Device::Cpu, |s| {
+    ///     assert!(!s.allows_tf32());
+    ///     s.allow_tf32(true);
+    ///     s.scope(|inner| {
+    ///         assert!(inner.allows_tf32()); // inherited
+    ///         Ok(())
+    ///     })?;
+    ///     assert!(s.dump().contains("[tf32 products]"));
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn allow_tf32(&self, allowed: bool) {
+        self.node.set_tf32(allowed);
+    }
+
+    /// Whether [`allow_tf32`](Self::allow_tf32) is in force here.
+    pub fn allows_tf32(&self) -> bool {
+        self.node.tf32()
+    }
+
     /// Hands every cached free block of the tree back to the system allocator and returns how many
     /// bytes that released. Live tensors are unaffected; later allocations refill the cache.
     pub fn empty_cache(&self) -> usize {

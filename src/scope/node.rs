@@ -195,6 +195,8 @@ pub(crate) struct ScopeNode {
     arena: Cell<Option<NonNull<Workspace>>>,
     /// The 16-bit dtype differentiable matrix products compute in here (inherited by child scopes).
     autocast: Cell<Option<DType>>,
+    /// Whether `f32` products here may read their operands as TF32 (inherited by child scopes).
+    tf32: Cell<bool>,
 }
 
 // SAFETY: a node is reachable only through its `Scope` (which is neither `Send` nor `Sync`, by its
@@ -287,6 +289,7 @@ impl ScopeNode {
             budget: Cell::new(None),
             arena: Cell::new(None),
             autocast: Cell::new(parent.and_then(|p| p.autocast.get())),
+            tf32: Cell::new(parent.is_some_and(|p| p.tf32.get())),
         }
     }
 
@@ -391,6 +394,14 @@ impl ScopeNode {
 
     pub(crate) fn set_autocast(&self, dtype: Option<DType>) {
         self.autocast.set(dtype);
+    }
+
+    pub(crate) fn tf32(&self) -> bool {
+        self.tf32.get()
+    }
+
+    pub(crate) fn set_tf32(&self, allowed: bool) {
+        self.tf32.set(allowed);
     }
 
     /// Checks the cap and every budget on the way to the root before `bytes` come into this scope.

@@ -229,6 +229,12 @@ impl<'s> Tensor<'s> {
         (self.block.as_ptr() as usize, self.layout.offset())
     }
 
+    /// Whether the scope that owns the tensor lets `f32` products read their operands as TF32
+    /// ([`Scope::allow_tf32`](crate::Scope::allow_tf32)).
+    pub(crate) fn allows_tf32(&self) -> bool {
+        ScopeNode::owning(self.block.header()).is_some_and(|n| n.tf32())
+    }
+
     /// The backend of the tensor's device.
     #[inline]
     pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {

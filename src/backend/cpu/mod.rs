@@ -229,6 +229,7 @@ impl Backend for Cpu {
         batch: &[usize],
         mkn: (usize, usize, usize),
         out: Dst,
+        _tf32: bool, // the host has no TF32 units: products are full f32
     ) -> Result<()> {
         matmul::matmul(dtype, a, b, batch, mkn, out);
         Ok(())

@@ -2,6 +2,10 @@
 //! product `C = A B` is computed as `Cᵀ = Bᵀ Aᵀ`, which reads ndscope's row-major (or transposed)
 //! operands in place: only operands whose matrices are neither row- nor column-major, or whose batch
 //! dimensions are not one uniform stride, are packed first.
+//!
+//! `f32` and `f64` use cuBLAS's `sgemm`/`dgemm` (full precision); 16-bit products and `f32` products
+//! in a scope that allows TF32 use `cublasGemmStridedBatchedEx` with `f32` accumulation
+//! (`CUBLAS_COMPUTE_32F`, or `CUBLAS_COMPUTE_32F_FAST_TF32`), which runs on the tensor cores.
 
 use cudarc::cublas::{result, sys};
 
@@ -85,6 +89,7 @@ pub(crate) fn matmul(
     batch: &[usize],
     (m, k, n): (usize, usize, usize),
     out: Dst,
+    tf32: bool,
 ) -> Result<()> {
     const OP: &str = "matmul";
     if m == 0 || n == 0 {
@@ -126,8 +131,56 @@ pub(crate) fn matmul(
     let (pa, pb, pc) = (ob.address, oa.address, out.buf.address());
     let (ta, tb) = (op(ob.transposed), op(oa.transposed));
     gpu.bind()?;
-    let status = match dtype {
-        DType::F32 => {
+    // The tensor-core path: 16-bit operands (or f32 read as TF32) with f32 accumulation and scale.
+    let tensor_cores = match dtype {
+        DType::BF16 => Some((
+            sys::cudaDataType::CUDA_R_16BF,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )),
+        DType::F16 => Some((
+            sys::cudaDataType::CUDA_R_16F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        )),
+        DType::F32 if tf32 => Some((
+            sys::cudaDataType::CUDA_R_32F,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        )),
+        _ => None,
+    };
+    let status = match (dtype, tensor_cores) {
+        (_, Some((data, compute))) => {
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // SAFETY: as for f32 below, with elements of `dtype` (`data` names it to cuBLAS) and the
+            // f32 scalars that CUBLAS_COMPUTE_32F* take.
+            unsafe {
+                result::gemm_strided_batched_ex(
+                    *blas.handle(),
+                    ta,
+                    tb,
+                    mm,
+                    nn,
+                    kk,
+                    (&alpha as *const f32).cast(),
+                    pa as *const std::ffi::c_void,
+                    data,
+                    lda,
+                    sa,
+                    pb as *const std::ffi::c_void,
+                    data,
+                    ldb,
+                    sb,
+                    (&beta as *const f32).cast(),
+                    pc as *mut std::ffi::c_void,
+                    data,
+                    ldc,
+                    sc,
+                    batches,
+                    compute,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+        }
+        (DType::F32, None) => {
             let (alpha, beta) = (1.0f32, 0.0f32);
             // SAFETY: the three addresses are live GPU blocks of f32 on the handle's stream; for
             // each of the `batches` products, the column-major shapes (n x k, k x m, n x m), leading
@@ -156,7 +209,7 @@ pub(crate) fn matmul(
                 )
             }
         }
-        DType::F64 => {
+        (DType::F64, None) => {
             let (alpha, beta) = (1.0f64, 0.0f64);
             // SAFETY: as for f32, with f64 tensors.
             unsafe {
@@ -182,11 +235,11 @@ pub(crate) fn matmul(
                 )
             }
         }
-        DType::I64 => {
+        (dtype, None) => {
             return Err(Error::UnsupportedDType {
                 op: OP,
-                dtype: DType::I64,
-                expected: "a float dtype (f32 or f64)",
+                dtype,
+                expected: "a float dtype (f32, f64, bf16 or f16)",
             });
         }
     };

@@ -90,23 +90,47 @@ pub(crate) fn rows_launch(rows: usize) -> LaunchConfig {
     }
 }
 
-/// The name of kernel `family` (one of `unary`, `binary`, ...) for `dtype`.
-pub(crate) fn kernel(family: [&'static str; 3], dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => family[0],
-        DType::F64 => family[1],
-        DType::I64 => family[2],
-    }
-}
-
-/// The three dtype instances of a kernel family: `family!("unary")`.
+/// The dtype instances of a kernel family: `family!("unary")` (float-only families have no `_i64`
+/// kernel, which ops never ask for).
 macro_rules! family {
     ($base:literal) => {
         [
             concat!($base, "_f32"),
             concat!($base, "_f64"),
             concat!($base, "_i64"),
+            concat!($base, "_bf16"),
+            concat!($base, "_f16"),
         ]
     };
 }
+/// Where `dtype`'s instance sits in a [`family!`].
+fn instance(dtype: DType) -> usize {
+    match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::I64 => 2,
+        DType::BF16 => 3,
+        DType::F16 => 4,
+    }
+}
+
+/// The name of kernel `family` (one of `unary`, `binary`, ...) for `dtype`.
+pub(crate) fn kernel(family: [&'static str; 5], dtype: DType) -> &'static str {
+    family[instance(dtype)]
+}
+
+/// The conversions (and same-type strided copies), `cast_<from>_<to>` in `kernels/elementwise.cu`.
+const CASTS: [[&str; 5]; 5] = [
+    family!("cast_f32"),
+    family!("cast_f64"),
+    family!("cast_i64"),
+    family!("cast_bf16"),
+    family!("cast_f16"),
+];
+
+/// The name of the kernel that converts `from` to `to`.
+pub(crate) fn cast_kernel(from: DType, to: DType) -> &'static str {
+    CASTS[instance(from)][instance(to)]
+}
+
 pub(crate) use family;

@@ -9,9 +9,11 @@
 use cudarc::driver::{DeviceRepr, PushKernelArg};
 use smallvec::SmallVec;
 
-use crate::backend::cuda::kernels::{Geo, elementwise_launch, family, kernel, rows_launch};
+use crate::backend::cuda::kernels::{
+    Geo, cast_kernel, elementwise_launch, family, kernel, rows_launch,
+};
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
-use crate::backend::op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
+use crate::backend::op::{Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
 use crate::backend::{Backend, Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::Result;
@@ -77,12 +79,12 @@ impl Gpu {
         };
         let (code, count) = (op.code(), n as i64);
         with_dtype!(dtype, T => {
-            let [p0, p1] = params.map(T::from_f64);
+            let [p0, p1] = params.map(<T as Math>::Compute::from_f64);
             let mut b = self.stream.launch_builder(&f);
             b.arg(&code).arg(&count).arg(&out).arg(&go).arg(&a).arg(&ga).arg(&p0).arg(&p1);
             // SAFETY: the arguments match `unary_<dtype>` in kernels/elementwise.cu (int, i64, T*, Geo,
-            // const T*, Geo, T, T); `out` and `a` are block addresses holding `dtype` whose geometries
-            // stay inside their blocks for the `n` elements.
+            // const T*, Geo, C, C with C the compute type); `out` and `a` are block addresses holding
+            // `dtype` whose geometries stay inside their blocks for the `n` elements.
             unsafe { b.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("unary kernel", e))?;
         });
         Ok(())
@@ -103,12 +105,12 @@ impl Gpu {
         let f = self.function(kernel(family!("binary"), dtype))?;
         let (code, count) = (op.code(), n as i64);
         with_dtype!(dtype, T => {
-            let [p0, p1] = params.map(T::from_f64);
+            let [p0, p1] = params.map(<T as Math>::Compute::from_f64);
             let mut l = self.stream.launch_builder(&f);
             l.arg(&code).arg(&count).arg(&out.0).arg(&out.1).arg(&a.0).arg(&a.1).arg(&b.0).arg(&b.1);
             l.arg(&p0).arg(&p1);
             // SAFETY: the arguments match `binary_<dtype>` (int, i64, T*, Geo, const T*, Geo, const T*,
-            // Geo, T, T); the addresses are blocks holding `dtype`, and each geometry describes `n`
+            // Geo, C, C with C the compute type); the addresses are blocks holding `dtype`, and each geometry describes `n`
             // elements inside its block.
             unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("binary kernel", e))?;
         });
@@ -203,18 +205,7 @@ impl Backend for Gpu {
         if n == 0 {
             return Ok(());
         }
-        let name = match (from, to) {
-            (DType::F32, DType::F32) => "cast_f32_f32",
-            (DType::F32, DType::F64) => "cast_f32_f64",
-            (DType::F32, DType::I64) => "cast_f32_i64",
-            (DType::F64, DType::F32) => "cast_f64_f32",
-            (DType::F64, DType::F64) => "cast_f64_f64",
-            (DType::F64, DType::I64) => "cast_f64_i64",
-            (DType::I64, DType::F32) => "cast_i64_f32",
-            (DType::I64, DType::F64) => "cast_i64_f64",
-            (DType::I64, DType::I64) => "cast_i64_i64",
-        };
-        let f = self.function(name)?;
+        let f = self.function(cast_kernel(from, to))?;
         let (count, a, dst) = (n as i64, x.buf.address(), out.buf.address());
         let (go, ga) = (Geo::of("copy", out.layout)?, Geo::of("copy", x.layout)?);
         let mut l = self.stream.launch_builder(&f);
@@ -303,10 +294,10 @@ impl Backend for Gpu {
             first(labels.buf.address(), labels.layout, DType::I64),
         );
         with_dtype!(dtype, T => {
-            let scale = T::from_f64(scale);
+            let scale = <T as Math>::Compute::from_f64(scale);
             let mut l = self.stream.launch_builder(&f);
             l.arg(&rows).arg(&classes).arg(&o).arg(&lp).arg(&lb).arg(&scale);
-            // SAFETY: the arguments match `xent_grad_<dtype>` (i64, i64, T*, const T*, const i64*, T)
+            // SAFETY: the arguments match `xent_grad_<dtype>` (i64, i64, T*, const T*, const i64*, C)
             // for a float dtype; `log_p` and `out` are contiguous `[rows, classes]`, `labels`
             // contiguous i64 `[rows]` with values in `0..classes` (checked by the op).
             unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("cross-entropy kernel", e))?;
@@ -413,12 +404,8 @@ impl Backend for Gpu {
         if n == 0 {
             return Ok(());
         }
-        let name = match dtype {
-            DType::F32 => "random_f32",
-            DType::F64 => "random_f64",
-            DType::I64 => unreachable!("creation ops draw floats only"),
-        };
-        let f = self.function(name)?;
+        debug_assert!(dtype.is_float(), "creation ops draw floats only");
+        let f = self.function(kernel(family!("random"), dtype))?;
         let (count, code) = (n as i64, dist.code());
         let o = first(out.buf.address(), out.layout, dtype);
         let mut l = self.stream.launch_builder(&f);
@@ -441,10 +428,10 @@ impl Backend for Gpu {
             first(x.buf.address(), x.layout, dtype),
         );
         with_dtype!(dtype, T => {
-            let pad = T::from_f64(pad);
+            let pad = <T as Math>::Compute::from_f64(pad);
             let mut l = self.stream.launch_builder(&f);
             l.arg(&count).arg(&o).arg(&i).arg(&w).arg(&pad);
-            // SAFETY: the arguments match `unfold2d_<dtype>` (i64, T*, const T*, Window, T); `x` is
+            // SAFETY: the arguments match `unfold2d_<dtype>` (i64, T*, const T*, Window, C); `x` is
             // contiguous `[planes, rows, cols]` and `out` contiguous with `n` elements
             // `[planes, kh, kw, oh, ow]`, and every read is bounds-checked against the plane.
             unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("unfold2d kernel", e))?;
@@ -484,8 +471,9 @@ impl Backend for Gpu {
         batch: &[usize],
         mkn: (usize, usize, usize),
         out: Dst,
+        tf32: bool,
     ) -> Result<()> {
-        blas::matmul(self, dtype, (a, b), batch, mkn, out)
+        blas::matmul(self, dtype, (a, b), batch, mkn, out, tf32)
     }
 
     fn fused_update(
@@ -510,23 +498,24 @@ impl Backend for Gpu {
         with_dtype!(dtype, T => match (update, ptrs.as_slice()) {
             (FusedUpdate::Sgd { lr, momentum, weight_decay, nesterov }, [pp, vp]) => {
                 let f = self.function(kernel(family!("sgd"), dtype))?;
-                let [lr, mu, wd] = [lr, momentum, weight_decay].map(T::from_f64);
+                let [lr, mu, wd] = [lr, momentum, weight_decay].map(<T as Math>::Compute::from_f64);
                 let nesterov = i32::from(nesterov);
                 let mut l = self.stream.launch_builder(&f);
                 l.arg(&count).arg(pp).arg(vp).arg(&gp).arg(&lr).arg(&mu).arg(&wd).arg(&nesterov);
-                // SAFETY: the arguments match `sgd_<dtype>` (i64, T*, T*, const T*, T, T, T, int) for
+                // SAFETY: the arguments match `sgd_<dtype>` (i64, T*, T*, const T*, C, C, C, int) for
                 // a float dtype; the three are contiguous with `n` elements, and the targets are
                 // unique handles, so no other tensor sees the writes.
                 unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("sgd kernel", e))?;
             }
             (FusedUpdate::Adam { b1, b2, eps, lr, l2, decay }, [pp, mp, vp]) => {
                 let f = self.function(kernel(family!("adam"), dtype))?;
-                let [b1, b2, eps, l2, decay] = [b1, b2, eps, l2, decay].map(T::from_f64);
+                let [b1, b2, eps, l2, decay] =
+                    [b1, b2, eps, l2, decay].map(<T as Math>::Compute::from_f64);
                 let mut l = self.stream.launch_builder(&f);
                 l.arg(&count).arg(pp).arg(mp).arg(vp).arg(&gp).arg(&powers);
                 l.arg(&b1).arg(&b2).arg(&eps).arg(&lr).arg(&l2).arg(&decay);
                 // SAFETY: the arguments match `adam_<dtype>` (i64, four T pointers, const double*,
-                // then b1, b2, eps as T, lr as double, l2, decay as T) for a float dtype; the four are
+                // then b1, b2, eps as C, lr as double, l2, decay as C) for a float dtype; the four are
                 // contiguous with `n` elements, the three targets are unique handles, and `powers`
                 // is the contiguous f64 pair the op checked.
                 unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("adam kernel", e))?;
