@@ -1,6 +1,7 @@
 //! GPU benchmarks (`--features cuda`, on a machine with an NVIDIA GPU): the MLP training step of the
-//! digits/MNIST size (eager, and through a `StepGraph` eager and captured) and a large matrix product, with the numbers PyTorch's
-//! `benches/pytorch_reference.py` prints for the same work on the same GPU.
+//! digits/MNIST size (eager, and through a `StepGraph` eager and captured), a wide MLP's step in f32,
+//! TF32, bf16 and f16 autocast, and large matrix products (f32, TF32, bf16, f16), with the numbers
+//! PyTorch's `benches/pytorch_reference.py` prints for the same work on the same GPU.
 //!
 //! `cargo bench --features cuda --bench cuda`. Besides criterion's timings it prints the step's GPU
 //! allocator calls (after warm-up), the tree's peak bytes and the driver-level peak of reserved GPU
@@ -12,10 +13,10 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use ndscope::nn::{self, Activation, Init, Mode, Module};
-use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ndscope::optim::{Adam, AdamConfig, LossScaler, Optimizer, Sgd, SgdConfig};
 use ndscope::{
-    Device, Error, Input, Result, StepGraph, Tape, Workspace, gpu_memory, reset_gpu_memory_peak,
-    root,
+    DType, Device, Error, Input, Result, StepGraph, Tape, Workspace, gpu_memory,
+    reset_gpu_memory_peak, root,
 };
 
 const GPU: Device = Device::Cuda(0);
@@ -138,21 +139,118 @@ fn graph_step(c: &mut Criterion) -> Result<()> {
     Ok(())
 }
 
-/// Square f32 products through cuBLAS.
+/// How the wide MLP's step computes.
+#[derive(Clone, Copy)]
+enum Precision {
+    F32,
+    Tf32,
+    Autocast(DType),
+}
+
+impl Precision {
+    fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Autocast(DType::BF16) => "bf16 autocast",
+            Precision::Autocast(_) => "f16 autocast + loss scaling",
+        }
+    }
+}
+
+/// The wide MLP's step: 4096-4096-4096-10, batch 1024, AdamW, in each precision; steps/s over 200
+/// steps with the loss read every step, and the workspace's arena.
+fn wide_mlp_step() -> Result<()> {
+    for precision in [
+        Precision::F32,
+        Precision::Tf32,
+        Precision::Autocast(DType::BF16),
+        Precision::Autocast(DType::F16),
+    ] {
+        root(GPU, |m| {
+            m.set_seed(1);
+            m.allow_tf32(matches!(precision, Precision::Tf32));
+            let sizes = [4096, 4096, 4096, 10];
+            let mut model = nn::mlp(m, &sizes, Activation::Relu, Init::KaimingUniform)?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-4, 1e-2))?;
+            let mut scaler = LossScaler::new();
+            let dtype = match precision {
+                Precision::Autocast(d) => d,
+                _ => DType::F32,
+            };
+            // The batch arrives in the dtype the step computes in, as a loader would deliver it.
+            let x = m.randn(&[1024, 4096])?.to_dtype(dtype)?;
+            let labels: Vec<i64> = (0..1024).map(|i| i % 10).collect();
+            let y = m.from_slice(&labels, &[1024])?;
+            let mut ws = Workspace::planned("batch");
+            let mut step = || {
+                m.workspace(&mut ws, |b| {
+                    let tape = Tape::new(b);
+                    if let Precision::Autocast(d) = precision {
+                        b.autocast(d)?;
+                    }
+                    let loss = model
+                        .forward(&tape.constant(&x), Mode::Train)?
+                        .cross_entropy(&y)?;
+                    if dtype == DType::F16 {
+                        let mut grads = tape.backward(&scaler.scale_loss(&loss)?)?;
+                        scaler.step(&mut opt, &mut model, &mut grads)?;
+                    } else {
+                        opt.step(&mut model, &tape.backward(&loss)?)?;
+                    }
+                    loss.value().to_scalar::<f32>()
+                })
+            };
+            for _ in 0..10 {
+                step()?;
+            }
+            GPU.synchronize()?;
+            let steps = 200;
+            let start = Instant::now();
+            let mut last = 0.0;
+            for _ in 0..steps {
+                last = step()?;
+            }
+            GPU.synchronize()?;
+            let elapsed = start.elapsed();
+            let flops = 6.0 * 1024.0 * (4096.0 * 4096.0 * 2.0 + 4096.0 * 10.0);
+            println!(
+                "wide_mlp_step 4096-4096-4096-10 b1024 AdamW {} on {GPU}: {:.0} steps/s over {steps} \
+                 steps ({:.0} TFLOP/s in products); workspace arena {} B; last loss {last:.4}",
+                precision.name(),
+                steps as f64 / elapsed.as_secs_f64(),
+                flops * steps as f64 / elapsed.as_secs_f64() / 1e12,
+                ws.capacity(),
+            );
+            Ok::<_, Error>(())
+        })?;
+    }
+    Ok(())
+}
+
+/// Square products through cuBLAS: f32, f32 read as TF32, bf16 and f16 (f32 accumulation).
 fn matmul(c: &mut Criterion) -> Result<()> {
     root(GPU, |s| {
         let mut group = c.benchmark_group("cuda_matmul");
-        for n in [1024usize, 4096] {
-            let a = s.randn(&[n, n])?;
-            let b = s.randn(&[n, n])?;
-            group.throughput(Throughput::Elements((2 * n * n * n) as u64));
-            group.bench_with_input(BenchmarkId::from_parameter(n), &n, |bench, _| {
-                bench.iter(|| {
-                    // The product's block goes back to the pool when it drops, for the next one.
-                    drop(a.matmul(&b).expect("matmul runs"));
-                    GPU.synchronize().expect("the GPU finishes");
-                })
-            });
+        for (name, dtype, tf32) in [
+            ("f32", DType::F32, false),
+            ("tf32", DType::F32, true),
+            ("bf16", DType::BF16, false),
+            ("f16", DType::F16, false),
+        ] {
+            s.allow_tf32(tf32);
+            for n in [1024usize, 4096] {
+                let a = s.randn(&[n, n])?.to_dtype(dtype)?;
+                let b = s.randn(&[n, n])?.to_dtype(dtype)?;
+                group.throughput(Throughput::Elements((2 * n * n * n) as u64));
+                group.bench_with_input(BenchmarkId::new(name, n), &n, |bench, _| {
+                    bench.iter(|| {
+                        // The product's block goes back to the pool when it drops, for the next one.
+                        drop(a.matmul(&b).expect("matmul runs"));
+                        GPU.synchronize().expect("the GPU finishes");
+                    })
+                });
+            }
         }
         group.finish();
         Ok::<_, Error>(())
@@ -165,6 +263,10 @@ fn main() {
         return;
     }
     let mut c = Criterion::default().configure_from_args();
+    if let Err(e) = wide_mlp_step() {
+        eprintln!("benches/cuda: wide_mlp_step failed: {e}");
+        std::process::exit(1);
+    }
     for (name, run) in [
         ("mlp_step", mlp_step as fn(&mut Criterion) -> Result<()>),
         ("graph_step", graph_step),

@@ -5,6 +5,8 @@
     python3 benches/pytorch_reference.py churn            # examples/churn.rs
     python3 benches/pytorch_reference.py gpt              # examples/gpt.rs's training step
     python3 benches/pytorch_reference.py graph            # benches/cuda.rs's graph_step (CUDA graphs)
+    python3 benches/pytorch_reference.py mixed            # benches/cuda.rs's wide_mlp_step and matmuls
+                                                          # in f32, TF32, bf16 and f16 autocast
 
 Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to measure PyTorch's other allocator design.
 
@@ -277,6 +279,84 @@ def graph_step(steps=2000):
             )
 
 
+def wide_mlp_step(steps=200):
+    """The 4096-4096-4096-10 MLP at batch 1024 with AdamW, in f32, TF32, bf16 autocast and f16
+    autocast with a GradScaler; the loss read every step, as benches/cuda.rs's wide_mlp_step."""
+    for name in ("f32", "tf32", "bf16 autocast", "f16 autocast + loss scaling"):
+        torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+        torch.manual_seed(1)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4096, 4096),
+            torch.nn.ReLU(),
+            torch.nn.Linear(4096, 4096),
+            torch.nn.ReLU(),
+            torch.nn.Linear(4096, 10),
+        ).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=1e-2)
+        dtype = {"bf16 autocast": torch.bfloat16, "f16 autocast + loss scaling": torch.float16}.get(name)
+        x = torch.randn(1024, 4096, device=dev)
+        if dtype is not None:
+            x = x.to(dtype)  # as benches/cuda.rs feeds it
+        y = (torch.arange(1024, device=dev) % 10).long()
+        scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            return loss.item()
+
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(steps):
+            last = step()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        flops = 6.0 * 1024 * (4096 * 4096 * 2 + 4096 * 10)
+        print(
+            f"pytorch wide_mlp_step 4096-4096-4096-10 b1024 AdamW {name} on "
+            f"{torch.cuda.get_device_name(0)}: {steps / elapsed:.0f} steps/s over {steps} steps "
+            f"({flops * steps / elapsed / 1e12:.0f} TFLOP/s in products); peak allocated "
+            f"{torch.cuda.max_memory_allocated()} B; last loss {last:.4f}"
+        )
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def mixed_matmul():
+    """Square products in f32, TF32, bf16 and f16, as benches/cuda.rs's cuda_matmul group."""
+    for name, dtype, tf32 in (
+        ("f32", torch.float32, False),
+        ("tf32", torch.float32, True),
+        ("bf16", torch.bfloat16, False),
+        ("f16", torch.float16, False),
+    ):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        for n in (1024, 4096):
+            a = torch.randn(n, n, device=dev, dtype=dtype)
+            b = torch.randn(n, n, device=dev, dtype=dtype)
+            for _ in range(10):
+                a @ b
+            torch.cuda.synchronize()
+            reps = 200 if n == 1024 else 50
+            start = time.perf_counter()
+            for _ in range(reps):
+                a @ b
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - start) / reps
+            print(f"pytorch matmul {name} {n}: {2 * n ** 3 / elapsed / 1e12:.1f} TFLOP/s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 if __name__ == "__main__":
     import sys
 
@@ -289,6 +369,9 @@ if __name__ == "__main__":
         gpt()
     elif what == "graph":
         graph_step()
+    elif what == "mixed":
+        wide_mlp_step()
+        mixed_matmul()
     else:
         mlp_step()
         matmul()

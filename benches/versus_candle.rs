@@ -4,6 +4,7 @@
 //!
 //! - `chain_20_ops`: twenty elementwise ops, each a new temporary, on 1 KiB and 4 MiB tensors;
 //! - `matmul_f32`: square products, 512 and 1024;
+//! - `matmul_bf16`, `matmul_f16`: the same in 16-bit floats (both libraries accumulate in `f32`);
 //! - `mlp_step`: one training step of a 784-256-10 MLP at batch 128 — forward, cross-entropy, backward,
 //!   AdamW — with candle's AdamW written from candle-core ops as candle-nn writes it.
 
@@ -13,7 +14,7 @@ use candle_core as candle;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndscope::nn::{self, Activation, Init};
 use ndscope::optim::{Adam, AdamConfig};
-use ndscope::{Device, Result, root};
+use ndscope::{DType, Device, Result, root};
 
 mod common;
 use common::{chain, train_step};
@@ -109,6 +110,41 @@ fn matmuls(c: &mut Criterion) {
     group.finish();
 }
 
+/// Square 16-bit products: ndscope (`f16` through `gemm`'s f16 kernels, `bf16` widened to `f32`)
+/// beside candle's.
+fn matmuls_16_bit(c: &mut Criterion) {
+    for (dtype, candle_dtype) in [
+        (DType::BF16, candle::DType::BF16),
+        (DType::F16, candle::DType::F16),
+    ] {
+        let mut group = c.benchmark_group(format!("matmul_{dtype}"));
+        group.sample_size(20);
+        for n in [512usize, 1024] {
+            group.throughput(Throughput::Elements(2 * (n as u64).pow(3))); // flops
+            root(Device::Cpu, |s| -> Result<()> {
+                let a = s.randn(&[n, n])?.to_dtype(dtype)?;
+                let b = s.randn(&[n, n])?.to_dtype(dtype)?;
+                group.bench_function(BenchmarkId::new("ndscope", n), |bench| {
+                    bench.iter(|| s.scope(|_| black_box(a.matmul(&b)).map(drop)).unwrap())
+                });
+                Ok(())
+            })
+            .unwrap();
+            let dev = candle::Device::Cpu;
+            let a = candle::Tensor::randn(0f32, 1.0, (n, n), &dev)
+                .and_then(|t| t.to_dtype(candle_dtype))
+                .unwrap();
+            let b = candle::Tensor::randn(0f32, 1.0, (n, n), &dev)
+                .and_then(|t| t.to_dtype(candle_dtype))
+                .unwrap();
+            group.bench_function(BenchmarkId::new("candle", n), |bench| {
+                bench.iter(|| black_box(a.matmul(&b).unwrap()))
+            });
+        }
+        group.finish();
+    }
+}
+
 const SIZES: [usize; 3] = [784, 256, 10];
 const BATCH: usize = 128;
 
@@ -193,5 +229,5 @@ fn mlp_steps(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, chains, matmuls, mlp_steps);
+criterion_group!(benches, chains, matmuls, matmuls_16_bit, mlp_steps);
 criterion_main!(benches);

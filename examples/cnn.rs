@@ -15,7 +15,9 @@ use std::time::Instant;
 use ndscope::data::{Batch, Dataset, Loader};
 use ndscope::nn::{BatchNorm2d, Conv2d, Dropout, Init, Linear, Mode, Module, Parameters, Pool2d};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
-use ndscope::{Conv2dOptions, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
+use ndscope::{
+    Conv2dOptions, DType, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root,
+};
 
 mod common;
 
@@ -33,6 +35,7 @@ OPTIONS:
   --dropout X       dropout before the classifier        [default: 0.3]
   --seed N          split, initialisation and shuffling  [default: 42]
   --device D        cpu, or cuda:N (needs --features cuda) [default: cpu]
+  --dtype T         f32, or bf16 / f16 autocast (f16 with loss scaling) [default: f32]
   --help            this text";
 
 /// Steps left out of the steps/s figure: the first ones compile the GPU kernels and grow the caches.
@@ -48,6 +51,7 @@ struct Options {
     dropout: f64,
     seed: u64,
     device: Device,
+    dtype: DType,
 }
 
 impl Options {
@@ -61,6 +65,7 @@ impl Options {
             dropout: 0.3,
             seed: 42,
             device: Device::Cpu,
+            dtype: DType::F32,
         };
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
@@ -83,6 +88,7 @@ impl Options {
                 "--dropout" => o.dropout = value.parse().map_err(|_| bad("a number"))?,
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
+                "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 _ => return Err(format!("unknown option {flag}")),
             }
         }
@@ -148,9 +154,9 @@ impl<'m> Cnn<'m> {
     }
 }
 
-/// The images of `features` (`[rows, 64]`) as `[rows, 1, 8, 8]` in scope `s`.
-fn images<'s>(s: &Scope<'s>, features: &[f32], rows: usize) -> Result<Tensor<'s>> {
-    s.from_slice(features, &[rows, 1, 8, 8])
+/// The images of `features` (`[rows, 64]`) as `[rows, 1, 8, 8]` of `dtype` in scope `s`.
+fn images<'s>(s: &Scope<'s>, features: &[f32], rows: usize, dtype: DType) -> Result<Tensor<'s>> {
+    s.from_slice(features, &[rows, 1, 8, 8])?.to_dtype(dtype)
 }
 
 /// Copies `batch`'s images into `out`, each shifted by a random whole pixel in `-1..=1` on both
@@ -179,23 +185,30 @@ fn train_step<'m: 'b, 'b>(
     b: &'b Scope<'b>,
     model: &mut Cnn<'m>,
     opt: &mut Adam<'m>,
+    precision: &mut common::Precision,
     batch: &Batch,
     features: &[f32],
 ) -> Result<(f32, usize)> {
-    let x = images(b, features, batch.rows())?;
+    precision.enter(b)?;
+    let x = images(b, features, batch.rows(), precision.dtype())?;
     let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
     let tape = Tape::new(b);
     let loss = model
         .forward(&tape.constant(&x), Mode::Train)?
         .cross_entropy(&labels)?;
-    let grads = tape.backward(&loss)?;
-    opt.step(model, &grads)?;
+    precision.backward_and_step(&tape, &loss, |grads| opt.step(model, grads))?;
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 
-fn accuracy<'m>(s: &Scope<'m>, model: &Cnn<'m>, data: &Dataset) -> Result<f64> {
+fn accuracy<'m>(
+    s: &Scope<'m>,
+    model: &Cnn<'m>,
+    data: &Dataset,
+    precision: &common::Precision,
+) -> Result<f64> {
     s.named_scope("eval", |e| {
-        let x = images(e, data.features(), data.len())?;
+        precision.enter(e)?;
+        let x = images(e, data.features(), data.len(), precision.dtype())?;
         let tape = Tape::no_grad(e);
         let predicted = model
             .forward(&tape.constant(&x), Mode::Eval)?
@@ -224,6 +237,7 @@ fn run(o: &Options) -> Result<()> {
     let total = o.epochs * steps_per_epoch;
     let schedule = WarmupCosine::new(o.lr, total / 20, total)?.with_min(o.lr / 20.0);
     let mut ws = Workspace::planned("batch");
+    let mut precision = common::Precision::new(o.dtype);
     root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
@@ -232,7 +246,7 @@ fn run(o: &Options) -> Result<()> {
             println!(
                 "model: conv3x3({0}) bn relu, conv3x3({1}) bn relu, maxpool2, linear({1}x4x4 -> 128) \
                  relu dropout {2}, linear(128 -> {3}); {4} parameters; AdamW, batch {5}, lr {6} \
-                 (warm-up, cosine), seed {7}",
+                 (warm-up, cosine), {8}, seed {7}",
                 o.channels,
                 2 * o.channels,
                 o.dropout,
@@ -240,7 +254,8 @@ fn run(o: &Options) -> Result<()> {
                 model.parameter_elements(),
                 o.batch_size,
                 o.lr,
-                o.seed
+                o.seed,
+                precision.describe()
             );
             let mut step = 0u64;
             let mut training = std::time::Duration::ZERO;
@@ -259,7 +274,7 @@ fn run(o: &Options) -> Result<()> {
                     };
                     let t = Instant::now();
                     let (loss, peak) = m.workspace(&mut ws, |b| {
-                        train_step(b, &mut model, &mut opt, batch, features)
+                        train_step(b, &mut model, &mut opt, &mut precision, batch, features)
                     })?;
                     if step > WARM_UP_STEPS {
                         training += t.elapsed();
@@ -268,7 +283,7 @@ fn run(o: &Options) -> Result<()> {
                     batch_peak = batch_peak.max(peak);
                     Ok(())
                 })?;
-                let acc = accuracy(m, &model, &test)?;
+                let acc = accuracy(m, &model, &test, &precision)?;
                 let after = m.stats();
                 println!(
                     "epoch {epoch:>3}  loss {:.4}  test acc {:5.1}%  | model: {} tensors, {} B live | \
@@ -291,9 +306,12 @@ fn run(o: &Options) -> Result<()> {
             if let Some(line) = common::plan_summary(&ws) {
                 println!("{line}");
             }
+            if let Some(line) = precision.report() {
+                println!("{line}");
+            }
             println!(
                 "final test accuracy: {:.1}%",
-                accuracy(m, &model, &test)? * 100.0
+                accuracy(m, &model, &test, &precision)? * 100.0
             );
             println!("\nscope tree at the end of training:\n{}", s.dump());
             Ok::<_, Error>(())

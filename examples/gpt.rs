@@ -21,7 +21,7 @@ use ndscope::nn::{
     PositionalEmbedding, TransformerBlock,
 };
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
-use ndscope::{Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
+use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
 
 mod common;
 
@@ -41,6 +41,7 @@ OPTIONS:
   --context N       context length for --text                [default: 64]
   --seed N          problems, split, initialisation, batches [default: 42]
   --device D        cpu, or cuda:N (needs --features cuda)   [default: cpu]
+  --dtype T         f32, or bf16 / f16 autocast (f16 with loss scaling) [default: f32]
   --text FILE       train on the characters of FILE and sample from it
   --help            this text";
 
@@ -57,6 +58,7 @@ struct Options {
     context: usize,
     seed: u64,
     device: Device,
+    dtype: DType,
     text: Option<String>,
 }
 
@@ -73,6 +75,7 @@ impl Options {
             context: 64,
             seed: 42,
             device: Device::Cpu,
+            dtype: DType::F32,
             text: None,
         };
         let mut args = args;
@@ -102,6 +105,7 @@ impl Options {
                 "--context" => o.context = count(&value)?,
                 "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
+                "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 "--text" => o.text = Some(value),
                 _ => return Err(format!("unknown option {flag}")),
             }
@@ -348,10 +352,12 @@ fn train_step<'m: 'b, 'b>(
     b: &'b Scope<'b>,
     model: &mut Gpt<'m>,
     opt: &mut Adam<'m>,
+    precision: &mut common::Precision,
     task: &dyn Task,
     batch: &(Vec<i64>, Vec<i64>),
     size: usize,
 ) -> Result<(f32, usize)> {
+    precision.enter(b)?;
     let (context, first) = (task.context(), task.first_counted());
     let ids = b.from_slice(&batch.0, &[size, context])?;
     let counted = context - first;
@@ -362,8 +368,7 @@ fn train_step<'m: 'b, 'b>(
         .narrow(1, first, counted)?
         .reshape(&[size * counted, task.vocab()])?
         .cross_entropy(&targets)?;
-    let grads = tape.backward(&loss)?;
-    opt.step(model, &grads)?;
+    precision.backward_and_step(&tape, &loss, |grads| opt.step(model, grads))?;
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 
@@ -373,8 +378,10 @@ fn held_out_accuracy<'m>(
     m: &Scope<'m>,
     model: &Gpt<'m>,
     task: &Addition,
+    precision: &common::Precision,
 ) -> Result<(f64, Vec<String>)> {
     m.named_scope("eval", |e| {
+        precision.enter(e)?;
         let n = task.held_out.len();
         let mut seqs: Vec<Vec<i64>> = task.held_out.iter().map(|p| p[..6].to_vec()).collect();
         for len in 6..9 {
@@ -418,9 +425,11 @@ fn sample<'m>(
     text: &Text,
     rng: &mut Rng,
     len: usize,
+    precision: &common::Precision,
 ) -> Result<String> {
     let mut ids = vec![text.ids[0]];
     m.named_scope("sample", |e| {
+        precision.enter(e)?;
         for _ in 0..len {
             let window = &ids[ids.len().saturating_sub(text.context)..];
             let x = e.from_slice(window, &[1, window.len()])?;
@@ -429,6 +438,7 @@ fn sample<'m>(
             let probs = logits
                 .value()
                 .narrow(1, window.len() - 1, 1)?
+                .to_dtype(DType::F32)?
                 .div_scalar(0.8)?
                 .softmax(-1)?
                 .to_vec::<f32>()?;
@@ -477,6 +487,7 @@ fn run(o: &Options) -> Result<()> {
     let schedule = WarmupCosine::new(o.lr, steps / 20, steps)?.with_min(o.lr / 10.0);
     let report_every = (steps / 10).max(1);
     let mut ws = Workspace::planned("batch");
+    let mut precision = common::Precision::new(o.dtype);
 
     root(o.device, |s| {
         s.set_seed(o.seed);
@@ -485,7 +496,7 @@ fn run(o: &Options) -> Result<()> {
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 0.01))?;
             println!(
                 "model: {} blocks of width {}, {} heads, context {}, {} parameters; AdamW, batch {}, \
-                 lr {} (warm-up {} steps, cosine to {}), {} steps, seed {}",
+                 lr {} (warm-up {} steps, cosine to {}), {} steps, {}, seed {}",
                 o.layers,
                 o.width,
                 o.heads,
@@ -496,6 +507,7 @@ fn run(o: &Options) -> Result<()> {
                 steps / 20,
                 o.lr / 10.0,
                 steps,
+                precision.describe(),
                 o.seed
             );
             let model_at_start = m.stats();
@@ -508,7 +520,7 @@ fn run(o: &Options) -> Result<()> {
                 let batch = task.batch(&mut rng, o.batch_size);
                 let step_started = Instant::now();
                 let (loss, peak) = m.workspace(&mut ws, |b| {
-                    train_step(b, &mut model, &mut opt, task, &batch, o.batch_size)
+                    train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o.batch_size)
                 })?;
                 if step >= WARM_UP_STEPS {
                     training += step_started.elapsed();
@@ -520,7 +532,7 @@ fn run(o: &Options) -> Result<()> {
                     let quality = match &job {
                         Job::Addition(add) => format!(
                             "  held-out exact {:5.1}%",
-                            held_out_accuracy(m, &model, add)?.0 * 100.0
+                            held_out_accuracy(m, &model, add, &precision)?.0 * 100.0
                         ),
                         Job::Text(_) => String::new(),
                     };
@@ -556,16 +568,19 @@ fn run(o: &Options) -> Result<()> {
             if let Some(line) = common::plan_summary(&ws) {
                 println!("{line}");
             }
+            if let Some(line) = precision.report() {
+                println!("{line}");
+            }
             match &job {
                 Job::Addition(add) => {
-                    let (acc, shown) = held_out_accuracy(m, &model, add)?;
+                    let (acc, shown) = held_out_accuracy(m, &model, add, &precision)?;
                     println!("held-out exact match: {:.1}%; completions:", acc * 100.0);
                     for line in shown {
                         println!("  {line}");
                     }
                 }
                 Job::Text(text) => {
-                    println!("sample:\n{}", sample(m, &model, text, &mut rng, 300)?);
+                    println!("sample:\n{}", sample(m, &model, text, &mut rng, 300, &precision)?);
                 }
             }
             println!("\nscope tree at the end of training:\n{}", s.dump());

@@ -16,7 +16,7 @@ use std::time::Instant;
 use ndscope::data::{Batch, Dataset, Loader};
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ndscope::{Device, Error, Result, Scope, Tape, Tensor, Workspace, checkpoint, root};
+use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, checkpoint, root};
 
 mod common;
 
@@ -35,6 +35,8 @@ OPTIONS:
                        the first step), bump, or off (pool)  [default: planned]
   --seed N             initialisation, split and shuffling  [default: 42]
   --device D           cpu, or cuda:N (needs --features cuda) [default: cpu]
+  --dtype T            f32, or bf16 / f16: batch scopes autocast to it (f32 master
+                       weights; f16 with dynamic loss scaling)   [default: f32]
   --data DIR           MNIST IDX files in DIR instead of the bundled digits
   --checkpoint FILE    write the trained parameters as safetensors
   --timeline PREFIX    record the memory timeline: PREFIX.json and a chart, PREFIX.svg
@@ -55,6 +57,8 @@ struct Options {
     workspace: String,
     seed: u64,
     device: Device,
+    /// f32, or the 16-bit dtype batch scopes autocast to.
+    dtype: DType,
     data: Option<String>,
     checkpoint: Option<String>,
     timeline: Option<String>,
@@ -72,6 +76,7 @@ impl Options {
             workspace: "planned".into(),
             seed: 42,
             device: Device::Cpu,
+            dtype: DType::F32,
             data: None,
             checkpoint: None,
             timeline: None,
@@ -109,6 +114,7 @@ impl Options {
                 "--device" => {
                     o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?
                 }
+                "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 "--data" => o.data = Some(value),
                 "--checkpoint" => o.checkpoint = Some(value),
                 "--timeline" => o.timeline = Some(value),
@@ -145,25 +151,36 @@ fn train_step<'m: 'b, 'b>(
     b: &'b Scope<'b>,
     model: &mut Sequential<'m>,
     opt: &mut AnyOptimizer<'m>,
+    precision: &mut common::Precision,
     batch: &Batch,
     leak: Option<&mut Vec<Tensor<'m>>>,
 ) -> Result<(f32, usize)> {
-    let x = b.from_slice(batch.features(), &batch.feature_shape())?;
+    precision.enter(b)?;
+    // The features arrive as f32 and are stored in the compute dtype (the f32 copy dies at once).
+    let x = b
+        .from_slice(batch.features(), &batch.feature_shape())?
+        .to_dtype(precision.dtype())?;
     let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
     let tape = Tape::new(b);
     let logits = model.forward(&tape.constant(&x), Mode::Train)?;
     let loss = logits.cross_entropy(&labels)?;
-    let grads = tape.backward(&loss)?;
-    opt.step(model, &grads)?;
+    precision.backward_and_step(&tape, &loss, |grads| opt.step(model, grads))?;
     if let Some(kept) = leak {
         kept.push(logits.into_value().move_to(m)?.named("leaked logits"));
     }
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 
-/// Fraction of `data` the model classifies correctly, computed in a scope of `s`.
-fn accuracy<'m>(s: &Scope<'m>, model: &Sequential<'m>, data: &Dataset) -> Result<f64> {
+/// Fraction of `data` the model classifies correctly, computed in a scope of `s` (with the training
+/// steps' precision).
+fn accuracy<'m>(
+    s: &Scope<'m>,
+    model: &Sequential<'m>,
+    data: &Dataset,
+    precision: &common::Precision,
+) -> Result<f64> {
     s.named_scope("eval", |e| {
+        precision.enter(e)?;
         let x = e.from_slice(data.features(), &[data.len(), data.dim()])?;
         let tape = Tape::no_grad(e);
         let logits = model.forward(&tape.constant(&x), Mode::Eval)?;
@@ -239,6 +256,7 @@ fn run(o: &Options) -> Result<()> {
     };
     let use_workspace = o.workspace != "off";
 
+    let mut precision = common::Precision::new(o.dtype);
     root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
@@ -250,7 +268,7 @@ fn run(o: &Options) -> Result<()> {
                 _ => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?)),
             };
             println!(
-                "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, seed {}",
+                "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, {}, seed {}",
                 model.parameter_elements(),
                 o.optimizer,
                 o.batch_size,
@@ -260,6 +278,7 @@ fn run(o: &Options) -> Result<()> {
                     "bump" => "bump workspace",
                     _ => "pool",
                 },
+                precision.describe(),
                 o.seed
             );
             let model_at_start = m.stats();
@@ -275,11 +294,11 @@ fn run(o: &Options) -> Result<()> {
                     let leak = o.leak.then_some(&mut leaked);
                     let (loss, peak) = if use_workspace {
                         m.workspace(&mut ws, |b| {
-                            train_step(m, b, &mut model, &mut opt, batch, leak)
+                            train_step(m, b, &mut model, &mut opt, &mut precision, batch, leak)
                         })?
                     } else {
                         m.named_scope("batch", |b| {
-                            train_step(m, b, &mut model, &mut opt, batch, leak)
+                            train_step(m, b, &mut model, &mut opt, &mut precision, batch, leak)
                         })?
                     };
                     m.mark_step();
@@ -288,7 +307,7 @@ fn run(o: &Options) -> Result<()> {
                     progress.draw(epoch, o.epochs, batch.index() + 1, steps_per_epoch);
                     Ok(())
                 })?;
-                let acc = accuracy(m, &model, &test)?;
+                let acc = accuracy(m, &model, &test, &precision)?;
                 progress.clear();
                 let after = m.stats();
                 println!(
@@ -314,6 +333,9 @@ fn run(o: &Options) -> Result<()> {
                 ws.last_cycle_spills()
             );
             if let Some(line) = common::plan_summary(&ws) {
+                println!("{line}");
+            }
+            if let Some(line) = precision.report() {
                 println!("{line}");
             }
             if let Some(prefix) = &o.timeline {

@@ -43,3 +43,87 @@ pub fn plan_summary(ws: &ndscope::Workspace) -> Option<String> {
         ws.plans_solved()
     ))
 }
+
+/// How the examples' training steps compute (`--dtype`): in `f32`, or in batch scopes that autocast
+/// to `bf16` or `f16` (f32 master weights and optimizer state in the model scope; `f16` with dynamic
+/// loss scaling).
+pub struct Precision {
+    dtype: ndscope::DType,
+    scaler: Option<ndscope::optim::LossScaler>,
+}
+
+/// The dtype a `--dtype` value names: `f32`, `bf16` or `f16`.
+pub fn parse_dtype(value: &str) -> Result<ndscope::DType, String> {
+    use ndscope::DType;
+    let dtype: DType = value
+        .parse()
+        .map_err(|e: ndscope::ParseDTypeError| format!("--dtype: {e}"))?;
+    if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(format!("--dtype: {value:?} is not f32, bf16 or f16"));
+    }
+    Ok(dtype)
+}
+
+impl Precision {
+    /// Steps in `dtype` (`f32`, `bf16` or `f16`; `f16` with a loss scaler).
+    pub fn new(dtype: ndscope::DType) -> Precision {
+        Precision {
+            dtype,
+            scaler: (dtype == ndscope::DType::F16).then(ndscope::optim::LossScaler::new),
+        }
+    }
+
+    /// The dtype inputs are stored in and products computed in.
+    #[allow(dead_code)] // the GPT example feeds token ids, which keep their integer dtype
+    pub fn dtype(&self) -> ndscope::DType {
+        self.dtype
+    }
+
+    /// Sets up a batch (or evaluation) scope: autocast to the 16-bit dtype, if any.
+    pub fn enter(&self, scope: &ndscope::Scope<'_>) -> ndscope::Result<()> {
+        if self.dtype != ndscope::DType::F32 {
+            scope.autocast(self.dtype)?;
+        }
+        Ok(())
+    }
+
+    /// The backward pass from `loss` and, unless loss scaling finds inf/NaN gradients (the step is
+    /// then skipped and the scale lowered), the optimizer step `step`.
+    pub fn backward_and_step<'s>(
+        &mut self,
+        tape: &ndscope::Tape<'s>,
+        loss: &ndscope::Var<'_, 's>,
+        step: impl FnOnce(&ndscope::Gradients<'s>) -> ndscope::Result<()>,
+    ) -> ndscope::Result<()> {
+        match &mut self.scaler {
+            Some(scaler) => {
+                let mut grads = tape.backward(&scaler.scale_loss(loss)?)?;
+                if scaler.unscale(&mut grads)? {
+                    step(&grads)?;
+                }
+                Ok(())
+            }
+            None => step(&tape.backward(loss)?),
+        }
+    }
+
+    /// What the model line says about precision.
+    pub fn describe(&self) -> &'static str {
+        match self.dtype {
+            ndscope::DType::BF16 => "bf16 autocast (f32 master weights)",
+            ndscope::DType::F16 => "f16 autocast with loss scaling (f32 master weights)",
+            _ => "f32",
+        }
+    }
+
+    /// A line on loss scaling at the end of training (nothing without it).
+    pub fn report(&self) -> Option<String> {
+        self.scaler.as_ref().map(|s| {
+            format!(
+                "loss scaling: scale {} at the end, {} steps skipped for inf/NaN gradients",
+                s.scale(),
+                s.skipped_steps()
+            )
+        })
+    }
+}

@@ -66,10 +66,6 @@ impl<'m> Module<'m> for BatchNorm2d<'m> {
     where
         'm: 's,
     {
-        if let Some(x) = x.autocast_f32()? {
-            // Batch statistics in f32 under autocast, as PyTorch's autocast keeps them.
-            return self.forward(&x, mode);
-        }
         let c = self.channels();
         let &[batch, channels, rows, cols] = x.shape() else {
             return Err(Error::InvalidShape {

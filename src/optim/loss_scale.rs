@@ -132,6 +132,29 @@ impl LossScaler {
         loss.mul_scalar(self.scale)
     }
 
+    /// Divides the gradients of a scaled loss by the scale and returns `true`; or, when any of them
+    /// holds inf or NaN, leaves them, lowers the scale and returns `false` (skip the step). For an
+    /// optimizer that is not an [`Optimizer`] value, or code that clips the unscaled gradients before
+    /// stepping; [`step`](Self::step) does both.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub fn unscale(&mut self, grads: &mut Gradients<'_>) -> Result<bool> {
+        if !grads.all_finite()? {
+            self.scale *= self.backoff;
+            self.good_steps = 0;
+            self.skipped += 1;
+            return Ok(false);
+        }
+        grads.scale_in_place(1.0 / self.scale)?;
+        self.good_steps += 1;
+        if self.good_steps == self.growth_interval {
+            self.scale *= self.growth;
+            self.good_steps = 0;
+        }
+        Ok(true)
+    }
+
     /// Steps `optimizer` with the gradients of a scaled loss divided by the scale, and returns
     /// `true`; or, when any gradient holds inf or NaN, leaves the parameters alone, lowers the scale
     /// and returns `false`.
@@ -148,19 +171,10 @@ impl LossScaler {
         O: Optimizer<'m> + ?Sized,
         P: Parameters<'m> + ?Sized,
     {
-        if !grads.all_finite()? {
-            self.scale *= self.backoff;
-            self.good_steps = 0;
-            self.skipped += 1;
+        if !self.unscale(grads)? {
             return Ok(false);
         }
-        grads.scale_in_place(1.0 / self.scale)?;
         optimizer.step(params, grads)?;
-        self.good_steps += 1;
-        if self.good_steps == self.growth_interval {
-            self.scale *= self.growth;
-            self.good_steps = 0;
-        }
         Ok(true)
     }
 }

@@ -259,10 +259,11 @@ impl<'s> Scope<'s> {
     /// Mixed precision for the differentiable ops recorded on tapes of this scope and of the scopes
     /// opened inside it later (PyTorch's `torch.autocast`): matrix products and convolutions cast
     /// their operands to `dtype` (`DType::BF16` or `DType::F16`) and compute in it; an elementwise op
-    /// whose operands mix float dtypes runs in `dtype`; softmax, log-softmax, cross-entropy and the
-    /// norms run in `f32`. The casts of the parameters live in this scope and are freed with it, so
-    /// the model scope keeps `f32` master weights and optimizer state, and the gradients come back in
-    /// the parameters' dtype. `dump()` shows `[autocast bf16]` on the scope.
+    /// whose operands mix float dtypes runs in `dtype`; softmax, log-softmax, the losses and layer
+    /// and RMS norms run in `f32`; batch norm keeps its input's dtype (its sums accumulate in `f32`).
+    /// The casts of the parameters live in this scope and are freed with it, so the model scope keeps
+    /// `f32` master weights and optimizer state, and the gradients come back in the parameters'
+    /// dtype. `dump()` shows `[autocast bf16]` on the scope.
     ///
     /// ```
     /// use ndscope::nn::{self, Activation, Init, Mode, Module};

@@ -7,6 +7,7 @@
 //! `gemm`'s packing buffers are; it never holds a tensor.
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, bf16};
@@ -33,9 +34,13 @@ pub(super) fn matmul(
             let out = out.contiguous_host::<bf16>();
             let mut wide = vec![0.0f32; out.len()];
             matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
-            for (o, w) in out.iter_mut().zip(wide) {
-                *o = bf16::from_f32(w);
-            }
+            out.par_chunks_mut(CONVERT_CHUNK)
+                .zip(wide.par_chunks(CONVERT_CHUNK))
+                .for_each(|(o, w)| {
+                    o.iter_mut()
+                        .zip(w)
+                        .for_each(|(o, &w)| *o = bf16::from_f32(w))
+                });
         }
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
@@ -53,10 +58,20 @@ fn direct<T: Element>(a: Src, b: Src, batch: &[usize], mkn: (usize, usize, usize
     );
 }
 
+/// Elements converted per rayon task when widening or rounding a `bf16` product's operands.
+const CONVERT_CHUNK: usize = 1 << 15;
+
 /// The elements `x` views, widened from `bf16` to `f32` in row-major order, and their layout.
 fn widen(x: Src<'_>) -> (Vec<f32>, Layout) {
     let (layout, data) = (x.layout, x.buf.host::<bf16>());
     let mut wide = vec![0.0f32; layout.numel()];
+    if layout.is_contiguous() {
+        let from = &data[layout.offset()..layout.offset() + wide.len()];
+        wide.par_chunks_mut(CONVERT_CHUNK)
+            .zip(from.par_chunks(CONVERT_CHUNK))
+            .for_each(|(w, h)| w.iter_mut().zip(h).for_each(|(w, h)| *w = h.to_f32()));
+        return (wide, Layout::contiguous(layout.shape()));
+    }
     let walk = RowWalk::new(layout.shape(), [layout.strides()], [layout.offset()]);
     let [stride] = walk.row_strides();
     let len = walk.row_len();
