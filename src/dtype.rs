@@ -541,3 +541,34 @@ macro_rules! with_float_dtype {
 }
 
 pub(crate) use {with_dtype, with_float_dtype};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtypes_parse_their_names_and_report_their_sizes() {
+        for d in DType::ALL {
+            assert_eq!(d.to_string().parse::<DType>(), Ok(d));
+        }
+        let err = "float16".parse::<DType>().unwrap_err().to_string();
+        assert!(err.contains("bf16, f16"), "{err}");
+        assert_eq!([DType::BF16.size(), DType::F16.size()], [2, 2]);
+        assert!(DType::BF16.is_float() && DType::BF16.is_half() && !DType::F32.is_half());
+        assert_eq!(1.0 + DType::BF16.epsilon() as f32, bf16::from_bits(0x3f81).to_f32());
+        assert_eq!(1.0 + DType::F16.epsilon() as f32, f16::from_bits(0x3c01).to_f32());
+    }
+
+    #[test]
+    fn half_elements_round_each_operation_once_and_convert_through_f32() {
+        let (a, b) = (bf16::from_f32(1.0), bf16::from_f32(0.00390625)); // 2^-8: half an ulp of 1
+        assert_eq!(a.add(b), a, "a tie rounds to even");
+        assert_eq!(a.add(b).add(b), a, "each operation rounds");
+        assert_eq!(Element::abs(f16::from_f32(-2.5)), f16::from_f32(2.5));
+        assert!(bf16::from_f32(f32::NAN).max_nan(a).is_nan());
+        // f64 -> 16-bit goes through f32, as the GPU kernels convert.
+        let v = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
+        assert_eq!(<bf16 as Element>::from_f64(v), bf16::from_f32(v as f32));
+        assert_eq!(<f16 as Element>::to_f64(f16::from_f32(0.5)), 0.5);
+    }
+}

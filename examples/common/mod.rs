@@ -120,7 +120,7 @@ impl Precision {
     pub fn report(&self) -> Option<String> {
         self.scaler.as_ref().map(|s| {
             format!(
-                "loss scaling: scale {} at the end, {} steps skipped for inf/NaN gradients",
+                "loss scaling: scale {} at the end; steps skipped for inf/NaN gradients: {}",
                 s.scale(),
                 s.skipped_steps()
             )
