@@ -370,6 +370,16 @@ impl Element for i64 {
     }
 }
 
+/// A 16-bit float's one-argument functions: the `f32` function of the widened value, rounded back.
+macro_rules! through_f32 {
+    ($($name:ident => $f32:expr),*) => {$(
+        #[inline(always)]
+        fn $name(self) -> Self {
+            Self::from_f32(($f32)(self.to_f32()))
+        }
+    )*};
+}
+
 /// 16-bit floats: each operation converts to `f32`, computes and rounds back, so one operation
 /// rounds once. Kernels do better for chains (`op::Math::Compute`): they load once, run the whole
 /// op in `f32` and store once. A value converts to a 16-bit type through `f32` (`from_f64` too), on
@@ -436,45 +446,20 @@ macro_rules! half_element {
             }
         }
         impl Float for $t {
-            #[inline(always)]
-            fn exp(self) -> Self {
-                <$t>::from_f32(Float::exp(self.to_f32()))
-            }
-            #[inline(always)]
-            fn ln(self) -> Self {
-                <$t>::from_f32(self.to_f32().ln())
-            }
-            #[inline(always)]
-            fn ln_1p(self) -> Self {
-                <$t>::from_f32(self.to_f32().ln_1p())
-            }
-            #[inline(always)]
-            fn exp_m1(self) -> Self {
-                <$t>::from_f32(self.to_f32().exp_m1())
-            }
-            #[inline(always)]
-            fn sqrt(self) -> Self {
-                <$t>::from_f32(self.to_f32().sqrt())
-            }
-            #[inline(always)]
-            fn tanh(self) -> Self {
-                <$t>::from_f32(Float::tanh(self.to_f32()))
-            }
-            #[inline(always)]
-            fn sin(self) -> Self {
-                <$t>::from_f32(self.to_f32().sin())
-            }
-            #[inline(always)]
-            fn cos(self) -> Self {
-                <$t>::from_f32(self.to_f32().cos())
-            }
+            through_f32!(
+                exp => <f32 as Float>::exp,
+                ln => f32::ln,
+                ln_1p => f32::ln_1p,
+                exp_m1 => f32::exp_m1,
+                sqrt => f32::sqrt,
+                tanh => <f32 as Float>::tanh,
+                sin => f32::sin,
+                cos => f32::cos,
+                recip => f32::recip
+            );
             #[inline(always)]
             fn powf(self, e: Self) -> Self {
                 <$t>::from_f32(self.to_f32().powf(e.to_f32()))
-            }
-            #[inline(always)]
-            fn recip(self) -> Self {
-                <$t>::from_f32(1.0 / self.to_f32())
             }
             #[inline(always)]
             fn is_nan(self) -> bool {
@@ -555,8 +540,14 @@ mod tests {
         assert!(err.contains("bf16, f16"), "{err}");
         assert_eq!([DType::BF16.size(), DType::F16.size()], [2, 2]);
         assert!(DType::BF16.is_float() && DType::BF16.is_half() && !DType::F32.is_half());
-        assert_eq!(1.0 + DType::BF16.epsilon() as f32, bf16::from_bits(0x3f81).to_f32());
-        assert_eq!(1.0 + DType::F16.epsilon() as f32, f16::from_bits(0x3c01).to_f32());
+        assert_eq!(
+            1.0 + DType::BF16.epsilon() as f32,
+            bf16::from_bits(0x3f81).to_f32()
+        );
+        assert_eq!(
+            1.0 + DType::F16.epsilon() as f32,
+            f16::from_bits(0x3c01).to_f32()
+        );
     }
 
     #[test]

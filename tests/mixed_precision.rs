@@ -397,7 +397,10 @@ fn gradients_of_16_bit_tensors_follow_the_f32_gradients() {
                             .to_dtype(d)
                     };
                     let (x, w, g) = (t(24, &[4, 6], 1)?, t(30, &[6, 5], 2)?, t(5, &[5], 3)?);
-                    let (image, kernel) = (t(2 * 2 * 36, &[2, 2, 6, 6], 4)?, t(3 * 2 * 9, &[3, 2, 3, 3], 5)?);
+                    let (image, kernel) = (
+                        t(2 * 2 * 36, &[2, 2, 6, 6], 4)?,
+                        t(3 * 2 * 9, &[3, 2, 3, 3], 5)?,
+                    );
                     let seq = t(2 * 4 * 8, &[2, 4, 8], 6)?;
                     let watched = [&x, &w, &g, &image, &kernel, &seq];
                     let [xv, wv, gv, iv, kv, sv] = watched.map(|p| tape.param(p));
@@ -411,8 +414,12 @@ fn gradients_of_16_bit_tensors_follow_the_f32_gradients() {
                         .square()?
                         .mean_all()?;
                     // Causal attention of a sequence on itself, and a cross-entropy.
-                    let causal = nn::AttentionOptions { causal: true, dropout: 0.0 };
-                    let attended = nn::scaled_dot_product_attention(&sv, &sv, &sv, causal, Mode::Train)?;
+                    let causal = nn::AttentionOptions {
+                        causal: true,
+                        dropout: 0.0,
+                    };
+                    let attended =
+                        nn::scaled_dot_product_attention(&sv, &sv, &sv, causal, Mode::Train)?;
                     let labels = b.from_slice(&[1i64, 7, 0, 3, 3, 5, 2, 6], &[8])?;
                     let xent = attended.output.reshape(&[8, 8])?.cross_entropy(&labels)?;
                     let loss = dense.add(&conv)?.add(&xent.to_dtype(d)?)?;
@@ -492,6 +499,19 @@ fn autocast_casts_products_keeps_losses_in_f32_and_returns_parameter_dtype_gradi
     .unwrap();
 }
 
+/// Every parameter of `model` by name, as `f64`, sorted by name.
+fn parameters(model: &Sequential<'_>) -> Vec<(String, Vec<f64>)> {
+    let mut all = Vec::new();
+    ndscope::nn::Parameters::visit(model, "", &mut |name, p| {
+        all.push((
+            name.to_string(),
+            p.to_vec_f64().expect("a host parameter reads back"),
+        ))
+    });
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all
+}
+
 /// One f16 autocast step of `model` with loss scaling; whether the optimizer stepped.
 fn scaled_step<'m>(
     m: &Scope<'m>,
@@ -518,27 +538,20 @@ fn an_overflowing_f16_step_is_skipped_and_lowers_the_scale() {
         // 2^40 overflows the f16 gradients (the largest finite f16 is 65504); the backoff of 2^-30
         // brings the scale to 2^10, where they fit, and two good steps in a row double it.
         let mut scaler = LossScaler::with(2f64.powi(40), 2.0, 2f64.powi(-30), 2)?;
-        let weights = |model: &Sequential<'_>| {
-            let mut all = Vec::new();
-            ndscope::nn::Parameters::visit(model, "", &mut |_, p| {
-                all.extend(p.to_vec_f64().unwrap())
-            });
-            all
-        };
-        let before = weights(&model);
+        let before = parameters(&model);
         assert!(
             !scaled_step(m, &mut model, &mut opt, &mut scaler)?,
             "an overflow skips the step"
         );
         assert_eq!(
-            weights(&model),
+            parameters(&model),
             before,
             "a skipped step leaves the parameters alone"
         );
         assert_eq!(scaler.skipped_steps(), 1);
         assert_eq!(scaler.scale(), 2f64.powi(10), "lowered by the backoff");
         assert!(scaled_step(m, &mut model, &mut opt, &mut scaler)?);
-        assert_ne!(weights(&model), before);
+        assert_ne!(parameters(&model), before);
         assert!(scaled_step(m, &mut model, &mut opt, &mut scaler)?);
         assert_eq!(scaler.scale(), 2f64.powi(11), "raised after two good steps");
         assert!(LossScaler::with(0.0, 2.0, 0.5, 1).is_err());
@@ -553,14 +566,6 @@ fn checkpoints_hold_16_bit_tensors_and_cast_on_load_when_asked() {
     use ndscope::checkpoint;
     root(Device::Cpu, |s| {
         let model = nn::mlp(s, &[5, 4, 3], Activation::Relu, Init::KaimingUniform)?;
-        let visit = |model: &Sequential<'_>| {
-            let mut all = Vec::new();
-            ndscope::nn::Parameters::visit(model, "", &mut |name, p| {
-                all.push((name.to_string(), p.to_vec_f64().unwrap()))
-            });
-            all.sort_by(|a, b| a.0.cmp(&b.0));
-            all
-        };
         for dtype in [DType::BF16, DType::F16] {
             let bytes = checkpoint::to_bytes_in(&model, dtype)?;
             let read = checkpoint::read_bytes(s, &bytes)?;
@@ -574,7 +579,7 @@ fn checkpoints_hold_16_bit_tensors_and_cast_on_load_when_asked() {
                 "{err}"
             );
             checkpoint::load_bytes_cast(&mut restored, &bytes)?;
-            let (restored, original) = (visit(&restored), visit(&model));
+            let (restored, original) = (parameters(&restored), parameters(&model));
             for (((name, got), (_, want)), (read_name, saved)) in
                 restored.iter().zip(&original).zip(&read)
             {
