@@ -1,6 +1,5 @@
 //! Host elementwise kernels: unary and binary maps (out of place and in place), `where`, copies and
 //! casts, and the host side of uploads and downloads.
-
 //!
 //! Maps run in the element type's compute type ([`Math::Compute`]): a 16-bit element is widened to
 //! `f32` when loaded and rounded once when stored; for the other types loading and storing are the

@@ -2,12 +2,12 @@
 //! optimizers need (a parameter and its moment estimates from a gradient) without a temporary per
 //! term.
 
+use std::marker::PhantomData;
+
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
 use super::{CHUNK, PARALLEL_MIN};
-use std::marker::PhantomData;
-
 use crate::backend::op::{FusedUpdate, Math, UpdateFn};
 use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, with_float_dtype};
