@@ -115,7 +115,7 @@ mod sealed {
 }
 
 /// A Rust type that can be the element of a tensor. Sealed: implemented for `f32`, `f64`, `i64`,
-/// [`bf16`] and [`f16`] (the `half` crate's types, re-exported here).
+/// [`bf16`](struct@bf16) and [`f16`](struct@f16) (the `half` crate's types, re-exported here).
 ///
 /// Arithmetic on `i64` wraps on overflow instead of panicking, as tensor libraries do.
 pub trait Element:

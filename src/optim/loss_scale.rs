@@ -72,8 +72,8 @@ impl LossScaler {
     /// Sets the starting scale, the growth and backoff factors, and the good steps between raises.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] unless `scale` is positive and finite, `growth > 1`,
-    /// `0 < backoff < 1` and `growth_interval > 0`.
+    /// [`Error::InvalidShape`] (with an empty shape: an argument is wrong) unless `scale` is positive
+    /// and finite, `growth > 1`, `0 < backoff < 1` and `growth_interval > 0`.
     pub fn with(
         scale: f64,
         growth: f64,
