@@ -198,10 +198,10 @@ fn train_gpt(precision: Precision, steps: u64) -> Result<f64> {
 
 #[test]
 fn autocast_training_of_a_small_gpt_matches_f32() {
-    // Measured: bf16 within 0.13 % of the f32 run's loss, f16 within 0.07 %.
-    let f32_loss = train_gpt(Precision::F32, 120).unwrap();
+    // Measured: bf16 within 0.18 % of the f32 run's loss (0.0153), f16 within 0.05 %.
+    let f32_loss = train_gpt(Precision::F32, 60).unwrap();
     for dtype in [DType::BF16, DType::F16] {
-        let loss = train_gpt(Precision::Autocast(dtype), 120).unwrap();
+        let loss = train_gpt(Precision::Autocast(dtype), 60).unwrap();
         assert!(
             (loss / f32_loss - 1.0).abs() <= 0.02,
             "{dtype}: the last steps' loss {loss} vs f32 {f32_loss}"
