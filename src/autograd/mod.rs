@@ -25,6 +25,7 @@
 
 mod autocast;
 mod conv;
+mod loss;
 mod norm;
 mod ops;
 mod reduce_to;
@@ -34,7 +35,10 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
+pub use loss::{CrossEntropy, Reduction};
+
 use crate::error::{Error, Result};
+use crate::layout::Layout;
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -56,18 +60,22 @@ struct Node<'s> {
     param: Option<ParamKey>,
 }
 
-/// Identifies a watched parameter: the elements it views, and its shape.
-#[derive(Clone, PartialEq, Eq)]
+/// A watched parameter: its storage block, and the layout through which the tape watched it (the
+/// whole block, or a view of it such as `w.t()` or a slice). Gradients are kept per block, so every
+/// view of one parameter adds into the same gradient (a head tied to an embedding).
+#[derive(Clone)]
 struct ParamKey {
-    storage: (usize, usize),
-    shape: SmallVec<[usize; 4]>,
+    block: usize,
+    block_numel: usize,
+    view: Layout,
 }
 
 impl ParamKey {
     fn of(t: &Tensor<'_>) -> ParamKey {
         ParamKey {
-            storage: t.storage_key(),
-            shape: t.shape().into(),
+            block: t.block_id(),
+            block_numel: t.block_numel(),
+            view: t.layout().clone(),
         }
     }
 }
@@ -250,7 +258,7 @@ impl<'s> Tape<'s> {
             };
             let node = &mut nodes[id];
             if let Some(key) = &node.param {
-                found.accumulate(key, grad)?;
+                found.accumulate(key, &grad)?;
                 continue;
             }
             let backward = node
@@ -284,27 +292,48 @@ fn accumulate<'s>(slot: &mut Option<Tensor<'s>>, g: Tensor<'s>) -> Result<()> {
 }
 
 /// The gradients of one backward pass, found by parameter. They live in the tape's scope.
+///
+/// A gradient belongs to a parameter's storage, not to one handle of it: a parameter watched
+/// through views (`tape.param(&w.t()?)`, a slice, a reshape) as well as directly gets one gradient,
+/// the sum of every use, and [`get`](Self::get) returns it through whichever view asks.
 pub struct Gradients<'s> {
-    entries: Vec<(ParamKey, Tensor<'s>)>,
+    /// Per watched block: the gradient of every element of the block, contiguous, in block order.
+    entries: Vec<(usize, Tensor<'s>)>,
 }
 
 impl fmt::Debug for Gradients<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list()
-            .entries(self.entries.iter().map(|(k, _)| k.shape.as_slice()))
+            .entries(self.entries.iter().map(|(_, g)| g.numel()))
             .finish()
     }
 }
 
 impl<'s> Gradients<'s> {
-    fn accumulate(&mut self, key: &ParamKey, g: Tensor<'s>) -> Result<()> {
-        match self.entries.iter_mut().find(|(k, _)| k == key) {
-            Some((_, sum)) => sum.add_(&g),
-            None => {
-                self.entries.push((key.clone(), g));
-                Ok(())
-            }
+    /// Adds the gradient `g` of the leaf `key` (shaped as the view it watched) into its block's.
+    /// A block watched only whole keeps its gradient as the backward pass made it (no copy); the
+    /// first view of a block turns its gradient into block order, where every view can add to it.
+    fn accumulate(&mut self, key: &ParamKey, g: &Tensor<'s>) -> Result<()> {
+        let whole = key.view.is_contiguous()
+            && key.view.offset() == 0
+            && key.view.numel() == key.block_numel;
+        let Some(at) = self.entries.iter().position(|(b, _)| *b == key.block) else {
+            let g = if whole {
+                g.clone()
+            } else {
+                g.scatter_into_block(&key.view, key.block_numel)?
+            };
+            self.entries.push((key.block, g));
+            return Ok(());
+        };
+        let sum = &mut self.entries[at].1;
+        if whole && sum.shape() == g.shape() {
+            return sum.add_(g);
         }
+        let mut flat = sum.scatter_into_block(&Layout::contiguous(sum.shape()), key.block_numel)?;
+        flat.add_(&g.scatter_into_block(&key.view, key.block_numel)?)?;
+        *sum = flat;
+        Ok(())
     }
 
     /// Zero gradients for `params`, allocated in `scope` (gradient sums that outlive one batch).
@@ -313,33 +342,48 @@ impl<'s> Gradients<'s> {
         scope: &Scope<'s>,
         params: impl IntoIterator<Item = &'p Tensor<'p>>,
     ) -> Result<Gradients<'s>> {
-        let mut entries = Vec::new();
+        let mut entries: Vec<(usize, Tensor<'s>)> = Vec::new();
         for p in params {
-            let zeros = scope
-                .full_dtype(p.shape(), 0.0, p.dtype())?
-                .named("grad sum");
-            entries.push((ParamKey::of(p), zeros));
+            if entries.iter().any(|(b, _)| *b == p.block_id()) {
+                continue; // two views of one parameter share its gradient
+            }
+            // In the parameter's shape when it is its block's own tensor (as a backward pass makes
+            // them), in block order otherwise.
+            let whole = p.is_contiguous() && p.layout().offset() == 0;
+            let shape = if whole && p.numel() == p.block_numel() {
+                p.shape().to_vec()
+            } else {
+                vec![p.block_numel()]
+            };
+            let zeros = scope.full_dtype(&shape, 0.0, p.dtype())?.named("grad sum");
+            entries.push((p.block_id(), zeros));
         }
         Ok(Gradients { entries })
     }
 
     /// Adds `other` into these gradients in place; `other` may hold only parameters these hold.
     pub(crate) fn add_in_place(&mut self, op: &'static str, other: &Gradients<'_>) -> Result<()> {
-        if let Some((key, _)) = other
+        if let Some((_, g)) = other
             .entries
             .iter()
-            .find(|(k, _)| !self.entries.iter().any(|(mine, _)| mine == k))
+            .find(|(b, _)| !self.entries.iter().any(|(mine, _)| mine == b))
         {
             return Err(Error::InvalidShape {
                 op,
-                shape: key.shape.to_vec(),
-                reason: "the gradients hold a parameter the accumulator was not created for;                          accumulate the gradients of the model it was created with"
+                shape: g.shape().to_vec(),
+                reason: "the gradients hold a parameter the accumulator was not created for; \
+                         accumulate the gradients of the model it was created with"
                     .into(),
             });
         }
-        for (key, g) in &other.entries {
-            if let Some((_, sum)) = self.entries.iter_mut().find(|(k, _)| k == key) {
-                sum.add_(g)?;
+        for (block, g) in &other.entries {
+            if let Some((_, sum)) = self.entries.iter_mut().find(|(b, _)| b == block) {
+                // Both hold the block's elements in block order; only their shapes may differ.
+                if sum.shape() == g.shape() {
+                    sum.add_(g)?;
+                } else {
+                    sum.add_(&g.reshape(sum.shape())?)?;
+                }
             }
         }
         Ok(())
@@ -357,10 +401,33 @@ impl<'s> Gradients<'s> {
         self.entries.iter_mut().try_for_each(|(_, g)| g.fill_(0.0))
     }
 
-    /// The gradient of `param`, or `None` when the loss does not depend on it (or it was not watched).
-    pub fn get(&self, param: &Tensor<'_>) -> Option<&Tensor<'s>> {
-        let key = ParamKey::of(param);
-        self.entries.iter().find(|(k, _)| *k == key).map(|(_, g)| g)
+    /// The gradient of `param`, shaped as `param`, or `None` when the loss does not depend on it (or
+    /// it was not watched). `param` may be any view of a watched parameter's storage: the result is
+    /// the same view of the storage's gradient, which sums every watched use (a tied head and its
+    /// embedding). The result is a cheap alias of the gradient, except for a view of a parameter
+    /// that the tape watched only whole, which is copied into block order first (`None` if that
+    /// copy cannot be allocated).
+    pub fn get(&self, param: &Tensor<'_>) -> Option<Tensor<'s>> {
+        let (_, g) = self.entries.iter().find(|(b, _)| *b == param.block_id())?;
+        let view = param.layout();
+        let whole = view.is_contiguous() && view.offset() == 0 && g.numel() == view.numel();
+        if whole && g.shape() == view.shape() {
+            return Some(g.clone());
+        }
+        // Another view of the block: read it from the gradient in block order. A gradient that was
+        // only ever watched whole is in the order the backward pass made it; only a view of a
+        // parameter that was watched whole but is read through another view pays this copy.
+        let ordered = if g.is_contiguous() {
+            g.clone()
+        } else {
+            g.contiguous().ok()?
+        };
+        let layout = Layout::from_parts(
+            view.shape(),
+            view.strides(),
+            view.offset() + ordered.layout().offset(),
+        );
+        Some(ordered.with_layout(layout))
     }
 
     /// Number of parameters with a gradient.

@@ -629,43 +629,6 @@ impl<'t, 's> Var<'t, 's> {
         })
     }
 
-    /// Mean cross-entropy of `self` (logits, `[batch, classes]`) against integer `labels` (`[batch]`,
-    /// `i64`), fused with its log-softmax: the derivative is `(softmax - one_hot) / batch`.
-    ///
-    /// # Errors
-    /// [`Error::InvalidShape`] unless the logits are 2-D and the labels 1-D with one label per row;
-    /// [`Error::IndexOutOfRange`] for a label outside `0..classes`.
-    #[track_caller]
-    pub fn cross_entropy(&self, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
-        if let Some(x) = self.autocast_f32()? {
-            return x.cross_entropy(labels);
-        }
-        const OP: &str = "cross_entropy";
-        let logits = &self.value;
-        if logits.rank() != 2 || labels.rank() != 1 || labels.shape()[0] != logits.shape()[0] {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: logits.shape().to_vec(),
-                reason: format!(
-                    "needs logits of shape [batch, classes] and labels of shape [batch], got labels of shape {:?}",
-                    labels.shape()
-                ),
-            });
-        }
-        let batch = logits.shape()[0];
-        let log_p = logits.log_softmax(-1)?;
-        let column = labels.unsqueeze(-1)?;
-        let picked = log_p.gather(1, &column)?;
-        let out = picked.mean_all()?.neg()?;
-        let labels = labels.clone();
-        Var::record(&[self], OP, out, move |g, _| {
-            // The incoming gradient stays on the device (no host read per step): the mean's 1/batch
-            // goes into the fused kernel, `g` multiplies its result.
-            let grad = log_p.cross_entropy_grad(&labels, 1.0 / batch.max(1) as f64)?;
-            Ok(smallvec![Some(grad.mul(&g.to_dtype(grad.dtype())?)?)])
-        })
-    }
-
     /// The value as `shape` (same element count).
     ///
     /// # Errors

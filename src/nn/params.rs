@@ -33,9 +33,12 @@ pub trait Parameters<'m> {
     }
 }
 
+/// A bare tensor is one parameter named by its prefix: a field `w` of a [`model!`](crate::model)
+/// struct is `w`, an element of a `Vec` field `ws` is `ws.0` (the separator a container adds before
+/// its items is not part of the name).
 impl<'m> Parameters<'m> for Tensor<'m> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        f(prefix, self);
+        f(prefix.strip_suffix('.').unwrap_or(prefix), self);
     }
 
     fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {

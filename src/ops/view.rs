@@ -1,8 +1,12 @@
 //! Views: new layouts over the same block, no copy (except `reshape` of a strided tensor, which
 //! must copy to keep row-major order).
 
+use std::panic::Location;
+
+use smallvec::SmallVec;
+
 use crate::error::{Error, Result};
-use crate::layout::{checked_numel, resolve_axis};
+use crate::layout::{Layout, checked_numel, resolve_axis};
 use crate::tensor::Tensor;
 
 impl<'s> Tensor<'s> {
@@ -121,5 +125,48 @@ impl<'s> Tensor<'s> {
     pub fn unsqueeze(&self, axis: isize) -> Result<Tensor<'s>> {
         let axis = resolve_axis("unsqueeze", axis, self.rank() + 1)?;
         Ok(self.with_layout(self.layout().unsqueezed(axis)))
+    }
+}
+
+/// Where a view's elements sit in its storage block: what gradients of views of parameters need.
+impl<'s> Tensor<'s> {
+    /// Elements in the tensor's storage block (the tensor it was created as, before any view).
+    pub(crate) fn block_numel(&self) -> usize {
+        self.block_bytes() / self.dtype().size()
+    }
+
+    /// The inverse of viewing a block through `view`: a contiguous `[block_numel]` tensor that holds
+    /// `self` (shaped as `view`) at the elements `view` addresses and zero elsewhere. Elements the
+    /// view repeats (a stride of 0, as `broadcast_to` makes) receive the sum of their copies. This
+    /// is the gradient of a view of a parameter, in the coordinates of the parameter's block.
+    #[track_caller]
+    pub(crate) fn scatter_into_block(&self, view: &Layout, block_numel: usize) -> Result<Tensor<'s>> {
+        debug_assert_eq!(self.shape(), view.shape());
+        // The block's own layout (or a reshape of it): the gradient is already in block order.
+        if view.is_contiguous() && view.offset() == 0 && view.numel() == block_numel {
+            return self.contiguous()?.reshape(&[block_numel]);
+        }
+        // A repeated element's gradient is the sum over its copies: reduce those axes to size 1,
+        // after which the view addresses each element at most once and a strided copy writes it.
+        let repeated: SmallVec<[isize; 6]> = (0..view.rank())
+            .filter(|&i| view.strides()[i] == 0 && view.shape()[i] > 1)
+            .map(|i| i as isize)
+            .collect();
+        let (values, view) = if repeated.is_empty() {
+            (self.clone(), view.clone())
+        } else {
+            let mut shape: SmallVec<[usize; 6]> = view.shape().into();
+            repeated.iter().for_each(|&i| shape[i as usize] = 1);
+            let layout = Layout::from_parts(&shape, view.strides(), view.offset());
+            (self.sum(&repeated, true)?, layout)
+        };
+        let mut out =
+            Tensor::output_of(&[&values], values.dtype(), &[block_numel], Location::caller())?;
+        out.fill_(0.0)?;
+        let dtype = values.dtype();
+        values
+            .backend()?
+            .copy(dtype, dtype, values.src(), out.dst_as(&view))?;
+        Ok(out)
     }
 }

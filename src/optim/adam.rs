@@ -147,7 +147,7 @@ impl<'m> Optimizer<'m> for Adam<'m> {
                 "Adam::step",
                 update,
                 &mut [p, &mut ms[i], &mut vs[i]],
-                g,
+                &g,
                 Some(powers),
             )
         })?;

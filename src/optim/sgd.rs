@@ -102,7 +102,7 @@ impl<'m> Optimizer<'m> for Sgd<'m> {
                 weight_decay,
                 nesterov,
             };
-            update_in_place("Sgd::step", update, &mut [p, &mut velocity[i]], g, None)
+            update_in_place("Sgd::step", update, &mut [p, &mut velocity[i]], &g, None)
         })
     }
 

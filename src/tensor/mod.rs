@@ -223,10 +223,15 @@ impl<'s> Tensor<'s> {
         self.block.header().is_system()
     }
 
-    /// Identifies the elements this handle views: its block and where in the block they start. Two
-    /// handles with the same key and shape read the same elements (autograd keys parameters by it).
-    pub(crate) fn storage_key(&self) -> (usize, usize) {
-        (self.block.as_ptr() as usize, self.layout.offset())
+    /// Identifies the handle's storage block (autograd keys parameters by it: every view of one
+    /// parameter shares it).
+    pub(crate) fn block_id(&self) -> usize {
+        self.block.as_ptr() as usize
+    }
+
+    /// Bytes of the storage block (the tensor it was created as).
+    pub(crate) fn block_bytes(&self) -> usize {
+        self.block.header().bytes.get()
     }
 
     /// Whether the scope that owns the tensor lets `f32` products read their operands as TF32
