@@ -20,13 +20,14 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView, View};
+use safetensors::tensor::{Dtype, View};
 
-use crate::dtype::{DType, Element, bf16, f16, with_dtype};
+use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
 use crate::scope::Scope;
 use crate::tensor::Tensor;
+use crate::weights::{LittleEndian, Weights, safetensors_dtype};
 
 /// A parameter's bytes, as safetensors serialises them.
 struct Entry {
@@ -50,43 +51,10 @@ impl View for &Entry {
     }
 }
 
-fn format_error(e: impl std::fmt::Display) -> Error {
-    Error::Format {
-        format: "safetensors",
-        reason: e.to_string(),
-    }
-}
-
 fn io_error(path: &Path, e: std::io::Error) -> Error {
     Error::Io {
         path: path.display().to_string(),
         reason: e.to_string(),
-    }
-}
-
-fn safetensors_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-        DType::I64 => Dtype::I64,
-        DType::BF16 => Dtype::BF16,
-        DType::F16 => Dtype::F16,
-    }
-}
-
-fn our_dtype(name: &str, dtype: Dtype) -> Result<DType> {
-    match dtype {
-        Dtype::F32 => Ok(DType::F32),
-        Dtype::F64 => Ok(DType::F64),
-        Dtype::I64 => Ok(DType::I64),
-        Dtype::BF16 => Ok(DType::BF16),
-        Dtype::F16 => Ok(DType::F16),
-        other => Err(Error::Format {
-            format: "safetensors",
-            reason: format!(
-                "tensor \"{name}\" has dtype {other:?}; ndscope reads F32, F64, I64, BF16 and F16"
-            ),
-        }),
     }
 }
 
@@ -182,7 +150,12 @@ fn serialize<'m>(
             ),
         });
     }
-    safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), None).map_err(format_error)
+    safetensors::serialize(entries.iter().map(|(n, e)| (n.as_str(), e)), None).map_err(|e| {
+        Error::Format {
+            format: "safetensors",
+            reason: e.to_string(),
+        }
+    })
 }
 
 /// Writes the parameters of `params` to `path` in the safetensors format.
@@ -199,91 +172,31 @@ pub fn save<'m>(params: &(impl Parameters<'m> + ?Sized), path: impl AsRef<Path>)
 ///
 /// # Errors
 /// [`Error::Format`] for bytes that are not safetensors; [`Error::MissingTensor`] for a parameter the
-/// checkpoint lacks; [`Error::ShapeMismatch`] / [`Error::DTypeMismatch`] for one saved with another
-/// shape or dtype.
+/// checkpoint lacks (with the nearest names it holds); [`Error::TensorMismatch`] for one saved with
+/// another shape or dtype.
 pub fn load_bytes<'m>(params: &mut (impl Parameters<'m> + ?Sized), bytes: &[u8]) -> Result<()> {
-    load_into(params, bytes, false)
+    load_from(params, &Weights::from_bytes(bytes.to_vec())?, false)
 }
 
 /// As [`load_bytes`], converting each saved float tensor to its parameter's float dtype (a `bf16`
 /// checkpoint into an `f32` model, or back); integer tensors must match exactly.
 ///
 /// # Errors
-/// As for [`load_bytes`]; [`Error::DTypeMismatch`] between a float and an integer dtype.
+/// As for [`load_bytes`].
 pub fn load_bytes_cast<'m>(
     params: &mut (impl Parameters<'m> + ?Sized),
     bytes: &[u8],
 ) -> Result<()> {
-    load_into(params, bytes, true)
+    load_from(params, &Weights::from_bytes(bytes.to_vec())?, true)
 }
 
-/// Loads `bytes` into `params`; with `cast`, float tensors convert to the parameters' dtypes.
-fn load_into<'m>(
-    params: &mut (impl Parameters<'m> + ?Sized),
-    bytes: &[u8],
-    cast: bool,
-) -> Result<()> {
-    const OP: &str = "checkpoint::load";
-    let file = SafeTensors::deserialize(bytes).map_err(format_error)?;
-    let mut wanted: Vec<(String, Vec<usize>, DType)> = Vec::new();
-    params.visit("", &mut |name, t| {
-        wanted.push((name.to_string(), t.shape().to_vec(), t.dtype()));
-    });
-    // Check everything before writing anything.
-    let mut views: Vec<TensorView<'_>> = Vec::with_capacity(wanted.len());
-    for (name, shape, dtype) in &wanted {
-        let view = file.tensor(name).map_err(|_| Error::MissingTensor {
-            name: name.clone(),
-            available: {
-                let mut names: Vec<String> = file.names().iter().map(|n| n.to_string()).collect();
-                names.sort();
-                names
-            },
-        })?;
-        let saved = our_dtype(name, view.dtype())?;
-        let convertible = cast && saved.is_float() && dtype.is_float();
-        if saved != *dtype && !convertible {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                lhs: *dtype,
-                rhs: saved,
-            });
-        }
-        if view.shape() != shape.as_slice() {
-            return Err(Error::ShapeMismatch {
-                op: OP,
-                lhs: shape.clone(),
-                rhs: view.shape().to_vec(),
-                hint: "the checkpoint's tensor (right) must have the parameter's shape (left); was it saved from another architecture?",
-            });
-        }
-        views.push(view);
-    }
-    let mut next = views.iter();
-    params.visit_mut(&mut |p| {
-        let view = next
-            .next()
-            .expect("visit_mut visits the parameters visit named");
-        let saved = our_dtype("", view.dtype())?;
-        with_dtype!(saved, S => with_dtype!(p.dtype(), T => {
-            let values = decode::<S>(view.data());
-            if S::DTYPE == T::DTYPE {
-                p.copy_from_slice_(&values)
-            } else {
-                p.copy_from_slice_(&values.iter().map(|v| T::from_f64(v.to_f64())).collect::<Vec<T>>())
-            }
-        }))
-    })
-}
-
-/// Loads `path` into `params`, as [`load_bytes`] does.
+/// Loads `path` into `params`, as [`load_bytes`] does. The file is memory-mapped: each parameter's
+/// bytes are copied once, from the page cache into the parameter.
 ///
 /// # Errors
 /// [`Error::Io`] when the file cannot be read; as for [`load_bytes`].
 pub fn load<'m>(params: &mut (impl Parameters<'m> + ?Sized), path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-    load_bytes(params, &bytes)
+    load_from(params, &Weights::open(path)?, false)
 }
 
 /// Loads `path` into `params`, as [`load_bytes_cast`] does.
@@ -294,9 +207,44 @@ pub fn load_cast<'m>(
     params: &mut (impl Parameters<'m> + ?Sized),
     path: impl AsRef<Path>,
 ) -> Result<()> {
-    let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|e| io_error(path, e))?;
-    load_bytes_cast(params, &bytes)
+    load_from(params, &Weights::open(path)?, true)
+}
+
+/// Loads every parameter of `params` from `weights` by its name; with `cast`, float tensors convert
+/// to the parameters' dtypes, otherwise dtypes must match. Checks everything before writing anything.
+pub fn load_from<'m>(
+    params: &mut (impl Parameters<'m> + ?Sized),
+    weights: &Weights,
+    cast: bool,
+) -> Result<()> {
+    let mut wanted: Vec<(String, Vec<usize>, DType)> = Vec::new();
+    params.visit("", &mut |name, t| {
+        wanted.push((name.to_string(), t.shape().to_vec(), t.dtype()));
+    });
+    for (name, shape, dtype) in &wanted {
+        let (saved, saved_shape) = weights.info(name)?;
+        if saved_shape != shape.as_slice() || (saved != *dtype && !cast) {
+            return Err(Error::TensorMismatch {
+                name: weights.full_name(name),
+                expected: format!("{dtype} {shape:?}"),
+                found: format!("{saved} {saved_shape:?}"),
+                hint: if saved_shape != shape.as_slice() {
+                    "the parameter's shape must be the saved one; was it saved from another \
+                     architecture?"
+                } else {
+                    "load it with `load_cast` to convert the saved floats"
+                }
+                .into(),
+            });
+        }
+    }
+    let mut names = wanted.iter().map(|(name, _, _)| name);
+    params.visit_mut(&mut |p| {
+        let name = names
+            .next()
+            .expect("visit_mut visits the parameters visit named");
+        weights.load_into(p, name)
+    })
 }
 
 /// Every tensor of a safetensors file's bytes, created in `scope`, sorted by name.
@@ -305,43 +253,11 @@ pub fn load_cast<'m>(
 /// [`Error::Format`] for bytes that are not safetensors or hold a dtype other than F32, F64, I64,
 /// BF16 and F16.
 pub fn read_bytes<'s>(scope: &Scope<'s>, bytes: &[u8]) -> Result<Vec<(String, Tensor<'s>)>> {
-    let file = SafeTensors::deserialize(bytes).map_err(format_error)?;
+    let weights = Weights::from_bytes(bytes.to_vec())?;
     let mut out = Vec::new();
-    for (name, view) in file.iter() {
-        let dtype = our_dtype(name, view.dtype())?;
-        let t = with_dtype!(dtype, T => scope.from_slice(&decode::<T>(view.data()), view.shape())?);
-        out.push((name.to_string(), t));
+    for name in weights.names() {
+        let (dtype, shape) = weights.info(name)?;
+        out.push((name.to_string(), weights.tensor(scope, name, shape, dtype)?));
     }
-    out.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(out)
 }
-
-/// Decodes little-endian elements (the length was validated by safetensors against the shape).
-fn decode<T: Element + LittleEndian>(bytes: &[u8]) -> Vec<T> {
-    bytes
-        .chunks_exact(std::mem::size_of::<T>())
-        .map(T::get_le)
-        .collect()
-}
-
-/// Element types as little-endian bytes.
-trait LittleEndian: Sized {
-    fn put_le(self, out: &mut Vec<u8>);
-    /// Reads one value from exactly `size_of::<Self>()` bytes.
-    fn get_le(bytes: &[u8]) -> Self;
-}
-
-macro_rules! little_endian {
-    ($($t:ty),*) => {$(
-        impl LittleEndian for $t {
-            fn put_le(self, out: &mut Vec<u8>) {
-                out.extend_from_slice(&self.to_le_bytes());
-            }
-            fn get_le(bytes: &[u8]) -> Self {
-                <$t>::from_le_bytes(bytes.try_into().expect("chunks_exact yields whole elements"))
-            }
-        }
-    )*};
-}
-
-little_endian!(f32, f64, i64, bf16, f16);

@@ -235,10 +235,23 @@ pub enum Error {
     },
     /// A checkpoint that does not hold a tensor the model needs.
     MissingTensor {
-        /// The parameter's name.
+        /// The name looked up, in the checkpoint's naming.
         name: String,
-        /// The names the checkpoint holds.
-        available: Vec<String>,
+        /// Up to five names the checkpoint holds, nearest to `name` first.
+        nearest: Vec<String>,
+        /// How many tensors the checkpoint holds.
+        held: usize,
+    },
+    /// A checkpoint tensor whose shape or dtype is not what the model declares.
+    TensorMismatch {
+        /// The tensor's name in the checkpoint.
+        name: String,
+        /// The dtype and shape the model declares.
+        expected: String,
+        /// The dtype and shape the checkpoint holds.
+        found: String,
+        /// What to do.
+        hint: String,
     },
 }
 
@@ -382,10 +395,32 @@ impl fmt::Display for Error {
                 f,
                 "not a valid {format} file: {reason}; the file may be truncated or of another format"
             ),
-            Error::MissingTensor { name, available } => write!(
+            Error::MissingTensor {
+                name,
+                nearest,
+                held,
+            } => {
+                write!(f, "the checkpoint has no tensor named \"{name}\"")?;
+                match nearest.as_slice() {
+                    [] => write!(f, " (it holds no tensor)")?,
+                    names => {
+                        let names: Vec<String> = names.iter().map(|n| format!("\"{n}\"")).collect();
+                        write!(f, " (it holds {held}; nearest: {})", names.join(", "))?
+                    }
+                }
+                write!(
+                    f,
+                    "; was it saved from a model of the same architecture, under the same names?"
+                )
+            }
+            Error::TensorMismatch {
+                name,
+                expected,
+                found,
+                hint,
+            } => write!(
                 f,
-                "the checkpoint has no tensor named \"{name}\" (it holds {available:?}); was it saved from a \
-                 model of the same architecture?"
+                "the checkpoint's tensor \"{name}\" is {found}, the model expects {expected}; {hint}"
             ),
         }
     }

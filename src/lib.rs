@@ -19,6 +19,7 @@ mod replay;
 mod rng;
 mod scope;
 mod tensor;
+pub mod weights;
 
 pub use autograd::{Gradients, Tape, Var};
 pub use backend::{GpuMemory, gpu_memory, reset_gpu_memory_peak};

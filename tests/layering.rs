@@ -17,7 +17,7 @@ const LAYERS: &[&[&str]] = &[
     &["scope"],
     &["tensor"],
     &["ops", "replay"],
-    &["autograd"],
+    &["autograd", "weights"],
     &["nn"],
     &["optim"],
     &["data", "checkpoint"],

@@ -157,7 +157,9 @@ impl<'t, 's> Var<'t, 's> {
         let mut per_row = log_p.gather(1, &labels.unsqueeze(-1)?)?;
         if eps > 0.0 {
             let spread = log_p.mean(&[-1], true)?;
-            per_row = per_row.mul_scalar(1.0 - eps)?.add(&spread.mul_scalar(eps)?)?;
+            per_row = per_row
+                .mul_scalar(1.0 - eps)?
+                .add(&spread.mul_scalar(eps)?)?;
         }
         if let Some(kept) = &kept {
             per_row = per_row.mul(kept)?;

@@ -103,6 +103,20 @@ pub fn scaled_dot_product_attention<'t, 's>(
     })
 }
 
+fn check(width: usize, heads: usize, options: AttentionOptions) -> Result<()> {
+    if heads == 0 || width == 0 || !width.is_multiple_of(heads) {
+        return Err(Error::InvalidShape {
+            op: "MultiHeadAttention",
+            shape: vec![width, heads],
+            reason: format!(
+                "the width ({width}) must be a positive multiple of the heads ({heads})"
+            ),
+        });
+    }
+    Dropout::new(options.dropout)?;
+    Ok(())
+}
+
 /// Multi-head self-attention: one projection to queries, keys and values for every head
 /// (`qkv`, `[3 width, width]`), attention per head, and an output projection (`proj`).
 #[derive(Debug)]
@@ -129,19 +143,51 @@ impl<'m> MultiHeadAttention<'m> {
         options: AttentionOptions,
         init: Init,
     ) -> Result<MultiHeadAttention<'m>> {
-        if heads == 0 || width == 0 || !width.is_multiple_of(heads) {
+        check(width, heads, options)?;
+        MultiHeadAttention::from_parts(
+            Linear::new(scope, width, 3 * width, init)?,
+            Linear::new(scope, width, width, init)?,
+            heads,
+            options,
+        )
+    }
+
+    /// Attention from its two projections: `qkv` maps the width to queries, keys and values (in
+    /// that order, each head's columns together, as GPT-2's `c_attn`), `proj` maps the heads'
+    /// outputs back to the width.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] unless `qkv` maps `width` to `3 width` and `proj` `width` to
+    /// `width` with `width` a positive multiple of `heads`; for a drop probability outside `[0, 1)`.
+    pub fn from_parts(
+        qkv: Linear<'m>,
+        proj: Linear<'m>,
+        heads: usize,
+        options: AttentionOptions,
+    ) -> Result<MultiHeadAttention<'m>> {
+        let width = proj.out_features();
+        check(width, heads, options)?;
+        if qkv.in_features() != width
+            || qkv.out_features() != 3 * width
+            || proj.in_features() != width
+        {
             return Err(Error::InvalidShape {
-                op: "MultiHeadAttention::new",
-                shape: vec![width, heads],
+                op: "MultiHeadAttention::from_parts",
+                shape: vec![
+                    qkv.in_features(),
+                    qkv.out_features(),
+                    proj.in_features(),
+                    width,
+                ],
                 reason: format!(
-                    "the width ({width}) must be a positive multiple of the heads ({heads})"
+                    "qkv must map {width} features to {} and proj {width} to {width}",
+                    3 * width
                 ),
             });
         }
-        Dropout::new(options.dropout)?;
         Ok(MultiHeadAttention {
-            qkv: Linear::new(scope, width, 3 * width, init)?,
-            proj: Linear::new(scope, width, width, init)?,
+            qkv,
+            proj,
             heads,
             options,
         })

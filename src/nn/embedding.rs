@@ -3,9 +3,11 @@
 use super::Init;
 use super::params::layer_parts;
 use crate::autograd::{Tape, Var};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
+use crate::weights::Weights;
 
 /// A table of `num` vectors of width `dim`; looking up `i64` ids gives their rows (PyTorch's
 /// `nn.Embedding`). The gradient of a lookup is added into the rows it read, so ids that repeat
@@ -33,6 +35,25 @@ impl<'m> Embedding<'m> {
         }
         Ok(Embedding {
             weight: init.tensor(scope, &[num, dim])?.named("weight"),
+        })
+    }
+
+    /// A table of `num` rows of width `dim` loaded from `weights` (`weight`) as `dtype`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::TensorMismatch`]; allocation errors.
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        num: usize,
+        dim: usize,
+        dtype: DType,
+    ) -> Result<Embedding<'m>> {
+        Ok(Embedding {
+            weight: weights
+                .tensor(scope, "weight", &[num, dim], dtype)?
+                .named("weight"),
         })
     }
 
@@ -93,6 +114,24 @@ impl<'m> PositionalEmbedding<'m> {
     ) -> Result<PositionalEmbedding<'m>> {
         Ok(PositionalEmbedding {
             weight: Embedding::new(scope, max_len, dim, init)?.weight,
+        })
+    }
+
+    /// A table for up to `max_len` positions of width `dim` loaded from `weights` (`weight`) as
+    /// `dtype`.
+    ///
+    /// # Errors
+    /// As for [`Embedding::load`].
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        max_len: usize,
+        dim: usize,
+        dtype: DType,
+    ) -> Result<PositionalEmbedding<'m>> {
+        Ok(PositionalEmbedding {
+            weight: Embedding::load(scope, weights, max_len, dim, dtype)?.weight,
         })
     }
 

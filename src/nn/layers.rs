@@ -11,9 +11,10 @@ use crate::tensor::Tensor;
 pub enum Activation {
     /// `max(x, 0)`.
     Relu,
-    /// GELU, tanh approximation.
+    /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))` (GPT-2's
+    /// `gelu_new`, PyTorch's `approximate="tanh"`).
     Gelu,
-    /// GELU, exact (`x Φ(x)`, PyTorch's default).
+    /// GELU, exact: `x Φ(x)` (PyTorch's default, Hugging Face's `gelu`).
     GeluExact,
     /// SiLU (swish), `x sigmoid(x)`.
     Silu,

@@ -1,24 +1,50 @@
-//! The fully connected layer.
+//! The fully connected layer, in either weight layout.
 
 use super::params::layer_parts;
 use super::{Init, Mode, Module};
 use crate::autograd::Var;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
+use crate::weights::Weights;
 
-/// `y = x Wᵀ + b`, with `W` of shape `[out_features, in_features]` (PyTorch's layout, so checkpoints
-/// load in other frameworks) and `b` of shape `[out_features]`.
+/// How a matrix weight is stored: which of its two dimensions is the input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightLayout {
+    /// `[out_features, in_features]`: PyTorch's `nn.Linear`, candle, ndscope's default.
+    #[default]
+    OutIn,
+    /// `[in_features, out_features]`: Hugging Face's `Conv1D` (GPT-2's projections), JAX/Flax's
+    /// `Dense`. The product reads the weight as stored; a checkpoint saved from such a layer keeps
+    /// the layout, so the library that wrote it loads it back.
+    InOut,
+}
+
+impl WeightLayout {
+    /// The stored shape of a weight mapping `in_features` to `out_features`.
+    pub fn shape(self, in_features: usize, out_features: usize) -> [usize; 2] {
+        match self {
+            WeightLayout::OutIn => [out_features, in_features],
+            WeightLayout::InOut => [in_features, out_features],
+        }
+    }
+}
+
+/// `y = x Wᵀ + b` with `W` stored `[out_features, in_features]` (PyTorch's layout), or `y = x W +
+/// b` with `W` stored `[in_features, out_features]` ([`WeightLayout::InOut`]); the bias
+/// (`[out_features]`) is optional.
 #[derive(Debug)]
 pub struct Linear<'m> {
-    /// `[out_features, in_features]`.
+    /// `[out_features, in_features]`, or `[in_features, out_features]` for [`WeightLayout::InOut`].
     pub weight: Tensor<'m>,
-    /// `[out_features]`.
-    pub bias: Tensor<'m>,
+    /// `[out_features]`, if the layer has a bias.
+    pub bias: Option<Tensor<'m>>,
+    layout: WeightLayout,
 }
 
 impl<'m> Linear<'m> {
-    /// A layer in `scope` with `init`ialised weights and zero bias.
+    /// A layer in `scope` with `init`ialised weights (`[out, in]`) and zero bias.
     ///
     /// # Errors
     /// [`Error::InvalidShape`] for a zero feature count; allocation errors.
@@ -29,30 +55,118 @@ impl<'m> Linear<'m> {
         out_features: usize,
         init: Init,
     ) -> Result<Linear<'m>> {
-        if in_features == 0 || out_features == 0 {
-            return Err(Error::InvalidShape {
-                op: "Linear::new",
-                shape: vec![out_features, in_features],
-                reason: "a linear layer needs at least one input and one output feature".into(),
-            });
-        }
+        Linear::with_layout(
+            scope,
+            in_features,
+            out_features,
+            true,
+            WeightLayout::OutIn,
+            init,
+        )
+    }
+
+    /// A layer in `scope` whose weight is stored in `layout` and `init`ialised (the
+    /// initialisers' fan-in and fan-out follow the layout); a zero bias if `bias`.
+    ///
+    /// # Errors
+    /// As for [`new`](Self::new).
+    #[track_caller]
+    pub fn with_layout(
+        scope: &Scope<'m>,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        layout: WeightLayout,
+        init: Init,
+    ) -> Result<Linear<'m>> {
+        check_features(in_features, out_features)?;
+        // Initialisers read the fan-in from the last dimension (PyTorch's [out, in] convention):
+        // draw in that layout and store the transpose.
+        let weight = match layout {
+            WeightLayout::OutIn => init.tensor(scope, &[out_features, in_features])?,
+            WeightLayout::InOut => scope.scope(|draw| {
+                let w = init.tensor(draw, &[out_features, in_features])?;
+                draw.ret(w.t()?.contiguous()?)
+            })?,
+        };
+        let bias = if bias {
+            Some(scope.zeros(&[out_features])?.named("bias"))
+        } else {
+            None
+        };
         Ok(Linear {
-            weight: init
-                .tensor(scope, &[out_features, in_features])?
-                .named("weight"),
-            bias: scope.zeros(&[out_features])?.named("bias"),
+            weight: weight.named("weight"),
+            bias,
+            layout,
         })
+    }
+
+    /// A layer loaded from `weights`: `weight` stored in `layout` and, if `bias`, `bias`, as
+    /// `dtype`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::TensorMismatch`] (whose hint says when the weight is
+    /// stored in the other layout); as for [`new`](Self::new).
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        layout: WeightLayout,
+        dtype: DType,
+    ) -> Result<Linear<'m>> {
+        check_features(in_features, out_features)?;
+        let shape = layout.shape(in_features, out_features);
+        let weight = weights.tensor(scope, "weight", &shape, dtype)?;
+        let bias = if bias {
+            Some(
+                weights
+                    .tensor(scope, "bias", &[out_features], dtype)?
+                    .named("bias"),
+            )
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight: weight.named("weight"),
+            bias,
+            layout,
+        })
+    }
+
+    /// How the weight is stored.
+    pub fn layout(&self) -> WeightLayout {
+        self.layout
     }
 
     /// Input features.
     pub fn in_features(&self) -> usize {
-        self.weight.shape()[1]
+        match self.layout {
+            WeightLayout::OutIn => self.weight.shape()[1],
+            WeightLayout::InOut => self.weight.shape()[0],
+        }
     }
 
     /// Output features.
     pub fn out_features(&self) -> usize {
-        self.weight.shape()[0]
+        match self.layout {
+            WeightLayout::OutIn => self.weight.shape()[0],
+            WeightLayout::InOut => self.weight.shape()[1],
+        }
     }
+}
+
+fn check_features(in_features: usize, out_features: usize) -> Result<()> {
+    if in_features == 0 || out_features == 0 {
+        return Err(Error::InvalidShape {
+            op: "Linear",
+            shape: vec![out_features, in_features],
+            reason: "a linear layer needs at least one input and one output feature".into(),
+        });
+    }
+    Ok(())
 }
 
 impl<'m> Module<'m> for Linear<'m> {
@@ -61,24 +175,29 @@ impl<'m> Module<'m> for Linear<'m> {
         'm: 's,
     {
         let tape = x.tape();
-        let (weight, bias) = (tape.param(&self.weight), tape.param(&self.bias));
+        let param = tape.param(&self.weight);
+        let weight = match self.layout {
+            WeightLayout::OutIn => param.t()?,
+            WeightLayout::InOut => param,
+        };
+        let biased = |y: Var<'t, 's>| match &self.bias {
+            Some(bias) => y.add(&tape.param(bias)),
+            None => Ok(y),
+        };
         if x.shape().len() <= 2 {
-            return x.matmul(&weight.t()?)?.add(&bias);
+            return biased(x.matmul(&weight)?);
         }
         // [..., in] as one matrix: one product instead of a batch of small ones.
         let mut shape = x.shape().to_vec();
         let rows = shape[..shape.len() - 1].iter().product();
-        let y = x
-            .reshape(&[rows, self.in_features()])?
-            .matmul(&weight.t()?)?
-            .add(&bias)?;
+        let y = biased(x.reshape(&[rows, self.in_features()])?.matmul(&weight)?)?;
         *shape.last_mut().expect("rank > 2") = self.out_features();
         y.reshape(&shape)
     }
 }
 
 layer_parts!(Linear {
-    tensors: [weight, bias],
-    layers: [],
-    plain: []
+    tensors: [weight],
+    layers: [bias],
+    plain: [layout]
 });

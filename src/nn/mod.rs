@@ -42,10 +42,12 @@ pub use conv::{Conv2d, Pool2d, PoolKind};
 pub use embedding::{Embedding, PositionalEmbedding};
 pub use init::Init;
 pub use layers::{Activation, Dropout, Layer, Sequential, mlp};
-pub use linear::Linear;
+pub use linear::{Linear, WeightLayout};
 pub use norm::{LayerNorm, RmsNorm};
 pub use params::Parameters;
-pub use transformer::TransformerBlock;
+pub use transformer::{TransformerBlock, TransformerConfig};
+
+pub use crate::autograd::{CrossEntropy, Reduction};
 
 use crate::autograd::Var;
 use crate::error::Result;
@@ -71,7 +73,8 @@ pub trait Module<'m> {
         'm: 's;
 }
 
-/// Mean cross-entropy of `logits` (`[batch, classes]`) against `i64` class labels (`[batch]`).
+/// Mean cross-entropy of `logits` (`[..., classes]`) against `i64` class labels (`[...]`); see
+/// [`Var::cross_entropy_with`] for `ignore_index`, reductions and label smoothing.
 ///
 /// # Errors
 /// As for [`Var::cross_entropy`].

@@ -3,44 +3,106 @@
 use super::params::layer_parts;
 use super::{Mode, Module};
 use crate::autograd::Var;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
+use crate::weights::Weights;
 
-fn check_features(op: &'static str, features: usize) -> Result<()> {
-    if features == 0 {
+fn check(op: &'static str, features: usize, eps: f64) -> Result<()> {
+    if features == 0 || !eps.is_finite() || eps < 0.0 {
         return Err(Error::InvalidShape {
             op,
-            shape: vec![0],
-            reason: "a normalisation needs at least one feature".into(),
+            shape: vec![features],
+            reason: format!(
+                "a normalisation needs at least one feature and a finite eps >= 0, got eps = {eps}"
+            ),
         });
     }
     Ok(())
 }
 
-/// Layer normalisation with a learned scale (ones) and shift (zeros): [`Var::layer_norm`].
+/// Layer normalisation with a learned scale (ones) and an optional learned shift (zeros):
+/// [`Var::layer_norm`].
 #[derive(Debug)]
 pub struct LayerNorm<'m> {
     /// `[features]`, starts at 1.
     pub weight: Tensor<'m>,
-    /// `[features]`, starts at 0.
-    pub bias: Tensor<'m>,
+    /// `[features]`, starts at 0; `None` for a layer without a shift.
+    pub bias: Option<Tensor<'m>>,
     eps: f64,
 }
 
 impl<'m> LayerNorm<'m> {
-    /// A layer over `features` features with PyTorch's `eps = 1e-5`.
+    /// A layer over `features` features with a shift and PyTorch's `eps = 1e-5`.
     ///
     /// # Errors
     /// [`Error::InvalidShape`] for zero features; allocation errors.
     #[track_caller]
     pub fn new(scope: &Scope<'m>, features: usize) -> Result<LayerNorm<'m>> {
-        check_features("LayerNorm::new", features)?;
+        LayerNorm::with_options(scope, features, 1e-5, true)
+    }
+
+    /// A layer over `features` features adding `eps` to the variance, with a shift if `bias`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for zero features or an `eps` that is not a finite number `>= 0`;
+    /// allocation errors.
+    #[track_caller]
+    pub fn with_options(
+        scope: &Scope<'m>,
+        features: usize,
+        eps: f64,
+        bias: bool,
+    ) -> Result<LayerNorm<'m>> {
+        check("LayerNorm", features, eps)?;
         Ok(LayerNorm {
             weight: scope.ones(&[features])?.named("weight"),
-            bias: scope.zeros(&[features])?.named("bias"),
-            eps: 1e-5,
+            bias: if bias {
+                Some(scope.zeros(&[features])?.named("bias"))
+            } else {
+                None
+            },
+            eps,
         })
+    }
+
+    /// A layer loaded from `weights` (`weight` and, if `bias`, `bias`, each `[features]`) as
+    /// `dtype`.
+    ///
+    /// # Errors
+    /// As for [`with_options`](Self::with_options); [`Error::MissingTensor`],
+    /// [`Error::TensorMismatch`].
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        features: usize,
+        eps: f64,
+        bias: bool,
+        dtype: DType,
+    ) -> Result<LayerNorm<'m>> {
+        check("LayerNorm", features, eps)?;
+        Ok(LayerNorm {
+            weight: weights
+                .tensor(scope, "weight", &[features], dtype)?
+                .named("weight"),
+            bias: if bias {
+                Some(
+                    weights
+                        .tensor(scope, "bias", &[features], dtype)?
+                        .named("bias"),
+                )
+            } else {
+                None
+            },
+            eps,
+        })
+    }
+
+    /// What is added to the variance.
+    pub fn eps(&self) -> f64 {
+        self.eps
     }
 }
 
@@ -52,15 +114,15 @@ impl<'m> Module<'m> for LayerNorm<'m> {
         let tape = x.tape();
         x.layer_norm(
             Some(&tape.param(&self.weight)),
-            Some(&tape.param(&self.bias)),
+            self.bias.as_ref().map(|b| tape.param(b)).as_ref(),
             self.eps,
         )
     }
 }
 
 layer_parts!(LayerNorm {
-    tensors: [weight, bias],
-    layers: [],
+    tensors: [weight],
+    layers: [bias],
     plain: [eps]
 });
 
@@ -79,11 +141,47 @@ impl<'m> RmsNorm<'m> {
     /// [`Error::InvalidShape`] for zero features; allocation errors.
     #[track_caller]
     pub fn new(scope: &Scope<'m>, features: usize) -> Result<RmsNorm<'m>> {
-        check_features("RmsNorm::new", features)?;
+        RmsNorm::with_eps(scope, features, 1e-6)
+    }
+
+    /// A layer over `features` features adding `eps` to the mean square.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for zero features or an `eps` that is not a finite number `>= 0`;
+    /// allocation errors.
+    #[track_caller]
+    pub fn with_eps(scope: &Scope<'m>, features: usize, eps: f64) -> Result<RmsNorm<'m>> {
+        check("RmsNorm", features, eps)?;
         Ok(RmsNorm {
             weight: scope.ones(&[features])?.named("weight"),
-            eps: 1e-6,
+            eps,
         })
+    }
+
+    /// A layer loaded from `weights` (`weight`, `[features]`) as `dtype`.
+    ///
+    /// # Errors
+    /// As for [`with_eps`](Self::with_eps); [`Error::MissingTensor`], [`Error::TensorMismatch`].
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        features: usize,
+        eps: f64,
+        dtype: DType,
+    ) -> Result<RmsNorm<'m>> {
+        check("RmsNorm", features, eps)?;
+        Ok(RmsNorm {
+            weight: weights
+                .tensor(scope, "weight", &[features], dtype)?
+                .named("weight"),
+            eps,
+        })
+    }
+
+    /// What is added to the mean square.
+    pub fn eps(&self) -> f64 {
+        self.eps
     }
 }
 

@@ -1,16 +1,76 @@
-//! The pre-norm transformer block (GPT-2's).
+//! The pre-norm transformer block (GPT-2's arrangement), configurable to match a checkpoint.
 
 use super::params::layer_parts;
 use super::{
     Activation, AttentionOptions, Dropout, Init, LayerNorm, Linear, Mode, Module,
-    MultiHeadAttention,
+    MultiHeadAttention, WeightLayout,
 };
 use crate::autograd::Var;
-use crate::error::Result;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::scope::Scope;
+use crate::weights::Weights;
 
-/// `x + drop(attn(ln1(x)))`, then `y + drop(fc2(gelu(fc1(ln2(y)))))`, with a hidden width of four
-/// times the model width and exact GELU (Radford et al., 2019).
+/// What a [`TransformerBlock`] computes: its widths, activation, normalisation and the layout of
+/// its projections.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TransformerConfig {
+    /// The model width.
+    pub width: usize,
+    /// Attention heads (dividing the width).
+    pub heads: usize,
+    /// The feed-forward layer's hidden width.
+    pub hidden: usize,
+    /// The feed-forward activation.
+    pub activation: Activation,
+    /// What the layer norms add to the variance.
+    pub norm_eps: f64,
+    /// Whether the projections and layer norms have biases.
+    pub bias: bool,
+    /// How the projections' weights are stored.
+    pub layout: WeightLayout,
+    /// Causal masking, and the dropout of the attention weights and of the residual branches.
+    pub attention: AttentionOptions,
+}
+
+impl TransformerConfig {
+    /// ndscope's default block of `width` and `heads`: hidden width `4 width`, exact GELU,
+    /// eps `1e-5`, biases, PyTorch's `[out, in]` weights, no mask, no dropout.
+    pub fn new(width: usize, heads: usize) -> TransformerConfig {
+        TransformerConfig {
+            width,
+            heads,
+            hidden: 4 * width,
+            activation: Activation::GeluExact,
+            norm_eps: 1e-5,
+            bias: true,
+            layout: WeightLayout::OutIn,
+            attention: AttentionOptions {
+                causal: false,
+                dropout: 0.0,
+            },
+        }
+    }
+
+    /// GPT-2's block (Radford et al., 2019, as Hugging Face's `GPT2Block` computes it): causal
+    /// attention, hidden width `4 width`, GELU's tanh approximation (`gelu_new`), eps `1e-5`,
+    /// biases, and `Conv1D` projections stored `[in, out]`.
+    pub fn gpt2(width: usize, heads: usize) -> TransformerConfig {
+        TransformerConfig {
+            activation: Activation::Gelu,
+            layout: WeightLayout::InOut,
+            attention: AttentionOptions {
+                causal: true,
+                dropout: 0.0,
+            },
+            ..TransformerConfig::new(width, heads)
+        }
+    }
+}
+
+/// `x + drop(attn(ln1(x)))`, then `y + drop(fc2(act(fc1(ln2(y)))))`: the pre-norm block. With
+/// [`TransformerConfig::gpt2`] it is GPT-2's block; [`new`](Self::new) keeps ndscope's default
+/// (exact GELU, `[out, in]` weights).
 #[derive(Debug)]
 pub struct TransformerBlock<'m> {
     /// Normalises the attention's input.
@@ -19,15 +79,17 @@ pub struct TransformerBlock<'m> {
     pub attn: MultiHeadAttention<'m>,
     /// Normalises the feed-forward input.
     pub ln2: LayerNorm<'m>,
-    /// Width to four times the width.
+    /// Width to the hidden width.
     pub fc1: Linear<'m>,
     /// Back to the width.
     pub fc2: Linear<'m>,
+    activation: Activation,
     dropout: Dropout,
 }
 
 impl<'m> TransformerBlock<'m> {
-    /// A block of `width` with `heads` heads; `options.dropout` also drops the residual branches.
+    /// A block of `width` with `heads` heads, [`TransformerConfig::new`]'s defaults otherwise;
+    /// `options.dropout` also drops the residual branches.
     ///
     /// # Errors
     /// As for [`MultiHeadAttention::new`].
@@ -39,14 +101,114 @@ impl<'m> TransformerBlock<'m> {
         options: AttentionOptions,
         init: Init,
     ) -> Result<TransformerBlock<'m>> {
+        let config = TransformerConfig {
+            attention: options,
+            ..TransformerConfig::new(width, heads)
+        };
+        TransformerBlock::with_config(scope, &config, init)
+    }
+
+    /// A block computing `config`, its weights drawn with `init`.
+    ///
+    /// # Errors
+    /// As for [`MultiHeadAttention::new`]; [`Error::InvalidShape`] for a zero hidden width or a
+    /// bad eps.
+    #[track_caller]
+    pub fn with_config(
+        scope: &Scope<'m>,
+        config: &TransformerConfig,
+        init: Init,
+    ) -> Result<TransformerBlock<'m>> {
+        let c = config;
+        let linear =
+            |inputs, outputs| Linear::with_layout(scope, inputs, outputs, c.bias, c.layout, init);
+        let norm = || LayerNorm::with_options(scope, c.width, c.norm_eps, c.bias);
+        let attn = MultiHeadAttention::from_parts(
+            linear(c.width, 3 * c.width)?,
+            linear(c.width, c.width)?,
+            c.heads,
+            c.attention,
+        )?;
+        TransformerBlock::from_parts(
+            config,
+            [norm()?, norm()?],
+            attn,
+            [linear(c.width, c.hidden)?, linear(c.hidden, c.width)?],
+        )
+    }
+
+    /// A block computing `config` loaded from `weights` under the block's own names (`ln1`,
+    /// `attn.qkv`, `attn.proj`, `ln2`, `fc1`, `fc2`, each with `weight` and `bias`): give a
+    /// checkpoint's names with [`Weights::renamed`].
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::TensorMismatch`]; as for [`with_config`](Self::with_config).
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        config: &TransformerConfig,
+        dtype: DType,
+    ) -> Result<TransformerBlock<'m>> {
+        let c = config;
+        let linear = |name: &str, inputs, outputs| {
+            let w = weights.prefix(name);
+            Linear::load(scope, &w, inputs, outputs, c.bias, c.layout, dtype)
+        };
+        let norm = |name: &str| {
+            LayerNorm::load(
+                scope,
+                &weights.prefix(name),
+                c.width,
+                c.norm_eps,
+                c.bias,
+                dtype,
+            )
+        };
+        let attn = MultiHeadAttention::from_parts(
+            linear("attn.qkv", c.width, 3 * c.width)?,
+            linear("attn.proj", c.width, c.width)?,
+            c.heads,
+            c.attention,
+        )?;
+        TransformerBlock::from_parts(
+            config,
+            [norm("ln1")?, norm("ln2")?],
+            attn,
+            [
+                linear("fc1", c.width, c.hidden)?,
+                linear("fc2", c.hidden, c.width)?,
+            ],
+        )
+    }
+
+    fn from_parts(
+        config: &TransformerConfig,
+        [ln1, ln2]: [LayerNorm<'m>; 2],
+        attn: MultiHeadAttention<'m>,
+        [fc1, fc2]: [Linear<'m>; 2],
+    ) -> Result<TransformerBlock<'m>> {
+        if config.hidden == 0 {
+            return Err(Error::InvalidShape {
+                op: "TransformerBlock",
+                shape: vec![config.width, config.hidden],
+                reason: "the feed-forward layer needs a hidden width of at least 1".into(),
+            });
+        }
         Ok(TransformerBlock {
-            ln1: LayerNorm::new(scope, width)?,
-            attn: MultiHeadAttention::new(scope, width, heads, options, init)?,
-            ln2: LayerNorm::new(scope, width)?,
-            fc1: Linear::new(scope, width, 4 * width, init)?,
-            fc2: Linear::new(scope, 4 * width, width, init)?,
-            dropout: Dropout::new(options.dropout)?,
+            ln1,
+            attn,
+            ln2,
+            fc1,
+            fc2,
+            activation: config.activation,
+            dropout: Dropout::new(config.attention.dropout)?,
         })
+    }
+
+    /// The feed-forward activation.
+    pub fn activation(&self) -> Activation {
+        self.activation
     }
 }
 
@@ -59,7 +221,7 @@ impl<'m> Module<'m> for TransformerBlock<'m> {
         let attended = self.attn.forward(&self.ln1.forward(x, mode)?, mode)?;
         let x = x.add(&drop(attended)?)?;
         let hidden = self.fc1.forward(&self.ln2.forward(&x, mode)?, mode)?;
-        let hidden = <Activation as Module<'m>>::forward(&Activation::GeluExact, &hidden, mode)?;
+        let hidden = <Activation as Module<'m>>::forward(&self.activation, &hidden, mode)?;
         x.add(&drop(self.fc2.forward(&hidden, mode)?)?)
     }
 }
@@ -67,5 +229,5 @@ impl<'m> Module<'m> for TransformerBlock<'m> {
 layer_parts!(TransformerBlock {
     tensors: [],
     layers: [ln1, attn, ln2, fc1, fc2],
-    plain: [dropout]
+    plain: [activation, dropout]
 });

@@ -360,6 +360,20 @@ impl<'s> Tensor<'s> {
         self.upload(data)
     }
 
+    /// Overwrites the elements with `bytes`, little-endian in row-major order (a checkpoint's
+    /// encoding): one copy (one upload on a GPU).
+    pub(crate) fn copy_from_le_bytes_(&mut self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != self.numel() * self.dtype().size() {
+            return Err(Error::DataLength {
+                op: "copy_from_le_bytes_",
+                expected: self.numel() * self.dtype().size(),
+                got: bytes.len(),
+            });
+        }
+        self.make_unique_contiguous()?;
+        self.upload_bytes(bytes)
+    }
+
     /// Sets every element to `value` in place.
     pub fn fill_(&mut self, value: f64) -> Result<()> {
         self.apply_(Unary::Fill, [value, 0.0])

@@ -140,7 +140,11 @@ impl<'s> Tensor<'s> {
     /// view repeats (a stride of 0, as `broadcast_to` makes) receive the sum of their copies. This
     /// is the gradient of a view of a parameter, in the coordinates of the parameter's block.
     #[track_caller]
-    pub(crate) fn scatter_into_block(&self, view: &Layout, block_numel: usize) -> Result<Tensor<'s>> {
+    pub(crate) fn scatter_into_block(
+        &self,
+        view: &Layout,
+        block_numel: usize,
+    ) -> Result<Tensor<'s>> {
         debug_assert_eq!(self.shape(), view.shape());
         // The block's own layout (or a reshape of it): the gradient is already in block order.
         if view.is_contiguous() && view.offset() == 0 && view.numel() == block_numel {
@@ -160,8 +164,12 @@ impl<'s> Tensor<'s> {
             let layout = Layout::from_parts(&shape, view.strides(), view.offset());
             (self.sum(&repeated, true)?, layout)
         };
-        let mut out =
-            Tensor::output_of(&[&values], values.dtype(), &[block_numel], Location::caller())?;
+        let mut out = Tensor::output_of(
+            &[&values],
+            values.dtype(),
+            &[block_numel],
+            Location::caller(),
+        )?;
         out.fill_(0.0)?;
         let dtype = values.dtype();
         values

@@ -150,6 +150,29 @@ impl<'s> Scope<'s> {
         self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))
     }
 
+    /// A tensor of `dtype` holding `bytes`, its elements little-endian in row-major order (the
+    /// safetensors encoding): one copy into the scope's memory, or one upload to its GPU.
+    #[track_caller]
+    pub(crate) fn from_le_bytes(
+        &self,
+        bytes: &[u8],
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor<'s>> {
+        let n = checked_numel(shape, dtype.size())?;
+        if n * dtype.size() != bytes.len() {
+            return Err(Error::DataLength {
+                op: "from_le_bytes",
+                expected: n * dtype.size(),
+                got: bytes.len(),
+            });
+        }
+        let at = Location::caller();
+        let mut t = Tensor::uninit_in(Owner::Node(&self.node), self.node.device, dtype, shape, at)?;
+        t.upload_bytes(bytes)?;
+        Ok(t)
+    }
+
     /// A 1-D tensor `start, start + step, ...` up to `end` (exclusive), of `T`'s dtype.
     ///
     /// # Errors

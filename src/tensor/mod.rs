@@ -307,9 +307,20 @@ impl<'s> Tensor<'s> {
 
     /// Writes `data` (row-major, the tensor's dtype) into the contiguous, unique tensor.
     pub(crate) fn upload<T: Element>(&mut self, data: &[T]) -> Result<()> {
+        self.upload_bytes(bytes_of(data))
+    }
+
+    /// As [`upload`](Self::upload), from the elements' little-endian bytes (which need no alignment).
+    pub(crate) fn upload_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        const {
+            assert!(
+                cfg!(target_endian = "little"),
+                "ndscope stores elements little-endian, as its checkpoints do"
+            )
+        };
         self.refuse_inside_capture("upload", "copying host data to the GPU")?;
         let backend = self.backend()?;
-        backend.upload(self.dtype, bytes_of(data), self.dst())
+        backend.upload(self.dtype, bytes, self.dst())
     }
 
     /// The elements as a slice, for a contiguous tensor of element type `T`; borrowing the tensor

@@ -1,0 +1,552 @@
+//! Weight sources: tensors read by name from safetensors checkpoints — one file, or a sharded
+//! checkpoint through its `model.safetensors.index.json` — memory-mapped, so a tensor's bytes are
+//! copied once, from the page cache into its scope (or uploaded once to its GPU).
+//!
+//! A [`Weights`] narrows names with [`prefix`](Weights::prefix) and maps a layer's own names to a
+//! checkpoint's with [`renamed`](Weights::renamed), so a layer loads itself from any library's
+//! checkpoint; each lookup declares the shape and dtype it wants (float tensors are cast on load)
+//! and, for a matrix another library stores transposed, says so
+//! ([`tensor_transposed`](Weights::tensor_transposed)). A missing or misshapen tensor is a typed
+//! error naming it, what was expected and found, and the nearest names the checkpoint holds.
+//!
+//! ```
+//! use ndscope::nn::{self, Activation, Init};
+//! use ndscope::weights::Weights;
+//! use ndscope::{DType, Device, checkpoint, root};
+//!
+//! let path = std::env::temp_dir().join(format!("ndscope-weights-doc-{}.safetensors", std::process::id()));
+//! root(Device::Cpu, |s| {
+//!     checkpoint::save(&nn::mlp(s, &[4, 3, 2], Activation::Relu, Init::KaimingUniform)?, &path)?;
+//!     let weights = Weights::open(&path)?;
+//!     let first = weights.prefix("0");
+//!     let w = first.tensor(s, "weight", &[3, 4], DType::F32)?;
+//!     let wt = first.tensor_transposed(s, "weight", &[4, 3], DType::F64)?; // cast on load
+//!     assert_eq!(w.to_vec::<f32>()?[1] as f64, wt.to_vec::<f64>()?[3]);
+//!     let err = first.tensor(s, "weights", &[3, 4], DType::F32).unwrap_err();
+//!     assert!(err.to_string().contains("nearest: \"0.weight\""), "{err}");
+//!     Ok::<_, ndscope::Error>(())
+//! })?;
+//! # std::fs::remove_file(&path).ok();
+//! # Ok::<(), ndscope::Error>(())
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+use safetensors::SafeTensors;
+use safetensors::tensor::Dtype;
+
+use crate::dtype::{DType, Element, with_dtype};
+use crate::error::{Error, Result};
+use crate::memory::mapped::MappedFile;
+use crate::scope::Scope;
+use crate::tensor::Tensor;
+
+/// A checkpoint's tensors by name, over one or more memory-mapped safetensors files.
+#[derive(Clone)]
+pub struct Weights {
+    source: Rc<Source>,
+    /// Name transformations from a lookup's name to the checkpoint's, applied last to first.
+    steps: Vec<Step>,
+}
+
+#[derive(Clone)]
+enum Step {
+    Prefix(String),
+    Rename(Rc<dyn Fn(&str) -> String>),
+}
+
+/// The opened files and where each tensor is.
+struct Source {
+    files: Vec<(PathBuf, MappedFile)>,
+    tensors: BTreeMap<String, Entry>,
+}
+
+impl Source {
+    /// Adds the tensors of one safetensors file.
+    fn add(&mut self, path: PathBuf, map: MappedFile) -> Result<()> {
+        let (header, metadata) =
+            SafeTensors::read_metadata(map.bytes()).map_err(|e| format_error(&path, e))?;
+        let data_start = 8 + header;
+        for (name, info) in metadata.tensors() {
+            let entry = Entry {
+                file: self.files.len(),
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                bytes: (
+                    data_start + info.data_offsets.0,
+                    data_start + info.data_offsets.1,
+                ),
+            };
+            if self.tensors.insert(name.clone(), entry).is_some() {
+                return Err(format_error(
+                    &path,
+                    format!("the tensor \"{name}\" is held by two shards"),
+                ));
+            }
+        }
+        self.files.push((path, map));
+        Ok(())
+    }
+}
+
+/// One tensor of a file: its file, stored dtype and shape, and its bytes' range in the file.
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: (usize, usize),
+}
+
+impl fmt::Debug for Weights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Weights")
+            .field(
+                "files",
+                &self.source.files.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            )
+            .field("tensors", &self.source.tensors.len())
+            .field("prefix", &self.full_name(""))
+            .finish()
+    }
+}
+
+fn io_error(path: &Path, e: impl fmt::Display) -> Error {
+    Error::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+fn format_error(path: &Path, e: impl fmt::Display) -> Error {
+    Error::Format {
+        format: "safetensors",
+        reason: format!("{}: {e}", path.display()),
+    }
+}
+
+/// The dtype ndscope uses for a safetensors dtype, if it has one.
+pub(crate) fn dtype_of(dtype: Dtype) -> Option<DType> {
+    match dtype {
+        Dtype::F32 => Some(DType::F32),
+        Dtype::F64 => Some(DType::F64),
+        Dtype::I64 => Some(DType::I64),
+        Dtype::BF16 => Some(DType::BF16),
+        Dtype::F16 => Some(DType::F16),
+        _ => None,
+    }
+}
+
+/// The safetensors dtype of an ndscope dtype.
+pub(crate) fn safetensors_dtype(dtype: DType) -> Dtype {
+    match dtype {
+        DType::F32 => Dtype::F32,
+        DType::F64 => Dtype::F64,
+        DType::I64 => Dtype::I64,
+        DType::BF16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+    }
+}
+
+impl Weights {
+    /// Opens a checkpoint: a `.safetensors` file, a sharded checkpoint's index
+    /// (`*.safetensors.index.json`, whose `weight_map` names each tensor's file), or a directory
+    /// holding `model.safetensors` or `model.safetensors.index.json` (a Hugging Face model
+    /// directory). Files are memory-mapped; only their headers are read here.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a path that cannot be read (or a directory with neither file);
+    /// [`Error::Format`] for a file that is not safetensors (truncated, say), an index that is not
+    /// valid JSON with a `weight_map`, or a tensor that two shards both hold.
+    pub fn open(path: impl AsRef<Path>) -> Result<Weights> {
+        let path = path.as_ref();
+        if path.is_dir() {
+            let index = path.join("model.safetensors.index.json");
+            let single = path.join("model.safetensors");
+            return if single.is_file() {
+                Weights::open(single)
+            } else if index.is_file() {
+                Weights::open(index)
+            } else {
+                Err(io_error(
+                    path,
+                    "the directory holds neither model.safetensors nor model.safetensors.index.json",
+                ))
+            };
+        }
+        let files = if path.to_string_lossy().ends_with(".json") {
+            shards(path)?
+        } else {
+            vec![path.to_path_buf()]
+        };
+        let mut source = Source {
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+        };
+        for file in files {
+            let map = MappedFile::open(&file).map_err(|e| io_error(&file, e))?;
+            source.add(file, map)?;
+        }
+        Ok(Weights {
+            source: Rc::new(source),
+            steps: Vec::new(),
+        })
+    }
+
+    /// A checkpoint from the bytes of one safetensors file (already in memory).
+    ///
+    /// # Errors
+    /// [`Error::Format`] for bytes that are not safetensors.
+    pub fn from_bytes(bytes: Vec<u8>) -> Result<Weights> {
+        let mut source = Source {
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+        };
+        source.add(PathBuf::from("<bytes>"), MappedFile::Read(bytes))?;
+        Ok(Weights {
+            source: Rc::new(source),
+            steps: Vec::new(),
+        })
+    }
+
+    /// The same checkpoint with names looked up under `prefix`: `weights.prefix("transformer.h.0")`
+    /// finds `"attn.c_attn.weight"` as `"transformer.h.0.attn.c_attn.weight"`. An empty prefix
+    /// changes nothing.
+    pub fn prefix(&self, prefix: &str) -> Weights {
+        let mut w = self.clone();
+        if !prefix.is_empty() {
+            w.steps.push(Step::Prefix(prefix.to_string()));
+        }
+        w
+    }
+
+    /// The same checkpoint with every name looked up through `rename` first (a layer's own name to
+    /// the checkpoint's), then through this view's prefixes and renames.
+    pub fn renamed(&self, rename: impl Fn(&str) -> String + 'static) -> Weights {
+        let mut w = self.clone();
+        w.steps.push(Step::Rename(Rc::new(rename)));
+        w
+    }
+
+    /// The checkpoint's name for `name` looked up through this view.
+    pub fn full_name(&self, name: &str) -> String {
+        let mut name = name.to_string();
+        for step in self.steps.iter().rev() {
+            name = match step {
+                Step::Prefix(p) if name.is_empty() => p.clone(),
+                Step::Prefix(p) => format!("{p}.{name}"),
+                Step::Rename(f) => f(&name),
+            };
+        }
+        name
+    }
+
+    /// Whether the checkpoint holds `name` (looked up through this view).
+    pub fn contains(&self, name: &str) -> bool {
+        self.source.tensors.contains_key(&self.full_name(name))
+    }
+
+    /// Every name the checkpoint holds, sorted (whatever this view's prefix).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.source.tensors.keys().map(String::as_str)
+    }
+
+    /// Number of tensors in the checkpoint.
+    pub fn len(&self) -> usize {
+        self.source.tensors.len()
+    }
+
+    /// Whether the checkpoint holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.source.tensors.is_empty()
+    }
+
+    /// The stored dtype and shape of `name`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] when the checkpoint lacks it; [`Error::Format`] for a dtype ndscope
+    /// does not read.
+    pub fn info(&self, name: &str) -> Result<(DType, &[usize])> {
+        let (full, entry) = self.entry(name)?;
+        Ok((stored_dtype(&full, entry)?, &entry.shape))
+    }
+
+    /// The tensor `name`, which must be stored with `shape`, as a tensor of `dtype` in `scope`
+    /// (a float stored in another float dtype is converted, rounding to nearest).
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] naming the nearest names; [`Error::TensorMismatch`] for another
+    /// shape (with a hint when the stored one is the transpose) or an integer/float mismatch;
+    /// allocation errors.
+    #[track_caller]
+    pub fn tensor<'s>(
+        &self,
+        scope: &Scope<'s>,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor<'s>> {
+        self.load(scope, name, shape, dtype, false)
+    }
+
+    /// The matrix `name`, stored as the transpose of `shape` (`[in, out]` for a `[out, in]`
+    /// weight: Hugging Face's `Conv1D`, JAX's `Dense`), as a contiguous tensor of `shape` and
+    /// `dtype` in `scope`. The transpose costs a copy; a layer that can use the stored layout
+    /// directly (see [`WeightLayout`](crate::nn::WeightLayout)) avoids it.
+    ///
+    /// # Errors
+    /// As for [`tensor`](Self::tensor); [`Error::InvalidShape`] unless `shape` is 2-D.
+    #[track_caller]
+    pub fn tensor_transposed<'s>(
+        &self,
+        scope: &Scope<'s>,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor<'s>> {
+        let &[rows, cols] = shape else {
+            return Err(Error::InvalidShape {
+                op: "Weights::tensor_transposed",
+                shape: shape.to_vec(),
+                reason: "only a matrix can be stored transposed".into(),
+            });
+        };
+        self.load(scope, name, &[cols, rows], dtype, true)?
+            .t()?
+            .contiguous()
+    }
+
+    /// Overwrites `param` with the tensor `name`, which must have `param`'s shape (a float is
+    /// converted to `param`'s dtype): one copy from the file into the parameter's memory.
+    ///
+    /// # Errors
+    /// As for [`tensor`](Self::tensor).
+    pub fn load_into(&self, param: &mut Tensor<'_>, name: &str) -> Result<()> {
+        let (full, entry) = self.entry(name)?;
+        let stored = self.check(&full, entry, param.shape(), param.dtype(), false)?;
+        let bytes = self.bytes(entry);
+        if stored == param.dtype() {
+            param.copy_from_le_bytes_(bytes)
+        } else {
+            with_dtype!(param.dtype(), T => param.copy_from_slice_(&convert::<T>(stored, bytes)))
+        }
+    }
+
+    #[track_caller]
+    fn load<'s>(
+        &self,
+        scope: &Scope<'s>,
+        name: &str,
+        shape: &[usize],
+        dtype: DType,
+        transposed: bool,
+    ) -> Result<Tensor<'s>> {
+        let (full, entry) = self.entry(name)?;
+        let stored = self.check(&full, entry, shape, dtype, transposed)?;
+        let bytes = self.bytes(entry);
+        if stored == dtype {
+            scope.from_le_bytes(bytes, shape, dtype)
+        } else {
+            with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape))
+        }
+    }
+
+    /// The checkpoint's entry for `name`, with its full name.
+    fn entry(&self, name: &str) -> Result<(String, &Entry)> {
+        let full = self.full_name(name);
+        match self.source.tensors.get(&full) {
+            Some(entry) => Ok((full, entry)),
+            None => Err(Error::MissingTensor {
+                nearest: nearest(&full, self.names()),
+                held: self.len(),
+                name: full,
+            }),
+        }
+    }
+
+    /// Checks `entry` against the wanted shape and dtype; the stored dtype.
+    fn check(
+        &self,
+        full: &str,
+        entry: &Entry,
+        shape: &[usize],
+        dtype: DType,
+        transposed: bool,
+    ) -> Result<DType> {
+        let stored = stored_dtype(full, entry)?;
+        let mismatch = |hint: String| Error::TensorMismatch {
+            name: full.to_string(),
+            expected: format!("{dtype} {shape:?}"),
+            found: format!("{stored} {:?}", entry.shape),
+            hint,
+        };
+        if entry.shape != shape {
+            let mut reversed = shape.to_vec();
+            reversed.reverse();
+            let hint = if shape.len() == 2 && entry.shape == reversed {
+                if transposed {
+                    "it is stored as the shape you asked for: load it with `Weights::tensor` (or \
+                     the layer with `WeightLayout::OutIn`)"
+                } else {
+                    "it is stored transposed ([in, out], as Hugging Face's Conv1D stores it): load \
+                     it with `Weights::tensor_transposed` (or the layer with `WeightLayout::InOut`)"
+                }
+                .to_string()
+            } else {
+                "was the checkpoint saved from a model of another configuration?".to_string()
+            };
+            return Err(mismatch(hint));
+        }
+        if stored != dtype && !(stored.is_float() && dtype.is_float()) {
+            return Err(mismatch(
+                "floats convert to floats on load, integers must match exactly".into(),
+            ));
+        }
+        Ok(stored)
+    }
+
+    fn bytes(&self, entry: &Entry) -> &[u8] {
+        &self.source.files[entry.file].1.bytes()[entry.bytes.0..entry.bytes.1]
+    }
+}
+
+fn stored_dtype(full: &str, entry: &Entry) -> Result<DType> {
+    dtype_of(entry.dtype).ok_or_else(|| Error::Format {
+        format: "safetensors",
+        reason: format!(
+            "tensor \"{full}\" has dtype {:?}; ndscope reads F32, F64, I64, BF16 and F16",
+            entry.dtype
+        ),
+    })
+}
+
+/// The elements of `bytes` (little-endian `stored` values) converted to `T`.
+fn convert<T: Element>(stored: DType, bytes: &[u8]) -> Vec<T> {
+    with_dtype!(stored, S => bytes
+        .chunks_exact(std::mem::size_of::<S>())
+        .map(|b| T::from_f64(S::get_le(b).to_f64()))
+        .collect())
+}
+
+/// Element types as little-endian bytes (the safetensors encoding).
+pub(crate) trait LittleEndian: Sized {
+    /// Appends the value's bytes.
+    fn put_le(self, out: &mut Vec<u8>);
+    /// Reads one value from exactly `size_of::<Self>()` bytes.
+    fn get_le(bytes: &[u8]) -> Self;
+}
+
+macro_rules! little_endian {
+    ($($t:ty),*) => {$(
+        impl LittleEndian for $t {
+            fn put_le(self, out: &mut Vec<u8>) {
+                out.extend_from_slice(&self.to_le_bytes());
+            }
+            fn get_le(bytes: &[u8]) -> Self {
+                <$t>::from_le_bytes(bytes.try_into().expect("chunks_exact yields whole elements"))
+            }
+        }
+    )*};
+}
+
+little_endian!(f32, f64, i64, crate::dtype::bf16, crate::dtype::f16);
+
+/// The shard files a `*.safetensors.index.json` names, in the order they first appear.
+fn shards(index: &Path) -> Result<Vec<PathBuf>> {
+    let text = std::fs::read_to_string(index).map_err(|e| io_error(index, e))?;
+    let bad = |reason: String| Error::Format {
+        format: "safetensors index",
+        reason: format!("{}: {reason}", index.display()),
+    };
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| bad("it has no \"weight_map\" object of tensor names to files".into()))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("the file of \"{name}\" is not a string")))?;
+        let path = dir.join(file);
+        if !files.contains(&path) {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
+
+/// Up to five of `names` nearest to `name` by edit distance, nearest first.
+fn nearest<'a>(name: &str, names: impl Iterator<Item = &'a str>) -> Vec<String> {
+    let mut scored: Vec<(usize, &str)> = names.map(|n| (edit_distance(name, n), n)).collect();
+    scored.sort();
+    scored
+        .into_iter()
+        .take(5)
+        .map(|(_, n)| n.to_string())
+        .collect()
+}
+
+/// Levenshtein distance between two strings, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let substitution = diagonal + usize::from(ca != cb);
+            diagonal = row[j + 1];
+            row[j + 1] = substitution.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edit_distance_counts_insertions_deletions_and_substitutions() {
+        assert_eq!(edit_distance("", ""), 0);
+        assert_eq!(edit_distance("weight", "weight"), 0);
+        assert_eq!(edit_distance("weight", "weights"), 1);
+        assert_eq!(edit_distance("c_attn", "c_proj"), 4);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("abc", ""), 3);
+    }
+
+    #[test]
+    fn nearest_names_come_closest_first() {
+        let names = [
+            "h.0.attn.c_attn.weight",
+            "h.0.attn.c_proj.weight",
+            "wte.weight",
+        ];
+        let found = nearest("h.0.attn.c_atn.weight", names.into_iter());
+        assert_eq!(found[0], "h.0.attn.c_attn.weight");
+        assert_eq!(found.len(), 3);
+    }
+
+    #[test]
+    fn names_compose_prefixes_and_renames_from_the_inside_out() {
+        let w = Weights {
+            source: Rc::new(Source {
+                files: Vec::new(),
+                tensors: BTreeMap::new(),
+            }),
+            steps: Vec::new(),
+        };
+        let block = w
+            .prefix("transformer")
+            .prefix("h.1")
+            .renamed(|n| n.replace("ln1", "ln_1"));
+        assert_eq!(block.full_name("ln1.weight"), "transformer.h.1.ln_1.weight");
+        assert_eq!(w.prefix("").full_name("wte.weight"), "wte.weight");
+        assert_eq!(block.full_name(""), "transformer.h.1");
+    }
+}
