@@ -12,6 +12,7 @@ mod error;
 mod fastmath;
 mod layout;
 mod memory;
+pub mod models;
 pub mod nn;
 mod ops;
 pub mod optim;

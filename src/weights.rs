@@ -387,11 +387,13 @@ impl Weights {
             reversed.reverse();
             let hint = if shape.len() == 2 && entry.shape == reversed {
                 if transposed {
-                    "it is stored as the shape you asked for: load it with `Weights::tensor` (or \
-                     the layer with `WeightLayout::OutIn`)"
+                    "it is stored as the shape asked for, not transposed: load it with \
+                     `Weights::tensor`"
                 } else {
-                    "it is stored transposed ([in, out], as Hugging Face's Conv1D stores it): load \
-                     it with `Weights::tensor_transposed` (or the layer with `WeightLayout::InOut`)"
+                    "it holds the transpose: the checkpoint stores this matrix in the other layout \
+                     ([in, out] for Hugging Face's Conv1D, [out, in] for PyTorch's nn.Linear); \
+                     declare that layout (`WeightLayout`) or load it with \
+                     `Weights::tensor_transposed`"
                 }
                 .to_string()
             } else {

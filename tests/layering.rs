@@ -21,6 +21,7 @@ const LAYERS: &[&[&str]] = &[
     &["nn"],
     &["optim"],
     &["data", "checkpoint"],
+    &["models"],
 ];
 
 /// Modules that may name the backend.

@@ -1,5 +1,6 @@
 //! Training data on the host: the bundled digits set, a reader for MNIST IDX files, a seeded
-//! train/test split, and shuffled batches that can be prepared on a background thread.
+//! train/test split, shuffled batches that can be prepared on a background thread, and text
+//! tokenized with a Hugging Face `tokenizer.json` ([`Tokenizer`]).
 //!
 //! Data sets are plain host memory (`Vec<f32>` features, `Vec<i64>` labels); a training loop copies
 //! each [`Batch`] into its batch scope (with [`Scope::from_slice`](crate::Scope::from_slice), or
@@ -24,8 +25,10 @@
 mod csv;
 mod idx;
 mod loader;
+mod tokenizer;
 
 pub use loader::{Batch, Loader};
+pub use tokenizer::Tokenizer;
 
 use crate::error::{Error, Result};
 use crate::rng::Rng;

@@ -1,0 +1,663 @@
+//! GPT-2 (Radford et al., 2019) as Hugging Face's `GPT2LMHeadModel` computes it, with its parameter
+//! names and layouts, so a model directory written by `save_pretrained` loads here and a model
+//! saved here loads in transformers.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::autograd::{CrossEntropy, Tape, Var};
+use crate::checkpoint;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::{
+    Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
+    TransformerBlock, TransformerConfig,
+};
+use crate::scope::{Movable, Scope};
+use crate::tensor::Tensor;
+use crate::weights::Weights;
+
+/// GPT-2's hyper-parameters, as `config.json` names them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gpt2Config {
+    /// Tokens in the vocabulary (`vocab_size`).
+    pub vocab_size: usize,
+    /// The longest sequence (`n_positions`).
+    pub n_positions: usize,
+    /// The model width (`n_embd`).
+    pub n_embd: usize,
+    /// Transformer blocks (`n_layer`).
+    pub n_layer: usize,
+    /// Attention heads (`n_head`).
+    pub n_head: usize,
+    /// The feed-forward width (`n_inner`; `4 n_embd` when null).
+    pub n_inner: usize,
+    /// The feed-forward activation (`activation_function`: `gelu_new` is GELU's tanh form).
+    pub activation: Activation,
+    /// What the layer norms add to the variance (`layer_norm_epsilon`).
+    pub layer_norm_epsilon: f64,
+    /// Whether the output head is the token embedding (`tie_word_embeddings`, true for GPT-2).
+    pub tie_word_embeddings: bool,
+    /// Every field of the file, written back by [`Gpt2Config::to_json`].
+    raw: Map<String, Value>,
+}
+
+fn config_error(reason: impl Into<String>) -> Error {
+    Error::Format {
+        format: "config.json",
+        reason: reason.into(),
+    }
+}
+
+impl Gpt2Config {
+    /// A configuration with Hugging Face's GPT-2 defaults for everything but the sizes.
+    pub fn new(
+        vocab_size: usize,
+        n_positions: usize,
+        n_embd: usize,
+        n_layer: usize,
+        n_head: usize,
+    ) -> Gpt2Config {
+        Gpt2Config {
+            vocab_size,
+            n_positions,
+            n_embd,
+            n_layer,
+            n_head,
+            n_inner: 4 * n_embd,
+            activation: Activation::Gelu,
+            layer_norm_epsilon: 1e-5,
+            tie_word_embeddings: true,
+            raw: Map::new(),
+        }
+    }
+
+    /// Reads a `config.json` of `model_type` `gpt2`.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for text that is not JSON, a missing or mistyped field, another model
+    /// type, sizes that do not fit together, or a GPT-2 variant this implementation does not
+    /// compute (cross-attention, attention scaled by the layer index or not at all, reordered
+    /// upcast attention).
+    pub fn from_json(text: &str) -> Result<Gpt2Config> {
+        let raw: Map<String, Value> =
+            serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
+        let size = |key: &str| -> Result<usize> {
+            raw.get(key)
+                .and_then(Value::as_u64)
+                .and_then(|v| usize::try_from(v).ok())
+                .filter(|&v| v > 0)
+                .ok_or_else(|| {
+                    config_error(format!(
+                        "\"{key}\" must be a positive integer, found {:?}",
+                        raw.get(key)
+                    ))
+                })
+        };
+        let flag = |key: &str, default: bool| -> Result<bool> {
+            match raw.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v.as_bool().ok_or_else(|| {
+                    config_error(format!("\"{key}\" must be true or false, found {v}"))
+                }),
+            }
+        };
+        match raw.get("model_type").and_then(Value::as_str) {
+            Some("gpt2") => {}
+            other => {
+                return Err(config_error(format!(
+                    "\"model_type\" is {other:?}; this loader reads GPT-2 (\"gpt2\") directories"
+                )));
+            }
+        }
+        let n_embd = size("n_embd")?;
+        let n_inner = match raw.get("n_inner") {
+            None | Some(Value::Null) => 4 * n_embd,
+            Some(_) => size("n_inner")?,
+        };
+        let activation = match raw.get("activation_function").and_then(Value::as_str) {
+            None | Some("gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") => Activation::Gelu,
+            Some("gelu") => Activation::GeluExact,
+            Some("relu") => Activation::Relu,
+            Some("silu" | "swish") => Activation::Silu,
+            Some("tanh") => Activation::Tanh,
+            Some("sigmoid") => Activation::Sigmoid,
+            Some(other) => {
+                return Err(config_error(format!(
+                    "\"activation_function\" \"{other}\" is not one ndscope computes (gelu_new, gelu, relu, silu, tanh, sigmoid)"
+                )));
+            }
+        };
+        let layer_norm_epsilon = match raw.get("layer_norm_epsilon") {
+            None => 1e-5,
+            Some(v) => v
+                .as_f64()
+                .filter(|e| e.is_finite() && *e >= 0.0)
+                .ok_or_else(|| {
+                    config_error(format!(
+                        "\"layer_norm_epsilon\" must be a number >= 0, found {v}"
+                    ))
+                })?,
+        };
+        for (key, unsupported_when, what) in [
+            ("add_cross_attention", true, "cross-attention"),
+            (
+                "scale_attn_by_inverse_layer_idx",
+                true,
+                "attention scaled by the layer index",
+            ),
+            (
+                "reorder_and_upcast_attn",
+                true,
+                "reordered, upcast attention",
+            ),
+            ("scale_attn_weights", false, "unscaled attention scores"),
+        ] {
+            if flag(key, !unsupported_when)? == unsupported_when {
+                return Err(config_error(format!(
+                    "\"{key}\" is {unsupported_when}: {what} is a GPT-2 variant ndscope does not compute"
+                )));
+            }
+        }
+        let config = Gpt2Config {
+            vocab_size: size("vocab_size")?,
+            n_positions: size("n_positions")?,
+            n_embd,
+            n_layer: size("n_layer")?,
+            n_head: size("n_head")?,
+            n_inner,
+            activation,
+            layer_norm_epsilon,
+            tie_word_embeddings: flag("tie_word_embeddings", true)?,
+            raw,
+        };
+        if !config.n_embd.is_multiple_of(config.n_head) {
+            return Err(config_error(format!(
+                "\"n_embd\" ({}) must be a multiple of \"n_head\" ({})",
+                config.n_embd, config.n_head
+            )));
+        }
+        Ok(config)
+    }
+
+    /// Reads `path`, a `config.json`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Gpt2Config> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Gpt2Config::from_json(&text).map_err(|e| match e {
+            Error::Format { format, reason } => Error::Format {
+                format,
+                reason: format!("{}: {reason}", path.display()),
+            },
+            other => other,
+        })
+    }
+
+    /// The configuration as `config.json` text: every field the file it was read from held, with
+    /// the sizes set to this configuration's.
+    pub fn to_json(&self) -> String {
+        let mut raw = self.raw.clone();
+        let activation = match self.activation {
+            Activation::Gelu => "gelu_new",
+            Activation::GeluExact => "gelu",
+            Activation::Relu => "relu",
+            Activation::Silu => "silu",
+            Activation::Tanh => "tanh",
+            Activation::Sigmoid => "sigmoid",
+        };
+        let fields = [
+            ("model_type", Value::from("gpt2")),
+            ("architectures", Value::from(vec!["GPT2LMHeadModel"])),
+            ("vocab_size", Value::from(self.vocab_size)),
+            ("n_positions", Value::from(self.n_positions)),
+            ("n_embd", Value::from(self.n_embd)),
+            ("n_layer", Value::from(self.n_layer)),
+            ("n_head", Value::from(self.n_head)),
+            // Null is transformers' way of saying four times the width.
+            (
+                "n_inner",
+                if self.n_inner == 4 * self.n_embd {
+                    Value::Null
+                } else {
+                    Value::from(self.n_inner)
+                },
+            ),
+            ("activation_function", Value::from(activation)),
+            ("layer_norm_epsilon", Value::from(self.layer_norm_epsilon)),
+            ("tie_word_embeddings", Value::from(self.tie_word_embeddings)),
+        ];
+        for (key, value) in fields {
+            raw.insert(key.to_string(), value);
+        }
+        serde_json::to_string_pretty(&Value::Object(raw)).expect("a JSON map serialises")
+    }
+
+    /// The configuration of each block.
+    pub fn block(&self) -> TransformerConfig {
+        TransformerConfig {
+            hidden: self.n_inner,
+            activation: self.activation,
+            norm_eps: self.layer_norm_epsilon,
+            ..TransformerConfig::gpt2(self.n_embd, self.n_head)
+        }
+    }
+}
+
+/// A block parameter's name in Hugging Face's `GPT2Block` (`ln_1`, `attn.c_attn`, `attn.c_proj`,
+/// `ln_2`, `mlp.c_fc`, `mlp.c_proj`) from [`TransformerBlock`]'s own.
+fn hf_block_name(name: &str) -> String {
+    const NAMES: [(&str, &str); 6] = [
+        ("ln1", "ln_1"),
+        ("attn.qkv", "attn.c_attn"),
+        ("attn.proj", "attn.c_proj"),
+        ("ln2", "ln_2"),
+        ("fc1", "mlp.c_fc"),
+        ("fc2", "mlp.c_proj"),
+    ];
+    for (ours, theirs) in NAMES {
+        if let Some(rest) = name.strip_prefix(ours)
+            && (rest.is_empty() || rest.starts_with('.'))
+        {
+            return format!("{theirs}{rest}");
+        }
+    }
+    name.to_string()
+}
+
+/// GPT-2's language model: token and position embeddings, pre-norm blocks, a final layer norm, and
+/// a head that is the token embedding (tied) or its own `[vocab, width]` matrix. Parameters are
+/// named and laid out as in Hugging Face's `GPT2LMHeadModel` (`transformer.h.0.attn.c_attn.weight`,
+/// `[in, out]`), so [`checkpoint::save`] writes a file transformers loads.
+///
+/// The tied head watches the embedding itself: its gradient is summed into the embedding's, and an
+/// optimizer step updates the one tensor.
+///
+/// ```
+/// use ndscope::models::Gpt2;
+/// use ndscope::nn::Mode;
+/// use ndscope::{DType, Device, Tape, root};
+///
+/// root(Device::Cpu, |model_scope| {
+///     let gpt2 = Gpt2::from_pretrained(model_scope, "data/gpt2-tiny", DType::F32)?;
+///     let loss = model_scope.scope(|batch| {
+///         let tape = Tape::new(batch);
+///         let ids = batch.from_slice(&[33i64, 292, 482, 308], &[1, 4])?;
+///         let logits = gpt2.forward(&tape, &ids, Mode::Eval)?; // [1, 4, 1000]
+///         let loss = Gpt2::loss(&logits, &ids)?;
+///         let grads = tape.backward(&loss)?;
+///         assert!(grads.get(&gpt2.wte.weight).is_some()); // embedding and tied head together
+///         loss.value().to_scalar::<f32>()
+///     })?;
+///     assert!(loss > 0.0);
+///     Ok::<_, ndscope::Error>(())
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct Gpt2<'m> {
+    /// Token embedding `[vocab, width]` (and the tied head).
+    pub wte: Embedding<'m>,
+    /// Position embedding `[n_positions, width]`.
+    pub wpe: PositionalEmbedding<'m>,
+    /// The blocks.
+    pub blocks: Vec<TransformerBlock<'m>>,
+    /// The final layer norm.
+    pub ln_f: LayerNorm<'m>,
+    /// The head `[vocab, width]` when it is not tied to `wte`.
+    pub lm_head: Option<Tensor<'m>>,
+    config: Gpt2Config,
+}
+
+impl<'m> Gpt2<'m> {
+    /// A model of `config` in `scope` with Hugging Face's initialisation (normal, std 0.02;
+    /// layer norms at one and zero; zero biases).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for sizes that do not fit; allocation errors.
+    #[track_caller]
+    pub fn new(scope: &Scope<'m>, config: Gpt2Config) -> Result<Gpt2<'m>> {
+        let init = Init::Normal(0.02);
+        let c = &config;
+        let blocks = (0..c.n_layer)
+            .map(|_| TransformerBlock::with_config(scope, &c.block(), init))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Gpt2 {
+            wte: Embedding::new(scope, c.vocab_size, c.n_embd, init)?,
+            wpe: PositionalEmbedding::new(scope, c.n_positions, c.n_embd, init)?,
+            blocks,
+            ln_f: LayerNorm::with_options(scope, c.n_embd, c.layer_norm_epsilon, true)?,
+            lm_head: if c.tie_word_embeddings {
+                None
+            } else {
+                Some(
+                    init.tensor(scope, &[c.vocab_size, c.n_embd])?
+                        .named("lm_head"),
+                )
+            },
+            config,
+        })
+    }
+
+    /// The model of a Hugging Face GPT-2 directory (`config.json` and `model.safetensors`, or a
+    /// sharded checkpoint's index), its parameters as `dtype` in `scope`. Each tensor is copied
+    /// once from the memory-mapped file.
+    ///
+    /// # Errors
+    /// [`Error::Io`], [`Error::Format`] for the files; [`Error::MissingTensor`] and
+    /// [`Error::TensorMismatch`] for a checkpoint that does not fit the configuration.
+    #[track_caller]
+    pub fn from_pretrained(
+        scope: &Scope<'m>,
+        dir: impl AsRef<Path>,
+        dtype: DType,
+    ) -> Result<Gpt2<'m>> {
+        let dir = dir.as_ref();
+        let config = Gpt2Config::from_file(dir.join("config.json"))?;
+        Gpt2::load(scope, &Weights::open(dir)?, config, dtype)
+    }
+
+    /// The model of `config` with its parameters from `weights` (named as Hugging Face names
+    /// them), as `dtype` in `scope`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] and [`Error::TensorMismatch`] for a checkpoint that does not fit
+    /// the configuration; allocation errors.
+    #[track_caller]
+    pub fn load(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        config: Gpt2Config,
+        dtype: DType,
+    ) -> Result<Gpt2<'m>> {
+        let c = &config;
+        // Some exporters write the names without the "transformer." prefix.
+        let body = if weights.contains("transformer.wte.weight") || !weights.contains("wte.weight")
+        {
+            weights.prefix("transformer")
+        } else {
+            weights.clone()
+        };
+        // In the checkpoint's order, so a mismatch names the first tensor that differs.
+        let wte = Embedding::load(scope, &body.prefix("wte"), c.vocab_size, c.n_embd, dtype)?;
+        let wpe =
+            PositionalEmbedding::load(scope, &body.prefix("wpe"), c.n_positions, c.n_embd, dtype)?;
+        let blocks = (0..c.n_layer)
+            .map(|i| {
+                let block = body.prefix(&format!("h.{i}")).renamed(hf_block_name);
+                TransformerBlock::load(scope, &block, &c.block(), dtype)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ln_f = LayerNorm::load(
+            scope,
+            &body.prefix("ln_f"),
+            c.n_embd,
+            c.layer_norm_epsilon,
+            true,
+            dtype,
+        )?;
+        let lm_head = if c.tie_word_embeddings {
+            None
+        } else {
+            Some(
+                weights
+                    .tensor(scope, "lm_head.weight", &[c.vocab_size, c.n_embd], dtype)?
+                    .named("lm_head"),
+            )
+        };
+        Ok(Gpt2 {
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            lm_head,
+            config,
+        })
+    }
+
+    /// Writes a Hugging Face model directory: `config.json` and `model.safetensors` (HF's names
+    /// and layouts; a tied head is not stored, as `save_pretrained` does). Transformers'
+    /// `GPT2LMHeadModel.from_pretrained(dir)` loads it; so does [`from_pretrained`](Self::from_pretrained).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the directory or its files cannot be written.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let io = |e: std::io::Error| Error::Io {
+            path: dir.display().to_string(),
+            reason: e.to_string(),
+        };
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::write(dir.join("config.json"), self.config.to_json()).map_err(io)?;
+        checkpoint::save(self, dir.join("model.safetensors"))
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.config
+    }
+
+    /// The logits `[batch, len, vocab]` of token ids `[batch, len]` (`i64`, `len <=
+    /// n_positions`), recorded on `tape`. Dropout is off in this implementation whatever `mode`
+    /// (GPT-2's checkpoints are fine-tuned without it here); `mode` is passed to the layers.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for ids that are not `[batch, len]` or a sequence longer than the
+    /// position table; [`Error::IndexOutOfRange`] for an id outside the vocabulary.
+    #[track_caller]
+    pub fn forward<'t, 's>(
+        &self,
+        tape: &'t Tape<'s>,
+        ids: &Tensor<'s>,
+        mode: Mode,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let &[batch, len] = ids.shape() else {
+            return Err(Error::InvalidShape {
+                op: "Gpt2::forward",
+                shape: ids.shape().to_vec(),
+                reason: "needs token ids of shape [batch, len]".into(),
+            });
+        };
+        let mut x = self.wpe.forward(&self.wte.forward(tape, ids)?)?;
+        for block in &self.blocks {
+            x = block.forward(&x, mode)?;
+        }
+        let x = self
+            .ln_f
+            .forward(&x, mode)?
+            .reshape(&[batch * len, self.config.n_embd])?;
+        // The head is the embedding itself (one parameter, one gradient), or its own matrix.
+        let head = tape.param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
+        x.matmul(&head.t()?)?
+            .reshape(&[batch, len, self.config.vocab_size])
+    }
+
+    /// The language-modelling loss as transformers computes it from `labels = input_ids`: the mean
+    /// cross-entropy of each position's logits against the next position's label, over labels that
+    /// are not `-100`. `logits` `[batch, len, vocab]`, `labels` `[batch, len]`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when the shapes do not match or `len < 2`; as for
+    /// [`Var::cross_entropy_with`].
+    #[track_caller]
+    pub fn loss<'t, 's>(logits: &Var<'t, 's>, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        let (&[batch, len, _], &[b, l]) = (logits.shape(), labels.shape()) else {
+            return Err(Error::InvalidShape {
+                op: "Gpt2::loss",
+                shape: labels.shape().to_vec(),
+                reason: format!(
+                    "needs logits [batch, len, vocab] and labels [batch, len], got logits {:?}",
+                    logits.shape()
+                ),
+            });
+        };
+        if (b, l) != (batch, len) || len < 2 {
+            return Err(Error::InvalidShape {
+                op: "Gpt2::loss",
+                shape: labels.shape().to_vec(),
+                reason: format!(
+                    "needs labels [{batch}, {len}] with len >= 2 for logits {:?}",
+                    logits.shape()
+                ),
+            });
+        }
+        let predicted = logits.narrow(1, 0, len - 1)?;
+        let next = labels.narrow(1, 1, len - 1)?;
+        predicted.cross_entropy_with(&next, CrossEntropy::ignoring(-100))
+    }
+
+    /// `prompt` followed by up to `new_tokens` greedy tokens (the most likely next token each
+    /// step), stopping after `stop` if it is given and generated. Each step runs the whole window
+    /// (the last `n_positions` tokens) in a scope of its own, so memory stays that of one forward.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for an empty prompt; as for [`forward`](Self::forward).
+    pub fn greedy<'a>(
+        &self,
+        scope: &Scope<'a>,
+        prompt: &[i64],
+        new_tokens: usize,
+        stop: Option<i64>,
+    ) -> Result<Vec<i64>>
+    where
+        'm: 'a,
+    {
+        if prompt.is_empty() {
+            return Err(Error::InvalidShape {
+                op: "Gpt2::greedy",
+                shape: vec![0],
+                reason: "needs a prompt of at least one token".into(),
+            });
+        }
+        let mut tokens = prompt.to_vec();
+        for _ in 0..new_tokens {
+            let window = &tokens[tokens.len().saturating_sub(self.config.n_positions)..];
+            let next = scope.scope(|step| -> Result<i64> {
+                let tape = Tape::no_grad(step);
+                let ids = step.from_slice(window, &[1, window.len()])?;
+                let logits = self.forward(&tape, &ids, Mode::Eval)?;
+                let last = logits.value().narrow(1, window.len() - 1, 1)?;
+                last.argmax(-1, false)?
+                    .flatten()?
+                    .to_vec::<i64>()
+                    .map(|v| v[0])
+            })?;
+            tokens.push(next);
+            if Some(next) == stop {
+                break;
+            }
+        }
+        Ok(tokens)
+    }
+}
+
+/// Hugging Face's names: `transformer.{wte,wpe,h.N,ln_f}...` and, untied, `lm_head.weight`.
+impl<'m> Parameters<'m> for Gpt2<'m> {
+    fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
+        let body = format!("{prefix}transformer.");
+        self.wte.visit(&format!("{body}wte."), f);
+        self.wpe.visit(&format!("{body}wpe."), f);
+        for (i, block) in self.blocks.iter().enumerate() {
+            block.visit("", &mut |name, t| {
+                f(&format!("{body}h.{i}.{}", hf_block_name(name)), t)
+            });
+        }
+        self.ln_f.visit(&format!("{body}ln_f."), f);
+        self.lm_head.visit(&format!("{prefix}lm_head.weight"), f);
+    }
+
+    fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
+        self.wte.visit_mut(f)?;
+        self.wpe.visit_mut(f)?;
+        self.blocks.visit_mut(f)?;
+        self.ln_f.visit_mut(f)?;
+        self.lm_head.visit_mut(f)
+    }
+}
+
+impl<'m> Movable<'m> for Gpt2<'m> {
+    type Moved<'b> = Gpt2<'b>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Gpt2<'b>> {
+        Ok(Gpt2 {
+            wte: self.wte.move_into(target)?,
+            wpe: self.wpe.move_into(target)?,
+            blocks: self.blocks.move_into(target)?,
+            ln_f: self.ln_f.move_into(target)?,
+            lm_head: self.lm_head.move_into(target)?,
+            config: self.config,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_names_map_to_hugging_face_names() {
+        assert_eq!(hf_block_name("ln1.weight"), "ln_1.weight");
+        assert_eq!(hf_block_name("attn.qkv.bias"), "attn.c_attn.bias");
+        assert_eq!(hf_block_name("attn.proj.weight"), "attn.c_proj.weight");
+        assert_eq!(hf_block_name("fc2.weight"), "mlp.c_proj.weight");
+        assert_eq!(hf_block_name("fc10.weight"), "fc10.weight");
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let good = r#"{"model_type": "gpt2", "vocab_size": 10, "n_positions": 8, "n_embd": 8, "n_layer": 1, "n_head": 2}"#;
+        let config = Gpt2Config::from_json(good).unwrap();
+        assert_eq!((config.n_inner, config.activation), (32, Activation::Gelu));
+        assert_eq!(
+            Gpt2Config::from_json(&config.to_json()).unwrap(),
+            Gpt2Config {
+                raw: Gpt2Config::from_json(&config.to_json()).unwrap().raw,
+                ..config
+            }
+        );
+        for (text, says) in [
+            ("{", "EOF"),
+            (
+                r#"{"model_type": "llama"}"#,
+                "\"model_type\" is Some(\"llama\")",
+            ),
+            (
+                &good.replace("\"n_head\": 2", "\"n_head\": 3"),
+                "multiple of \"n_head\"",
+            ),
+            (
+                &good.replace("\"n_embd\": 8", "\"n_embd\": \"8\""),
+                "\"n_embd\" must be a positive integer",
+            ),
+            (
+                &good.replace("}", ", \"activation_function\": \"gelu_10\"}"),
+                "gelu_10",
+            ),
+            (
+                &good.replace("}", ", \"scale_attn_by_inverse_layer_idx\": true}"),
+                "layer index",
+            ),
+        ] {
+            let err = Gpt2Config::from_json(text).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Format {
+                        format: "config.json",
+                        ..
+                    }
+                ),
+                "{err}"
+            );
+            assert!(err.to_string().contains(says), "{err} should say {says}");
+        }
+    }
+}
