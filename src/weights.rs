@@ -328,10 +328,12 @@ impl Weights {
         let stored = self.check(&full, entry, param.shape(), param.dtype(), false)?;
         let bytes = self.bytes(entry);
         if stored == param.dtype() {
-            param.copy_from_le_bytes_(bytes)
+            param.copy_from_le_bytes_(bytes)?;
         } else {
-            with_dtype!(param.dtype(), T => param.copy_from_slice_(&convert::<T>(stored, bytes)))
+            with_dtype!(param.dtype(), T => param.copy_from_slice_(&convert::<T>(stored, bytes)))?;
         }
+        self.release(entry);
+        Ok(())
     }
 
     #[track_caller]
@@ -346,11 +348,13 @@ impl Weights {
         let (full, entry) = self.entry(name)?;
         let stored = self.check(&full, entry, shape, dtype, transposed)?;
         let bytes = self.bytes(entry);
-        if stored == dtype {
-            scope.from_le_bytes(bytes, shape, dtype)
+        let t = if stored == dtype {
+            scope.from_le_bytes(bytes, shape, dtype)?
         } else {
-            with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape))
-        }
+            with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?)
+        };
+        self.release(entry);
+        Ok(t)
     }
 
     /// The checkpoint's entry for `name`, with its full name.
@@ -409,8 +413,17 @@ impl Weights {
         Ok(stored)
     }
 
+    /// `entry`'s bytes. Not prefetched: the parallel copy faults the pages in faster than one
+    /// `MADV_POPULATE_READ` (measured on GPT-2 small: 0.17 s against 0.21 s).
     fn bytes(&self, entry: &Entry) -> &[u8] {
         &self.source.files[entry.file].1.bytes()[entry.bytes.0..entry.bytes.1]
+    }
+
+    /// Drops `entry`'s bytes from the process's resident memory once they have been copied.
+    fn release(&self, entry: &Entry) {
+        self.source.files[entry.file]
+            .1
+            .release(entry.bytes.0..entry.bytes.1);
     }
 }
 

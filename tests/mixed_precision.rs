@@ -623,7 +623,8 @@ fn checkpoints_hold_16_bit_tensors_and_cast_on_load_when_asked() {
                 .unwrap_err()
                 .to_string();
             assert!(
-                err.contains(&format!("dtypes f32 and {dtype} differ")),
+                err.contains(&format!("is {dtype} [4, 5], the model expects f32 [4, 5]"))
+                    && err.contains("load_cast"),
                 "{err}"
             );
             checkpoint::load_bytes_cast(&mut restored, &bytes)?;

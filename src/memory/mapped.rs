@@ -31,6 +31,38 @@ impl MappedFile {
         }
     }
 
+    /// Tells the kernel that `range` of the file was read and is not needed again soon: its pages
+    /// leave this process's resident set (they stay in the page cache, and a later read maps them
+    /// again). Loading a checkpoint thus holds each tensor twice only while it is copied. Advice
+    /// only: nothing happens where it is not supported.
+    pub(crate) fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let MappedFile::Mapped(map) = self {
+            // Rounded out to 2 MiB: a fault on a transparent huge page of the file maps all of it,
+            // neighbours' bytes included, so releasing only the range would leave those mapped
+            // (measured: 48 MB of GPT-2 small's 475 MB stayed resident). Pages of a neighbour not
+            // yet read are simply read again. 2 MiB is a multiple of every base page size.
+            const HUGE: usize = 2 << 20;
+            let start = range.start / HUGE * HUGE;
+            let end = range.end.next_multiple_of(HUGE).min(map.len());
+            if end > start {
+                // SAFETY: the map is a private, read-only mapping of a file, so MADV_DONTNEED
+                // discards no data: the next read of these pages maps the file's bytes again.
+                // No slice of the map is borrowed while this runs (`&self` is only lent out for
+                // the copies that `bytes` serves, which have ended when a loader releases them).
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        start,
+                        end - start,
+                    )
+                };
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = range;
+    }
+
     /// The file's bytes.
     pub(crate) fn bytes(&self) -> &[u8] {
         match self {

@@ -269,7 +269,17 @@ pub(super) fn upload(dtype: DType, data: &[u8], out: Dst) {
         return;
     }
     let start = out.layout.offset() * dtype.size();
-    out.buf.bytes()[start..start + data.len()].copy_from_slice(data);
+    let dst = &mut out.buf.bytes()[start..start + data.len()];
+    // A large copy (a checkpoint's tensor) is bound by first-touch page faults on both sides as
+    // much as by bandwidth: split it across threads.
+    const PARALLEL_BYTES: usize = 4 << 20;
+    if data.len() < PARALLEL_BYTES {
+        dst.copy_from_slice(data);
+    } else {
+        dst.par_chunks_mut(1 << 20)
+            .zip(data.par_chunks(1 << 20))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+    }
 }
 
 pub(super) fn download(dtype: DType, x: Src, out: &mut [u8]) {

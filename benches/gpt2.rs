@@ -1,0 +1,89 @@
+//! GPT-2 small (124M parameters, Hugging Face's shape) on the CPU: loading its checkpoint, and the
+//! forward and forward+backward passes at 128 and 1,024 tokens (batch 1). The checkpoint holds
+//! random weights of that shape, written once by this bench to `target/gpt2-small-random/`
+//! (transformers reads the same directory in `benches/gpt2_reference.py`, for its side of the
+//! comparison). Run with
+//!
+//! ```text
+//! RAYON_NUM_THREADS=2 cargo bench --bench gpt2 -- --noplot
+//! ```
+
+use std::hint::black_box;
+use std::path::Path;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use ndscope::models::{Gpt2, Gpt2Config};
+use ndscope::nn::Mode;
+use ndscope::{DType, Device, Result, Tape, root};
+
+const DIR: &str = "target/gpt2-small-random";
+
+/// GPT-2 small's configuration (`GPT2Config()` in transformers).
+fn small() -> Gpt2Config {
+    Gpt2Config::new(50257, 1024, 768, 12, 12)
+}
+
+/// Writes the random checkpoint unless it is there.
+fn ensure_checkpoint() -> Result<()> {
+    if Path::new(DIR).join("model.safetensors").is_file() {
+        return Ok(());
+    }
+    root(Device::Cpu, |s| {
+        s.set_seed(7);
+        Gpt2::new(s, small())?.save_pretrained(DIR)
+    })
+}
+
+fn gpt2(c: &mut Criterion) {
+    ensure_checkpoint().unwrap();
+    let mut group = c.benchmark_group("gpt2_small");
+    group.sample_size(10);
+    group.measurement_time(Duration::from_secs(20));
+    // The file stays in the page cache between samples, as it does for from_pretrained's timing.
+    group.bench_function("load_f32", |bench| {
+        bench.iter(|| {
+            root(Device::Cpu, |s| {
+                Gpt2::from_pretrained(s, DIR, DType::F32).map(|m| black_box(m.config().n_layer))
+            })
+            .unwrap()
+        })
+    });
+    root(Device::Cpu, |m| -> Result<()> {
+        let model = Gpt2::from_pretrained(m, DIR, DType::F32)?;
+        for len in [128usize, 1024] {
+            let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % 50257).collect();
+            group.bench_function(BenchmarkId::new("forward", len), |bench| {
+                bench.iter(|| {
+                    m.scope(|b| -> Result<f32> {
+                        let tape = Tape::no_grad(b);
+                        let x = b.from_slice(&ids, &[1, len])?;
+                        let logits = model.forward(&tape, &x, Mode::Eval)?;
+                        logits.value().narrow(1, len - 1, 1)?.sum_all()?.to_scalar()
+                    })
+                    .map(black_box)
+                    .unwrap()
+                })
+            });
+            group.bench_function(BenchmarkId::new("forward_backward", len), |bench| {
+                bench.iter(|| {
+                    m.scope(|b| -> Result<usize> {
+                        let tape = Tape::new(b);
+                        let x = b.from_slice(&ids, &[1, len])?;
+                        let logits = model.forward(&tape, &x, Mode::Train)?;
+                        let grads = tape.backward(&Gpt2::loss(&logits, &x)?)?;
+                        Ok(grads.len())
+                    })
+                    .map(black_box)
+                    .unwrap()
+                })
+            });
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
+criterion_group!(benches, gpt2);
+criterion_main!(benches);
