@@ -349,7 +349,7 @@ impl Weights {
         let stored = self.check(&full, entry, shape, dtype, transposed)?;
         let bytes = self.bytes(entry);
         let t = if stored == dtype {
-            scope.from_le_bytes(bytes, shape, dtype)?
+            scope.tensor_of_le_bytes(bytes, shape, dtype)?
         } else {
             with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?)
         };

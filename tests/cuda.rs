@@ -514,6 +514,42 @@ fn a_transformer_training_step_agrees_with_the_host() {
     );
 }
 
+/// The pretrained tiny GPT-2 (loaded onto the scope's device: one upload per tensor), forward and
+/// backward on fixed ids, optionally under autocast: the logits, the loss and the gradients of the
+/// tied embedding and of a `Conv1D` weight.
+fn pretrained_gpt2<'s>(s: &'s Scope<'s>, autocast: Option<DType>) -> Result<Vec<Tensor<'s>>> {
+    use ndscope::models::Gpt2;
+    let model = Gpt2::from_pretrained(s, "data/gpt2-tiny", DType::F32)?;
+    if let Some(dtype) = autocast {
+        s.autocast(dtype)?;
+    }
+    let tape = Tape::new(s);
+    let ids: Vec<i64> = (0..64).map(|i| (i * 37 + 11) % 1000).collect();
+    let ids = s.from_slice(&ids, &[2, 32])?;
+    let logits = model.forward(&tape, &ids, Mode::Train)?;
+    let loss = Gpt2::loss(&logits, &ids)?;
+    let grads = tape.backward(&loss)?;
+    let grad = |t: &Tensor<'_>| grads.get(t).expect("watched").deep_copy();
+    Ok(vec![
+        logits.value().to_dtype(DType::F32)?,
+        loss.value().clone(),
+        grad(&model.wte.weight)?,
+        grad(&model.blocks[1].attn.qkv.weight)?,
+    ])
+}
+
+#[test]
+fn the_pretrained_gpt2_agrees_with_the_host() {
+    agree("GPT-2 (tiny) forward and backward, f32", 1e-4, &|s| {
+        pretrained_gpt2(s, None)
+    });
+    agree(
+        "GPT-2 (tiny) forward and backward, bf16 autocast",
+        3e-2,
+        &|s| pretrained_gpt2(s, Some(DType::BF16)),
+    );
+}
+
 /// Five training steps of a small MLP from the same seed, in `f32` or in batch scopes that autocast
 /// (`f16` with a loss scaler); returns the parameters and the losses.
 fn train<'m>(m: &Scope<'m>, adam: bool, autocast: Option<DType>) -> Result<Vec<Tensor<'m>>> {

@@ -63,6 +63,7 @@ fn matches_transformers(dtype: DType, logits_tol: f64, grad_tol: f64) {
             assert_eq!(logits.shape(), reference["logits"].0.as_slice());
             let err = relative_error(&logits.value().to_vec_f64()?, &reference["logits"].1);
             assert!(err <= logits_tol, "{dtype} logits: relative error {err:e}");
+            eprintln!("{dtype} logits: relative error {err:e}");
             let loss = Gpt2::loss(&logits, &input)?;
             let (got, want) = (loss.value().to_vec_f64()?[0], reference["loss"].1[0]);
             assert!(
@@ -73,6 +74,7 @@ fn matches_transformers(dtype: DType, logits_tol: f64, grad_tol: f64) {
             let grads = tape.backward(&loss)?;
             let mut checked = 0;
             let mut failure = None;
+            let mut worst = 0.0f64;
             model.visit("", &mut |name, p| {
                 let (shape, want) = &reference[&format!("grad/{name}")];
                 assert_eq!(p.shape(), shape.as_slice(), "{name}");
@@ -82,6 +84,7 @@ fn matches_transformers(dtype: DType, logits_tol: f64, grad_tol: f64) {
                     .to_vec_f64()
                     .unwrap();
                 let err = relative_error(&got, want);
+                worst = worst.max(err);
                 if err > grad_tol {
                     failure.get_or_insert(format!(
                         "{dtype} gradient of {name}: relative error {err:e}"
@@ -90,6 +93,10 @@ fn matches_transformers(dtype: DType, logits_tol: f64, grad_tol: f64) {
                 checked += 1;
             });
             assert_eq!(failure, None);
+            eprintln!(
+                "{dtype} loss: relative error {:e}; gradients: largest relative error {worst:e}",
+                ((got - want) / want).abs()
+            );
             // Every gradient the reference holds, the tied embedding's included (no lm_head).
             assert_eq!(
                 checked,

@@ -153,7 +153,7 @@ impl<'s> Scope<'s> {
     /// A tensor of `dtype` holding `bytes`, its elements little-endian in row-major order (the
     /// safetensors encoding): one copy into the scope's memory, or one upload to its GPU.
     #[track_caller]
-    pub(crate) fn from_le_bytes(
+    pub(crate) fn tensor_of_le_bytes(
         &self,
         bytes: &[u8],
         shape: &[usize],
@@ -162,7 +162,7 @@ impl<'s> Scope<'s> {
         let n = checked_numel(shape, dtype.size())?;
         if n * dtype.size() != bytes.len() {
             return Err(Error::DataLength {
-                op: "from_le_bytes",
+                op: "tensor_of_le_bytes",
                 expected: n * dtype.size(),
                 got: bytes.len(),
             });
