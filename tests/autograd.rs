@@ -785,3 +785,133 @@ fn batch_norm_updates_its_running_statistics_in_place_and_uses_them_in_evaluatio
     })
     .unwrap();
 }
+
+#[test]
+fn cross_entropy_options() {
+    use ndscope::nn::{CrossEntropy, Reduction};
+    let x = || vec![input(&[2, 3, 5], 23, -3.0, 3.0)];
+    // Labels [2, 3] with two ignored (-100) positions.
+    fn labels<'s>(v: &Var<'_, 's>) -> Result<Tensor<'s>> {
+        v.tape()
+            .scope()
+            .from_slice(&[4i64, -100, 2, 0, 1, -100], &[2, 3])
+    }
+    check("cross_entropy [.., C] mean", x(), |v| {
+        v[0].cross_entropy(&labels(&v[0])?.abs()?.clamp(0.0, 4.0)?)
+    });
+    check("cross_entropy ignore_index mean", x(), |v| {
+        v[0].cross_entropy_with(&labels(&v[0])?, CrossEntropy::ignoring(-100))
+    });
+    check("cross_entropy ignore_index sum", x(), |v| {
+        let options = CrossEntropy {
+            reduction: Reduction::Sum,
+            ..CrossEntropy::ignoring(-100)
+        };
+        v[0].cross_entropy_with(&labels(&v[0])?, options)
+    });
+    check("cross_entropy ignore_index none", x(), |v| {
+        let options = CrossEntropy {
+            reduction: Reduction::None,
+            ..CrossEntropy::ignoring(-100)
+        };
+        v[0].cross_entropy_with(&labels(&v[0])?, options)
+    });
+    check("cross_entropy label smoothing, ignore, none", x(), |v| {
+        let options = CrossEntropy {
+            reduction: Reduction::None,
+            label_smoothing: 0.2,
+            ..CrossEntropy::ignoring(-100)
+        };
+        v[0].cross_entropy_with(&labels(&v[0])?, options)
+    });
+    check("cross_entropy label smoothing mean", x(), |v| {
+        let options = CrossEntropy {
+            label_smoothing: 0.1,
+            ..CrossEntropy::default()
+        };
+        v[0].cross_entropy_with(&labels(&v[0])?.abs()?.clamp(0.0, 4.0)?, options)
+    });
+}
+
+#[test]
+fn a_parameter_watched_through_views_gets_the_gradient_of_its_storage() {
+    // loss = Σ w∘A + Σ wᵀ∘B + Σ w[1..3, :]∘C + Σ broadcast(w[:, 0:1])∘D, each use watched on its own:
+    // d/dw = A + Bᵀ + C placed in rows 1..3 + (row sums of D) in column 0.
+    let (a, b, c, d) = (
+        values(12, 1, -1.0, 1.0),
+        values(12, 2, -1.0, 1.0),
+        values(8, 3, -1.0, 1.0),
+        values(15, 4, -1.0, 1.0),
+    );
+    let mut want = a.clone();
+    for i in 0..3 {
+        for j in 0..4 {
+            want[i * 4 + j] += b[j * 3 + i];
+        }
+    }
+    for (k, v) in c.iter().enumerate() {
+        want[4 + k] += v;
+    }
+    for i in 0..3 {
+        want[i * 4] += d[i * 5..i * 5 + 5].iter().sum::<f64>();
+    }
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&values(12, 5, -1.0, 1.0), &[3, 4])?;
+        s.scope(|batch| {
+            let tape = Tape::new(batch);
+            let constant = |data: &[f64], shape: &[usize]| batch.from_slice(data, shape);
+            let loss = tape
+                .param(&w)
+                .mul(&tape.constant(&constant(&a, &[3, 4])?))?
+                .sum_all()?
+                .add(
+                    &tape
+                        .param(&w.t()?)
+                        .mul(&tape.constant(&constant(&b, &[4, 3])?))?
+                        .sum_all()?,
+                )?
+                .add(
+                    &tape
+                        .param(&w.narrow(0, 1, 2)?)
+                        .mul(&tape.constant(&constant(&c, &[2, 4])?))?
+                        .sum_all()?,
+                )?
+                .add(
+                    &tape
+                        .param(&w.narrow(1, 0, 1)?.broadcast_to(&[3, 5])?)
+                        .mul(&tape.constant(&constant(&d, &[3, 5])?))?
+                        .sum_all()?,
+                )?;
+            let grads = tape.backward(&loss)?;
+            assert_eq!(grads.len(), 1, "one parameter, however many views");
+            let got = grads.get(&w).unwrap().to_vec::<f64>()?;
+            for (g, e) in got.iter().zip(&want) {
+                assert!((g - e).abs() < 1e-12, "{got:?} vs {want:?}");
+            }
+            // Each view reads its own part of the one gradient.
+            assert_eq!(grads.get(&w.t()?).unwrap().to_vec::<f64>()?, w_t(&got));
+            assert_eq!(
+                grads.get(&w.narrow(0, 1, 2)?).unwrap().to_vec::<f64>()?,
+                got[4..].to_vec()
+            );
+            Ok::<_, Error>(())
+        })?;
+        // Watched only through a view: the base still gets its (partly zero) gradient.
+        s.scope(|batch| {
+            let tape = Tape::new(batch);
+            let loss = tape.param(&w.narrow(1, 2, 2)?).sum_all()?;
+            let grads = tape.backward(&loss)?;
+            let got = grads.get(&w).unwrap().to_vec::<f64>()?;
+            assert_eq!(got, [0.0, 0.0, 1.0, 1.0].repeat(3));
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}
+
+/// The transpose of a row-major 3x4 matrix, row-major.
+fn w_t(m: &[f64]) -> Vec<f64> {
+    (0..4)
+        .flat_map(|j| (0..3).map(move |i| m[i * 4 + j]))
+        .collect()
+}

@@ -514,6 +514,39 @@ fn a_transformer_training_step_agrees_with_the_host() {
     );
 }
 
+#[test]
+fn cross_entropy_options_agree_with_the_host() {
+    use ndscope::nn::{CrossEntropy, Reduction};
+    agree(
+        "cross_entropy: ignore_index, reductions, smoothing; forward and backward",
+        1e-5,
+        &|s| {
+            let x = s.randn(&[2, 3, 11])?;
+            let labels = s.from_slice(&[4i64, -100, 10, 0, 3, -100], &[2, 3])?;
+            let mut outs = Vec::new();
+            for (reduction, eps) in [
+                (Reduction::Mean, 0.0),
+                (Reduction::Sum, 0.1),
+                (Reduction::None, 0.2),
+            ] {
+                let tape = Tape::new(s);
+                let logits = tape.param(&x);
+                let options = CrossEntropy {
+                    reduction,
+                    label_smoothing: eps,
+                    ..CrossEntropy::ignoring(-100)
+                };
+                let loss = logits.cross_entropy_with(&labels, options)?;
+                let total = loss.sum_all()?;
+                let grads = tape.backward(&total)?;
+                outs.push(loss.value().clone());
+                outs.push(grads.get(&x).expect("watched").deep_copy()?);
+            }
+            Ok(outs)
+        },
+    );
+}
+
 /// The pretrained tiny GPT-2 (loaded onto the scope's device: one upload per tensor), forward and
 /// backward on fixed ids, optionally under autocast: the logits, the loss and the gradients of the
 /// tied embedding and of a `Conv1D` weight.

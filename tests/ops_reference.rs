@@ -1190,3 +1190,91 @@ fn cumsum_along_every_axis() {
         Ok(())
     });
 }
+
+/// Cross-entropy of one row of logits against `label` with smoothing `eps`, in f64 loops.
+fn ref_cross_entropy(row: &[f64], label: usize, eps: f64) -> f64 {
+    let max = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    let mean_log_p = row.iter().map(|x| x - lse).sum::<f64>() / row.len() as f64;
+    -(1.0 - eps) * (row[label] - lse) - eps * mean_log_p
+}
+
+#[test]
+fn cross_entropy_with_ignored_labels_reductions_and_smoothing() {
+    use ndscope::Tape;
+    use ndscope::nn::{CrossEntropy, Reduction};
+    run(|s| {
+        let (classes, labels) = (7, [3i64, -100, 0, 6, -100, 2, 5, 1]);
+        let (logits, lv) = tensor(s, &[2, 4, classes], 31)?;
+        let label_tensor = s.from_slice(&labels, &[2, 4])?;
+        let tape = Tape::no_grad(s);
+        let x = tape.constant(&logits);
+        for eps in [0.0, 0.15] {
+            let per_row: Vec<f64> = labels
+                .iter()
+                .enumerate()
+                .map(|(r, &l)| {
+                    if l < 0 {
+                        0.0
+                    } else {
+                        ref_cross_entropy(&lv[r * classes..(r + 1) * classes], l as usize, eps)
+                    }
+                })
+                .collect();
+            let kept = labels.iter().filter(|&&l| l >= 0).count() as f64;
+            let options = |reduction| CrossEntropy {
+                reduction,
+                label_smoothing: eps,
+                ..CrossEntropy::ignoring(-100)
+            };
+            let none = x.cross_entropy_with(&label_tensor, options(Reduction::None))?;
+            assert_eq!(none.shape(), &[2, 4]);
+            assert_close(&none.value().to_vec_f64()?, &per_row, 1e-5);
+            let sum = x.cross_entropy_with(&label_tensor, options(Reduction::Sum))?;
+            let mean = x.cross_entropy_with(&label_tensor, options(Reduction::Mean))?;
+            let total: f64 = per_row.iter().sum();
+            assert_close(&sum.value().to_vec_f64()?, &[total], 1e-5);
+            assert_close(&mean.value().to_vec_f64()?, &[total / kept], 1e-5);
+        }
+        // No ignore_index: the plain mean over every row, 2-D as before and [.., C] alike.
+        let valid = s.from_slice(&[3i64, 4, 0, 6, 1, 2, 5, 1], &[2, 4])?;
+        let plain = x.cross_entropy(&valid)?.value().to_vec_f64()?;
+        let flat = tape
+            .constant(&logits.reshape(&[8, classes])?)
+            .cross_entropy(&valid.reshape(&[8])?)?
+            .value()
+            .to_vec_f64()?;
+        assert_eq!(plain, flat);
+        // Every label ignored: 0 / 0, as PyTorch.
+        let ignored = s.from_slice(&[-100i64; 8], &[2, 4])?;
+        let nan = x.cross_entropy_with(&ignored, CrossEntropy::ignoring(-100))?;
+        assert!(nan.value().to_scalar::<f32>()?.is_nan());
+        // Bad input: shapes, dtypes, smoothing, labels out of range.
+        for (bad, says) in [
+            (
+                x.cross_entropy(&s.from_slice(&[1i64; 8], &[8])?),
+                "labels of shape [2, 4]",
+            ),
+            (x.cross_entropy(&s.zeros(&[2, 4])?), "i64 labels"),
+            (
+                x.cross_entropy_with(
+                    &valid,
+                    CrossEntropy {
+                        label_smoothing: 1.5,
+                        ..CrossEntropy::default()
+                    },
+                ),
+                "label_smoothing",
+            ),
+        ] {
+            let err = bad.unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        let out_of_range = s.from_slice(&[7i64, 0, 0, 0, 0, 0, 0, 0], &[2, 4])?;
+        assert!(matches!(
+            x.cross_entropy(&out_of_range),
+            Err(Error::IndexOutOfRange { .. })
+        ));
+        Ok(())
+    });
+}

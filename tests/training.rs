@@ -396,6 +396,70 @@ fn checkpoints_round_trip_and_other_readers_see_the_names() {
     .unwrap();
 }
 
+ndscope::model! {
+    /// Bare tensors beside a layer, to check their checkpoint names.
+    struct Inner<'m> {
+        w: Tensor<'m>,
+        layer: Linear<'m>,
+    }
+}
+
+ndscope::model! {
+    /// An outer struct with a nested model, a bare tensor and a list of tensors.
+    struct Outer<'m> {
+        a: Inner<'m>,
+        scale: Tensor<'m>,
+        ws: Vec<Tensor<'m>>,
+    }
+}
+
+#[test]
+fn model_fields_that_are_bare_tensors_are_named_without_a_trailing_dot() {
+    root(Device::Cpu, |s| {
+        let mut model = Outer {
+            a: Inner {
+                w: s.ones(&[2])?,
+                layer: Linear::new(s, 2, 1, Init::Constant(0.5))?,
+            },
+            scale: s.ones(&[1])?,
+            ws: vec![s.zeros(&[3])?, s.ones(&[3])?],
+        };
+        let mut names = Vec::new();
+        model.visit("", &mut |name, _| names.push(name.to_string()));
+        assert_eq!(
+            names,
+            [
+                "a.w",
+                "a.layer.weight",
+                "a.layer.bias",
+                "scale",
+                "ws.0",
+                "ws.1"
+            ]
+        );
+        // The names a checkpoint written elsewhere would use load back.
+        let bytes = checkpoint::to_bytes(&model)?;
+        let read: Vec<String> = checkpoint::read_bytes(s, &bytes)?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(
+            read,
+            [
+                "a.layer.bias",
+                "a.layer.weight",
+                "a.w",
+                "scale",
+                "ws.0",
+                "ws.1"
+            ]
+        );
+        checkpoint::load_bytes(&mut model, &bytes)?;
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn a_bad_checkpoint_is_refused_without_touching_the_model() {
     root(Device::Cpu, |s| {
