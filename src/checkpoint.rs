@@ -51,13 +51,6 @@ impl View for &Entry {
     }
 }
 
-fn io_error(path: &Path, e: std::io::Error) -> Error {
-    Error::Io {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    }
-}
-
 /// Little-endian bytes of a tensor's elements, converted to `dtype` (rounded to nearest).
 fn bytes_of(t: &Tensor<'_>, dtype: DType) -> Result<Vec<u8>> {
     with_dtype!(t.dtype(), S => with_dtype!(dtype, D => {
@@ -164,7 +157,7 @@ fn serialize<'m>(
 /// [`Error::Io`] when the file cannot be written.
 pub fn save<'m>(params: &(impl Parameters<'m> + ?Sized), path: impl AsRef<Path>) -> Result<()> {
     let path = path.as_ref();
-    std::fs::write(path, to_bytes(params)?).map_err(|e| io_error(path, e))
+    std::fs::write(path, to_bytes(params)?).map_err(|e| Error::io(path, e))
 }
 
 /// Overwrites every parameter of `params` with the tensor of the same name in `bytes`. Nothing is

@@ -255,6 +255,16 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// [`Error::Io`] for `path`, with `reason` (an `std::io::Error`, or a sentence).
+    pub(crate) fn io(path: &std::path::Path, reason: impl fmt::Display) -> Error {
+        Error::Io {
+            path: path.display().to_string(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

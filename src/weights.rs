@@ -113,13 +113,6 @@ impl fmt::Debug for Weights {
     }
 }
 
-fn io_error(path: &Path, e: impl fmt::Display) -> Error {
-    Error::Io {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    }
-}
-
 fn format_error(path: &Path, e: impl fmt::Display) -> Error {
     Error::Format {
         format: "safetensors",
@@ -170,7 +163,7 @@ impl Weights {
             } else if index.is_file() {
                 Weights::open(index)
             } else {
-                Err(io_error(
+                Err(Error::io(
                     path,
                     "the directory holds neither model.safetensors nor model.safetensors.index.json",
                 ))
@@ -186,7 +179,7 @@ impl Weights {
             tensors: BTreeMap::new(),
         };
         for file in files {
-            let map = MappedFile::open(&file).map_err(|e| io_error(&file, e))?;
+            let map = MappedFile::open(&file).map_err(|e| Error::io(&file, e))?;
             source.add(file, map)?;
         }
         Ok(Weights {
@@ -289,6 +282,21 @@ impl Weights {
         dtype: DType,
     ) -> Result<Tensor<'s>> {
         self.load(scope, name, shape, dtype, false)
+    }
+
+    /// As [`tensor`](Self::tensor), named `name` in dumps: a layer's parameter.
+    ///
+    /// # Errors
+    /// As for [`tensor`](Self::tensor).
+    #[track_caller]
+    pub fn parameter<'s>(
+        &self,
+        scope: &Scope<'s>,
+        name: &'static str,
+        shape: &[usize],
+        dtype: DType,
+    ) -> Result<Tensor<'s>> {
+        Ok(self.tensor(scope, name, shape, dtype)?.named(name))
     }
 
     /// The matrix `name`, stored as the transpose of `shape` (`[in, out]` for a `[out, in]`
@@ -470,7 +478,7 @@ little_endian!(f32, f64, i64, crate::dtype::bf16, crate::dtype::f16);
 
 /// The shard files a `*.safetensors.index.json` names, in the order they first appear.
 fn shards(index: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|e| io_error(index, e))?;
+    let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, e))?;
     let bad = |reason: String| Error::Format {
         format: "safetensors index",
         reason: format!("{}: {reason}", index.display()),

@@ -36,10 +36,7 @@ impl Tokenizer {
     /// library cannot read.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         let inner = text
             .parse::<tokenizers::Tokenizer>()
             .map_err(|e| format_error(format!("{}: {e}", path.display())))?;

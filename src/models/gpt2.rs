@@ -187,10 +187,7 @@ impl Gpt2Config {
     /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Gpt2Config> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Gpt2Config::from_json(&text).map_err(|e| match e {
             Error::Format { format, reason } => Error::Format {
                 format,
@@ -429,10 +426,7 @@ impl<'m> Gpt2<'m> {
     /// [`Error::Io`] when the directory or its files cannot be written.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
-        let io = |e: std::io::Error| Error::Io {
-            path: dir.display().to_string(),
-            reason: e.to_string(),
-        };
+        let io = |e: std::io::Error| Error::io(dir, e);
         std::fs::create_dir_all(dir).map_err(io)?;
         std::fs::write(dir.join("config.json"), self.config.to_json()).map_err(io)?;
         checkpoint::save(self, dir.join("model.safetensors"))

@@ -51,9 +51,7 @@ impl<'m> Embedding<'m> {
         dtype: DType,
     ) -> Result<Embedding<'m>> {
         Ok(Embedding {
-            weight: weights
-                .tensor(scope, "weight", &[num, dim], dtype)?
-                .named("weight"),
+            weight: weights.parameter(scope, "weight", &[num, dim], dtype)?,
         })
     }
 

@@ -89,14 +89,11 @@ impl<'m> Linear<'m> {
                 draw.ret(w.t()?.contiguous()?)
             })?,
         };
-        let bias = if bias {
-            Some(scope.zeros(&[out_features])?.named("bias"))
-        } else {
-            None
-        };
         Ok(Linear {
             weight: weight.named("weight"),
-            bias,
+            bias: bias
+                .then(|| Ok(scope.zeros(&[out_features])?.named("bias")))
+                .transpose()?,
             layout,
         })
     }
@@ -119,19 +116,11 @@ impl<'m> Linear<'m> {
     ) -> Result<Linear<'m>> {
         check_features(in_features, out_features)?;
         let shape = layout.shape(in_features, out_features);
-        let weight = weights.tensor(scope, "weight", &shape, dtype)?;
-        let bias = if bias {
-            Some(
-                weights
-                    .tensor(scope, "bias", &[out_features], dtype)?
-                    .named("bias"),
-            )
-        } else {
-            None
-        };
         Ok(Linear {
-            weight: weight.named("weight"),
-            bias,
+            weight: weights.parameter(scope, "weight", &shape, dtype)?,
+            bias: bias
+                .then(|| weights.parameter(scope, "bias", &[out_features], dtype))
+                .transpose()?,
             layout,
         })
     }

@@ -58,11 +58,9 @@ impl<'m> LayerNorm<'m> {
         check("LayerNorm", features, eps)?;
         Ok(LayerNorm {
             weight: scope.ones(&[features])?.named("weight"),
-            bias: if bias {
-                Some(scope.zeros(&[features])?.named("bias"))
-            } else {
-                None
-            },
+            bias: bias
+                .then(|| Ok(scope.zeros(&[features])?.named("bias")))
+                .transpose()?,
             eps,
         })
     }
@@ -84,18 +82,10 @@ impl<'m> LayerNorm<'m> {
     ) -> Result<LayerNorm<'m>> {
         check("LayerNorm", features, eps)?;
         Ok(LayerNorm {
-            weight: weights
-                .tensor(scope, "weight", &[features], dtype)?
-                .named("weight"),
-            bias: if bias {
-                Some(
-                    weights
-                        .tensor(scope, "bias", &[features], dtype)?
-                        .named("bias"),
-                )
-            } else {
-                None
-            },
+            weight: weights.parameter(scope, "weight", &[features], dtype)?,
+            bias: bias
+                .then(|| weights.parameter(scope, "bias", &[features], dtype))
+                .transpose()?,
             eps,
         })
     }
@@ -172,9 +162,7 @@ impl<'m> RmsNorm<'m> {
     ) -> Result<RmsNorm<'m>> {
         check("RmsNorm", features, eps)?;
         Ok(RmsNorm {
-            weight: weights
-                .tensor(scope, "weight", &[features], dtype)?
-                .named("weight"),
+            weight: weights.parameter(scope, "weight", &[features], dtype)?,
             eps,
         })
     }
