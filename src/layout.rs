@@ -161,6 +161,12 @@ impl Layout {
         true
     }
 
+    /// Whether this layout reads every element of a block of `block_numel` elements, in order: the
+    /// block's own tensor, or a reshape of it.
+    pub(crate) fn is_whole(&self, block_numel: usize) -> bool {
+        self.is_contiguous() && self.offset == 0 && self.numel() == block_numel
+    }
+
     /// One past the largest element index this layout reaches (0 when empty).
     pub(crate) fn extent(&self) -> usize {
         if self.shape.contains(&0) {

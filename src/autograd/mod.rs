@@ -297,7 +297,9 @@ fn accumulate<'s>(slot: &mut Option<Tensor<'s>>, g: Tensor<'s>) -> Result<()> {
 /// through views (`tape.param(&w.t()?)`, a slice, a reshape) as well as directly gets one gradient,
 /// the sum of every use, and [`get`](Self::get) returns it through whichever view asks.
 pub struct Gradients<'s> {
-    /// Per watched block: the gradient of every element of the block, contiguous, in block order.
+    /// Per watched block, the gradient of its elements: shaped as the parameter while only the whole
+    /// block was watched (as the backward pass made it, strides and all), contiguous in block order
+    /// once a view of it was.
     entries: Vec<(usize, Tensor<'s>)>,
 }
 
@@ -314,9 +316,7 @@ impl<'s> Gradients<'s> {
     /// A block watched only whole keeps its gradient as the backward pass made it (no copy); the
     /// first view of a block turns its gradient into block order, where every view can add to it.
     fn accumulate(&mut self, key: &ParamKey, g: &Tensor<'s>) -> Result<()> {
-        let whole = key.view.is_contiguous()
-            && key.view.offset() == 0
-            && key.view.numel() == key.block_numel;
+        let whole = key.view.is_whole(key.block_numel);
         let Some(at) = self.entries.iter().position(|(b, _)| *b == key.block) else {
             let g = if whole {
                 g.clone()
@@ -349,8 +349,7 @@ impl<'s> Gradients<'s> {
             }
             // In the parameter's shape when it is its block's own tensor (as a backward pass makes
             // them), in block order otherwise.
-            let whole = p.is_contiguous() && p.layout().offset() == 0;
-            let shape = if whole && p.numel() == p.block_numel() {
+            let shape = if p.layout().is_whole(p.block_numel()) {
                 p.shape().to_vec()
             } else {
                 vec![p.block_numel()]
@@ -410,8 +409,7 @@ impl<'s> Gradients<'s> {
     pub fn get(&self, param: &Tensor<'_>) -> Option<Tensor<'s>> {
         let (_, g) = self.entries.iter().find(|(b, _)| *b == param.block_id())?;
         let view = param.layout();
-        let whole = view.is_contiguous() && view.offset() == 0 && g.numel() == view.numel();
-        if whole && g.shape() == view.shape() {
+        if view.is_whole(g.numel()) && g.shape() == view.shape() {
             return Some(g.clone());
         }
         // Another view of the block: read it from the gradient in block order. A gradient that was

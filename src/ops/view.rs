@@ -147,7 +147,7 @@ impl<'s> Tensor<'s> {
     ) -> Result<Tensor<'s>> {
         debug_assert_eq!(self.shape(), view.shape());
         // The block's own layout (or a reshape of it): the gradient is already in block order.
-        if view.is_contiguous() && view.offset() == 0 && view.numel() == block_numel {
+        if view.is_whole(block_numel) {
             return self.contiguous()?.reshape(&[block_numel]);
         }
         // A repeated element's gradient is the sum over its copies: reduce those axes to size 1,
