@@ -31,7 +31,7 @@ pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
 pub use memory::plan::{Plan, PlannedSlot};
 pub use memory::stats::{MemoryStats, ScopeStats};
-pub use ops::Conv2dOptions;
+pub use ops::{AttentionSpec, Causal, Conv2dOptions};
 pub use replay::{Input, StepGraph};
 pub use rng::DEFAULT_SEED;
 pub use scope::{

@@ -4,7 +4,9 @@
 //! differentiates that scalar with the tape, and compares each input element's gradient with
 //! `(L(x + h) - L(x - h)) / 2h`.
 
-use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Var, root};
+use ndscope::{
+    AttentionSpec, Causal, DType, Device, Error, Result, Scope, Tape, Tensor, Var, root,
+};
 
 /// A function of the watched inputs, producing the output to check.
 type Op = for<'t, 's> fn(&[Var<'t, 's>]) -> Result<Var<'t, 's>>;
@@ -487,6 +489,35 @@ fn transformer_ops() {
         };
         check("scaled_dot_product_attention", qkv(), op);
     }
+    // Fused attention, every mask: 5 queries against 7 keys, 2 heads, and key lengths 7 and 4.
+    let heads = || {
+        vec![
+            input(&[2, 2, 5, 3], 28, -1.5, 1.5),
+            input(&[2, 2, 7, 3], 29, -1.5, 1.5),
+            input(&[2, 2, 7, 2], 30, -1.5, 1.5),
+        ]
+    };
+    check("fused attention", heads(), |v| {
+        v[0].attention(&v[1], &v[2], AttentionSpec::default(), None)
+    });
+    check("fused attention, causal from the top left", heads(), |v| {
+        v[0].attention(&v[1], &v[2], AttentionSpec::CAUSAL, None)
+    });
+    check(
+        "fused attention, causal from the bottom right",
+        heads(),
+        |v| {
+            let spec = AttentionSpec {
+                causal: Causal::BottomRight,
+                scale: Some(0.7),
+            };
+            v[0].attention(&v[1], &v[2], spec, None)
+        },
+    );
+    check("fused attention with key lengths", heads(), |v| {
+        let lengths = v[0].tape().scope().from_slice(&[7i64, 4], &[2])?;
+        v[0].attention(&v[1], &v[2], AttentionSpec::CAUSAL, Some(&lengths))
+    });
 }
 
 fn attention<'t, 's>(v: &[Var<'t, 's>], causal: bool) -> Result<Var<'t, 's>> {

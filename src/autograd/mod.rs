@@ -23,6 +23,7 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod attention;
 mod autocast;
 mod conv;
 mod loss;

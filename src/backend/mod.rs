@@ -28,7 +28,7 @@ use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::rng::Distribution;
-use op::{Binary, FusedUpdate, Reduce, Unary, Window2d};
+use op::{Attention, Binary, FusedUpdate, Reduce, Unary, Window2d};
 
 /// The bytes of one storage block, readable by kernels of its device for `'a`.
 #[derive(Clone, Copy)]
@@ -171,6 +171,17 @@ impl<'a> Dst<'a> {
     }
 }
 
+/// The operands of fused attention ([`op::Attention`]): queries, keys and values as `[batch, heads,
+/// len, width]` views whose width has stride 1, and how many keys each batch holds (contiguous `i64`
+/// `[batch]`, clamped to `[0, keys]`; `None`: all of them).
+#[derive(Clone, Copy)]
+pub(crate) struct AttentionInputs<'a> {
+    pub(crate) q: Src<'a>,
+    pub(crate) k: Src<'a>,
+    pub(crate) v: Src<'a>,
+    pub(crate) key_lengths: Option<Src<'a>>,
+}
+
 /// Elements as the bytes a device copy moves.
 #[inline]
 pub(crate) fn bytes_of<T: Element>(data: &[T]) -> &[u8] {
@@ -259,6 +270,32 @@ pub(crate) trait Backend: Sync {
         labels: Src,
         scale: f64,
         out: Dst,
+    ) -> Result<()>;
+
+    /// Fused attention: `out` (`[batch, heads, queries, value width]`, width stride 1) and the
+    /// contiguous `lse` (`[batch, heads, queries]`, in the compute type: `f64` for `f64`, else `f32`).
+    fn attention(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Dst,
+        lse: Dst,
+    ) -> Result<()>;
+
+    /// The gradients of fused attention with respect to queries, keys and values (`grads`, laid out
+    /// as the inputs' shapes with width stride 1) from the forward pass's `out` and `lse` and the
+    /// output's gradient `dout` (`out`'s shape, width stride 1).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Src,
+        dout: Src,
+        lse: Src,
+        grads: [Dst; 3],
     ) -> Result<()>;
 
     /// `out[p] = src[p with coordinate axis replaced by index[p]]`; `index` (`i64`) has the output's

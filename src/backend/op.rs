@@ -718,3 +718,36 @@ mod tests {
         }
     }
 }
+
+/// Fused scaled dot-product attention over `[batch, heads, len, width]` operands (the width's stride
+/// is 1): for every batch `b`, head `h` and query `i`,
+///
+/// `s_j = scale · q_i · k_j`, `out_i = Σ_j softmax(s)_j v_j` over the keys `j < visible(b, i)`,
+/// `lse_i = ln Σ_j e^(s_j)`,
+///
+/// computed tile by tile with a running maximum (the online softmax of Milakov and Gimelshein, 2018;
+/// FlashAttention's schedule, Dao et al., 2022), so no `[queries, keys]` tensor exists. A query that
+/// sees no key gets `out_i = 0` and `lse_i = -inf` (and zero gradients). The backward pass recomputes
+/// `p_ij = e^(s_ij - lse_i)` from the saved `lse` and, with `D_i = dout_i · out_i`:
+/// `dv_j = Σ_i p_ij dout_i`, `ds_ij = p_ij (dout_i · v_j - D_i)`, `dq_i = scale Σ_j ds_ij k_j`,
+/// `dk_j = scale Σ_i ds_ij q_i`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Attention {
+    /// Multiplies every score (`1/sqrt(width)` unless the caller chose another).
+    pub(crate) scale: f64,
+    /// Query `i` sees keys `j <= i + offset` (`Some(0)`: causal aligned at the top left; `Some(keys -
+    /// queries)`: the queries are the last positions, as when decoding against a cache).
+    pub(crate) causal: Option<i64>,
+}
+
+impl Attention {
+    /// How many keys, from the first, query `i` sees when its batch holds `keys` keys (all of them,
+    /// or the batch's key length).
+    #[inline]
+    pub(crate) fn visible(&self, i: usize, keys: usize) -> usize {
+        match self.causal {
+            None => keys,
+            Some(offset) => (i as i64 + offset + 1).clamp(0, keys as i64) as usize,
+        }
+    }
+}

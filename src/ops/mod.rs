@@ -4,6 +4,7 @@
 //! kernels. Every op returns `Result`: mismatches, and allocations refused by a cap or budget, are
 //! errors, never panics.
 
+mod attention;
 mod elementwise;
 pub(crate) mod fused;
 mod index;
@@ -18,6 +19,7 @@ mod window;
 
 /// The binary ops and derivatives autograd chains, by name (stated in `backend::op`).
 pub(crate) use crate::backend::op::{Binary, Window2d};
+pub use attention::{AttentionSpec, Causal};
 pub(crate) use mask::Triangle;
 pub use window::Conv2dOptions;
 pub(crate) use window::window;

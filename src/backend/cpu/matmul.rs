@@ -175,3 +175,76 @@ fn matmul_into<T: Element>(
         }
     });
 }
+
+/// A block of a matrix in a slice: element `(r, c)` is `data[r * rows + c * cols]`.
+#[derive(Clone, Copy)]
+pub(super) struct Strided<'a, T> {
+    pub(super) data: &'a [T],
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
+/// `c = scale · a b` (or `c += scale · a b` when `accumulate`) on the calling thread, for `a` `m×k`,
+/// `b` `k×n` and the `m×n` block `c` whose rows are `ldc` apart: the small products of the fused
+/// kernels, which parallelise over their own tasks.
+///
+/// # Panics
+/// When an operand's last element lies outside its slice (a kernel bug: callers pass in-range tiles).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_tile<T: Element>(
+    (m, n, k): (usize, usize, usize),
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    a: Strided<'_, T>,
+    b: Strided<'_, T>,
+    scale: T,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.chunks_mut(ldc)
+                .take(m)
+                .for_each(|row| row[..n].fill(T::zero()));
+        }
+        return;
+    }
+    let last =
+        |s: Strided<'_, T>, rows: usize, cols: usize| (rows - 1) * s.rows + (cols - 1) * s.cols;
+    assert!(
+        last(a, m, k) < a.data.len()
+            && last(b, k, n) < b.data.len()
+            && (m - 1) * ldc + n <= c.len()
+            && n <= ldc,
+        "ndscope bug: a matrix tile outside its slice"
+    );
+    // SAFETY: the assertion keeps every element the product reads (`a`: rows below m, columns below
+    // k; `b`: rows below k, columns below n) inside its slice and every element it writes inside `c`,
+    // whose rows (n <= ldc elements apart) do not overlap; `c` is borrowed mutably, so it overlaps
+    // neither input. With `read_dst = false` the old contents of `c` are not read.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cols as isize,
+            a.rows as isize,
+            b.data.as_ptr(),
+            b.cols as isize,
+            b.rows as isize,
+            T::one(),
+            scale,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}

@@ -4,6 +4,7 @@
 //! Each kernel walks its operands row by row (`RowWalk`) and picks a loop by the row strides
 //! (contiguous, broadcast scalar, or strided), so the common cases are plain slice loops.
 
+mod attention;
 mod elementwise;
 mod fused;
 mod index;
@@ -14,8 +15,8 @@ mod window;
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use crate::backend::op::{Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
-use crate::backend::{Backend, Dst, Src};
+use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
+use crate::backend::{AttentionInputs, Backend, Dst, Src};
 use crate::dtype::DType;
 use crate::dtype::{Element, with_dtype};
 use crate::error::Result;
@@ -120,6 +121,32 @@ impl Backend for Cpu {
 
     fn argmax(&self, dtype: DType, x: Src, axis: usize, out: Dst) -> Result<()> {
         reduce::argmax(dtype, x, axis, out);
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Dst,
+        lse: Dst,
+    ) -> Result<()> {
+        attention::forward(dtype, math, inputs, out, lse);
+        Ok(())
+    }
+
+    fn attention_backward(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Src,
+        dout: Src,
+        lse: Src,
+        grads: [Dst; 3],
+    ) -> Result<()> {
+        attention::backward(dtype, math, inputs, [out, dout, lse], grads);
         Ok(())
     }
 

@@ -1,0 +1,512 @@
+//! Host fused attention ([`Attention`] states the math).
+//!
+//! The forward pass runs one task per batch, head and tile of [`QUERY_TILE`] queries: it walks the
+//! keys the tile can see in tiles of [`KEY_TILE`], multiplies the query tile by the key tile (`gemm`,
+//! reading the operands through their strides), turns each row of scores into weights against a
+//! running maximum (rescaling what the row had accumulated when the maximum grows), and adds the
+//! weighted value tile. A tile's scores are the only `[queries, keys]` memory, and it stays in cache.
+//!
+//! The backward pass runs one task per batch and head: for each key tile it recomputes the weights
+//! of every query tile that sees it from the saved `lse`, and accumulates the key and value tiles'
+//! gradients locally and the queries' gradient in the head's buffer, so no two tasks write the same
+//! element and the result does not depend on the schedule.
+//!
+//! Everything is computed in the compute type: 16-bit operands are widened to `f32` once (exact), and
+//! results are rounded once when stored.
+
+use std::borrow::Cow;
+use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
+
+use rayon::prelude::*;
+
+use super::matmul::{Strided, gemm_tile};
+use crate::backend::op::{Attention, Math};
+use crate::backend::{AttentionInputs, Dst, Src};
+use crate::dtype::{DType, Element, Float, bf16, f16};
+use crate::layout::{Layout, RowWalk};
+
+/// Queries per forward task and per backward tile.
+const QUERY_TILE: usize = 64;
+/// Keys per tile: a forward tile's scores (`QUERY_TILE × KEY_TILE` floats, 32 KiB) stay in L1/L2.
+const KEY_TILE: usize = 128;
+/// Products smaller than this many multiply-adds run on the calling thread.
+const PARALLEL_WORK: usize = 1 << 18;
+/// Independent partial sums in the row loops, so they vectorise (a single running sum is a chain).
+const LANES: usize = 16;
+
+/// The compute types: `f32` and `f64` with operators.
+trait Real:
+    Float
+    + Math<Compute = Self>
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + AddAssign
+    + MulAssign
+{
+}
+impl Real for f32 {}
+impl Real for f64 {}
+
+/// One head of an operand in the compute type: row `i` is `data[start + i * row..][..width]`.
+#[derive(Clone, Copy)]
+struct Head<'a, C> {
+    data: &'a [C],
+    start: usize,
+    row: usize,
+    width: usize,
+}
+
+impl<'a, C> Head<'a, C> {
+    /// Rows `from..` as a matrix block (rows `row` apart, unit column stride).
+    fn rows_from(&self, from: usize) -> Strided<'a, C> {
+        Strided {
+            data: &self.data[self.start + from * self.row..],
+            rows: self.row,
+            cols: 1,
+        }
+    }
+
+    /// Rows `from..` transposed: element `(c, r)` is row `from + r`'s element `c`.
+    fn rows_from_transposed(&self, from: usize) -> Strided<'a, C> {
+        let s = self.rows_from(from);
+        Strided {
+            rows: 1,
+            cols: s.rows,
+            ..s
+        }
+    }
+
+    fn row(&self, i: usize) -> &'a [C] {
+        &self.data[self.start + i * self.row..][..self.width]
+    }
+}
+
+/// A `[batch, heads, len, width]` operand in the compute type: borrowed when it already is, widened
+/// (and packed) from 16 bits otherwise.
+struct Heads<'a, C: Clone> {
+    data: Cow<'a, [C]>,
+    layout: Layout,
+}
+
+impl<'a, C: Element> Heads<'a, C> {
+    fn of<T: Math<Compute = C>>(x: Src<'a>) -> Heads<'a, C> {
+        if !T::DTYPE.is_half() {
+            // The compute type is the element type: read the block as it is.
+            return Heads {
+                data: Cow::Borrowed(x.buf.host::<C>()),
+                layout: x.layout.clone(),
+            };
+        }
+        let (layout, data) = (x.layout, x.buf.host::<T>());
+        let mut wide = Vec::with_capacity(layout.numel());
+        let walk = RowWalk::new(layout.shape(), [layout.strides()], [layout.offset()]);
+        let len = walk.row_len();
+        walk.for_rows(0, walk.rows(), |_, [start]| {
+            wide.extend(data[start..start + len].iter().map(|x| x.load()));
+        });
+        Heads {
+            data: Cow::Owned(wide),
+            layout: Layout::contiguous(layout.shape()),
+        }
+    }
+
+    fn dims(&self) -> [usize; 4] {
+        let s = self.layout.shape();
+        [s[0], s[1], s[2], s[3]]
+    }
+
+    fn head(&self, b: usize, h: usize) -> Head<'_, C> {
+        let st = self.layout.strides();
+        Head {
+            data: &self.data,
+            start: self.layout.offset() + b * st[0] + h * st[1],
+            row: st[2],
+            width: self.layout.shape()[3],
+        }
+    }
+}
+
+/// Stores rows `from..` of head `(b, h)` of a `[batch, heads, len, width]` output (width stride 1).
+fn store_rows<T: Math>(
+    out: &mut [T],
+    layout: &Layout,
+    (b, h): (usize, usize),
+    from: usize,
+    rows: &[T::Compute],
+) {
+    let (st, width) = (layout.strides(), layout.shape()[3]);
+    if width == 0 {
+        return;
+    }
+    let base = layout.offset() + b * st[0] + h * st[1];
+    for (r, row) in rows.chunks(width).enumerate() {
+        let at = base + (from + r) * st[2];
+        out[at..at + width]
+            .iter_mut()
+            .zip(row)
+            .for_each(|(o, &c)| *o = T::store(c));
+    }
+}
+
+/// How many keys batch `b` holds.
+fn keys_of(key_lengths: Option<&[i64]>, b: usize, keys: usize) -> usize {
+    key_lengths.map_or(keys, |k| k[b].clamp(0, keys as i64) as usize)
+}
+
+/// `f(task)` for every task, in parallel when the work is large enough; results in task order.
+fn run_tasks<R: Send>(tasks: usize, work: usize, f: impl Fn(usize) -> R + Sync + Send) -> Vec<R> {
+    if work < PARALLEL_WORK {
+        (0..tasks).map(f).collect()
+    } else {
+        (0..tasks).into_par_iter().map(f).collect()
+    }
+}
+
+/// The largest element of a non-empty row.
+#[inline]
+fn row_max<C: Real>(xs: &[C]) -> C {
+    let mut lanes = [C::lowest(); LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    let m = tail
+        .iter()
+        .fold(C::lowest(), |m, &x| if x > m { x } else { m });
+    lanes.iter().fold(m, |m, &x| if x > m { x } else { m })
+}
+
+/// Replaces each `x` with `e^(x - shift)` and returns their sum.
+#[inline]
+fn exp_shifted_sum<C: Real>(xs: &mut [C], shift: C) -> C {
+    let mut lanes = [C::zero(); LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        for (s, x) in lanes.iter_mut().zip(chunk) {
+            *x = Float::exp(*x - shift);
+            *s += *x;
+        }
+    }
+    let mut sum = C::zero();
+    for x in chunks.into_remainder() {
+        *x = Float::exp(*x - shift);
+        sum += *x;
+    }
+    lanes.iter().fold(sum, |a, &b| a + b)
+}
+
+#[inline]
+fn dot<C: Real>(a: &[C], b: &[C]) -> C {
+    let mut lanes = [C::zero(); LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: C = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(C::zero(), |s, (&x, &y)| s + x * y);
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    lanes.iter().fold(tail, |a, &b| a + b)
+}
+
+/// Forward pass: `out` and `lse` of every query.
+pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst) {
+    match dtype {
+        DType::F32 => forward_as::<f32>(math, inputs, out, lse),
+        DType::F64 => forward_as::<f64>(math, inputs, out, lse),
+        DType::BF16 => forward_as::<bf16>(math, inputs, out, lse),
+        DType::F16 => forward_as::<f16>(math, inputs, out, lse),
+        DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
+    }
+}
+
+fn forward_as<T: Math>(math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst)
+where
+    T::Compute: Real,
+{
+    let (q, k, v) = (
+        Heads::<T::Compute>::of::<T>(inputs.q),
+        Heads::of::<T>(inputs.k),
+        Heads::of::<T>(inputs.v),
+    );
+    let key_lengths = inputs.key_lengths.map(|l| l.contiguous_host::<i64>());
+    let ([batch, heads, queries, width], keys) = (q.dims(), k.dims()[2]);
+    let tiles = queries.div_ceil(QUERY_TILE);
+    let work = batch * heads * queries * keys * width;
+    let results = run_tasks(batch * heads * tiles, work, |task| {
+        let (bh, tile) = (task / tiles, task % tiles);
+        let (b, h) = (bh / heads, bh % heads);
+        let from = tile * QUERY_TILE;
+        let rows = QUERY_TILE.min(queries - from);
+        let keys = keys_of(key_lengths, b, keys);
+        forward_tile(
+            math,
+            [q.head(b, h), k.head(b, h), v.head(b, h)],
+            keys,
+            from,
+            rows,
+        )
+    });
+    let (out_layout, out) = (out.layout, out.buf.host::<T>());
+    let lse = lse.contiguous_host::<T::Compute>();
+    for (task, (o, l)) in results.into_iter().enumerate() {
+        let (bh, tile) = (task / tiles, task % tiles);
+        let from = tile * QUERY_TILE;
+        store_rows::<T>(out, out_layout, (bh / heads, bh % heads), from, &o);
+        lse[bh * queries + from..][..l.len()].copy_from_slice(&l);
+    }
+}
+
+/// `rows` queries from `from` of one head: their outputs (`rows × value width`) and `lse`.
+fn forward_tile<C: Real>(
+    math: &Attention,
+    [q, k, v]: [Head<'_, C>; 3],
+    keys: usize,
+    from: usize,
+    rows: usize,
+) -> (Vec<C>, Vec<C>) {
+    let dv = v.width;
+    let mut out = vec![C::zero(); rows * dv];
+    let mut max = vec![C::lowest(); rows];
+    let mut sum = vec![C::zero(); rows];
+    let mut scores = vec![C::zero(); rows * KEY_TILE];
+    let scale = C::from_f64(math.scale);
+    // Later queries see at least as many keys: the tile's last row bounds the walk.
+    let seen_by_tile = math.visible(from + rows - 1, keys);
+    for j0 in (0..seen_by_tile).step_by(KEY_TILE) {
+        let cols = KEY_TILE.min(seen_by_tile - j0);
+        gemm_tile(
+            (rows, cols, q.width),
+            &mut scores,
+            KEY_TILE,
+            false,
+            q.rows_from(from),
+            k.rows_from_transposed(j0),
+            scale,
+        );
+        for r in 0..rows {
+            let row = &mut scores[r * KEY_TILE..r * KEY_TILE + cols];
+            let seen = math.visible(from + r, keys).saturating_sub(j0).min(cols);
+            if seen == 0 {
+                row.fill(C::zero());
+                continue;
+            }
+            let tile_max = row_max(&row[..seen]);
+            let new_max = if tile_max > max[r] { tile_max } else { max[r] };
+            let rescale = Float::exp(max[r] - new_max);
+            let tile_sum = exp_shifted_sum(&mut row[..seen], new_max);
+            row[seen..].fill(C::zero());
+            sum[r] = sum[r] * rescale + tile_sum;
+            max[r] = new_max;
+            if rescale != C::one() {
+                out[r * dv..(r + 1) * dv]
+                    .iter_mut()
+                    .for_each(|o| *o *= rescale);
+            }
+        }
+        gemm_tile(
+            (rows, dv, cols),
+            &mut out,
+            dv,
+            true,
+            Strided {
+                data: &scores,
+                rows: KEY_TILE,
+                cols: 1,
+            },
+            v.rows_from(j0),
+            C::one(),
+        );
+    }
+    let lse = (0..rows)
+        .map(|r| {
+            let row = &mut out[r * dv..(r + 1) * dv];
+            if sum[r] == C::zero() {
+                // No key visible: the output is 0 and the row's log-sum is -inf.
+                row.fill(C::zero());
+                return C::lowest();
+            }
+            let inv = Float::recip(sum[r]);
+            row.iter_mut().for_each(|o| *o *= inv);
+            max[r] + Float::ln(sum[r])
+        })
+        .collect();
+    (out, lse)
+}
+
+/// Backward pass: the gradients of queries, keys and values from `[out, dout, lse]`.
+pub(super) fn backward(
+    dtype: DType,
+    math: &Attention,
+    inputs: AttentionInputs,
+    saved: [Src; 3],
+    grads: [Dst; 3],
+) {
+    match dtype {
+        DType::F32 => backward_as::<f32>(math, inputs, saved, grads),
+        DType::F64 => backward_as::<f64>(math, inputs, saved, grads),
+        DType::BF16 => backward_as::<bf16>(math, inputs, saved, grads),
+        DType::F16 => backward_as::<f16>(math, inputs, saved, grads),
+        DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
+    }
+}
+
+fn backward_as<T: Math>(
+    math: &Attention,
+    inputs: AttentionInputs,
+    [out, dout, lse]: [Src; 3],
+    grads: [Dst; 3],
+) where
+    T::Compute: Real,
+{
+    let (q, k, v) = (
+        Heads::<T::Compute>::of::<T>(inputs.q),
+        Heads::of::<T>(inputs.k),
+        Heads::of::<T>(inputs.v),
+    );
+    let (out, dout) = (Heads::of::<T>(out), Heads::of::<T>(dout));
+    let lse = lse.contiguous_host::<T::Compute>();
+    let key_lengths = inputs.key_lengths.map(|l| l.contiguous_host::<i64>());
+    let ([batch, heads, queries, width], keys) = (q.dims(), k.dims()[2]);
+    let work = batch * heads * queries * keys * width;
+    let results = run_tasks(batch * heads, work, |bh| {
+        let (b, h) = (bh / heads, bh % heads);
+        backward_head(
+            math,
+            [q.head(b, h), k.head(b, h), v.head(b, h)],
+            [out.head(b, h), dout.head(b, h)],
+            &lse[bh * queries..(bh + 1) * queries],
+            (keys_of(key_lengths, b, keys), keys),
+        )
+    });
+    let [dq, dk, dv] = grads;
+    let (dq_layout, dq) = (dq.layout, dq.buf.host::<T>());
+    let (dk_layout, dk) = (dk.layout, dk.buf.host::<T>());
+    let (dv_layout, dv) = (dv.layout, dv.buf.host::<T>());
+    for (bh, [gq, gk, gv]) in results.into_iter().enumerate() {
+        let at = (bh / heads, bh % heads);
+        store_rows::<T>(dq, dq_layout, at, 0, &gq);
+        store_rows::<T>(dk, dk_layout, at, 0, &gk);
+        store_rows::<T>(dv, dv_layout, at, 0, &gv);
+    }
+}
+
+/// One head's gradients `[dq, dk, dv]` (rows of the queries', keys' and values' widths).
+fn backward_head<C: Real>(
+    math: &Attention,
+    [q, k, v]: [Head<'_, C>; 3],
+    [out, dout]: [Head<'_, C>; 2],
+    lse: &[C],
+    (keys, all_keys): (usize, usize),
+) -> [Vec<C>; 3] {
+    let queries = lse.len();
+    let (d, dv) = (q.width, v.width);
+    // Keys no query sees (past the batch's length, or after the last query's causal bound) get 0.
+    let key_rows = if queries == 0 {
+        0
+    } else {
+        math.visible(queries - 1, keys)
+    };
+    let mut dq = vec![C::zero(); queries * d];
+    let mut dk = vec![C::zero(); all_keys * d];
+    let mut dvv = vec![C::zero(); all_keys * dv];
+    // D_i = dout_i · out_i: the row's weighted mean of dout · v.
+    let delta: Vec<C> = (0..queries).map(|i| dot(dout.row(i), out.row(i))).collect();
+    let scale = C::from_f64(math.scale);
+    let mut p = vec![C::zero(); QUERY_TILE * KEY_TILE];
+    let mut ds = vec![C::zero(); QUERY_TILE * KEY_TILE];
+    for j0 in (0..key_rows).step_by(KEY_TILE) {
+        let cols = KEY_TILE.min(key_rows - j0);
+        for i0 in (0..queries).step_by(QUERY_TILE) {
+            let rows = QUERY_TILE.min(queries - i0);
+            if math.visible(i0 + rows - 1, keys) <= j0 {
+                continue; // no query of this tile sees these keys
+            }
+            gemm_tile(
+                (rows, cols, d),
+                &mut p,
+                KEY_TILE,
+                false,
+                q.rows_from(i0),
+                k.rows_from_transposed(j0),
+                scale,
+            );
+            for r in 0..rows {
+                let row = &mut p[r * KEY_TILE..r * KEY_TILE + cols];
+                let l = lse[i0 + r];
+                let seen = if l == C::lowest() {
+                    0
+                } else {
+                    math.visible(i0 + r, keys).saturating_sub(j0).min(cols)
+                };
+                row[..seen].iter_mut().for_each(|s| *s = Float::exp(*s - l));
+                row[seen..].fill(C::zero());
+            }
+            fn tile<C>(data: &[C], transposed: bool) -> Strided<'_, C> {
+                Strided {
+                    data,
+                    rows: if transposed { 1 } else { KEY_TILE },
+                    cols: if transposed { KEY_TILE } else { 1 },
+                }
+            }
+            // dv_j += p_ijᵀ dout_i
+            gemm_tile(
+                (cols, dv, rows),
+                &mut dvv[j0 * dv..],
+                dv,
+                true,
+                tile(&p, true),
+                dout.rows_from(i0),
+                C::one(),
+            );
+            // dp_ij = dout_i v_jᵀ, then ds_ij = p_ij (dp_ij - D_i) scale
+            gemm_tile(
+                (rows, cols, dv),
+                &mut ds,
+                KEY_TILE,
+                false,
+                dout.rows_from(i0),
+                v.rows_from_transposed(j0),
+                C::one(),
+            );
+            for r in 0..rows {
+                let (pr, dr) = (
+                    &p[r * KEY_TILE..r * KEY_TILE + cols],
+                    &mut ds[r * KEY_TILE..r * KEY_TILE + cols],
+                );
+                let di = delta[i0 + r];
+                dr.iter_mut()
+                    .zip(pr)
+                    .for_each(|(g, &p)| *g = p * (*g - di) * scale);
+            }
+            // dk_j += ds_ijᵀ q_i, dq_i += ds_ij k_j
+            gemm_tile(
+                (cols, d, rows),
+                &mut dk[j0 * d..],
+                d,
+                true,
+                tile(&ds, true),
+                q.rows_from(i0),
+                C::one(),
+            );
+            gemm_tile(
+                (rows, d, cols),
+                &mut dq[i0 * d..],
+                d,
+                true,
+                tile(&ds, false),
+                k.rows_from(j0),
+                C::one(),
+            );
+        }
+    }
+    [dq, dk, dvv]
+}
