@@ -225,3 +225,4 @@ template <> __device__ __forceinline__ i64 convert<i64>(double x) {
 #define R_SUM 0
 #define R_MAX 1
 #define R_MIN 2
+#define R_MEAN 3

@@ -42,7 +42,7 @@ template <typename T> __device__ __forceinline__ void block_combine(int op, T* b
             buf[threadIdx.x] = acc;                                                                \
             block_combine(op, buf);                                                                \
             if (threadIdx.x == 0) {                                                                \
-                put(&out[r], buf[0]);                                                              \
+                put(&out[r], op == R_MEAN ? buf[0] / (C)len : buf[0]);                            \
             }                                                                                      \
             __syncthreads();                                                                       \
         }                                                                                          \

@@ -479,7 +479,7 @@ define_binary! {
     };
 }
 
-/// A reduction of rows: sum, max or min.
+/// A reduction of rows: sum, mean, max or min.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub(crate) enum Reduce {
@@ -489,12 +489,16 @@ pub(crate) enum Reduce {
     Max = 1,
     /// The minimum, NaN if any element is NaN.
     Min = 2,
+    /// The sum divided by the count, in the compute type, rounded once when stored (so a 16-bit
+    /// mean neither rounds twice nor overflows where its sum would); NaN for nothing.
+    Mean = 3,
 }
 
 impl Reduce {
     /// Every reduction with the name its number has in `kernels/common.cuh`.
     #[cfg(test)]
-    pub(crate) const DEFINES: &[(&str, i32)] = &[("R_SUM", 0), ("R_MAX", 1), ("R_MIN", 2)];
+    pub(crate) const DEFINES: &[(&str, i32)] =
+        &[("R_SUM", 0), ("R_MAX", 1), ("R_MIN", 2), ("R_MEAN", 3)];
 
     /// The number the kernels switch on.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only GPU kernels take numbers
@@ -505,7 +509,7 @@ impl Reduce {
     /// The value of a reduction of nothing.
     pub(crate) fn identity<T: Element>(self) -> T {
         match self {
-            Reduce::Sum => T::zero(),
+            Reduce::Sum | Reduce::Mean => T::zero(),
             Reduce::Max => T::lowest(),
             Reduce::Min => T::highest(),
         }
@@ -515,9 +519,18 @@ impl Reduce {
     #[inline(always)]
     pub(crate) fn combine<T: Element>(self, a: T, b: T) -> T {
         match self {
-            Reduce::Sum => a.add(b),
+            Reduce::Sum | Reduce::Mean => a.add(b),
             Reduce::Max => a.max_nan(b),
             Reduce::Min => a.min_nan(b),
+        }
+    }
+
+    /// The result from the combined value of `count` elements (the mean divides).
+    #[inline(always)]
+    pub(crate) fn finish<T: Element>(self, combined: T, count: usize) -> T {
+        match self {
+            Reduce::Mean => combined.div(T::from_f64(count as f64)),
+            _ => combined,
         }
     }
 
@@ -525,7 +538,7 @@ impl Reduce {
     #[inline(always)]
     pub(crate) fn slice<T: Element>(self, xs: &[T]) -> T {
         match self {
-            Reduce::Sum => {
+            Reduce::Sum | Reduce::Mean => {
                 let mut acc = [T::zero(); 8];
                 let chunks = xs.chunks_exact(8);
                 let tail = chunks.remainder();

@@ -7,7 +7,7 @@ use super::{Dropout, Init, Linear, Mode, Module};
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::Triangle;
+use crate::ops::{AttentionSpec, Causal, Triangle};
 use crate::scope::Scope;
 
 /// What attention computed: the output and the attention weights (after the softmax, before
@@ -199,12 +199,27 @@ impl<'m> MultiHeadAttention<'m> {
     }
 
     /// Attention of `x` (`[batch, len, width]`) to itself, with the weights of every head
-    /// (`[batch, heads, len, len]`).
+    /// (`[batch, heads, len, len]`): the unfused computation, which makes and keeps those weights.
+    /// [`forward`](Module::forward) computes the same output with fused attention.
     ///
     /// # Errors
     /// [`Error::InvalidShape`] unless `x` is `[batch, len, width]`.
     #[track_caller]
     pub fn attend<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Attended<'t, 's>>
+    where
+        'm: 's,
+    {
+        let [q, k, v] = self.split_heads(x, mode)?;
+        let attended = scaled_dot_product_attention(&q, &k, &v, self.options, mode)?;
+        Ok(Attended {
+            output: self.merge_heads(&attended.output, mode)?,
+            weights: attended.weights,
+        })
+    }
+
+    /// Queries, keys and values of every head, `[batch, heads, len, head width]` each: views of one
+    /// projection, no copy.
+    fn split_heads<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<[Var<'t, 's>; 3]>
     where
         'm: 's,
     {
@@ -223,16 +238,23 @@ impl<'m> MultiHeadAttention<'m> {
             .reshape(&[batch, len, 3, self.heads, head])?
             .permute(&[2, 0, 3, 1, 4])?;
         let part = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
-        let attended =
-            scaled_dot_product_attention(&part(0)?, &part(1)?, &part(2)?, self.options, mode)?;
-        let merged = attended
-            .output
-            .permute(&[0, 2, 1, 3])?
-            .reshape(&[batch, len, width])?;
-        Ok(Attended {
-            output: self.proj.forward(&merged, mode)?,
-            weights: attended.weights,
-        })
+        Ok([part(0)?, part(1)?, part(2)?])
+    }
+
+    /// The heads' outputs (`[batch, heads, len, head width]`) side by side, through the output
+    /// projection.
+    fn merge_heads<'t, 's>(&self, heads: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let [batch, _, len, _] = *heads.shape() else {
+            unreachable!("attention keeps the heads' rank")
+        };
+        let merged =
+            heads
+                .permute(&[0, 2, 1, 3])?
+                .reshape(&[batch, len, self.proj.out_features()])?;
+        self.proj.forward(&merged, mode)
     }
 
     fn wrong_input(&self, x: &Var<'_, '_>) -> Error {
@@ -249,7 +271,21 @@ impl<'m> Module<'m> for MultiHeadAttention<'m> {
     where
         'm: 's,
     {
-        Ok(self.attend(x, mode)?.output)
+        let dropping = self.options.dropout > 0.0 && mode == Mode::Train;
+        if dropping {
+            // Dropout acts on the weights, which only the unfused computation makes.
+            return Ok(self.attend(x, mode)?.output);
+        }
+        let [q, k, v] = self.split_heads(x, mode)?;
+        let spec = AttentionSpec {
+            causal: if self.options.causal {
+                Causal::TopLeft
+            } else {
+                Causal::None
+            },
+            scale: None,
+        };
+        self.merge_heads(&q.attention(&k, &v, spec, None)?, mode)
     }
 }
 

@@ -44,7 +44,7 @@ impl<'s> Tensor<'s> {
         keepdim: bool,
     ) -> Result<Tensor<'s>> {
         let axes = reduced_axes(op, axes, self.rank())?;
-        if kind != Reduce::Sum && axes.iter().any(|&a| self.shape()[a] == 0) {
+        if matches!(kind, Reduce::Max | Reduce::Min) && axes.iter().any(|&a| self.shape()[a] == 0) {
             return Err(Error::InvalidShape {
                 op,
                 shape: self.shape().to_vec(),
@@ -121,10 +121,7 @@ impl<'s> Tensor<'s> {
                 expected: "a float dtype (f32, f64, bf16 or f16)",
             });
         }
-        let mut out = self.reduce("mean", Reduce::Sum, axes, keepdim)?;
-        let count = self.numel().checked_div(out.numel()).unwrap_or(0);
-        out.mul_scalar_(1.0 / count as f64)?;
-        Ok(out)
+        self.reduce("mean", Reduce::Mean, axes, keepdim)
     }
 
     /// Maximum over `axes` (NaN if any element is NaN).

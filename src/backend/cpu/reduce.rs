@@ -29,9 +29,9 @@ fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
         let inner: usize = axes.iter().map(|&a| layout.shape()[a]).product();
         let base = layout.offset();
         let row = |i: usize| {
-            T::store(reduce_row(
-                kind,
-                &data[base + i * inner..base + (i + 1) * inner],
+            T::store(kind.finish(
+                reduce_row(kind, &data[base + i * inner..base + (i + 1) * inner]),
+                inner,
             ))
         };
         if layout.numel() >= PARALLEL_MIN {
@@ -43,14 +43,20 @@ fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
         }
         return;
     }
+    let count: usize = axes.iter().map(|&a| layout.shape()[a]).product();
     if T::DTYPE.is_half() {
         // Partial results in the compute type, rounded once at the end.
         let mut acc = vec![kind.identity::<T::Compute>(); out.len()];
         reduce_walk(kind, x, data, kept, axes, &mut acc);
-        out.iter_mut().zip(acc).for_each(|(o, a)| *o = T::store(a));
+        out.iter_mut()
+            .zip(acc)
+            .for_each(|(o, a)| *o = T::store(kind.finish(a, count)));
     } else {
         // The compute type is `T`: partial results go straight into the output.
         reduce_walk(kind, x, data, kept, axes, out);
+        if kind == Reduce::Mean {
+            out.iter_mut().for_each(|o| *o = kind.finish(*o, count));
+        }
     }
 }
 

@@ -1,0 +1,132 @@
+//! Long-sequence attention and the row kernels on the CPU, at GPT-2 small's shapes: one layer's
+//! causal attention `[1, 12, 1024, 64]` fused (`Tensor::attention`) and unfused (the composition
+//! `nn::scaled_dot_product_attention` makes), forward and forward+backward; one query against a
+//! 1,024-token cache (decoding); softmax over `[12, 1024, 1024]`; log-softmax and cross-entropy
+//! (forward+backward) over GPT-2's vocabulary `[1023, 50257]`. `benches/attention_reference.py`
+//! runs the same shapes in PyTorch. Run with
+//!
+//! ```text
+//! RAYON_NUM_THREADS=2 cargo bench --bench attention -- --noplot
+//! ```
+
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
+use ndscope::{AttentionSpec, Causal, DType, Device, Result, Tape, root};
+
+fn attention(c: &mut Criterion) {
+    let mut group = c.benchmark_group("attention_1x12x1024x64_causal");
+    group.sample_size(20);
+    root(Device::Cpu, |s| -> Result<()> {
+        let shape = [1, 12, 1024, 64];
+        let (q, k, v) = (s.randn(&shape)?, s.randn(&shape)?, s.randn(&shape)?);
+        for dtype in [DType::F32, DType::BF16] {
+            let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+            group.bench_function(BenchmarkId::new("fused_forward", dtype), |bench| {
+                bench.iter(|| {
+                    s.scope(|_| {
+                        q.attention(&k, &v, AttentionSpec::CAUSAL, None)
+                            .map(black_box)
+                            .map(drop)
+                    })
+                    .unwrap()
+                })
+            });
+            group.bench_function(BenchmarkId::new("fused_forward_backward", dtype), |bench| {
+                bench.iter(|| {
+                    s.scope(|b| {
+                        let tape = Tape::new(b);
+                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                        let out = qv.attention(&kv, &vv, AttentionSpec::CAUSAL, None)?;
+                        tape.backward(&out.sum_all()?).map(|g| black_box(g.len()))
+                    })
+                    .unwrap()
+                })
+            });
+        }
+        let options = AttentionOptions {
+            causal: true,
+            dropout: 0.0,
+        };
+        group.bench_function(BenchmarkId::new("unfused_forward", DType::F32), |bench| {
+            bench.iter(|| {
+                s.scope(|b| {
+                    let tape = Tape::no_grad(b);
+                    let (qv, kv, vv) = (tape.constant(&q), tape.constant(&k), tape.constant(&v));
+                    scaled_dot_product_attention(&qv, &kv, &vv, options, Mode::Eval)
+                        .map(|a| black_box(a.output.shape()[0]))
+                })
+                .unwrap()
+            })
+        });
+        group.bench_function(
+            BenchmarkId::new("unfused_forward_backward", DType::F32),
+            |bench| {
+                bench.iter(|| {
+                    s.scope(|b| {
+                        let tape = Tape::new(b);
+                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                        let a = scaled_dot_product_attention(&qv, &kv, &vv, options, Mode::Train)?;
+                        tape.backward(&a.output.sum_all()?)
+                            .map(|g| black_box(g.len()))
+                    })
+                    .unwrap()
+                })
+            },
+        );
+        // Decoding: one new query against 1,024 cached keys.
+        let one = s.randn(&[1, 12, 1, 64])?;
+        let decode = AttentionSpec {
+            causal: Causal::BottomRight,
+            scale: None,
+        };
+        group.bench_function("decode_1_query_1024_keys", |bench| {
+            bench.iter(|| {
+                s.scope(|_| one.attention(&k, &v, decode, None).map(black_box).map(drop))
+                    .unwrap()
+            })
+        });
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+
+    let mut group = c.benchmark_group("rows");
+    group.sample_size(20);
+    root(Device::Cpu, |s| -> Result<()> {
+        let scores = s.randn(&[12, 1024, 1024])?;
+        group.bench_function("softmax_12x1024x1024", |bench| {
+            bench.iter(|| {
+                s.scope(|_| scores.softmax(-1).map(black_box).map(drop))
+                    .unwrap()
+            })
+        });
+        let logits = s.randn(&[1023, 50257])?;
+        let labels: Vec<i64> = (0..1023).map(|i| (i * 7919) % 50257).collect();
+        let labels = s.from_slice(&labels, &[1023])?;
+        group.bench_function("log_softmax_1023x50257", |bench| {
+            bench.iter(|| {
+                s.scope(|_| logits.log_softmax(-1).map(black_box).map(drop))
+                    .unwrap()
+            })
+        });
+        group.bench_function("cross_entropy_forward_backward_1023x50257", |bench| {
+            bench.iter(|| {
+                s.scope(|b| {
+                    let tape = Tape::new(b);
+                    let x = tape.param(&logits);
+                    let loss = x.cross_entropy(&labels)?;
+                    tape.backward(&loss).map(|g| black_box(g.len()))
+                })
+                .unwrap()
+            })
+        });
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
+criterion_group!(benches, attention);
+criterion_main!(benches);
