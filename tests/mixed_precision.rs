@@ -642,3 +642,43 @@ fn checkpoints_hold_16_bit_tensors_and_cast_on_load_when_asked() {
     })
     .unwrap();
 }
+
+/// A 16-bit mean divides in `f32` and rounds once: the f16 mean of values between 8 and 16 over
+/// 6,000 elements is about 12 although their sum (about 72,000) is past f16's largest value, and
+/// each 16-bit mean is the f32 mean rounded once. Composite losses (cross-entropy's mean) keep it.
+#[test]
+fn sixteen_bit_means_divide_before_rounding() {
+    root(Device::Cpu, |s| {
+        let n = 6000;
+        let data: Vec<f64> = common::values(4 * n, 77)
+            .into_iter()
+            .map(|v| 12.0 + 2.0 * v) // [8, 16)
+            .collect();
+        let x = s.from_slice(&data, &[4, n])?;
+        for dtype in [DType::F16, DType::BF16] {
+            let narrow = x.to_dtype(dtype)?;
+            let exact: Vec<f64> = narrow.to_vec_f64()?;
+            let want: Vec<f64> = exact
+                .chunks(n)
+                .map(|row| (row.iter().sum::<f64>() / n as f64) as f32 as f64)
+                .collect();
+            for (name, got) in [
+                ("mean of rows", narrow.mean(&[-1], false)?),
+                (
+                    "mean of columns",
+                    narrow.t()?.contiguous()?.mean(&[0], false)?,
+                ),
+            ] {
+                assert_eq!(got.dtype(), dtype);
+                let got = got.to_vec_f64()?;
+                assert_eq!(got, rounded(dtype, &want), "{name} in {dtype}");
+                assert!(got.iter().all(|m| (11.0..13.0).contains(m)), "{got:?}");
+            }
+            let all = narrow.mean_all()?.to_vec_f64()?[0];
+            let want_all = (exact.iter().sum::<f64>() / exact.len() as f64) as f32 as f64;
+            assert_eq!(all, rounded(dtype, &[want_all])[0], "mean_all in {dtype}");
+        }
+        Ok::<_, ndscope::Error>(())
+    })
+    .unwrap();
+}

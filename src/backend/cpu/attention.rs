@@ -15,11 +15,11 @@
 //! results are rounded once when stored.
 
 use std::borrow::Cow;
-use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
 use rayon::prelude::*;
 
 use super::matmul::{Strided, gemm_tile};
+use super::rows::{self, Real};
 use crate::backend::op::{Attention, Math};
 use crate::backend::{AttentionInputs, Dst, Src};
 use crate::dtype::{DType, Element, Float, bf16, f16};
@@ -31,24 +31,6 @@ const QUERY_TILE: usize = 64;
 const KEY_TILE: usize = 128;
 /// Products smaller than this many multiply-adds run on the calling thread.
 const PARALLEL_WORK: usize = 1 << 18;
-/// Independent partial sums in the row loops, so they vectorise (a single running sum is a chain).
-const LANES: usize = 16;
-
-/// The compute types: `f32` and `f64` with operators.
-trait Real:
-    Float
-    + Math<Compute = Self>
-    + Add<Output = Self>
-    + Sub<Output = Self>
-    + Mul<Output = Self>
-    + Div<Output = Self>
-    + AddAssign
-    + MulAssign
-{
-}
-impl Real for f32 {}
-impl Real for f64 {}
-
 /// One head of an operand in the compute type: row `i` is `data[start + i * row..][..width]`.
 #[derive(Clone, Copy)]
 struct Head<'a, C> {
@@ -164,59 +146,6 @@ fn run_tasks<R: Send>(tasks: usize, work: usize, f: impl Fn(usize) -> R + Sync +
     }
 }
 
-/// The largest element of a non-empty row.
-#[inline]
-fn row_max<C: Real>(xs: &[C]) -> C {
-    let mut lanes = [C::lowest(); LANES];
-    let chunks = xs.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for chunk in chunks {
-        for (m, &x) in lanes.iter_mut().zip(chunk) {
-            *m = if x > *m { x } else { *m };
-        }
-    }
-    let m = tail
-        .iter()
-        .fold(C::lowest(), |m, &x| if x > m { x } else { m });
-    lanes.iter().fold(m, |m, &x| if x > m { x } else { m })
-}
-
-/// Replaces each `x` with `e^(x - shift)` and returns their sum.
-#[inline]
-fn exp_shifted_sum<C: Real>(xs: &mut [C], shift: C) -> C {
-    let mut lanes = [C::zero(); LANES];
-    let mut chunks = xs.chunks_exact_mut(LANES);
-    for chunk in &mut chunks {
-        for (s, x) in lanes.iter_mut().zip(chunk) {
-            *x = Float::exp(*x - shift);
-            *s += *x;
-        }
-    }
-    let mut sum = C::zero();
-    for x in chunks.into_remainder() {
-        *x = Float::exp(*x - shift);
-        sum += *x;
-    }
-    lanes.iter().fold(sum, |a, &b| a + b)
-}
-
-#[inline]
-fn dot<C: Real>(a: &[C], b: &[C]) -> C {
-    let mut lanes = [C::zero(); LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: C = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .fold(C::zero(), |s, (&x, &y)| s + x * y);
-    for (x, y) in ca.zip(cb) {
-        for l in 0..LANES {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    lanes.iter().fold(tail, |a, &b| a + b)
-}
-
 /// Forward pass: `out` and `lse` of every query.
 pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst) {
     match dtype {
@@ -299,10 +228,10 @@ fn forward_tile<C: Real>(
                 row.fill(C::zero());
                 continue;
             }
-            let tile_max = row_max(&row[..seen]);
+            let tile_max = rows::max(&row[..seen]);
             let new_max = if tile_max > max[r] { tile_max } else { max[r] };
             let rescale = Float::exp(max[r] - new_max);
-            let tile_sum = exp_shifted_sum(&mut row[..seen], new_max);
+            let tile_sum = rows::exp_in_place(&mut row[..seen], new_max);
             row[seen..].fill(C::zero());
             sum[r] = sum[r] * rescale + tile_sum;
             max[r] = new_max;
@@ -419,7 +348,9 @@ fn backward_head<C: Real>(
     let mut dk = vec![C::zero(); all_keys * d];
     let mut dvv = vec![C::zero(); all_keys * dv];
     // D_i = dout_i · out_i: the row's weighted mean of dout · v.
-    let delta: Vec<C> = (0..queries).map(|i| dot(dout.row(i), out.row(i))).collect();
+    let delta: Vec<C> = (0..queries)
+        .map(|i| rows::dot(dout.row(i), out.row(i)))
+        .collect();
     let scale = C::from_f64(math.scale);
     let mut p = vec![C::zero(); QUERY_TILE * KEY_TILE];
     let mut ds = vec![C::zero(); QUERY_TILE * KEY_TILE];

@@ -10,6 +10,7 @@ mod fused;
 mod index;
 mod matmul;
 mod reduce;
+mod rows;
 mod window;
 
 use rayon::prelude::*;

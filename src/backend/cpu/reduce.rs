@@ -10,10 +10,11 @@
 
 use rayon::prelude::*;
 
+use super::rows::{self, Real};
 use super::{PARALLEL_MIN, fill_segments};
 use crate::backend::op::{Math, Reduce};
 use crate::backend::{Dst, Src};
-use crate::dtype::{DType, Element, Float, with_dtype, with_float_dtype};
+use crate::dtype::{DType, Element, Float, bf16, f16, with_dtype, with_float_dtype};
 use crate::layout::{RowWalk, contiguous_strides};
 
 fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
@@ -147,41 +148,72 @@ pub(super) fn argmax(dtype: DType, x: Src, axis: usize, out: Dst) {
     });
 }
 
-/// One row: `out = softmax(x)` or `log_softmax(x)`, computed in `C` (the elements' compute type).
-fn softmax_row<T: Math<Compute = C>, C: Math + Float>(x: &[T], out: &mut [T], log: bool) {
-    let m = x.iter().fold(C::lowest(), |a, &b| a.max_nan(b.load()));
+/// One row of `f32` or `f64`: `out = softmax(x)` or `log_softmax(x)`.
+fn softmax_row<C: Real>(x: &[C], out: &mut [C], log: bool) {
+    let m = rows::max(x);
     if m == C::lowest() {
         // Every entry is -inf (a fully masked row): the distribution is undefined; PyTorch gives NaN.
+        out.fill(C::from_f64(f64::NAN));
+        return;
+    }
+    if log {
+        let lse = Float::ln(rows::exp_sum(x, m));
+        out.iter_mut().zip(x).for_each(|(o, &v)| *o = v - m - lse);
+    } else {
+        // Keep each e^(x - m) in the output and scale it: one exponential per element.
+        let inv = Float::recip(rows::exp_into(x, out, m));
+        out.iter_mut().for_each(|o| *o *= inv);
+    }
+}
+
+/// One 16-bit row, computed in `f32` in blocks widened on the stack and rounded once per element.
+fn softmax_row_half<T: Math<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
+    let mut m = f32::NEG_INFINITY;
+    rows::widened(x, |_, w| {
+        let block = rows::max(w);
+        m = if block > m || block.is_nan() {
+            block
+        } else {
+            m
+        };
+    });
+    if m == f32::NEG_INFINITY {
         out.fill(T::from_f64(f64::NAN));
         return;
     }
-    let mut sum = C::zero();
-    if !log && !T::DTYPE.is_half() {
-        // Keep each e^(x - m) in the output (no rounding: the compute type is the element type) and
-        // scale it, one exponential per element.
-        for (o, &v) in out.iter_mut().zip(x) {
-            let e = Float::exp(v.load().sub(m));
-            *o = T::store(e);
-            sum = sum.add(e);
-        }
-        let inv = Float::recip(sum);
-        out.iter_mut()
-            .for_each(|o| *o = T::store(o.load().mul(inv)));
-        return;
-    }
-    for &v in x {
-        sum = sum.add(Float::exp(v.load().sub(m)));
-    }
+    let mut sum = 0.0f32;
+    rows::widened(x, |_, w| sum += rows::exp_sum(w, m));
     if log {
-        let lse = Float::ln(sum);
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = T::store(v.load().sub(m).sub(lse));
-        }
+        let lse = sum.ln();
+        rows::widened(x, |at, w| {
+            for (o, &v) in out[at..].iter_mut().zip(w) {
+                *o = T::store(v - m - lse);
+            }
+        });
     } else {
-        let inv = Float::recip(sum);
-        for (o, &v) in out.iter_mut().zip(x) {
-            *o = T::store(Float::exp(v.load().sub(m)).mul(inv));
-        }
+        let inv = sum.recip();
+        let mut wide = [0.0f32; rows::WIDE];
+        rows::widened(x, |at, w| {
+            rows::exp_into(w, &mut wide[..w.len()], m);
+            for (o, &e) in out[at..].iter_mut().zip(&wide[..w.len()]) {
+                *o = T::store(e * inv);
+            }
+        });
+    }
+}
+
+/// Applies `row` to every row of `n` elements of the contiguous `x` and `out`, in parallel for large
+/// inputs.
+fn each_row<T: Element>(x: Src, out: Dst, n: usize, row: impl Fn(&[T], &mut [T]) + Sync) {
+    let (x, o) = (x.contiguous_host::<T>(), out.contiguous_host::<T>());
+    if x.len() >= PARALLEL_MIN {
+        o.par_chunks_mut(n)
+            .zip(x.par_chunks(n))
+            .for_each(|(o, x)| row(x, o));
+    } else {
+        o.chunks_mut(n)
+            .zip(x.chunks(n))
+            .for_each(|(o, x)| row(x, o));
     }
 }
 
@@ -190,15 +222,13 @@ pub(super) fn softmax(dtype: DType, x: Src, log: bool, out: Dst) {
     if n == 0 || x.layout.numel() == 0 {
         return;
     }
-    with_float_dtype!(dtype, T => {
-        let x = x.contiguous_host::<T>();
-        let o = out.contiguous_host::<T>();
-        if x.len() >= PARALLEL_MIN {
-            o.par_chunks_mut(n).zip(x.par_chunks(n)).for_each(|(o, x)| softmax_row(x, o, log));
-        } else {
-            o.chunks_mut(n).zip(x.chunks(n)).for_each(|(o, x)| softmax_row(x, o, log));
-        }
-    }, else unreachable!("softmax refuses integer dtypes before computing"));
+    match dtype {
+        DType::F32 => each_row::<f32>(x, out, n, |x, o| softmax_row(x, o, log)),
+        DType::F64 => each_row::<f64>(x, out, n, |x, o| softmax_row(x, o, log)),
+        DType::BF16 => each_row::<bf16>(x, out, n, |x, o| softmax_row_half(x, o, log)),
+        DType::F16 => each_row::<f16>(x, out, n, |x, o| softmax_row_half(x, o, log)),
+        DType::I64 => unreachable!("softmax refuses integer dtypes before computing"),
+    }
 }
 
 pub(super) fn cross_entropy_grad(dtype: DType, log_p: Src, labels: Src, scale: f64, out: Dst) {
