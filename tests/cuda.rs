@@ -12,7 +12,8 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use ndscope::nn::{self, Activation, Init, Mode, Module};
 use ndscope::optim::{Adam, AdamConfig, LossScaler, Optimizer, Sgd, SgdConfig};
 use ndscope::{
-    DType, Device, Error, Fault, Input, Result, Scope, StepGraph, Tape, Tensor, Workspace, root,
+    AttentionSpec, Causal, DType, Device, Error, Fault, Input, Result, Scope, StepGraph, Tape,
+    Tensor, Workspace, root,
 };
 
 /// The GPU the tests use, or `None` with the reason printed.
@@ -90,6 +91,53 @@ fn agree(name: &str, tol: f64, case: &Case) {
                 assert!(
                     close,
                     "{name}: output {k}[{i}] is {g} on {device}, {h} on the host"
+                );
+            }
+        }
+    }
+}
+
+/// Fused attention's forward and backward kernels against the host's, for every mask, key lengths,
+/// strided heads (views of one projection), lengths past a warp's 32 and the host's tiles, one query
+/// against a long cache, and every float dtype.
+#[test]
+fn fused_attention_agrees_with_the_host() {
+    let _gpu = gpu_shared();
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            for (queries, keys) in [(70, 150), (1, 300), (65, 65)] {
+                agree(
+                    &format!("fused attention in {dtype}, {causal:?}, {queries} over {keys}"),
+                    tol,
+                    &move |s| {
+                        let spec = AttentionSpec {
+                            causal,
+                            scale: None,
+                        };
+                        let qkv = s
+                            .randn(&[2, queries.max(keys), 3, 3, 16])?
+                            .to_dtype(dtype)?;
+                        let heads = qkv.permute(&[2, 0, 3, 1, 4])?;
+                        let part = |i: usize, len: usize| -> Result<Tensor<'_>> {
+                            heads.narrow(0, i, 1)?.squeeze(0)?.narrow(2, 0, len)
+                        };
+                        let (q, k, v) = (part(0, queries)?, part(1, keys)?, part(2, keys)?);
+                        let lengths = s.from_slice(&[keys as i64, keys as i64 / 2], &[2])?;
+                        let tape = Tape::new(s);
+                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                        let out = qv.attention(&kv, &vv, spec, Some(&lengths))?;
+                        let w = s.randn(out.shape())?.to_dtype(dtype)?;
+                        let loss = out.mul(&tape.constant(&w))?.sum_all()?;
+                        let grads = tape.backward(&loss)?;
+                        let grad = |x: &Tensor<'_>| grads.get(x).expect("a gradient");
+                        Ok(vec![
+                            out.into_value(),
+                            grad(&q),
+                            grad(&k),
+                            grad(&v),
+                            q.attention(&k, &v, spec, None)?,
+                        ])
+                    },
                 );
             }
         }

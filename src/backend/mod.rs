@@ -285,7 +285,8 @@ pub(crate) trait Backend: Sync {
 
     /// The gradients of fused attention with respect to queries, keys and values (`grads`, laid out
     /// as the inputs' shapes with width stride 1) from the forward pass's `out` and `lse` and the
-    /// output's gradient `dout` (`out`'s shape, width stride 1).
+    /// output's gradient `dout` (`out`'s shape, width stride 1). `scratch` is a contiguous buffer of
+    /// `lse`'s shape and dtype that the kernels may use (the GPU keeps each `D_i` there).
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         &self,
@@ -295,6 +296,7 @@ pub(crate) trait Backend: Sync {
         out: Src,
         dout: Src,
         lse: Src,
+        scratch: Dst,
         grads: [Dst; 3],
     ) -> Result<()>;
 

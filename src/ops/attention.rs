@@ -317,6 +317,7 @@ impl<'s> Tensor<'s> {
         let (mut dk, dk_layout) = heads_output(&operands, dtype, dims(&ops.k), at)?;
         let (mut dv, dv_layout) = heads_output(&operands, dtype, dims(&ops.v), at)?;
         let lse = lse.contiguous()?;
+        let mut scratch = Tensor::output_of(&operands, lse.dtype(), lse.shape(), at)?;
         self.backend()?.attention_backward(
             dtype,
             &ops.math,
@@ -324,6 +325,7 @@ impl<'s> Tensor<'s> {
             out.src(),
             dout.src(),
             lse.src(),
+            scratch.dst(),
             [
                 dq.dst_as(&dq_layout),
                 dk.dst_as(&dk_layout),

@@ -145,8 +145,10 @@ impl Backend for Cpu {
         out: Src,
         dout: Src,
         lse: Src,
+        _scratch: Dst,
         grads: [Dst; 3],
     ) -> Result<()> {
+        // Each task keeps its head's D_i on its own; the shared scratch is not needed.
         attention::backward(dtype, math, inputs, [out, dout, lse], grads);
         Ok(())
     }

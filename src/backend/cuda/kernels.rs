@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 /// The kernel files in compilation order (`.ci/check-kernels` reads this list).
-pub(crate) const SOURCES: [&str; 8] = [
+pub(crate) const SOURCES: [&str; 9] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/reduce.cu"),
@@ -17,6 +17,7 @@ pub(crate) const SOURCES: [&str; 8] = [
     include_str!("../../../kernels/window.cu"),
     include_str!("../../../kernels/random.cu"),
     include_str!("../../../kernels/optim.cu"),
+    include_str!("../../../kernels/attention.cu"),
 ];
 
 /// The largest rank a GPU kernel takes (`MAX_RANK` in `kernels/common.cuh`).
@@ -103,6 +104,44 @@ macro_rules! family {
         ]
     };
 }
+/// The instances of a float-only kernel family (no `_i64` kernel exists, so none can be asked for):
+/// `float_family!("attention_fwd")`.
+macro_rules! float_family {
+    ($base:literal) => {
+        [
+            concat!($base, "_f32"),
+            concat!($base, "_f64"),
+            concat!($base, "_bf16"),
+            concat!($base, "_f16"),
+        ]
+    };
+}
+
+/// The name of float-only kernel `family` for `dtype`.
+///
+/// # Errors
+/// [`Error::UnsupportedDType`] for `i64` (ops refuse it first; this keeps an integer instance from
+/// being looked up even so).
+pub(crate) fn float_kernel(
+    op: &'static str,
+    family: [&'static str; 4],
+    dtype: DType,
+) -> Result<&'static str> {
+    Ok(match dtype {
+        DType::F32 => family[0],
+        DType::F64 => family[1],
+        DType::BF16 => family[2],
+        DType::F16 => family[3],
+        DType::I64 => {
+            return Err(Error::UnsupportedDType {
+                op,
+                dtype,
+                expected: "a float dtype (f32, f64, bf16 or f16)",
+            });
+        }
+    })
+}
+
 /// Where `dtype`'s instance sits in a [`family!`].
 fn instance(dtype: DType) -> usize {
     match dtype {
@@ -133,4 +172,4 @@ pub(crate) fn cast_kernel(from: DType, to: DType) -> &'static str {
     CASTS[instance(from)][instance(to)]
 }
 
-pub(crate) use family;
+pub(crate) use {family, float_family};

@@ -7,6 +7,7 @@
 //! `transfer`. cudarc loads `libcuda`, NVRTC and cuBLAS at run time, so a build with the `cuda`
 //! feature runs everywhere and reports a missing driver as [`Error::DeviceUnavailable`].
 
+mod attention;
 mod blas;
 mod graph;
 mod kernels;

@@ -13,8 +13,8 @@ use crate::backend::cuda::kernels::{
     Geo, cast_kernel, elementwise_launch, family, kernel, rows_launch,
 };
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
-use crate::backend::op::{Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
-use crate::backend::{Backend, Dst, Src};
+use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
+use crate::backend::{AttentionInputs, Backend, Dst, Src};
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -253,6 +253,31 @@ impl Backend for Gpu {
         // contiguous with `axis` last, `rows * len` elements, and `out` a fresh i64 block of `rows`.
         unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("argmax kernel", e))?;
         Ok(())
+    }
+
+    fn attention(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Dst,
+        lse: Dst,
+    ) -> Result<()> {
+        self.attention_forward(dtype, math, inputs, out, lse)
+    }
+
+    fn attention_backward(
+        &self,
+        dtype: DType,
+        math: &Attention,
+        inputs: AttentionInputs,
+        out: Src,
+        dout: Src,
+        lse: Src,
+        scratch: Dst,
+        grads: [Dst; 3],
+    ) -> Result<()> {
+        self.attention_backward_kernels(dtype, math, inputs, [out, dout, lse], scratch, grads)
     }
 
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()> {
