@@ -226,3 +226,32 @@ template <> __device__ __forceinline__ i64 convert<i64>(double x) {
 #define R_MAX 1
 #define R_MIN 2
 #define R_MEAN 3
+
+// Row reductions' identity and combination (op is R_SUM, R_MAX, R_MIN or R_MEAN), and the block-wide
+// combination the row kernels (reduce.cu, softmax.cu) share.
+template <typename T> __device__ __forceinline__ T reduce_identity(int op) {
+    switch (op) {
+    case R_MAX: return Limits<T>::lowest();
+    case R_MIN: return Limits<T>::highest();
+    default: return (T)0;
+    }
+}
+
+template <typename T> __device__ __forceinline__ T reduce_combine(int op, T a, T b) {
+    switch (op) {
+    case R_MAX: return max_nan(a, b);
+    case R_MIN: return min_nan(a, b);
+    default: return a + b;
+    }
+}
+
+// Combines the block's ROW_THREADS partial values in `buf`; the result ends in buf[0].
+template <typename T> __device__ __forceinline__ void block_combine(int op, T* buf) {
+    for (unsigned width = ROW_THREADS / 2; width > 0; width /= 2) {
+        __syncthreads();
+        if (threadIdx.x < width) {
+            buf[threadIdx.x] = reduce_combine(op, buf[threadIdx.x], buf[threadIdx.x + width]);
+        }
+    }
+    __syncthreads();
+}

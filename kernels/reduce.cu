@@ -2,33 +2,7 @@
 // each thread folds a strided share of the row, then the block combines the partial results in
 // shared memory. ndscope moves the reduced axes last (a copy when needed) before launching.
 // T is the element type, C the type partial results are kept in (float for the 16-bit types).
-
-template <typename T> __device__ __forceinline__ T reduce_identity(int op) {
-    switch (op) {
-    case R_MAX: return Limits<T>::lowest();
-    case R_MIN: return Limits<T>::highest();
-    default: return (T)0;
-    }
-}
-
-template <typename T> __device__ __forceinline__ T reduce_combine(int op, T a, T b) {
-    switch (op) {
-    case R_MAX: return max_nan(a, b);
-    case R_MIN: return min_nan(a, b);
-    default: return a + b;
-    }
-}
-
-// Combines the block's ROW_THREADS partial values in `buf`; the result ends in buf[0].
-template <typename T> __device__ __forceinline__ void block_combine(int op, T* buf) {
-    for (unsigned width = ROW_THREADS / 2; width > 0; width /= 2) {
-        __syncthreads();
-        if (threadIdx.x < width) {
-            buf[threadIdx.x] = reduce_combine(op, buf[threadIdx.x], buf[threadIdx.x + width]);
-        }
-    }
-    __syncthreads();
-}
+// The combining helpers live in common.cuh, which softmax.cu shares.
 
 #define REDUCE(T, C, S)                                                                            \
     extern "C" __global__ void reduce_##S(int op, i64 rows, i64 len, T* out, const T* in) {        \

@@ -91,8 +91,9 @@ pub(crate) fn rows_launch(rows: usize) -> LaunchConfig {
     }
 }
 
-/// The dtype instances of a kernel family: `family!("unary")` (float-only families have no `_i64`
-/// kernel, which ops never ask for).
+/// The dtype instances of a kernel family compiled for every dtype: `family!("unary")`. Float-only
+/// families use [`float_family!`], which has no `_i64` name to ask for (`.ci/nvrtc-check.py` checks
+/// that every name either macro gives is compiled).
 macro_rules! family {
     ($base:literal) => {
         [

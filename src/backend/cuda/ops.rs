@@ -10,7 +10,7 @@ use cudarc::driver::{DeviceRepr, PushKernelArg};
 use smallvec::SmallVec;
 
 use crate::backend::cuda::kernels::{
-    Geo, cast_kernel, elementwise_launch, family, kernel, rows_launch,
+    Geo, cast_kernel, elementwise_launch, family, float_family, float_kernel, kernel, rows_launch,
 };
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
 use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
@@ -287,7 +287,7 @@ impl Backend for Gpu {
             return Ok(());
         }
         let rows = total / len;
-        let f = self.function(kernel(family!("softmax"), dtype))?;
+        let f = self.function(float_kernel("softmax", float_family!("softmax"), dtype)?)?;
         let (r, n, flag) = (rows as i64, len as i64, i32::from(log));
         let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
         let mut l = self.stream.launch_builder(&f);
@@ -312,7 +312,7 @@ impl Backend for Gpu {
         }
         let shape = log_p.layout.shape();
         let (rows, classes) = (shape[0] as i64, shape[1] as i64);
-        let f = self.function(kernel(family!("xent_grad"), dtype))?;
+        let f = self.function(float_kernel("cross_entropy", float_family!("xent_grad"), dtype)?)?;
         let (o, lp, lb) = (
             out.buf.address(),
             first(log_p.buf.address(), log_p.layout, dtype),
@@ -430,7 +430,7 @@ impl Backend for Gpu {
             return Ok(());
         }
         debug_assert!(dtype.is_float(), "creation ops draw floats only");
-        let f = self.function(kernel(family!("random"), dtype))?;
+        let f = self.function(float_kernel("random", float_family!("random"), dtype)?)?;
         let (count, code) = (n as i64, dist.code());
         let o = first(out.buf.address(), out.layout, dtype);
         let mut l = self.stream.launch_builder(&f);
@@ -522,7 +522,7 @@ impl Backend for Gpu {
             .collect();
         with_dtype!(dtype, T => match (update, ptrs.as_slice()) {
             (FusedUpdate::Sgd { lr, momentum, weight_decay, nesterov }, [pp, vp]) => {
-                let f = self.function(kernel(family!("sgd"), dtype))?;
+                let f = self.function(float_kernel("sgd", float_family!("sgd"), dtype)?)?;
                 let [lr, mu, wd] = [lr, momentum, weight_decay].map(<T as Math>::Compute::from_f64);
                 let nesterov = i32::from(nesterov);
                 let mut l = self.stream.launch_builder(&f);
@@ -533,7 +533,7 @@ impl Backend for Gpu {
                 unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("sgd kernel", e))?;
             }
             (FusedUpdate::Adam { b1, b2, eps, lr, l2, decay }, [pp, mp, vp]) => {
-                let f = self.function(kernel(family!("adam"), dtype))?;
+                let f = self.function(float_kernel("adam", float_family!("adam"), dtype)?)?;
                 let [b1, b2, eps, l2, decay] =
                     [b1, b2, eps, l2, decay].map(<T as Math>::Compute::from_f64);
                 let mut l = self.stream.launch_builder(&f);
