@@ -34,14 +34,38 @@
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
-    /* d(mean cross-entropy)/d(logits) from the log-probabilities: (softmax - one_hot) * scale */  \
-    extern "C" __global__ void xent_grad_##S(i64 rows, i64 classes, T* out, const T* log_p,        \
-                                             const i64* labels, C scale) {                         \
+    /* ln sum e^x of each row, into the compute type: -inf for a row of -inf, NaN with a NaN */  \
+    extern "C" __global__ void logsumexp_##S(i64 rows, i64 len, C* out, const T* in) {             \
+        __shared__ C buf[ROW_THREADS];                                                             \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
+            const T* x = in + r * len;                                                             \
+            C m = Limits<C>::lowest();                                                             \
+            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) m = max_nan(m, ld(x[j]));         \
+            buf[threadIdx.x] = m;                                                                  \
+            block_combine(R_MAX, buf);                                                             \
+            m = buf[0];                                                                            \
+            __syncthreads();                                                                       \
+            if (m == Limits<C>::lowest() || is_nan(m)) {                                           \
+                if (threadIdx.x == 0) out[r] = m;                                                  \
+                continue;                                                                          \
+            }                                                                                      \
+            C s = (C)0;                                                                            \
+            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) s += k_exp(ld(x[j]) - m);         \
+            buf[threadIdx.x] = s;                                                                  \
+            block_combine(R_SUM, buf);                                                             \
+            if (threadIdx.x == 0) out[r] = m + k_log(buf[0]);                                      \
+            __syncthreads();                                                                       \
+        }                                                                                          \
+    }                                                                                              \
+    /* d(cross-entropy)/d(logits): (e^(x - lse) - (1 - eps) one_hot - eps / classes) * weight */   \
+    extern "C" __global__ void xent_grad_##S(i64 rows, i64 classes, T* out, const T* logits,       \
+                                             const C* lse, const i64* labels, const C* weight,     \
+                                             C on, C off) {                                        \
         GRID_STRIDE(i, rows * classes) {                                                           \
             i64 r = i / classes;                                                                   \
             i64 c = i - r * classes;                                                               \
-            C hot = labels[r] == c ? (C)1 : (C)0;                                                  \
-            put(&out[i], (k_exp(ld(log_p[i])) - hot) * scale);                                     \
+            C hot = labels[r] == c ? on : (C)0;                                                    \
+            put(&out[i], (k_exp(ld(logits[i]) - lse[r]) - hot - off) * weight[r]);                 \
         }                                                                                          \
     }
 

@@ -1278,3 +1278,129 @@ fn cross_entropy_with_ignored_labels_reductions_and_smoothing() {
         Ok(())
     });
 }
+
+/// Softmax, log-softmax and fused cross-entropy over long rows (the vectorised lanes and their
+/// tails: lengths around 16, a thousand, GPT-2's vocabulary), against f64 loops, with huge
+/// magnitudes, `-inf` entries, a row of `-inf` (NaN, as PyTorch) and a row holding NaN.
+#[test]
+fn long_rows_match_f64_loops_with_extreme_values() {
+    root(Device::Cpu, |s| {
+        for len in [1usize, 15, 16, 17, 33, 1000] {
+            let mut data = values(4 * len, len as u64);
+            data.iter_mut().for_each(|v| *v *= 30.0); // e^60 apart: no room for a missing shift
+            data[len / 2] = f64::NEG_INFINITY; // a masked entry in row 0
+            data[len] = 1e30; // a huge entry in row 1
+            let (masked, nan) = (&mut data[2 * len..3 * len], 3 * len + len / 3);
+            masked.fill(f64::NEG_INFINITY);
+            data[nan] = f64::NAN;
+            for dtype in [DType::F64, DType::F32] {
+                let x = s.from_slice(&data, &[4, len])?.to_dtype(dtype)?;
+                let exact = x.to_vec_f64()?;
+                let tol = if dtype == DType::F64 { 1e-13 } else { 2e-6 };
+                let (sm, lsm) = (
+                    x.softmax(-1)?.to_vec_f64()?,
+                    x.log_softmax(-1)?.to_vec_f64()?,
+                );
+                for (r, row) in exact.chunks(len).enumerate() {
+                    let (got, got_log) = (&sm[r * len..][..len], &lsm[r * len..][..len]);
+                    if r >= 2 {
+                        // A row of -inf and a row holding NaN have no distribution.
+                        assert!(got.iter().chain(got_log).all(|v| v.is_nan()), "row {r}");
+                        continue;
+                    }
+                    let want = ref_softmax(row);
+                    assert_close(got, &want, tol);
+                    let log_want: Vec<f64> = want.iter().map(|p| p.ln()).collect();
+                    for (g, w) in got_log.iter().zip(&log_want) {
+                        assert!(
+                            (g.is_nan() && w.is_nan())
+                                || g == w
+                                || (g - w).abs() <= tol * (1.0 + w.abs()),
+                            "log_softmax {dtype} len {len}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn fused_cross_entropy_over_a_large_vocabulary_matches_an_f64_loop() {
+    use ndscope::Tape;
+    use ndscope::nn::{CrossEntropy, Reduction};
+    root(Device::Cpu, |s| {
+        let (rows, classes) = (5, 50257);
+        let data: Vec<f64> = values(rows * classes, 3).iter().map(|v| v * 8.0).collect();
+        let labels: Vec<i64> = vec![0, 50256, 1234, -100, 7];
+        let labels_t = s.from_slice(&labels, &[rows])?;
+        for (dtype, smoothing) in [
+            (DType::F64, 0.0),
+            (DType::F64, 0.1),
+            (DType::F32, 0.0),
+            (DType::BF16, 0.1),
+        ] {
+            let x = s.from_slice(&data, &[rows, classes])?.to_dtype(dtype)?;
+            let exact = x.to_vec_f64()?;
+            // The f64 reference: mean over the kept rows of -((1-ε) log p_label + ε mean_j log p_j).
+            let mut loss = 0.0;
+            let mut grad = vec![0.0; rows * classes];
+            let kept = labels.iter().filter(|&&l| l != -100).count() as f64;
+            for (r, row) in exact.chunks(classes).enumerate() {
+                if labels[r] == -100 {
+                    continue;
+                }
+                let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                let mean_logp = row.iter().map(|v| v - lse).sum::<f64>() / classes as f64;
+                let label = labels[r] as usize;
+                loss -= ((1.0 - smoothing) * (row[label] - lse) + smoothing * mean_logp) / kept;
+                for (j, v) in row.iter().enumerate() {
+                    let hot = if j == label { 1.0 - smoothing } else { 0.0 };
+                    grad[r * classes + j] =
+                        ((v - lse).exp() - hot - smoothing / classes as f64) / kept;
+                }
+            }
+            let tape = Tape::new(s);
+            let xv = tape.param(&x);
+            let options = CrossEntropy {
+                ignore_index: Some(-100),
+                reduction: Reduction::Mean,
+                label_smoothing: smoothing,
+            };
+            let got = xv.cross_entropy_with(&labels_t, options)?;
+            // 16-bit logits give an f32 loss, computed without a 16-bit intermediate.
+            let want_dtype = if dtype == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            };
+            assert_eq!(got.value().dtype(), want_dtype);
+            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+            let got_loss = got.value().to_vec_f64()?[0];
+            assert!(
+                (got_loss - loss).abs() <= tol * loss.abs(),
+                "{dtype}: loss {got_loss} vs {loss}"
+            );
+            let g = tape.backward(&got)?.get(&x).expect("a gradient");
+            assert_eq!(g.dtype(), dtype);
+            let g = g.to_vec_f64()?;
+            let step = match dtype {
+                DType::F64 => 1e-12,
+                // exp(x - lse) carries the f32 rounding of x - lse (|x - lse| up to ~40) relative.
+                DType::F32 => 1e-5,
+                _ => 1.0 / 128.0,
+            };
+            for (i, (a, b)) in g.iter().zip(&grad).enumerate() {
+                assert!(
+                    (a - b).abs() <= step * b.abs() + 1e-12,
+                    "{dtype}: grad[{i}] {a} vs {b}"
+                );
+            }
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

@@ -59,8 +59,11 @@ impl<'t, 's> Var<'t, 's> {
     /// per row, `-(1 - ε) log p[label] - ε mean_c log p[c]` with `p = softmax(row)`, zero for an
     /// ignored label, then reduced as `options.reduction` says ([`Reduction::None`] gives the
     /// labels' shape). The mean of a batch whose labels are all ignored is NaN (0 / 0, as PyTorch).
-    /// Computed in f32 under autocast. The derivative is fused:
-    /// `((1 - ε)(p - one_hot) + ε (p - 1/classes)) * weight` per row.
+    /// Fused with its log-softmax: each row's log-sum-exp is computed in one pass over the logits
+    /// and only it (`[rows]`) is kept for the backward pass, which writes the derivative
+    /// `(p - (1 - ε) one_hot - ε / classes) · weight` straight from the logits. Everything per row is
+    /// computed in the compute type, so the loss of 16-bit logits is `f32` (as under autocast) and
+    /// no 16-bit intermediate rounds or overflows.
     ///
     /// ```
     /// use ndscope::nn::{CrossEntropy, Reduction};
@@ -95,9 +98,6 @@ impl<'t, 's> Var<'t, 's> {
         labels: &Tensor<'s>,
         options: CrossEntropy,
     ) -> Result<Var<'t, 's>> {
-        if let Some(x) = self.autocast_f32()? {
-            return x.cross_entropy_with(labels, options);
-        }
         const OP: &str = "cross_entropy";
         let logits = &self.value;
         let Some((&classes, rows_shape)) = logits.shape().split_last() else {
@@ -139,10 +139,13 @@ impl<'t, 's> Var<'t, 's> {
             });
         }
         let rows: usize = rows_shape.iter().product();
-        let log_p = logits.reshape(&[rows, classes])?.log_softmax(-1)?;
+        let x = logits.reshape(&[rows, classes])?;
         let labels = labels.reshape(&[rows])?;
         let scope = self.tape().scope();
-        let dtype = log_p.dtype();
+        // Per-row values are computed in the compute type (f32 for 16-bit logits, rounded nowhere):
+        // the logits are read in place, and no [rows, classes] tensor is made or kept.
+        let lse = x.row_logsumexp()?;
+        let compute = lse.dtype();
         // Ignored labels read class 0 and are weighted by 0.
         let (labels, kept) = match options.ignore_index {
             None => (labels, None),
@@ -150,16 +153,24 @@ impl<'t, 's> Var<'t, 's> {
                 let ignored = scope.full_dtype(&[], ignored as f64, DType::I64)?;
                 let kept = labels.ne(&ignored)?;
                 let safe = Tensor::where_cond(&kept, &labels, &ignored.mul_scalar(0.0)?)?;
-                (safe, Some(kept.to_dtype(dtype)?.reshape(&[rows, 1])?))
+                (safe, Some(kept.to_dtype(compute)?))
             }
         };
-        // Each row's log-likelihood of its target; the loss is its negated reduction.
-        let mut per_row = log_p.gather(1, &labels.unsqueeze(-1)?)?;
+        // Each row's log-likelihood of its target, x[label] - lse; the loss is its negated
+        // reduction.
+        let target = x.gather(1, &labels.unsqueeze(-1)?)?.reshape(&[rows])?;
+        let mut per_row = target.to_dtype(compute)?.sub(&lse)?;
         if eps > 0.0 {
-            let spread = log_p.mean(&[-1], true)?;
+            // The mean log-probability of the row, mean(x) - lse (a 16-bit row is averaged in the
+            // compute type, through a transient copy).
+            let mean = if x.dtype() == compute {
+                x.mean(&[-1], false)?
+            } else {
+                x.to_dtype(compute)?.mean(&[-1], false)?
+            };
             per_row = per_row
                 .mul_scalar(1.0 - eps)?
-                .add(&spread.mul_scalar(eps)?)?;
+                .add(&mean.sub(&lse)?.mul_scalar(eps)?)?;
         }
         if let Some(kept) = &kept {
             per_row = per_row.mul(kept)?;
@@ -177,29 +188,22 @@ impl<'t, 's> Var<'t, 's> {
         };
         let (reduction, shape) = (options.reduction, logits.shape().to_vec());
         Var::record(&[self], OP, out, move |g, _| {
-            // d loss / d row, as a scale folded into the fused kernel and a tensor (a scalar, or
-            // [rows, 1]) that stays on the device: no host read per step.
-            let g = g.to_dtype(dtype)?;
-            let (scale, weight) = match (reduction, &count) {
-                (Reduction::None, _) => (1.0, g.reshape(&[rows, 1])?),
-                (Reduction::Sum, _) => (1.0, g),
-                (Reduction::Mean, Some(count)) => (1.0, g.div(count)?),
-                (Reduction::Mean, None) => (1.0 / rows.max(1) as f64, g),
+            // d loss / d row's term, one per row, kept on the device: no host read per step.
+            let g = g.to_dtype(compute)?;
+            let weight = match (reduction, &count) {
+                (Reduction::None, _) => g.reshape(&[rows])?,
+                (Reduction::Sum, _) => g.broadcast_to(&[rows])?,
+                (Reduction::Mean, Some(count)) => g.div(count)?.broadcast_to(&[rows])?,
+                (Reduction::Mean, None) => g
+                    .mul_scalar(1.0 / rows.max(1) as f64)?
+                    .broadcast_to(&[rows])?,
             };
             let weight = match &kept {
                 Some(kept) => weight.mul(kept)?,
                 None => weight,
             };
-            // (1 - ε)(p - one_hot) + ε (p - 1/classes), times the scale.
-            let mut grad = log_p.cross_entropy_grad(&labels, (1.0 - eps) * scale)?;
-            if eps > 0.0 {
-                let spread = log_p
-                    .exp()?
-                    .sub_scalar(1.0 / classes as f64)?
-                    .mul_scalar(eps * scale)?;
-                grad = grad.add(&spread)?;
-            }
-            Ok(smallvec![Some(grad.mul(&weight)?.reshape(&shape)?)])
+            let grad = x.cross_entropy_grad(&lse, &labels, &weight, eps)?;
+            Ok(smallvec![Some(grad.reshape(&shape)?)])
         })
     }
 }

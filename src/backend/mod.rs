@@ -261,14 +261,24 @@ pub(crate) trait Backend: Sync {
     /// Softmax (or log-softmax) of the rows of the contiguous `x` along its last axis.
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()>;
 
-    /// `(exp(log_p) - one_hot(labels)) * scale` for contiguous `log_p` `[batch, classes]` and
-    /// contiguous `i64` labels `[batch]`: the derivative of the mean cross-entropy.
+    /// `ln Σ_j e^(x_j)` of each row of the contiguous `x` along its last axis, into the contiguous
+    /// `out` of the compute type (`f64` for `f64`, else `f32`): `-inf` for a row of `-inf`, NaN for
+    /// a row holding NaN.
+    fn logsumexp(&self, dtype: DType, x: Src, out: Dst) -> Result<()>;
+
+    /// The derivative of cross-entropy with respect to contiguous `logits` `[rows, classes]`:
+    /// `out[r, j] = (e^(logits[r, j] - lse[r]) - (1 - ε)·[j = labels[r]] - ε / classes) · weight[r]`,
+    /// from each row's `lse` (contiguous, compute type), `i64` labels `[rows]` and the contiguous
+    /// compute-type `weight` `[rows]` (d loss / d row's term), with label smoothing `ε`.
+    #[allow(clippy::too_many_arguments)]
     fn cross_entropy_grad(
         &self,
         dtype: DType,
-        log_p: Src,
+        logits: Src,
+        lse: Src,
         labels: Src,
-        scale: f64,
+        weight: Src,
+        smoothing: f64,
         out: Dst,
     ) -> Result<()>;
 

@@ -35,20 +35,48 @@ impl<'s> Tensor<'s> {
         }
     }
 
-    /// The derivative of the mean cross-entropy with respect to the logits, `(exp(log_p) -
-    /// one_hot(labels)) * scale`, from float log-probabilities `[batch, classes]` and labels
-    /// `[batch]` that the forward pass checked.
+    /// `ln Σ e^x` of each row of float `[rows, classes]` values, as `[rows]` in the compute type
+    /// (`f32`, or `f64` for `f64`): one read of the values, no `[rows, classes]` output.
     #[track_caller]
-    pub(crate) fn cross_entropy_grad(&self, labels: &Tensor<'s>, scale: f64) -> Result<Tensor<'s>> {
+    pub(crate) fn row_logsumexp(&self) -> Result<Tensor<'s>> {
+        debug_assert!(self.rank() == 2 && self.dtype().is_float());
+        let x = self.contiguous()?;
+        let compute = if x.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let mut out = Tensor::output_of(&[&x], compute, &x.shape()[..1], Location::caller())?;
+        self.backend()?.logsumexp(x.dtype(), x.src(), out.dst())?;
+        Ok(out)
+    }
+
+    /// The derivative of cross-entropy with respect to these logits (`[rows, classes]`, checked by
+    /// the forward pass): `(softmax - (1 - ε) one_hot(labels) - ε / classes) · weight` per row, from
+    /// each row's log-sum-exp `lse` and `weight` (both `[rows]` in the compute type).
+    #[track_caller]
+    pub(crate) fn cross_entropy_grad(
+        &self,
+        lse: &Tensor<'s>,
+        labels: &Tensor<'s>,
+        weight: &Tensor<'s>,
+        smoothing: f64,
+    ) -> Result<Tensor<'s>> {
         debug_assert!(self.rank() == 2 && labels.dtype() == DType::I64);
-        let (log_p, labels) = (self.contiguous()?, labels.contiguous()?);
-        let mut out =
-            Tensor::output_of(&[&log_p], log_p.dtype(), log_p.shape(), Location::caller())?;
+        let (x, lse, labels, weight) = (
+            self.contiguous()?,
+            lse.contiguous()?,
+            labels.contiguous()?,
+            weight.contiguous()?,
+        );
+        let mut out = Tensor::output_of(&[&x], x.dtype(), x.shape(), Location::caller())?;
         self.backend()?.cross_entropy_grad(
-            log_p.dtype(),
-            log_p.src(),
+            x.dtype(),
+            x.src(),
+            lse.src(),
             labels.src(),
-            scale,
+            weight.src(),
+            smoothing,
             out.dst(),
         )?;
         Ok(out)

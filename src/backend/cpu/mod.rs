@@ -158,15 +158,22 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn logsumexp(&self, dtype: DType, x: Src, out: Dst) -> Result<()> {
+        reduce::logsumexp(dtype, x, out);
+        Ok(())
+    }
+
     fn cross_entropy_grad(
         &self,
         dtype: DType,
-        log_p: Src,
+        logits: Src,
+        lse: Src,
         labels: Src,
-        scale: f64,
+        weight: Src,
+        smoothing: f64,
         out: Dst,
     ) -> Result<()> {
-        reduce::cross_entropy_grad(dtype, log_p, labels, scale, out);
+        reduce::cross_entropy_grad(dtype, [logits, lse, labels, weight], smoothing, out);
         Ok(())
     }
 

@@ -231,21 +231,106 @@ pub(super) fn softmax(dtype: DType, x: Src, log: bool, out: Dst) {
     }
 }
 
-pub(super) fn cross_entropy_grad(dtype: DType, log_p: Src, labels: Src, scale: f64, out: Dst) {
-    let classes = log_p.layout.shape()[1];
-    if classes == 0 {
+/// `ln Σ e^x` of a row of `f32` or `f64`.
+fn logsumexp_row<C: Real>(x: &[C]) -> C {
+    let m = rows::max(x);
+    if m == C::lowest() || Float::is_nan(m) {
+        return m; // -inf for a row of -inf (or an empty row), NaN for a row holding NaN
+    }
+    m + Float::ln(rows::exp_sum(x, m))
+}
+
+/// `ln Σ e^x` of a 16-bit row, in `f32`.
+fn logsumexp_row_half<T: Math<Compute = f32>>(x: &[T]) -> f32 {
+    let mut m = f32::NEG_INFINITY;
+    rows::widened(x, |_, w| {
+        let block = rows::max(w);
+        m = if block > m || block.is_nan() {
+            block
+        } else {
+            m
+        };
+    });
+    if m == f32::NEG_INFINITY || m.is_nan() {
+        return m;
+    }
+    let mut sum = 0.0f32;
+    rows::widened(x, |_, w| sum += rows::exp_sum(w, m));
+    m + sum.ln()
+}
+
+/// Applies `row` to every row of `n` elements of the contiguous `x`, one result each.
+fn each_row_to<T: Element, C: Element>(x: Src, out: Dst, n: usize, row: impl Fn(&[T]) -> C + Sync) {
+    let (x, o) = (x.contiguous_host::<T>(), out.contiguous_host::<C>());
+    if x.len() >= PARALLEL_MIN {
+        o.par_iter_mut()
+            .zip(x.par_chunks(n))
+            .for_each(|(o, x)| *o = row(x));
+    } else {
+        o.iter_mut().zip(x.chunks(n)).for_each(|(o, x)| *o = row(x));
+    }
+}
+
+pub(super) fn logsumexp(dtype: DType, x: Src, out: Dst) {
+    let n = x.layout.shape().last().copied().unwrap_or(1);
+    if out.layout.numel() == 0 {
+        return;
+    }
+    if n == 0 {
+        // Empty rows: ln 0.
+        match dtype {
+            DType::F64 => out.contiguous_host::<f64>().fill(f64::NEG_INFINITY),
+            _ => out.contiguous_host::<f32>().fill(f32::NEG_INFINITY),
+        }
+        return;
+    }
+    match dtype {
+        DType::F32 => each_row_to::<f32, f32>(x, out, n, logsumexp_row),
+        DType::F64 => each_row_to::<f64, f64>(x, out, n, logsumexp_row),
+        DType::BF16 => each_row_to::<bf16, f32>(x, out, n, logsumexp_row_half),
+        DType::F16 => each_row_to::<f16, f32>(x, out, n, logsumexp_row_half),
+        DType::I64 => unreachable!("logsumexp refuses integer dtypes before computing"),
+    }
+}
+
+/// One row of the cross-entropy derivative (see `Backend::cross_entropy_grad`).
+#[inline]
+fn cross_entropy_grad_row<T: Math>(
+    x: &[T],
+    out: &mut [T],
+    (lse, label, weight): (T::Compute, usize, T::Compute),
+    (on, off): (T::Compute, T::Compute),
+) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = T::store(Math::exp(v.load().sub(lse)).sub(off).mul(weight));
+    }
+    let p = Math::exp(x[label].load().sub(lse));
+    out[label] = T::store(p.sub(off).sub(on).mul(weight));
+}
+
+pub(super) fn cross_entropy_grad(
+    dtype: DType,
+    [logits, lse, labels, weight]: [Src; 4],
+    smoothing: f64,
+    out: Dst,
+) {
+    let classes = logits.layout.shape()[1];
+    if classes == 0 || out.layout.numel() == 0 {
         return;
     }
     let labels = labels.contiguous_host::<i64>();
     with_float_dtype!(dtype, T => {
-        let (lp, o) = (log_p.contiguous_host::<T>(), out.contiguous_host::<T>());
-        let scale = <T as Math>::Compute::from_f64(scale);
-        let one = <T as Math>::Compute::one();
-        for ((o, lp), &label) in o.chunks_mut(classes).zip(lp.chunks(classes)).zip(labels) {
-            for (j, (o, &l)) in o.iter_mut().zip(lp).enumerate() {
-                let p = Math::exp(l.load());
-                *o = T::store(if j as i64 == label { p.sub(one) } else { p }.mul(scale));
-            }
+        type C = <T as Math>::Compute;
+        let (x, o) = (logits.contiguous_host::<T>(), out.contiguous_host::<T>());
+        let (lse, weight) = (lse.contiguous_host::<C>(), weight.contiguous_host::<C>());
+        let (on, off) = (C::from_f64(1.0 - smoothing), C::from_f64(smoothing / classes as f64));
+        let row = |r: usize, (o, x): (&mut [T], &[T])| {
+            cross_entropy_grad_row(x, o, (lse[r], labels[r] as usize, weight[r]), (on, off));
+        };
+        if x.len() >= PARALLEL_MIN {
+            o.par_chunks_mut(classes).zip(x.par_chunks(classes)).enumerate().for_each(|(r, p)| row(r, p));
+        } else {
+            o.chunks_mut(classes).zip(x.chunks(classes)).enumerate().for_each(|(r, p)| row(r, p));
         }
     }, else unreachable!("cross-entropy refuses integer dtypes before computing"));
 }

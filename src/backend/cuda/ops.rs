@@ -15,7 +15,7 @@ use crate::backend::cuda::kernels::{
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
 use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
 use crate::backend::{AttentionInputs, Backend, Dst, Src};
-use crate::dtype::{DType, Element, with_dtype};
+use crate::dtype::{DType, Element, with_dtype, with_float_dtype};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::rng::Distribution;
@@ -298,35 +298,72 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn logsumexp(&self, dtype: DType, x: Src, out: Dst) -> Result<()> {
+        let rows = out.layout.numel();
+        if rows == 0 {
+            return Ok(());
+        }
+        let len = x.layout.shape().last().copied().unwrap_or(1);
+        let f = self.function(float_kernel(
+            "logsumexp",
+            float_family!("logsumexp"),
+            dtype,
+        )?)?;
+        let (r, n) = (rows as i64, len as i64);
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&r).arg(&n).arg(&o).arg(&i);
+        // SAFETY: the arguments match `logsumexp_<dtype>` (i64, i64, C*, const T*) for a float dtype
+        // (the op refused integers); the input is contiguous `[rows, len]`, the output a fresh
+        // contiguous block of `rows` elements of the compute type.
+        unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("logsumexp kernel", e))?;
+        Ok(())
+    }
+
     fn cross_entropy_grad(
         &self,
         dtype: DType,
-        log_p: Src,
+        logits: Src,
+        lse: Src,
         labels: Src,
-        scale: f64,
+        weight: Src,
+        smoothing: f64,
         out: Dst,
     ) -> Result<()> {
         let n = out.layout.numel();
         if n == 0 {
             return Ok(());
         }
-        let shape = log_p.layout.shape();
+        let shape = logits.layout.shape();
         let (rows, classes) = (shape[0] as i64, shape[1] as i64);
-        let f = self.function(float_kernel("cross_entropy", float_family!("xent_grad"), dtype)?)?;
-        let (o, lp, lb) = (
+        let f = self.function(float_kernel(
+            "cross_entropy",
+            float_family!("xent_grad"),
+            dtype,
+        )?)?;
+        let compute = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let (o, x, ls, lb, w) = (
             out.buf.address(),
-            first(log_p.buf.address(), log_p.layout, dtype),
+            first(logits.buf.address(), logits.layout, dtype),
+            first(lse.buf.address(), lse.layout, compute),
             first(labels.buf.address(), labels.layout, DType::I64),
+            first(weight.buf.address(), weight.layout, compute),
         );
-        with_dtype!(dtype, T => {
-            let scale = <T as Math>::Compute::from_f64(scale);
+        with_float_dtype!(dtype, T => {
+            type C = <T as Math>::Compute;
+            let (on, off) = (C::from_f64(1.0 - smoothing), C::from_f64(smoothing / classes as f64));
             let mut l = self.stream.launch_builder(&f);
-            l.arg(&rows).arg(&classes).arg(&o).arg(&lp).arg(&lb).arg(&scale);
-            // SAFETY: the arguments match `xent_grad_<dtype>` (i64, i64, T*, const T*, const i64*, C)
-            // for a float dtype; `log_p` and `out` are contiguous `[rows, classes]`, `labels`
+            l.arg(&rows).arg(&classes).arg(&o).arg(&x).arg(&ls).arg(&lb).arg(&w).arg(&on).arg(&off);
+            // SAFETY: the arguments match `xent_grad_<dtype>` (i64, i64, T*, const T*, const C*,
+            // const i64*, const C*, C, C) for a float dtype; `logits` and `out` are contiguous
+            // `[rows, classes]`, `lse` and `weight` contiguous `[rows]` of the compute type, `labels`
             // contiguous i64 `[rows]` with values in `0..classes` (checked by the op).
             unsafe { l.launch(elementwise_launch(n)) }.map_err(|e| cuda_error("cross-entropy kernel", e))?;
-        });
+        }, else unreachable!("float_kernel refused integers"));
         Ok(())
     }
 
