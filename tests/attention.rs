@@ -348,3 +348,53 @@ fn bad_attention_operands_are_typed_errors() {
     })
     .unwrap();
 }
+
+/// What the tape keeps between the forward and the backward pass: fused attention keeps its output
+/// and one log-sum per query (`O(T)` per head); the unfused composition keeps at least
+/// its `[T, T]` weights per head.
+#[test]
+fn fused_attention_keeps_o_of_t_state_per_head() {
+    root(Device::Cpu, |s| {
+        let (b, h, t, d) = (1, 4, 256, 32);
+        let (q, k, v) = (
+            s.randn(&[b, h, t, d])?,
+            s.randn(&[b, h, t, d])?,
+            s.randn(&[b, h, t, d])?,
+        );
+        // Outputs go to the innermost owner of their operands (here `s`, which holds q, k, v), so
+        // what the forward pass added is measured over the whole tree.
+        let kept = |fused: bool| {
+            let before = s.stats().subtree_bytes;
+            s.scope(|batch| {
+                let tape = Tape::new(batch);
+                let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                let out = if fused {
+                    qv.attention(&kv, &vv, AttentionSpec::CAUSAL, None)?
+                } else {
+                    let options = AttentionOptions {
+                        causal: true,
+                        dropout: 0.0,
+                    };
+                    scaled_dot_product_attention(&qv, &kv, &vv, options, Mode::Train)?.output
+                };
+                let added = s.stats().subtree_bytes - before;
+                tape.backward(&out.sum_all()?)?;
+                Ok::<_, Error>(added)
+            })
+        };
+        let (fused, unfused) = (kept(true)?, kept(false)?);
+        let output = b * h * t * d * 4;
+        let lse = b * h * t * 4;
+        assert!(
+            fused >= output + lse && fused <= output + lse + 4096,
+            "fused attention keeps {fused} B; its output and log-sums are {} B",
+            output + lse
+        );
+        assert!(
+            unfused >= b * h * t * t * 4,
+            "the unfused composition keeps {unfused} B"
+        );
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
