@@ -1,6 +1,7 @@
 //! GPT-2 small (124M parameters, Hugging Face's shape) on the CPU: loading its checkpoint, and the
-//! forward and forward+backward passes at 128 and 1,024 tokens (batch 1). The checkpoint holds
-//! random weights of that shape, written once by this bench to `target/gpt2-small-random/`
+//! forward (f32 and bf16 autocast) and forward+backward passes at 128 and 1,024 tokens (batch 1).
+//! The checkpoint holds random weights of that shape, written once by this bench to
+//! `target/gpt2-small-random/`
 //! (transformers reads the same directory in `benches/gpt2_reference.py`, for its side of the
 //! comparison). Run with
 //!
@@ -60,6 +61,22 @@ fn gpt2(c: &mut Criterion) {
                         let x = b.from_slice(&ids, &[1, len])?;
                         let logits = model.forward(&tape, &x, Mode::Eval)?;
                         logits.value().narrow(1, len - 1, 1)?.sum_all()?.to_scalar()
+                    })
+                    .map(black_box)
+                    .unwrap()
+                })
+            });
+            // bf16 autocast: products and attention in bf16 (f32 accumulation), norms and the loss
+            // in f32.
+            group.bench_function(BenchmarkId::new("forward_bf16_autocast", len), |bench| {
+                bench.iter(|| {
+                    m.scope(|b| -> Result<f32> {
+                        b.autocast(DType::BF16)?;
+                        let tape = Tape::no_grad(b);
+                        let x = b.from_slice(&ids, &[1, len])?;
+                        let logits = model.forward(&tape, &x, Mode::Eval)?;
+                        let last = logits.value().narrow(1, len - 1, 1)?;
+                        last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
                     })
                     .map(black_box)
                     .unwrap()
