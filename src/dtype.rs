@@ -153,6 +153,12 @@ pub trait Element:
     fn min_nan(self, o: Self) -> Self;
 }
 
+/// `x` rounded to the nearest `bf16` (ties to even): `bf16::from_f32`, in a form loops vectorise.
+#[inline(always)]
+pub(crate) fn bf16_of_f32(x: f32) -> bf16 {
+    bf16::from_bits(crate::fastmath::bf16_bits_of_f32(x))
+}
+
 /// Floating-point elements: the transcendental functions. For `f32`, `exp` and `tanh` are
 /// branch-free approximations that vectorise (within 2 and 3 ulp of the correctly rounded result);
 /// the rest, and everything for `f64`, are the platform's functions.

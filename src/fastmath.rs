@@ -45,6 +45,18 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     if x < EXP_MIN { 0.0 } else { y }
 }
 
+/// The bits of the `bf16` nearest `x` (ties to even; NaN stays NaN, quiet): the same value as
+/// `half::bf16::from_f32`, without branches, so a loop of conversions becomes SIMD code.
+#[inline(always)]
+pub(crate) fn bf16_bits_of_f32(x: f32) -> u16 {
+    let bits = x.to_bits();
+    // Adding 0x7fff plus the kept part's lowest bit carries into it exactly when the dropped half
+    // is above a tie, or a tie with an odd kept part.
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let quiet_nan = (bits >> 16) | 0x40;
+    (if x.is_nan() { quiet_nan } else { rounded }) as u16
+}
+
 /// `tanh x`.
 #[inline(always)]
 pub(crate) fn tanh_f32(x: f32) -> f32 {
@@ -69,6 +81,25 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bf16_rounding_is_halfs() {
+        // Every 16-bit pattern of the kept half with dropped halves at and around each tie, plus a
+        // sweep of all patterns 2^10 apart.
+        let dropped = [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff];
+        let sweep = (0..1u32 << 22).map(|i| i << 10);
+        for bits in (0..1u32 << 16)
+            .flat_map(|hi| dropped.iter().map(move |&lo| (hi << 16) | lo))
+            .chain(sweep)
+        {
+            let x = f32::from_bits(bits);
+            assert_eq!(
+                bf16_bits_of_f32(x),
+                half::bf16::from_f32(x).to_bits(),
+                "{bits:#010x}"
+            );
+        }
+    }
 
     /// Distance in units in the last place between `got` and the correctly rounded `want`.
     fn ulps(got: f32, want: f64) -> f64 {

@@ -367,6 +367,19 @@ fn reductions_products_and_windows_in_16_bit_accumulate_in_f32() {
         ("matmul transposed", vec![&[200, 9], &[7, 200]], 200, |t| {
             t[0].t()?.matmul(&t[1].t()?)
         }),
+        // Past the bf16 kernel's tiles (8 rows, 32 columns, 256-column blocks) with an odd depth.
+        (
+            "matmul over several tiles",
+            vec![&[37, 301], &[301, 300]],
+            301,
+            |t| t[0].matmul(&t[1]),
+        ),
+        (
+            "transposed matmul over several tiles",
+            vec![&[301, 37], &[300, 301]],
+            301,
+            |t| t[0].t()?.matmul(&t[1].t()?),
+        ),
         ("batched matmul", vec![&[3, 5, 64], &[64, 6]], 64, |t| {
             t[0].matmul(&t[1])
         }),

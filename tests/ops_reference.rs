@@ -1404,3 +1404,31 @@ fn fused_cross_entropy_over_a_large_vocabulary_matches_an_f64_loop() {
     })
     .unwrap();
 }
+
+/// Converting a permuted view (a transposed weight under autocast) converts the elements in memory
+/// order and keeps the permutation: same values, same shape, and the view stays a view.
+#[test]
+fn converting_a_permuted_view_keeps_its_values_and_permutation() {
+    root(Device::Cpu, |s| {
+        let x = s.from_slice(&values(2 * 3 * 5, 4), &[2, 3, 5])?;
+        for view in [
+            x.transpose(1, 2)?,
+            x.permute(&[2, 0, 1])?,
+            x.narrow(2, 1, 3)?.transpose(0, 2)?,
+        ] {
+            let want: Vec<f64> = view
+                .to_vec_f64()?
+                .iter()
+                .map(|&v| ndscope::bf16::from_f64(v).to_f64())
+                .collect();
+            let got = view.to_dtype(DType::BF16)?;
+            assert_eq!(got.shape(), view.shape());
+            assert_eq!(got.to_vec_f64()?, want);
+            assert_eq!(got.to_dtype(DType::F32)?.to_vec_f64()?, want);
+        }
+        // A dense permutation stays a view of converted memory; the narrowed one is packed.
+        assert!(!x.transpose(1, 2)?.to_dtype(DType::BF16)?.is_contiguous());
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

@@ -117,7 +117,7 @@ macro_rules! via_f64 {
 /// The 16-bit types compute in `f32`; their own math (never called by kernels, which compute in
 /// `f32`) rounds after each function.
 macro_rules! half_math {
-    ($t:ty) => {
+    ($t:ty, store: $store:path) => {
         impl Math for $t {
             type Compute = f32;
             #[inline(always)]
@@ -126,7 +126,7 @@ macro_rules! half_math {
             }
             #[inline(always)]
             fn store(c: f32) -> Self {
-                <$t>::from_f32(c)
+                $store(c)
             }
             via_compute!(exp, ln, ln_1p, exp_m1, sqrt, tanh, sin, cos, recip, erf);
             #[inline(always)]
@@ -150,8 +150,8 @@ macro_rules! via_compute {
     )*};
 }
 
-half_math!(crate::dtype::bf16);
-half_math!(crate::dtype::f16);
+half_math!(crate::dtype::bf16, store: crate::dtype::bf16_of_f32);
+half_math!(crate::dtype::f16, store: crate::dtype::f16::from_f32);
 
 impl Math for i64 {
     type Compute = i64;

@@ -262,10 +262,30 @@ impl<'s> Tensor<'s> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        if let Some(order) = self.dense_order() {
+            // A permuted view of dense elements (a transposed weight): convert them in memory order
+            // and give the result the same permutation, rather than gathering across rows.
+            let inverse = inverse_permutation(&order);
+            return self.permute(&order)?.to_dtype(dtype)?.permute(&inverse);
+        }
         let mut out = Tensor::output_of(&[self], dtype, self.shape(), Location::caller())?;
         self.backend()?
             .copy(self.dtype(), dtype, self.src(), out.dst())?;
         Ok(out)
+    }
+
+    /// The axis order in which this non-contiguous view is contiguous (largest stride first), when
+    /// it is a permutation of dense elements; `None` when it is contiguous already, or strided
+    /// otherwise (broadcast, stepped or narrowed along an inner axis).
+    fn dense_order(&self) -> Option<Vec<usize>> {
+        if self.is_contiguous() || self.rank() < 2 {
+            return None;
+        }
+        let strides = self.layout().strides();
+        let mut order: Vec<usize> = (0..self.rank()).collect();
+        order.sort_by_key(|&a| std::cmp::Reverse(strides[a]));
+        let permuted = self.layout().permuted("to_dtype", &order).ok()?;
+        permuted.is_contiguous().then_some(order)
     }
 
     /// Updates `self` in place with `op(self, other)`, `other` broadcast to `self`'s shape. Copies
@@ -378,4 +398,13 @@ impl<'s> Tensor<'s> {
     pub fn fill_(&mut self, value: f64) -> Result<()> {
         self.apply_(Unary::Fill, [value, 0.0])
     }
+}
+
+/// The permutation that undoes `order`.
+fn inverse_permutation(order: &[usize]) -> Vec<usize> {
+    let mut inverse = vec![0; order.len()];
+    for (i, &a) in order.iter().enumerate() {
+        inverse[a] = i;
+    }
+    inverse
 }

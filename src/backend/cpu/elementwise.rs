@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::{CHUNK, PARALLEL_MIN, fill_segments};
 use crate::backend::op::{Binary, MapFn, Math, Unary, ZipFn};
 use crate::backend::{Dst, Src, bytes_of};
-use crate::dtype::{DType, Element, with_dtype};
+use crate::dtype::{DType, Element, bf16, bf16_of_f32, f16, with_dtype};
 use crate::layout::{RowWalk, contiguous_strides};
 
 /// One output row from one operand row.
@@ -261,7 +261,17 @@ pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
         with_dtype!(from, T => copy_with::<T, T>(x, out, |v| v));
         return;
     }
-    with_dtype!(from, S => with_dtype!(to, D => copy_with::<S, D>(x, out, |v| D::from_f64(v.to_f64()))));
+    // Between f32 and the 16-bit types, convert directly (rounding f32 through f64 to 16 bits is the
+    // same single rounding, but the f64 path neither vectorises nor runs branch-free).
+    match (from, to) {
+        (DType::F32, DType::BF16) => copy_with::<f32, bf16>(x, out, bf16_of_f32),
+        (DType::BF16, DType::F32) => copy_with::<bf16, f32>(x, out, bf16::to_f32),
+        (DType::F32, DType::F16) => copy_with::<f32, f16>(x, out, f16::from_f32),
+        (DType::F16, DType::F32) => copy_with::<f16, f32>(x, out, f16::to_f32),
+        _ => with_dtype!(from, S => with_dtype!(to, D => {
+            copy_with::<S, D>(x, out, |v| D::from_f64(v.to_f64()))
+        })),
+    }
 }
 
 pub(super) fn upload(dtype: DType, data: &[u8], out: Dst) {

@@ -7,10 +7,12 @@
 //! `gemm`'s packing buffers are; it never holds a tensor.
 
 use gemm::Parallelism;
+
+use super::bf16_gemm;
 use rayon::prelude::*;
 
 use crate::backend::{Dst, Src};
-use crate::dtype::{DType, Element, bf16};
+use crate::dtype::{DType, Element, bf16, bf16_of_f32};
 use crate::layout::{Layout, RowWalk, Shape, contiguous_strides};
 
 /// Products with fewer multiply-adds than this run on one thread.
@@ -28,6 +30,30 @@ pub(super) fn matmul(
         DType::F32 => direct::<f32>(a, b, batch, mkn, out),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
+        DType::BF16 if bf16_gemm::available() => {
+            let (la, lb) = (a.layout, b.layout);
+            let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<bf16>());
+            let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));
+            let out = out.contiguous_host::<bf16>();
+            let (m, k, n) = mkn;
+            if k == 0 {
+                out.fill(bf16::ZERO);
+                return;
+            }
+            each_product(la, lb, batch, (m, n), |ia, ib, io| {
+                let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
+                    data,
+                    rows: rows as usize,
+                    cols: cols as usize,
+                };
+                bf16_gemm::matmul(
+                    matrix(&da[ia..], a_rs, a_cs),
+                    matrix(&db[ib..], b_rs, b_cs),
+                    mkn,
+                    &mut out[io..io + m * n],
+                );
+            });
+        }
         DType::BF16 => {
             let (wa, la) = widen(a);
             let (wb, lb) = widen(b);
@@ -36,11 +62,7 @@ pub(super) fn matmul(
             matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
             out.par_chunks_mut(CONVERT_CHUNK)
                 .zip(wide.par_chunks(CONVERT_CHUNK))
-                .for_each(|(o, w)| {
-                    o.iter_mut()
-                        .zip(w)
-                        .for_each(|(o, &w)| *o = bf16::from_f32(w))
-                });
+                .for_each(|(o, w)| o.iter_mut().zip(w).for_each(|(o, &w)| *o = bf16_of_f32(w)));
         }
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
@@ -83,22 +105,21 @@ fn widen(x: Src<'_>) -> (Vec<f32>, Layout) {
     (wide, Layout::contiguous(layout.shape()))
 }
 
-/// `out[b] = a[b] @ b[b]` for every batch index; each operand is its block's elements and the
-/// layout through which the product reads them.
-fn matmul_into<T: Element>(
-    (da, a_layout): (&[T], &Layout),
-    (db, b_layout): (&[T], &Layout),
+/// The row and column strides of a matrix operand (its last two dimensions).
+fn matrix_strides(layout: &Layout) -> (isize, isize) {
+    let (r, s) = (layout.rank(), layout.strides());
+    (s[r - 2] as isize, s[r - 1] as isize)
+}
+
+/// Calls `product(ia, ib, io)` for every index of `batch`: where that product's operands start in
+/// their blocks and where its `m×n` output starts in the contiguous output.
+fn each_product(
+    a_layout: &Layout,
+    b_layout: &Layout,
     batch: &[usize],
-    (m, k, n): (usize, usize, usize),
-    out: &mut [T],
+    (m, n): (usize, usize),
+    mut product: impl FnMut(usize, usize, usize),
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        out.fill(T::zero());
-        return;
-    }
     let (ar, br) = (a_layout.rank(), b_layout.rank());
     let batch_layout = |t: &Layout, r: usize| {
         let mut shape: Shape = t.shape()[..r - 2].iter().copied().collect();
@@ -127,24 +148,40 @@ fn matmul_into<T: Element>(
         [a_layout.offset(), b_layout.offset(), 0],
     );
     let [rsa, rsb, rso] = walk.row_strides();
-    let (a_rs, a_cs) = (
-        a_layout.strides()[ar - 2] as isize,
-        a_layout.strides()[ar - 1] as isize,
-    );
-    let (b_rs, b_cs) = (
-        b_layout.strides()[br - 2] as isize,
-        b_layout.strides()[br - 1] as isize,
-    );
+    let total: usize = batch.iter().product();
+    walk.for_segments(0, total, |_, [oa, ob, oo], len| {
+        for j in 0..len {
+            product(oa + j * rsa, ob + j * rsb, oo + j * rso);
+        }
+    });
+}
+
+/// `out[b] = a[b] @ b[b]` for every batch index; each operand is its block's elements and the
+/// layout through which the product reads them.
+fn matmul_into<T: Element>(
+    (da, a_layout): (&[T], &Layout),
+    (db, b_layout): (&[T], &Layout),
+    batch: &[usize],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [T],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        out.fill(T::zero());
+        return;
+    }
+    let (a_rs, a_cs) = matrix_strides(a_layout);
+    let (b_rs, b_cs) = matrix_strides(b_layout);
     let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS {
         Parallelism::Rayon(0)
     } else {
         Parallelism::None
     };
-    let total: usize = batch.iter().product();
-    walk.for_segments(0, total, |_, [oa, ob, oo], len| {
-        for j in 0..len {
-            let (ia, ib, io) = (oa + j * rsa, ob + j * rsb, oo + j * rso);
-            debug_assert!(io + m * n <= out.len());
+    each_product(a_layout, b_layout, batch, (m, n), |ia, ib, io| {
+        debug_assert!(io + m * n <= out.len());
+        {
             // SAFETY: `a`'s layout keeps every element `ia + r*a_rs + c*a_cs` (r < m, c < k) inside its
             // block (layouts are checked against the block when created), likewise `b`; `out` is a
             // fresh contiguous block of `batch * m * n` elements, so rows `io..io + m*n` are in bounds

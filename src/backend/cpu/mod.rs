@@ -5,6 +5,7 @@
 //! (contiguous, broadcast scalar, or strided), so the common cases are plain slice loops.
 
 mod attention;
+mod bf16_gemm;
 mod elementwise;
 mod fused;
 mod index;

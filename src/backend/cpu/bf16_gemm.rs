@@ -1,0 +1,200 @@
+//! `bf16` matrix products on the CPU's own bf16 dot products (AVX-512 BF16's `vdpbf16ps`), where
+//! the CPU has them: `f32` accumulation, each output rounded once to `bf16`, and no widened copy of
+//! either operand (the portable path in `matmul.rs` widens both to `f32` scratch on every call,
+//! which made a bf16 product slower than an f32 one).
+//!
+//! The schedule is the classic one: the left operand is packed once into panels of [`MR`] rows in
+//! `k` pairs (`u32` each: the two `bf16` a dot-product lane multiplies); the columns are split into
+//! blocks of [`NC`], one rayon task each, which packs its block of the right operand into panels of
+//! [`NR`] columns in `k` pairs and runs the `MR × NR` micro-kernel over every row panel with the
+//! whole `k` in sixteen `zmm` accumulators. Rows and columns past the matrix are zero padding, as is
+//! the second half of an odd `k`'s last pair. Like the instruction, subnormal inputs and results
+//! count as zero.
+
+use rayon::prelude::*;
+
+use crate::dtype::{bf16, bf16_of_f32};
+
+/// Rows per micro-kernel tile.
+const MR: usize = 8;
+/// Columns per micro-kernel tile: two vectors of 16 `f32` lanes.
+const NR: usize = 32;
+/// Columns per task (and per packed block of the right operand).
+const NC: usize = 256;
+
+/// Whether this CPU runs the bf16 dot-product path.
+pub(super) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A `bf16` matrix in a slice: element `(r, c)` is `data[r * rows + c * cols]`.
+#[derive(Clone, Copy)]
+pub(super) struct Matrix<'a> {
+    pub(super) data: &'a [bf16],
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+}
+
+impl Matrix<'_> {
+    #[inline]
+    fn at(&self, r: usize, c: usize) -> u16 {
+        self.data[r * self.rows + c * self.cols].to_bits()
+    }
+}
+
+/// `out = a b` (`a` `m×k`, `b` `k×n`, `out` contiguous `m×n`), rounded once per element. Only call
+/// when [`available`] says so.
+pub(super) fn matmul(
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [bf16],
+) {
+    debug_assert!(available() && out.len() == m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    let pairs = k.div_ceil(2);
+    let panels = m.div_ceil(MR);
+    // Left panels: [panel][pair][row], each the u32 of (a[r][2p], a[r][2p + 1]).
+    let mut left = vec![0u32; panels * pairs * MR];
+    left.par_chunks_mut(pairs * MR)
+        .enumerate()
+        .for_each(|(panel, packed)| {
+            for p in 0..pairs {
+                for r in 0..MR {
+                    let row = panel * MR + r;
+                    if row < m {
+                        let lo = u32::from(a.at(row, 2 * p));
+                        let hi = if 2 * p + 1 < k {
+                            u32::from(a.at(row, 2 * p + 1))
+                        } else {
+                            0
+                        };
+                        packed[p * MR + r] = lo | hi << 16;
+                    }
+                }
+            }
+        });
+    let out_rows = OutRows {
+        ptr: out.as_mut_ptr(),
+        n,
+    };
+    (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
+        let (j0, cols) = (block * NC, NC.min(n - block * NC));
+        let col_panels = cols.div_ceil(NR);
+        // Right panels: [panel][pair][column][2].
+        let mut right = vec![0u16; col_panels * pairs * NR * 2];
+        for (cp, packed) in right.chunks_mut(pairs * NR * 2).enumerate() {
+            for p in 0..pairs {
+                for c in 0..NR {
+                    let col = j0 + cp * NR + c;
+                    if col < j0 + cols {
+                        packed[(p * NR + c) * 2] = b.at(2 * p, col);
+                        if 2 * p + 1 < k {
+                            packed[(p * NR + c) * 2 + 1] = b.at(2 * p + 1, col);
+                        }
+                    }
+                }
+            }
+        }
+        let mut tile = [[0.0f32; NR]; MR];
+        for panel in 0..panels {
+            let lp = &left[panel * pairs * MR..(panel + 1) * pairs * MR];
+            for cp in 0..col_panels {
+                let rp = &right[cp * pairs * NR * 2..(cp + 1) * pairs * NR * 2];
+                micro_kernel(lp, rp, pairs, &mut tile);
+                let (i0, c0) = (panel * MR, j0 + cp * NR);
+                let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
+                for (r, values) in tile.iter().enumerate().take(rows) {
+                    out_rows.store(i0 + r, c0, &values[..width]);
+                }
+            }
+        }
+    });
+}
+
+/// The output, written by the column-block tasks: each task writes only its own columns.
+#[derive(Clone, Copy)]
+struct OutRows {
+    ptr: *mut bf16,
+    n: usize,
+}
+
+// SAFETY: the tasks that share an `OutRows` write disjoint columns of it (see `store`), and the
+// borrow of the output outlives them (`matmul` returns after the parallel loop).
+unsafe impl Send for OutRows {}
+// SAFETY: as above.
+unsafe impl Sync for OutRows {}
+
+impl OutRows {
+    /// Rounds `values` into row `row`, columns `col..col + values.len()`.
+    fn store(&self, row: usize, col: usize, values: &[f32]) {
+        // SAFETY: `matmul`'s callers give `out` with `m * n` elements; `row < m` and `col +
+        // values.len() <= n` (the tile is clipped to the matrix), so the range is inside it; each
+        // column block belongs to one task, so no other thread touches these elements meanwhile.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), values.len())
+        };
+        dst.iter_mut()
+            .zip(values)
+            .for_each(|(o, &v)| *o = bf16_of_f32(v));
+    }
+}
+
+/// `tile = left_panel · right_panel` over `pairs` k-pairs.
+fn micro_kernel(left: &[u32], right: &[u16], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+    assert!(left.len() >= pairs * MR && right.len() >= pairs * NR * 2);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `matmul` runs only where `available()` found AVX-512F and AVX-512 BF16; the assertion
+    // keeps every load inside the panels.
+    unsafe {
+        micro_kernel_avx512(left, right, pairs, tile)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("the bf16 dot-product path is only taken on x86-64 with AVX-512 BF16")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn micro_kernel_avx512(left: &[u32], right: &[u16], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+    use std::arch::x86_64::{
+        __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32,
+        _mm512_setzero_ps, _mm512_storeu_ps,
+    };
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    for p in 0..pairs {
+        let at = right[p * NR * 2..].as_ptr();
+        // SAFETY: `micro_kernel` checked that `right` holds `pairs * NR * 2` elements: the two
+        // 64-byte loads at `p * NR * 2` and 32 further stay inside; `loadu` needs no alignment. The
+        // casts reinterpret 512 bits as 32 bf16, the layout `vdpbf16ps` reads.
+        let (b0, b1) = unsafe {
+            (
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.cast())),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.add(NR).cast())),
+            )
+        };
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: as above: 512 bits of a broadcast pair, reread as 32 bf16.
+            let a = unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(left[p * MR + r] as i32))
+            };
+            acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
+            acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+        }
+    }
+    for (row, acc) in tile.iter_mut().zip(&acc) {
+        // SAFETY: each row of the tile holds NR = 32 floats: two 16-float stores.
+        unsafe {
+            _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
+            _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
+        }
+    }
+}
