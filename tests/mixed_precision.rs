@@ -380,6 +380,14 @@ fn reductions_products_and_windows_in_16_bit_accumulate_in_f32() {
             301,
             |t| t[0].t()?.matmul(&t[1].t()?),
         ),
+        // A Linear's product (the weight [out, in] used transposed, even depth): more tokens than a
+        // tile's 32 and more outputs than a task's 64.
+        (
+            "matmul by a transposed weight",
+            vec![&[37, 300], &[130, 300]],
+            300,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
         ("batched matmul", vec![&[3, 5, 64], &[64, 6]], 64, |t| {
             t[0].matmul(&t[1])
         }),

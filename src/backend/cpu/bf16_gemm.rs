@@ -61,6 +61,9 @@ pub(super) fn matmul(
     if m == 0 || n == 0 {
         return;
     }
+    if b.rows == 1 && k.is_multiple_of(2) {
+        return weight_stationary(a, b, (m, k, n), out);
+    }
     let pairs = k.div_ceil(2);
     let panels = m.div_ceil(MR);
     // Left panels: [panel][pair][row], each the u32 of (a[r][2p], a[r][2p + 1]).
@@ -68,18 +71,17 @@ pub(super) fn matmul(
     left.par_chunks_mut(pairs * MR)
         .enumerate()
         .for_each(|(panel, packed)| {
-            for p in 0..pairs {
-                for r in 0..MR {
-                    let row = panel * MR + r;
-                    if row < m {
-                        let lo = u32::from(a.at(row, 2 * p));
-                        let hi = if 2 * p + 1 < k {
-                            u32::from(a.at(row, 2 * p + 1))
-                        } else {
-                            0
-                        };
-                        packed[p * MR + r] = lo | hi << 16;
-                    }
+            // Row by row: activations are contiguous along k.
+            for r in 0..MR.min(m - panel * MR) {
+                let row = panel * MR + r;
+                for p in 0..pairs {
+                    let lo = u32::from(a.at(row, 2 * p));
+                    let hi = if 2 * p + 1 < k {
+                        u32::from(a.at(row, 2 * p + 1))
+                    } else {
+                        0
+                    };
+                    packed[p * MR + r] = lo | hi << 16;
                 }
             }
         });
@@ -93,16 +95,19 @@ pub(super) fn matmul(
         // Right panels: [panel][pair][column][2].
         let mut right = vec![0u16; col_panels * pairs * NR * 2];
         for (cp, packed) in right.chunks_mut(pairs * NR * 2).enumerate() {
-            for p in 0..pairs {
-                for c in 0..NR {
-                    let col = j0 + cp * NR + c;
-                    if col < j0 + cols {
-                        packed[(p * NR + c) * 2] = b.at(2 * p, col);
-                        if 2 * p + 1 < k {
-                            packed[(p * NR + c) * 2 + 1] = b.at(2 * p + 1, col);
-                        }
-                    }
+            let panel_cols = NR.min(cols - cp * NR);
+            let mut put = |p: usize, c: usize| {
+                let col = j0 + cp * NR + c;
+                packed[(p * NR + c) * 2] = b.at(2 * p, col);
+                if 2 * p + 1 < k {
+                    packed[(p * NR + c) * 2 + 1] = b.at(2 * p + 1, col);
                 }
+            };
+            // Walk the operand along its unit stride (a weight used transposed is contiguous in k).
+            if b.rows == 1 {
+                (0..panel_cols).for_each(|c| (0..pairs).for_each(|p| put(p, c)));
+            } else {
+                (0..pairs).for_each(|p| (0..panel_cols).for_each(|c| put(p, c)));
             }
         }
         let mut tile = [[0.0f32; NR]; MR];
@@ -121,6 +126,72 @@ pub(super) fn matmul(
     });
 }
 
+/// Rows of the transposed operand per task of [`weight_stationary`].
+const ROWS_PER_TASK: usize = 8 * MR;
+
+/// `out = a b` for a right operand that is contiguous along `k` (a weight `[n, k]` used transposed,
+/// as every `Linear` uses its weight) and an even `k`: computed as `outᵀ = bᵀ aᵀ`. The activations
+/// `a` are packed once (`m × k`, shared by every task); the weight is read row by row along its unit
+/// stride, [`MR`] rows at a time into a panel that stays in L1 and serves every token, instead of
+/// being packed whole with a stride of `k` per element. Tasks take [`ROWS_PER_TASK`] weight rows
+/// (output columns) each.
+fn weight_stationary(
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [bf16],
+) {
+    let pairs = k / 2;
+    let token_panels = m.div_ceil(NR);
+    // aᵀ as right panels: [panel][pair][token][2].
+    let mut right = vec![0u16; token_panels * pairs * NR * 2];
+    right
+        .par_chunks_mut(pairs * NR * 2)
+        .enumerate()
+        .for_each(|(tp, packed)| {
+            for t in 0..NR.min(m - tp * NR) {
+                for p in 0..pairs {
+                    packed[(p * NR + t) * 2] = a.at(tp * NR + t, 2 * p);
+                    packed[(p * NR + t) * 2 + 1] = a.at(tp * NR + t, 2 * p + 1);
+                }
+            }
+        });
+    let out_rows = OutRows {
+        ptr: out.as_mut_ptr(),
+        n,
+    };
+    let weight_row = |j: usize| &b.data[j * b.cols..j * b.cols + k];
+    (0..n.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|task| {
+            let mut tile = [[0.0f32; NR]; MR];
+            let mut left = vec![0u32; pairs * MR];
+            let mut column = [0.0f32; MR];
+            let end = n.min((task + 1) * ROWS_PER_TASK);
+            for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
+                let rows = MR.min(n - j0);
+                // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past `n` stay 0.
+                left.fill(0);
+                for r in 0..rows {
+                    for (p, pair) in weight_row(j0 + r).chunks_exact(2).enumerate() {
+                        left[p * MR + r] =
+                            u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
+                    }
+                }
+                for tp in 0..token_panels {
+                    let rp = &right[tp * pairs * NR * 2..(tp + 1) * pairs * NR * 2];
+                    micro_kernel(&left, rp, pairs, &mut tile);
+                    for t in 0..NR.min(m - tp * NR) {
+                        for (c, row) in column.iter_mut().zip(&tile) {
+                            *c = row[t];
+                        }
+                        out_rows.store(tp * NR + t, j0, &column[..rows]);
+                    }
+                }
+            }
+        });
+}
+
 /// The output, written by the column-block tasks: each task writes only its own columns.
 #[derive(Clone, Copy)]
 struct OutRows {
@@ -129,7 +200,8 @@ struct OutRows {
 }
 
 // SAFETY: the tasks that share an `OutRows` write disjoint columns of it (see `store`), and the
-// borrow of the output outlives them (`matmul` returns after the parallel loop).
+// borrow of the output outlives them (`matmul` and `weight_stationary` return after their parallel
+// loops).
 unsafe impl Send for OutRows {}
 // SAFETY: as above.
 unsafe impl Sync for OutRows {}
