@@ -2,7 +2,7 @@
 same GPT-2 small directory (random weights, written by either of those):
 
     python3 benches/gpt2_reference.py load [DIR]    # from_pretrained: time and process peak memory
-    python3 benches/gpt2_reference.py step [DIR]    # forward and forward+backward, 128 and 1024 tokens
+    python3 benches/gpt2_reference.py step [DIR]    # forward (f32, bf16 autocast), forward+backward
 
 DIR defaults to target/gpt2-small-random. Two threads (torch.set_num_threads(2)), batch 1, medians of
 5 after a warm-up run. `load` measures one load per process (the file in the page cache), as
@@ -65,13 +65,22 @@ def step(path):
             with torch.no_grad():
                 return model(ids).logits[0, -1].sum().item()
 
+        def forward_bf16_autocast():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(ids).logits[0, -1].float().sum().item()
+
         def forward_backward():
             model.zero_grad(set_to_none=True)
             out = model(ids, labels=ids)
             out.loss.backward()
             return out.loss.item()
 
-        for name, fn in (("forward", forward), ("forward_backward", forward_backward)):
+        runs = (
+            ("forward", forward),
+            ("forward_bf16_autocast", forward_bf16_autocast),
+            ("forward_backward", forward_backward),
+        )
+        for name, fn in runs:
             fn()
             times = []
             for _ in range(5):
