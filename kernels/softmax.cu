@@ -2,29 +2,39 @@
 // softmax axis last first). Each row is shifted by its maximum before exp, as on the host.
 
 // T is the element type, C the type the row is computed in (float for the 16-bit types).
+
+// The row's maximum `m` (NaN if it holds one) and, when `m` is finite, `s` = sum e^(x - m) (else 0),
+// combined over the block: every thread gets both. Every thread of the block calls it.
+template <typename T, typename C>
+__device__ __forceinline__ void block_max_exp_sum(const T* x, i64 len, C* buf, C& m, C& s) {
+    m = Limits<C>::lowest();
+    for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) m = max_nan(m, ld(x[j]));
+    buf[threadIdx.x] = m;
+    block_combine(R_MAX, buf);
+    m = buf[0];
+    __syncthreads();
+    s = (C)0;
+    if (m == Limits<C>::lowest() || is_nan(m)) return;  // the same for the whole block
+    for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) s += k_exp(ld(x[j]) - m);
+    buf[threadIdx.x] = s;
+    block_combine(R_SUM, buf);
+    s = buf[0];
+    __syncthreads();
+}
+
 #define SOFTMAX(T, C, S)                                                                           \
     extern "C" __global__ void softmax_##S(i64 rows, i64 len, T* out, const T* in, int log_out) {  \
         __shared__ C buf[ROW_THREADS];                                                             \
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
             const T* x = in + r * len;                                                             \
             T* y = out + r * len;                                                                  \
-            C m = Limits<C>::lowest();                                                             \
-            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) m = max_nan(m, ld(x[j]));         \
-            buf[threadIdx.x] = m;                                                                  \
-            block_combine(R_MAX, buf);                                                             \
-            m = buf[0];                                                                            \
-            __syncthreads();                                                                       \
-            if (m == Limits<C>::lowest()) {                                                        \
-                /* every entry is -inf: the distribution is undefined (NaN, as on the host) */     \
+            C m, s;                                                                                \
+            block_max_exp_sum(x, len, buf, m, s);                                                  \
+            if (m == Limits<C>::lowest() || is_nan(m)) {                                           \
+                /* every entry is -inf, or one is NaN: no distribution (NaN, as on the host) */    \
                 for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) put(&y[j], Limits<C>::nan()); \
                 continue;                                                                          \
             }                                                                                      \
-            C s = (C)0;                                                                            \
-            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) s += k_exp(ld(x[j]) - m);         \
-            buf[threadIdx.x] = s;                                                                  \
-            block_combine(R_SUM, buf);                                                             \
-            s = buf[0];                                                                            \
-            __syncthreads();                                                                       \
             if (log_out) {                                                                         \
                 C lse = k_log(s);                                                                  \
                 for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) put(&y[j], ld(x[j]) - m - lse); \
@@ -38,23 +48,9 @@
     extern "C" __global__ void logsumexp_##S(i64 rows, i64 len, C* out, const T* in) {             \
         __shared__ C buf[ROW_THREADS];                                                             \
         for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
-            const T* x = in + r * len;                                                             \
-            C m = Limits<C>::lowest();                                                             \
-            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) m = max_nan(m, ld(x[j]));         \
-            buf[threadIdx.x] = m;                                                                  \
-            block_combine(R_MAX, buf);                                                             \
-            m = buf[0];                                                                            \
-            __syncthreads();                                                                       \
-            if (m == Limits<C>::lowest() || is_nan(m)) {                                           \
-                if (threadIdx.x == 0) out[r] = m;                                                  \
-                continue;                                                                          \
-            }                                                                                      \
-            C s = (C)0;                                                                            \
-            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) s += k_exp(ld(x[j]) - m);         \
-            buf[threadIdx.x] = s;                                                                  \
-            block_combine(R_SUM, buf);                                                             \
-            if (threadIdx.x == 0) out[r] = m + k_log(buf[0]);                                      \
-            __syncthreads();                                                                       \
+            C m, s;                                                                                \
+            block_max_exp_sum(in + r * len, len, buf, m, s);                                       \
+            if (threadIdx.x == 0) out[r] = (m == Limits<C>::lowest() || is_nan(m)) ? m : m + k_log(s); \
         }                                                                                          \
     }                                                                                              \
     /* d(cross-entropy)/d(logits): (e^(x - lse) - (1 - eps) one_hot - eps / classes) * weight */   \

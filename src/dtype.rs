@@ -30,6 +30,16 @@ pub enum DType {
 }
 
 impl DType {
+    /// The dtype kernels compute a float dtype in: `f64` for `f64`, `f32` otherwise (the 16-bit types
+    /// widen to it); per-row statistics such as attention's log-sums are kept in it.
+    pub(crate) fn compute(self) -> DType {
+        if self == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
     /// Bytes per element.
     pub const fn size(self) -> usize {
         match self {

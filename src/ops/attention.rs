@@ -91,15 +91,6 @@ fn with_rank<'s>(x: Tensor<'s>, rank: usize) -> Result<Tensor<'s>> {
     }
 }
 
-/// The dtype of the saved log-sums: the compute type.
-fn lse_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 fn dims(x: &Tensor<'_>) -> [usize; 4] {
     let s = x.shape();
     [s[0], s[1], s[2], s[3]]
@@ -276,7 +267,7 @@ impl<'s> Tensor<'s> {
         let dtype = self.dtype();
         let operands = [&ops.q, &ops.k, &ops.v];
         let (mut out, out_layout) = heads_output(&operands, dtype, [b, h, queries, dv], at)?;
-        let mut lse = Tensor::output_of(&operands, lse_dtype(dtype), &[b, h, queries], at)?;
+        let mut lse = Tensor::output_of(&operands, dtype.compute(), &[b, h, queries], at)?;
         self.backend()?.attention(
             dtype,
             &ops.math,

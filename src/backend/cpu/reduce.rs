@@ -166,8 +166,9 @@ fn softmax_row<C: Real>(x: &[C], out: &mut [C], log: bool) {
     }
 }
 
-/// One 16-bit row, computed in `f32` in blocks widened on the stack and rounded once per element.
-fn softmax_row_half<T: Math<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
+/// A 16-bit row's maximum `m` in `f32` (NaN if it holds one) and, when `m` is finite, `Σ e^(x - m)`
+/// (else 0), over blocks widened on the stack.
+fn half_max_exp_sum<T: Math<Compute = f32>>(x: &[T]) -> (f32, f32) {
     let mut m = f32::NEG_INFINITY;
     rows::widened(x, |_, w| {
         let block = rows::max(w);
@@ -177,12 +178,21 @@ fn softmax_row_half<T: Math<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
             m
         };
     });
+    if m == f32::NEG_INFINITY || m.is_nan() {
+        return (m, 0.0);
+    }
+    let mut sum = 0.0f32;
+    rows::widened(x, |_, w| sum += rows::exp_sum(w, m));
+    (m, sum)
+}
+
+/// One 16-bit row, computed in `f32` in blocks widened on the stack and rounded once per element.
+fn softmax_row_half<T: Math<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
+    let (m, sum) = half_max_exp_sum(x);
     if m == f32::NEG_INFINITY {
         out.fill(T::from_f64(f64::NAN));
         return;
     }
-    let mut sum = 0.0f32;
-    rows::widened(x, |_, w| sum += rows::exp_sum(w, m));
     if log {
         let lse = sum.ln();
         rows::widened(x, |at, w| {
@@ -242,20 +252,10 @@ fn logsumexp_row<C: Real>(x: &[C]) -> C {
 
 /// `ln Σ e^x` of a 16-bit row, in `f32`.
 fn logsumexp_row_half<T: Math<Compute = f32>>(x: &[T]) -> f32 {
-    let mut m = f32::NEG_INFINITY;
-    rows::widened(x, |_, w| {
-        let block = rows::max(w);
-        m = if block > m || block.is_nan() {
-            block
-        } else {
-            m
-        };
-    });
+    let (m, sum) = half_max_exp_sum(x);
     if m == f32::NEG_INFINITY || m.is_nan() {
         return m;
     }
-    let mut sum = 0.0f32;
-    rows::widened(x, |_, w| sum += rows::exp_sum(w, m));
     m + sum.ln()
 }
 

@@ -107,15 +107,6 @@ fn lengths(inputs: &AttentionInputs) -> u64 {
     inputs.key_lengths.map_or(0, |l| first(l, DType::I64))
 }
 
-/// The compute type's dtype (what `lse` and the scratch hold).
-fn compute(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 impl Gpu {
     pub(super) fn attention_forward(
         &self,
@@ -135,7 +126,7 @@ impl Gpu {
             float_family!("attention_fwd"),
             dtype,
         )?)?;
-        let (o, l) = (first_out(&out, dtype), first_out(&lse, compute(dtype)));
+        let (o, l) = (first_out(&out, dtype), first_out(&lse, dtype.compute()));
         let (q, k, v, n) = (
             first(inputs.q, dtype),
             first(inputs.k, dtype),
@@ -175,7 +166,7 @@ impl Gpu {
         if geo.dims[0] * geo.dims[1] == 0 {
             return Ok(());
         }
-        let c = compute(dtype);
+        let c = dtype.compute();
         let dq_kernel = self.function(float_kernel(
             "attention",
             float_family!("attention_bwd_dq"),
