@@ -1,5 +1,5 @@
 //! GPT-2 small (124M parameters, Hugging Face's shape) on the CPU: loading its checkpoint, and the
-//! forward (f32 and bf16 autocast) and forward+backward passes at 128 and 1,024 tokens (batch 1).
+//! forward and forward+backward passes (f32 and bf16 autocast) at 128 and 1,024 tokens (batch 1).
 //! The checkpoint holds random weights of that shape, written once by this bench to
 //! `target/gpt2-small-random/`
 //! (transformers reads the same directory in `benches/gpt2_reference.py`, for its side of the
@@ -95,6 +95,23 @@ fn gpt2(c: &mut Criterion) {
                     .unwrap()
                 })
             });
+            group.bench_function(
+                BenchmarkId::new("forward_backward_bf16_autocast", len),
+                |bench| {
+                    bench.iter(|| {
+                        m.scope(|b| -> Result<usize> {
+                            b.autocast(DType::BF16)?;
+                            let tape = Tape::new(b);
+                            let x = b.from_slice(&ids, &[1, len])?;
+                            let logits = model.forward(&tape, &x, Mode::Train)?;
+                            let grads = tape.backward(&Gpt2::loss(&logits, &x)?)?;
+                            Ok(grads.len())
+                        })
+                        .map(black_box)
+                        .unwrap()
+                    })
+                },
+            );
         }
         Ok(())
     })
