@@ -3,6 +3,7 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::backend::cuda::kernels::{float_family, float_kernel};
+use crate::backend::cuda::ops::first;
 use crate::backend::cuda::{Gpu, cuda_error};
 use crate::backend::op::{Attention, Math};
 use crate::backend::{AttentionInputs, Dst, Src};
@@ -93,18 +94,11 @@ impl AttnGeo {
     }
 }
 
-/// The device address of an operand's first viewed element.
-fn first(x: Src, dtype: DType) -> u64 {
-    x.buf.address() + (x.layout.offset() * dtype.size()) as u64
-}
-
-fn first_out(x: &Dst, dtype: DType) -> u64 {
-    x.buf.address() + (x.layout.offset() * dtype.size()) as u64
-}
-
 /// The key lengths' address, or 0 (a null pointer: every key counts).
 fn lengths(inputs: &AttentionInputs) -> u64 {
-    inputs.key_lengths.map_or(0, |l| first(l, DType::I64))
+    inputs
+        .key_lengths
+        .map_or(0, |l| first(l.buf.address(), l.layout, DType::I64))
 }
 
 impl Gpu {
@@ -126,11 +120,14 @@ impl Gpu {
             float_family!("attention_fwd"),
             dtype,
         )?)?;
-        let (o, l) = (first_out(&out, dtype), first_out(&lse, dtype.compute()));
+        let (o, l) = (
+            first(out.buf.address(), out.layout, dtype),
+            first(lse.buf.address(), lse.layout, dtype.compute()),
+        );
         let (q, k, v, n) = (
-            first(inputs.q, dtype),
-            first(inputs.k, dtype),
-            first(inputs.v, dtype),
+            first(inputs.q.buf.address(), inputs.q.layout, dtype),
+            first(inputs.k.buf.address(), inputs.k.layout, dtype),
+            first(inputs.v.buf.address(), inputs.v.layout, dtype),
             lengths(&inputs),
         );
         with_float_dtype!(dtype, T => {
@@ -178,21 +175,21 @@ impl Gpu {
             dtype,
         )?)?;
         let (q, k, v, n) = (
-            first(inputs.q, dtype),
-            first(inputs.k, dtype),
-            first(inputs.v, dtype),
+            first(inputs.q.buf.address(), inputs.q.layout, dtype),
+            first(inputs.k.buf.address(), inputs.k.layout, dtype),
+            first(inputs.v.buf.address(), inputs.v.layout, dtype),
             lengths(&inputs),
         );
         let (o, g, l, d) = (
-            first(out, dtype),
-            first(dout, dtype),
-            first(lse, c),
-            first_out(&delta, c),
+            first(out.buf.address(), out.layout, dtype),
+            first(dout.buf.address(), dout.layout, dtype),
+            first(lse.buf.address(), lse.layout, c),
+            first(delta.buf.address(), delta.layout, c),
         );
         let (gq, gk, gv) = (
-            first_out(&dq, dtype),
-            first_out(&dk, dtype),
-            first_out(&dv, dtype),
+            first(dq.buf.address(), dq.layout, dtype),
+            first(dk.buf.address(), dk.layout, dtype),
+            first(dv.buf.address(), dv.layout, dtype),
         );
         with_float_dtype!(dtype, T => {
             let scale = <T as Math>::Compute::from_f64(math.scale);

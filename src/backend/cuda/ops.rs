@@ -52,7 +52,7 @@ impl WindowArg {
 
 /// The device address of the first element an operand's layout names (for kernels that read packed
 /// rows rather than a geometry).
-fn first(address: u64, layout: &Layout, dtype: DType) -> u64 {
+pub(super) fn first(address: u64, layout: &Layout, dtype: DType) -> u64 {
     address + (layout.offset() * dtype.size()) as u64
 }
 
