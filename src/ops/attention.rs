@@ -181,9 +181,8 @@ fn check<'s>(
                     op: OP,
                     shape: l.shape().to_vec(),
                     reason: format!(
-                        "key lengths are one i64 per batch ([{b}] of {}), for queries of rank 3 or \
-                         4; got {} {:?}",
-                        l.dtype(),
+                        "key lengths are one i64 per batch ([{b}] of i64), for queries of rank 3 \
+                         or 4; got {} {:?}",
                         l.dtype(),
                         l.shape()
                     ),
