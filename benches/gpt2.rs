@@ -54,53 +54,32 @@ fn gpt2(c: &mut Criterion) {
         let model = Gpt2::from_pretrained(m, DIR, DType::F32)?;
         for len in [128usize, 1024] {
             let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % 50257).collect();
-            group.bench_function(BenchmarkId::new("forward", len), |bench| {
-                bench.iter(|| {
-                    m.scope(|b| -> Result<f32> {
-                        let tape = Tape::no_grad(b);
-                        let x = b.from_slice(&ids, &[1, len])?;
-                        let logits = model.forward(&tape, &x, Mode::Eval)?;
-                        logits.value().narrow(1, len - 1, 1)?.sum_all()?.to_scalar()
+            // f32, and bf16 autocast: products and attention in bf16 (f32 accumulation), norms and
+            // the loss in f32.
+            for (suffix, autocast) in [("", None), ("_bf16_autocast", Some(DType::BF16))] {
+                let open = |b: &ndscope::Scope<'_>| match autocast {
+                    Some(dtype) => b.autocast(dtype),
+                    None => Ok(()),
+                };
+                group.bench_function(BenchmarkId::new(format!("forward{suffix}"), len), |bench| {
+                    bench.iter(|| {
+                        m.scope(|b| -> Result<f32> {
+                            open(b)?;
+                            let tape = Tape::no_grad(b);
+                            let x = b.from_slice(&ids, &[1, len])?;
+                            let logits = model.forward(&tape, &x, Mode::Eval)?;
+                            let last = logits.value().narrow(1, len - 1, 1)?;
+                            last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
+                        })
+                        .map(black_box)
+                        .unwrap()
                     })
-                    .map(black_box)
-                    .unwrap()
-                })
-            });
-            // bf16 autocast: products and attention in bf16 (f32 accumulation), norms and the loss
-            // in f32.
-            group.bench_function(BenchmarkId::new("forward_bf16_autocast", len), |bench| {
-                bench.iter(|| {
-                    m.scope(|b| -> Result<f32> {
-                        b.autocast(DType::BF16)?;
-                        let tape = Tape::no_grad(b);
-                        let x = b.from_slice(&ids, &[1, len])?;
-                        let logits = model.forward(&tape, &x, Mode::Eval)?;
-                        let last = logits.value().narrow(1, len - 1, 1)?;
-                        last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
-                    })
-                    .map(black_box)
-                    .unwrap()
-                })
-            });
-            group.bench_function(BenchmarkId::new("forward_backward", len), |bench| {
-                bench.iter(|| {
-                    m.scope(|b| -> Result<usize> {
-                        let tape = Tape::new(b);
-                        let x = b.from_slice(&ids, &[1, len])?;
-                        let logits = model.forward(&tape, &x, Mode::Train)?;
-                        let grads = tape.backward(&Gpt2::loss(&logits, &x)?)?;
-                        Ok(grads.len())
-                    })
-                    .map(black_box)
-                    .unwrap()
-                })
-            });
-            group.bench_function(
-                BenchmarkId::new("forward_backward_bf16_autocast", len),
-                |bench| {
+                });
+                let name = format!("forward_backward{suffix}");
+                group.bench_function(BenchmarkId::new(name, len), |bench| {
                     bench.iter(|| {
                         m.scope(|b| -> Result<usize> {
-                            b.autocast(DType::BF16)?;
+                            open(b)?;
                             let tape = Tape::new(b);
                             let x = b.from_slice(&ids, &[1, len])?;
                             let logits = model.forward(&tape, &x, Mode::Train)?;
@@ -110,8 +89,8 @@ fn gpt2(c: &mut Criterion) {
                         .map(black_box)
                         .unwrap()
                     })
-                },
-            );
+                });
+            }
         }
         Ok(())
     })
