@@ -233,6 +233,17 @@ pub enum Error {
         /// What is wrong, and where.
         reason: String,
     },
+    /// A KV cache that its pool cannot hold: more blocks than the pool has unpromised now (or at all).
+    KvCapacity {
+        /// Tokens the cache was asked to hold.
+        tokens: usize,
+        /// Blocks those tokens need beyond what the cache already holds or was promised.
+        needed: usize,
+        /// Blocks free and not promised to another cache.
+        available: usize,
+        /// Blocks in the pool.
+        total: usize,
+    },
     /// A checkpoint that does not hold a tensor the model needs.
     MissingTensor {
         /// The name looked up, in the checkpoint's naming.
@@ -422,6 +433,27 @@ impl fmt::Display for Error {
                     f,
                     "; was it saved from a model of the same architecture, under the same names?"
                 )
+            }
+            Error::KvCapacity {
+                tokens,
+                needed,
+                available,
+                total,
+            } => {
+                write!(
+                    f,
+                    "the KV pool cannot hold {tokens} tokens: they need {needed} more blocks and \
+                     {available} of its {total} blocks are free and unpromised; "
+                )?;
+                if needed > total {
+                    write!(f, "ask for fewer tokens or make a pool of more blocks")
+                } else {
+                    write!(
+                        f,
+                        "wait until other requests finish (the serving engine queues such a \
+                         request), ask for fewer tokens, or make a pool of more blocks"
+                    )
+                }
             }
             Error::TensorMismatch {
                 name,

@@ -10,6 +10,7 @@ mod device;
 mod dtype;
 mod error;
 mod fastmath;
+pub mod kv;
 mod layout;
 mod memory;
 pub mod models;
@@ -19,6 +20,7 @@ pub mod optim;
 mod replay;
 mod rng;
 mod scope;
+pub mod serve;
 mod tensor;
 pub mod weights;
 

@@ -19,9 +19,11 @@ const LAYERS: &[&[&str]] = &[
     &["ops", "replay"],
     &["autograd", "weights"],
     &["nn"],
+    &["kv"],
     &["optim"],
     &["data", "checkpoint"],
     &["models"],
+    &["serve"],
 ];
 
 /// Modules that may name the backend.

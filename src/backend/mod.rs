@@ -28,7 +28,7 @@ use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::layout::Layout;
 use crate::rng::Distribution;
-use op::{Attention, Binary, FusedUpdate, Reduce, Unary, Window2d};
+use op::{Attention, Binary, FusedUpdate, PagedAttention, Reduce, Unary, Window2d};
 
 /// The bytes of one storage block, readable by kernels of its device for `'a`.
 #[derive(Clone, Copy)]
@@ -87,6 +87,11 @@ impl<'a> Buf<'a> {
         }
     }
 
+    /// The number of bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.bytes
+    }
+
     /// The whole host block as bytes.
     pub(crate) fn bytes(self) -> &'a [u8] {
         self.host::<u8>()
@@ -128,6 +133,17 @@ impl<'a> BufMut<'a> {
     /// The whole host block as mutable bytes.
     pub(crate) fn bytes(self) -> &'a mut [u8] {
         self.host::<u8>()
+    }
+
+    /// The same bytes for a shorter borrow, leaving this view usable afterwards.
+    #[inline]
+    pub(crate) fn reborrow(&mut self) -> BufMut<'_> {
+        BufMut {
+            ptr: self.ptr,
+            bytes: self.bytes,
+            device: self.device,
+            _life: PhantomData,
+        }
     }
 
     /// The device address of the block's first byte.
@@ -180,6 +196,47 @@ pub(crate) struct AttentionInputs<'a> {
     pub(crate) k: Src<'a>,
     pub(crate) v: Src<'a>,
     pub(crate) key_lengths: Option<Src<'a>>,
+}
+
+/// Where a page keeps its tokens' keys and values: a page is `[layers, 2, heads, tokens, width]`
+/// elements (index 0 of the second axis holds keys, 1 values), so one head's keys of one layer are
+/// `tokens × width` consecutive elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PageGeometry {
+    pub(crate) layers: usize,
+    pub(crate) heads: usize,
+    pub(crate) tokens: usize,
+    pub(crate) width: usize,
+}
+
+impl PageGeometry {
+    /// Elements per page.
+    pub(crate) fn page_elements(&self) -> usize {
+        self.layers * 2 * self.heads * self.tokens * self.width
+    }
+
+    /// The element where the row of token `slot`, head `head`, keys (`kv = 0`) or values (`kv = 1`)
+    /// of `layer` starts in a page.
+    pub(crate) fn row(&self, layer: usize, kv: usize, head: usize, slot: usize) -> usize {
+        (((layer * 2 + kv) * self.heads + head) * self.tokens + slot) * self.width
+    }
+}
+
+/// The cached sequences of one paged-attention call: sequence `s` holds `lengths[s]` tokens in
+/// `pages[first[s]..first[s + 1]]`, in order, and its queries are rows `queries[s]..queries[s + 1]`
+/// of the packed queries (its last positions, in order).
+#[derive(Clone, Copy)]
+pub(crate) struct PagedSeqs<'a> {
+    pub(crate) pages: &'a [Buf<'a>],
+    pub(crate) first: &'a [usize],
+    pub(crate) lengths: &'a [usize],
+    pub(crate) queries: &'a [usize],
+}
+
+/// Where the rows of one paged write go: row `r` to slot `slots[r].1` of `pages[slots[r].0]`.
+pub(crate) struct PageRows<'a, 'b> {
+    pub(crate) pages: &'b mut [BufMut<'a>],
+    pub(crate) slots: &'b [(usize, usize)],
 }
 
 /// Elements as the bytes a device copy moves.
@@ -308,6 +365,30 @@ pub(crate) trait Backend: Sync {
         lse: Src,
         scratch: Dst,
         grads: [Dst; 3],
+    ) -> Result<()>;
+
+    /// Attention of the packed queries `q` (`[rows, heads, width]`, width stride 1; each sequence's
+    /// rows together) over the keys and values cached in pages ([`op::PagedAttention`] states the
+    /// math) into the contiguous `out` (`q`'s shape and dtype).
+    fn paged_attention(
+        &self,
+        dtype: DType,
+        math: &PagedAttention,
+        geometry: PageGeometry,
+        q: Src,
+        seqs: PagedSeqs,
+        out: Dst,
+    ) -> Result<()>;
+
+    /// Writes row `r` of `kv` (`[rows, 2, heads, width]`: keys then values, width stride 1) into
+    /// its slot of `layer` in its page.
+    fn write_pages(
+        &self,
+        dtype: DType,
+        geometry: PageGeometry,
+        layer: usize,
+        kv: Src,
+        rows: PageRows,
     ) -> Result<()>;
 
     /// `out[p] = src[p with coordinate axis replaced by index[p]]`; `index` (`i64`) has the output's

@@ -764,3 +764,29 @@ impl Attention {
         }
     }
 }
+
+/// Attention of new queries over a cache kept in pages (`backend::PageGeometry`): for sequence `s`
+/// holding `n_s` tokens and `q_s` new queries (the sequence's last `q_s` positions, whose keys and
+/// values are already in the cache), head `h` and query `i < q_s`,
+///
+/// `s_j = scale · q_i · k_j`, `out_i = Σ_j softmax(s)_j v_j` over the tokens `j < n_s - q_s + i + 1`
+/// (the query's own position and every earlier one: [`Attention`]'s bottom-right causal mask),
+///
+/// with the keys and values of `layer`, read page by page through the sequence's page table, in the
+/// compute type (16-bit values widened exactly), with a running maximum. A query that sees no token
+/// gets zeros.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct PagedAttention {
+    /// Multiplies every score.
+    pub(crate) scale: f64,
+    /// Which layer's keys and values the pages are read for.
+    pub(crate) layer: usize,
+}
+
+impl PagedAttention {
+    /// How many cached tokens query `i` of `queries` sees in a sequence of `tokens`.
+    #[inline]
+    pub(crate) fn visible(&self, i: usize, queries: usize, tokens: usize) -> usize {
+        (tokens + i + 1).saturating_sub(queries).min(tokens)
+    }
+}

@@ -7,6 +7,7 @@ pub(crate) mod arena;
 pub(crate) mod block;
 pub(crate) mod classes;
 pub(crate) mod mapped;
+pub(crate) mod pages;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod raw;

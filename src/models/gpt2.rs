@@ -10,11 +10,12 @@ use crate::autograd::{CrossEntropy, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep};
 use crate::nn::{
     Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
     TransformerBlock, TransformerConfig,
 };
-use crate::scope::{Movable, Scope};
+use crate::scope::{Child, Movable, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
@@ -551,6 +552,127 @@ impl<'m> Gpt2<'m> {
             }
         }
         Ok(tokens)
+    }
+}
+
+/// Decoding against KV caches: only the new tokens run through the model; each layer's attention
+/// reads the earlier tokens' keys and values from the caches' blocks. The new tokens of all
+/// sequences are packed into one `[rows, width]` batch (layer norms, projections and the MLP act on
+/// rows), so sequences of different lengths, prompts and single decoded tokens share one pass.
+impl<'m> CausalLm<'m> for Gpt2<'m> {
+    fn kv_shape(&self) -> KvShape {
+        let c = &self.config;
+        KvShape {
+            layers: c.n_layer,
+            heads: c.n_head,
+            head_width: c.n_embd / c.n_head,
+            dtype: self.wte.weight.dtype(),
+        }
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config.n_positions
+    }
+
+    #[track_caller]
+    fn decode<'s, 'r>(
+        &self,
+        step: &'s Child<'s, 'r>,
+        pool: &KvPool<'_>,
+        caches: &mut [&mut KvCache<'r>],
+        tokens: &[&[i64]],
+    ) -> Result<Tensor<'s>>
+    where
+        'm: 's,
+    {
+        const OP: &str = "Gpt2::decode";
+        let c = &self.config;
+        if tokens.len() != caches.len() || tokens.iter().any(|t| t.is_empty()) {
+            return Err(Error::InvalidShape {
+                op: OP,
+                shape: tokens.iter().map(|t| t.len()).collect(),
+                reason: format!(
+                    "needs one non-empty list of new tokens per cache ({} caches)",
+                    caches.len()
+                ),
+            });
+        }
+        for (cache, t) in caches.iter().zip(tokens) {
+            if cache.len() + t.len() > c.n_positions {
+                return Err(Error::InvalidShape {
+                    op: OP,
+                    shape: vec![cache.len(), t.len()],
+                    reason: format!(
+                        "{} cached and {} new tokens pass the {} positions GPT-2 has; end the \
+                         sequence or start again from its last {} tokens",
+                        cache.len(),
+                        t.len(),
+                        c.n_positions,
+                        c.n_positions
+                    ),
+                });
+            }
+        }
+        let ids: Vec<i64> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+        if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= c.vocab_size) {
+            return Err(Error::IndexOutOfRange {
+                op: OP,
+                index: bad,
+                size: c.vocab_size,
+            });
+        }
+        let counts: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let rows: usize = counts.iter().sum();
+        let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
+        let positions: Vec<i64> = kv
+            .starts()
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&s, &n)| (s..s + n).map(|p| p as i64))
+            .collect();
+        let tape = Tape::no_grad(step);
+        let ids = step.from_slice(&ids, &[rows])?;
+        let positions = step.from_slice(&positions, &[rows])?;
+        let embedded = self
+            .wte
+            .weight
+            .index_select(0, &ids)?
+            .add(&self.wpe.weight.index_select(0, &positions)?)?;
+        let mut x = tape.constant(&embedded);
+        let (heads, head) = (c.n_head, c.n_embd / c.n_head);
+        let scale = 1.0 / (head as f64).sqrt();
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let normed = block.ln1.forward(&x, Mode::Eval)?;
+            let qkv = block.attn.qkv.forward(&normed, Mode::Eval)?;
+            let qkv = qkv.value().reshape(&[rows, 3, heads, head])?;
+            let attended = kv.attend(layer, &qkv, scale)?.reshape(&[rows, c.n_embd])?;
+            x = x.add(
+                &block
+                    .attn
+                    .proj
+                    .forward(&tape.constant(&attended), Mode::Eval)?,
+            )?;
+            let hidden = block
+                .fc1
+                .forward(&block.ln2.forward(&x, Mode::Eval)?, Mode::Eval)?;
+            let hidden =
+                <Activation as Module<'m>>::forward(&block.activation(), &hidden, Mode::Eval)?;
+            x = x.add(&block.fc2.forward(&hidden, Mode::Eval)?)?;
+        }
+        kv.finish();
+        // Only each sequence's last new token is scored.
+        let last: Vec<i64> = counts
+            .iter()
+            .scan(0usize, |end, &n| {
+                *end += n;
+                Some(*end as i64 - 1)
+            })
+            .collect();
+        let last = step.from_slice(&last, &[last.len()])?;
+        let x = tape.constant(&x.value().index_select(0, &last)?);
+        let x = self.ln_f.forward(&x, Mode::Eval)?;
+        let head_weight = tape.param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
+        Ok(x.matmul(&head_weight.t()?)?.value().clone())
     }
 }
 

@@ -11,6 +11,7 @@ mod index;
 mod join;
 mod mask;
 mod matmul;
+pub(crate) mod paged;
 mod reduce;
 mod scan;
 mod softmax;

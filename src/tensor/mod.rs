@@ -138,6 +138,11 @@ impl<'s> Tensor<'s> {
         Tensor::uninit_in(Owner::innermost(operands), device, dtype, shape, at)
     }
 
+    /// The tensor's storage block: what a page table (`memory::pages`) cuts its views from.
+    pub(crate) fn storage(&self) -> &BlockRef {
+        &self.block
+    }
+
     /// A view of the same block with another layout.
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor<'s> {
         debug_assert!(

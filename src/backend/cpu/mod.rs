@@ -10,6 +10,7 @@ mod elementwise;
 mod fused;
 mod index;
 mod matmul;
+mod paged;
 mod reduce;
 mod rows;
 mod window;
@@ -17,8 +18,10 @@ mod window;
 use rayon::prelude::*;
 use smallvec::SmallVec;
 
-use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
-use crate::backend::{AttentionInputs, Backend, Dst, Src};
+use crate::backend::op::{
+    Attention, Binary, FusedUpdate, Math, PagedAttention, Reduce, Unary, Window2d,
+};
+use crate::backend::{AttentionInputs, Backend, Dst, PageGeometry, PageRows, PagedSeqs, Src};
 use crate::dtype::DType;
 use crate::dtype::{Element, with_dtype};
 use crate::error::Result;
@@ -151,6 +154,31 @@ impl Backend for Cpu {
     ) -> Result<()> {
         // Each task keeps its head's D_i on its own; the shared scratch is not needed.
         attention::backward(dtype, math, inputs, [out, dout, lse], grads);
+        Ok(())
+    }
+
+    fn paged_attention(
+        &self,
+        dtype: DType,
+        math: &PagedAttention,
+        geometry: PageGeometry,
+        q: Src,
+        seqs: PagedSeqs,
+        out: Dst,
+    ) -> Result<()> {
+        paged::attention(dtype, math, geometry, q, seqs, out);
+        Ok(())
+    }
+
+    fn write_pages(
+        &self,
+        dtype: DType,
+        geometry: PageGeometry,
+        layer: usize,
+        kv: Src,
+        rows: PageRows,
+    ) -> Result<()> {
+        paged::write(dtype, geometry, layer, kv, rows);
         Ok(())
     }
 

@@ -1,0 +1,190 @@
+//! One request's KV cache: a table of blocks from a pool, branded with the request's scope.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use super::pool::KvPool;
+use crate::error::{Error, Result};
+use crate::memory::pages::PageTable;
+use crate::ops::paged::unshare_page;
+use crate::scope::{Movable, Scope};
+
+/// The keys and values a request has cached: a table of blocks taken from a [`KvPool`] as tokens
+/// arrive, and the number of tokens they hold. Branded with the request's scope `'r` (invariant): it
+/// cannot be returned from the request's closure, stored in the model or a longer-lived collection,
+/// or passed to a forward pass of another request's scope; [`Child::ret`](crate::Child::ret) moves a
+/// finished cache to the parent scope on purpose. Dropping it gives its blocks back.
+pub struct KvCache<'r> {
+    pub(super) table: PageTable,
+    pub(super) tokens: usize,
+    block_tokens: usize,
+    block_bytes: usize,
+    _brand: PhantomData<fn(&'r ()) -> &'r ()>,
+}
+
+/// One cache's figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvUsage {
+    /// Tokens cached.
+    pub tokens: usize,
+    /// Blocks held (shared ones included).
+    pub blocks: usize,
+    /// Bytes of the blocks held.
+    pub bytes: usize,
+    /// Blocks promised to the cache and not taken yet.
+    pub blocks_promised: usize,
+}
+
+impl fmt::Display for KvUsage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} tokens in {} blocks ({}), {} more promised",
+            self.tokens,
+            self.blocks,
+            crate::memory::stats::Bytes(self.bytes),
+            self.blocks_promised
+        )
+    }
+}
+
+impl<'r> KvCache<'r> {
+    pub(super) fn new(table: PageTable, block_tokens: usize, block_bytes: usize) -> KvCache<'r> {
+        KvCache {
+            table,
+            tokens: 0,
+            block_tokens,
+            block_bytes,
+            _brand: PhantomData,
+        }
+    }
+
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.tokens
+    }
+
+    /// Whether no token is cached.
+    pub fn is_empty(&self) -> bool {
+        self.tokens == 0
+    }
+
+    /// Blocks held, tokens and bytes.
+    pub fn usage(&self) -> KvUsage {
+        KvUsage {
+            tokens: self.tokens,
+            blocks: self.table.len(),
+            bytes: self.table.len() * self.block_bytes,
+            blocks_promised: self.table.reserved(),
+        }
+    }
+
+    /// The pool's block numbers this cache reads, in order.
+    pub fn blocks(&self) -> &[u32] {
+        self.table.indices()
+    }
+
+    /// A second cache of the same tokens that shares this one's full blocks, with the blocks for
+    /// `max_tokens` tokens in all promised to it: the samples of one prompt share the prompt's
+    /// blocks. Full blocks are never written again, so they stay shared until the last holder lets
+    /// go; a partly filled last block is copied into a block of the fork's own at once, since both
+    /// caches write into it next (copy-on-write with the write known to come).
+    ///
+    /// # Errors
+    /// [`Error::KvCapacity`] when the pool cannot promise the blocks the fork may need: those past the
+    /// shared ones, plus the copy of a partly filled last block.
+    pub fn fork(&self, pool: &KvPool<'_>, max_tokens: usize) -> Result<KvCache<'r>> {
+        self.check_pool(pool)?;
+        let mut table = self.table.share();
+        let full = self.tokens / self.block_tokens;
+        let partial = usize::from(!self.tokens.is_multiple_of(self.block_tokens));
+        let needed = max_tokens
+            .max(self.tokens)
+            .div_ceil(self.block_tokens)
+            .saturating_sub(full);
+        if !table.reserve(needed) {
+            return Err(pool.capacity_error(max_tokens, needed));
+        }
+        if partial == 1 && !unshare_page(pool.slab(), &mut table, full)? {
+            return Err(pool.capacity_error(max_tokens, 1));
+        }
+        Ok(KvCache {
+            table,
+            tokens: self.tokens,
+            block_tokens: self.block_tokens,
+            block_bytes: self.block_bytes,
+            _brand: PhantomData,
+        })
+    }
+
+    /// Gives back the blocks promised and not taken (a request that finished early).
+    pub fn release_promised(&mut self) {
+        self.table.release_reservation();
+    }
+
+    pub(super) fn check_pool(&self, pool: &KvPool<'_>) -> Result<()> {
+        if self.table.same_pages(pool.pages()) {
+            Ok(())
+        } else {
+            Err(Error::InvalidShape {
+                op: "KvCache",
+                shape: vec![self.tokens],
+                reason: "this cache's blocks come from another KV pool; decode with the pool \
+                         that made the cache"
+                    .into(),
+            })
+        }
+    }
+
+    /// Makes the blocks for `new` more tokens present and private: takes blocks as needed and copies
+    /// a block shared with another cache before it is written.
+    pub(super) fn make_room(&mut self, pool: &KvPool<'_>, new: usize) -> Result<()> {
+        let end = self.tokens + new;
+        let needed = end.div_ceil(self.block_tokens);
+        while self.table.len() < needed {
+            if !self.table.push() {
+                return Err(pool.capacity_error(end, needed - self.table.len()));
+            }
+        }
+        for i in self.tokens / self.block_tokens..needed {
+            if self.table.is_shared(i) && !unshare_page(pool.slab(), &mut self.table, i)? {
+                return Err(pool.capacity_error(end, 1));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts `new` written tokens as cached.
+    pub(super) fn commit(&mut self, new: usize) {
+        let end = self.tokens + new;
+        for i in self.tokens / self.block_tokens..end.div_ceil(self.block_tokens) {
+            let slots = (end - i * self.block_tokens).min(self.block_tokens);
+            self.table.fill(i, slots);
+        }
+        self.tokens = end;
+    }
+}
+
+impl fmt::Debug for KvCache<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvCache")
+            .field("tokens", &self.tokens)
+            .field("blocks", &self.table.indices())
+            .finish()
+    }
+}
+
+/// A cache moves between scopes without copying: its blocks belong to the pool, not to a scope, so
+/// moving only re-brands it (`Child::ret` hands a finished cache to the parent scope).
+impl<'a> Movable<'a> for KvCache<'a> {
+    type Moved<'b> = KvCache<'b>;
+    fn move_into<'b>(self, _target: &Scope<'b>) -> Result<KvCache<'b>> {
+        Ok(KvCache {
+            table: self.table,
+            tokens: self.tokens,
+            block_tokens: self.block_tokens,
+            block_bytes: self.block_bytes,
+            _brand: PhantomData,
+        })
+    }
+}

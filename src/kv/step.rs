@@ -1,0 +1,152 @@
+//! One forward pass against KV caches: the new tokens' keys and values go into each cache's blocks,
+//! and their queries attend to everything cached.
+
+use super::cache::KvCache;
+use super::pool::KvPool;
+use crate::error::{Error, Result};
+use crate::ops::paged::{PagedAttention, PagedWrite, paged_attention, write_pages};
+use crate::scope::Child;
+use crate::tensor::Tensor;
+
+/// A causal language model that decodes against [`KvCache`]s: what `ndscope::serve` needs.
+pub trait CausalLm<'m> {
+    /// What each token's cache holds for this model.
+    fn kv_shape(&self) -> super::KvShape;
+
+    /// The longest sequence the model computes (its position table).
+    fn max_positions(&self) -> usize;
+
+    /// Runs `tokens[s]`, the new tokens of sequence `s`, through the model against `caches[s]`
+    /// (which holds the sequence's earlier tokens and gains these), all sequences in one forward
+    /// pass, and returns the logits `[sequences, vocab]` of each sequence's last new token, in
+    /// `step`'s scope. `step` is a scope opened inside the requests' scope `'r`: the caches must
+    /// belong to that very scope, so one request's cache cannot be used in another's forward.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for mismatched lists, an empty token list, or a sequence past
+    /// [`max_positions`](Self::max_positions); [`Error::KvCapacity`] when a cache cannot grow; as for
+    /// the model's ops.
+    fn decode<'s, 'r>(
+        &self,
+        step: &'s Child<'s, 'r>,
+        pool: &KvPool<'_>,
+        caches: &mut [&mut KvCache<'r>],
+        tokens: &[&[i64]],
+    ) -> Result<Tensor<'s>>
+    where
+        'm: 's;
+}
+
+/// The caches of one forward pass, grown for its new tokens. A model's `decode` makes one, calls
+/// [`attend`](Self::attend) once per layer, then [`finish`](Self::finish); until then the caches
+/// count none of the new tokens, so an error leaves them as they were (save for blocks taken).
+#[derive(Debug)]
+pub struct KvStep<'a, 'r> {
+    pool: &'a KvPool<'a>,
+    caches: Vec<&'a mut KvCache<'r>>,
+    new: Vec<usize>,
+}
+
+impl<'a, 'r> KvStep<'a, 'r> {
+    /// A step adding `new[s]` tokens to `caches[s]`: takes the blocks they need and makes every
+    /// block they land in private to its cache.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] when the lists differ in length or a cache is another pool's;
+    /// [`Error::KvCapacity`] when a cache cannot take the blocks it needs.
+    pub fn new(
+        pool: &'a KvPool<'a>,
+        caches: Vec<&'a mut KvCache<'r>>,
+        new: &[usize],
+    ) -> Result<KvStep<'a, 'r>> {
+        if caches.len() != new.len() || caches.is_empty() {
+            return Err(Error::InvalidShape {
+                op: "KvStep::new",
+                shape: vec![caches.len(), new.len()],
+                reason: "needs at least one cache and one count of new tokens per cache".into(),
+            });
+        }
+        let mut caches = caches;
+        for (cache, &n) in caches.iter_mut().zip(new) {
+            cache.check_pool(pool)?;
+            cache.make_room(pool, n)?;
+        }
+        Ok(KvStep {
+            pool,
+            caches,
+            new: new.to_vec(),
+        })
+    }
+
+    /// The position of each sequence's first new token (the tokens it had cached).
+    pub fn starts(&self) -> Vec<usize> {
+        self.caches.iter().map(|c| c.tokens).collect()
+    }
+
+    /// The new tokens per sequence.
+    pub fn new_tokens(&self) -> &[usize] {
+        &self.new
+    }
+
+    /// `layer`'s attention: stores the new tokens' keys and values from `qkv` (`[rows, 3, heads,
+    /// head width]`: queries, keys, values of every new token, sequence after sequence) in the caches
+    /// and returns each new query's attention over its sequence's cached tokens up to its own
+    /// position (`[rows, heads, head width]`, contiguous), scores scaled by `scale`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a `qkv` of another shape; dtype and device mismatches with the
+    /// pool.
+    #[track_caller]
+    pub fn attend<'s>(&mut self, layer: usize, qkv: &Tensor<'s>, scale: f64) -> Result<Tensor<'s>> {
+        let shape = self.pool.shape();
+        let rows: usize = self.new.iter().sum();
+        if qkv.shape() != [rows, 3, shape.heads, shape.head_width] {
+            return Err(Error::InvalidShape {
+                op: "KvStep::attend",
+                shape: qkv.shape().to_vec(),
+                reason: format!(
+                    "needs queries, keys and values [{rows}, 3, {}, {}]",
+                    shape.heads, shape.head_width
+                ),
+            });
+        }
+        let geometry = self.pool.geometry();
+        let kv = qkv.narrow(1, 1, 2)?;
+        let mut writes: Vec<PagedWrite<'_>> = self
+            .caches
+            .iter_mut()
+            .zip(&self.new)
+            .map(|(c, &count)| PagedWrite {
+                from: c.tokens,
+                count,
+                table: &mut c.table,
+            })
+            .collect();
+        write_pages(self.pool.slab(), geometry, layer, &kv, &mut writes)?;
+        drop(writes);
+        let q = qkv.narrow(1, 0, 1)?.squeeze(1)?;
+        let tables: Vec<_> = self.caches.iter().map(|c| &c.table).collect();
+        let lengths: Vec<usize> = self
+            .caches
+            .iter()
+            .zip(&self.new)
+            .map(|(c, n)| c.tokens + n)
+            .collect();
+        paged_attention(
+            &q,
+            self.pool.slab(),
+            geometry,
+            PagedAttention { scale, layer },
+            &tables,
+            &lengths,
+            &self.new,
+        )
+    }
+
+    /// Counts the new tokens as cached in every cache.
+    pub fn finish(self) {
+        for (cache, &n) in self.caches.into_iter().zip(&self.new) {
+            cache.commit(n);
+        }
+    }
+}
