@@ -37,6 +37,6 @@ pub use ops::{AttentionSpec, Causal, Conv2dOptions};
 pub use replay::{Input, StepGraph};
 pub use rng::DEFAULT_SEED;
 pub use scope::{
-    Child, EventKind, Fault, MemoryEvent, Movable, Scope, Timeline, root, system_stats,
+    Child, EventKind, Fault, MemoryEvent, Movable, MoveOut, Scope, Timeline, root, system_stats,
 };
 pub use tensor::Tensor;

@@ -15,7 +15,7 @@ use crate::nn::{
     Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
     TransformerBlock, TransformerConfig,
 };
-use crate::scope::{Child, Movable, Scope};
+use crate::scope::{Child, Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
@@ -709,6 +709,20 @@ impl<'m> Movable<'m> for Gpt2<'m> {
             blocks: self.blocks.move_into(target)?,
             ln_f: self.ln_f.move_into(target)?,
             lm_head: self.lm_head.move_into(target)?,
+            config: self.config,
+        })
+    }
+}
+
+/// A model shared by threads: `Gpt2<'static>` is `Sync`.
+impl<'m> MoveOut<'m> for Gpt2<'m> {
+    fn move_out(self) -> Result<Gpt2<'static>> {
+        Ok(Gpt2 {
+            wte: self.wte.move_out()?,
+            wpe: self.wpe.move_out()?,
+            blocks: self.blocks.move_out()?,
+            ln_f: self.ln_f.move_out()?,
+            lm_head: self.lm_head.move_out()?,
             config: self.config,
         })
     }

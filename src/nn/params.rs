@@ -75,7 +75,7 @@ impl<'m, T: Parameters<'m>> Parameters<'m> for Option<T> {
     }
 }
 
-/// Implements [`Parameters`] and [`Movable`](crate::Movable) for a layer struct `$ty<'m>` from its
+/// Implements [`Parameters`], [`Movable`](crate::Movable) and [`MoveOut`](crate::MoveOut) for a layer struct `$ty<'m>` from its
 /// fields: `tensors` are parameters named `{prefix}{field}`, `layers` are nested layers visited under
 /// `{prefix}{field}.`, `plain` are copied as they are when the layer moves. Visits follow the order
 /// given (tensors, then layers), which fixes checkpoint names and optimizer state order.
@@ -114,6 +114,16 @@ macro_rules! layer_parts {
                 Ok($ty {
                     $($t: $crate::scope::Movable::move_into(self.$t, target)?,)*
                     $($l: $crate::scope::Movable::move_into(self.$l, target)?,)*
+                    $($p: self.$p,)*
+                })
+            }
+        }
+
+        impl<'m> $crate::scope::MoveOut<'m> for $ty<'m> {
+            fn move_out(self) -> $crate::error::Result<$ty<'static>> {
+                Ok($ty {
+                    $($t: $crate::scope::MoveOut::move_out(self.$t)?,)*
+                    $($l: $crate::scope::MoveOut::move_out(self.$l)?,)*
                     $($p: self.$p,)*
                 })
             }

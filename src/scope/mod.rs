@@ -17,7 +17,7 @@ use std::ops::Deref;
 use std::panic::Location;
 
 pub use fault::Fault;
-pub use movable::Movable;
+pub use movable::{Movable, MoveOut};
 pub use system::system_stats;
 pub use timeline::{EventKind, MemoryEvent, Timeline};
 

@@ -103,3 +103,27 @@ impl<'a, T: Movable<'a>, const N: usize> Movable<'a> for [T; N] {
             .unwrap_or_else(|_| unreachable!("an array of N moves to N values")))
     }
 }
+
+/// A value whose tensors can all leave their scope tree ([`Tensor::move_out`](crate::Tensor::move_out)),
+/// re-branded `'static`: a model loaded once and then shared read-only by threads, each serving its
+/// own requests in scopes of its own tree. Implemented for tensors, `Option`, `Vec`, the layers of
+/// [`nn`](crate::nn) and the models of [`models`](crate::models).
+pub trait MoveOut<'a>: Movable<'a> {
+    /// Moves every tensor of `self` out of its tree.
+    ///
+    /// # Errors
+    /// When the system allocator refuses a needed copy.
+    fn move_out(self) -> Result<Self::Moved<'static>>;
+}
+
+impl<'a, T: MoveOut<'a>> MoveOut<'a> for Option<T> {
+    fn move_out(self) -> Result<Self::Moved<'static>> {
+        self.map(MoveOut::move_out).transpose()
+    }
+}
+
+impl<'a, T: MoveOut<'a>> MoveOut<'a> for Vec<T> {
+    fn move_out(self) -> Result<Self::Moved<'static>> {
+        self.into_iter().map(MoveOut::move_out).collect()
+    }
+}

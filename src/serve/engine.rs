@@ -194,7 +194,7 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
                         break; // waits for blocks
                     };
                     let (id, request, arrived_step, arrived) = queue.pop_front().expect("checked");
-                    let mut a = Active {
+                    let a = Active {
                         id,
                         prompt_tokens: request.prompt.len(),
                         cache,

@@ -660,3 +660,9 @@ impl std::fmt::Debug for Tensor<'_> {
         std::fmt::Display::fmt(self, f)
     }
 }
+
+impl<'s> crate::scope::MoveOut<'s> for Tensor<'s> {
+    fn move_out(self) -> Result<Tensor<'static>> {
+        Tensor::move_out(self)
+    }
+}

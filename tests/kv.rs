@@ -1,0 +1,268 @@
+//! Paged KV caches: attention through page tables against a plain f64 reference, the pool's block
+//! accounting (promises, sharing, return on drop, error and panic), and the errors of bad input.
+
+use ndscope::kv::{KvPool, KvShape, KvStep};
+use ndscope::{DType, Device, Error, Tensor, root};
+
+const SHAPE: KvShape = KvShape {
+    layers: 2,
+    heads: 3,
+    head_width: 8,
+    dtype: DType::F32,
+};
+
+/// `softmax(q kᵀ · scale) v` per head for each query, which sees the tokens up to its own position:
+/// `q` `[queries, heads, w]` at the last `queries` of `keys.len()` positions; keys and values
+/// `[tokens][heads][w]`.
+fn reference(q: &[f64], keys: &[f64], values: &[f64], heads: usize, w: usize) -> Vec<f64> {
+    let queries = q.len() / (heads * w);
+    let tokens = keys.len() / (heads * w);
+    let scale = 1.0 / (w as f64).sqrt();
+    let mut out = vec![0.0; q.len()];
+    for i in 0..queries {
+        let visible = tokens - queries + i + 1;
+        for h in 0..heads {
+            let qi = &q[(i * heads + h) * w..][..w];
+            let scores: Vec<f64> = (0..visible)
+                .map(|j| {
+                    let k = &keys[(j * heads + h) * w..][..w];
+                    scale * qi.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for (j, wt) in weights.iter().enumerate() {
+                let v = &values[(j * heads + h) * w..][..w];
+                for d in 0..w {
+                    out[(i * heads + h) * w + d] += wt / total * v[d];
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Sequences of different lengths fed in chunks (a prompt, then single tokens, then a chunk) through
+/// one pool in one step per round: every layer's output equals the reference over the history.
+fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, tolerance: f64) {
+    let shape = KvShape { dtype, ..SHAPE };
+    let (heads, w) = (shape.heads, shape.head_width);
+    root(Device::Cpu, |m| {
+        m.set_seed(11);
+        let pool = KvPool::new(m, shape, block_tokens, 64)?;
+        m.scope(|request| {
+            let mut caches = [
+                pool.cache(request, 40)?,
+                pool.cache(request, 40)?,
+                pool.cache(request, 40)?,
+            ];
+            // History per sequence and layer: keys and values as f64 (as stored, after rounding).
+            let mut history = vec![vec![(Vec::new(), Vec::new()); shape.layers]; 3];
+            let rounds: [[usize; 3]; 4] = [[5, 1, 17], [1, 1, 1], [1, 9, 1], [3, 1, 2]];
+            for counts in rounds {
+                let rows: usize = counts.iter().sum();
+                request.scope(|s| {
+                    let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
+                    for layer in 0..shape.layers {
+                        let qkv = s.randn(&[rows, 3, heads, w])?.to_dtype(dtype)?;
+                        let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
+                        assert_eq!(out.shape(), &[rows, heads, w]);
+                        let qkv = qkv.to_vec_f64()?;
+                        let got = out.to_vec_f64()?;
+                        let mut row = 0;
+                        for (seq, &n) in counts.iter().enumerate() {
+                            let (keys, values) = &mut history[seq][layer];
+                            let mut q = Vec::new();
+                            for r in row..row + n {
+                                let part = |i: usize| &qkv[((r * 3 + i) * heads) * w..][..heads * w];
+                                q.extend_from_slice(part(0));
+                                keys.extend_from_slice(part(1));
+                                values.extend_from_slice(part(2));
+                            }
+                            let want = reference(&q, keys, values, heads, w);
+                            let got = &got[row * heads * w..(row + n) * heads * w];
+                            for (g, w) in got.iter().zip(&want) {
+                                assert!(
+                                    (g - w).abs() <= tolerance * (1.0 + w.abs()),
+                                    "{dtype} blocks of {block_tokens}: sequence {seq} layer {layer}: {g} vs {w}"
+                                );
+                            }
+                            row += n;
+                        }
+                    }
+                    step.finish();
+                    Ok::<_, Error>(())
+                })?;
+            }
+            assert_eq!(
+                caches.iter().map(|c| c.len()).collect::<Vec<_>>(),
+                vec![10, 12, 21]
+            );
+            Ok::<_, Error>(())
+        })?;
+        assert_eq!(pool.stats().blocks_free, 64);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn paged_attention_f32_matches_the_f64_reference() {
+    paged_attention_matches_reference(DType::F32, 4, 1e-5);
+    paged_attention_matches_reference(DType::F32, 16, 1e-5);
+}
+
+#[test]
+fn paged_attention_f64_matches_the_f64_reference() {
+    paged_attention_matches_reference(DType::F64, 2, 1e-12);
+}
+
+#[test]
+fn paged_attention_16_bit_matches_the_reference_of_its_rounded_inputs() {
+    // Inputs are rounded to 16 bits before the reference sees them; the kernel computes in f32 and
+    // rounds the output once.
+    paged_attention_matches_reference(DType::BF16, 8, 1e-2);
+    paged_attention_matches_reference(DType::F16, 8, 2e-3);
+}
+
+#[test]
+fn promises_are_kept_and_everything_goes_back() {
+    root(Device::Cpu, |m| {
+        let pool = KvPool::new(m, SHAPE, 4, 10)?;
+        m.scope(|request| {
+            let a = pool.cache(request, 17)?; // 5 blocks promised
+            let stats = pool.stats();
+            assert_eq!((stats.blocks_free, stats.blocks_promised), (10, 5));
+            let b = pool.cache(request, 20)?; // 5 more: the pool is fully promised
+            let err = pool.cache(request, 1).unwrap_err();
+            assert!(matches!(
+                err,
+                Error::KvCapacity {
+                    needed: 1,
+                    available: 0,
+                    total: 10,
+                    ..
+                }
+            ));
+            assert!(
+                err.to_string().contains("wait until other requests finish"),
+                "{err}"
+            );
+            drop(b);
+            let c = pool.cache(request, 8)?;
+            assert_eq!(pool.stats().blocks_promised, 7);
+            drop((a, c));
+            Ok::<_, Error>(())
+        })?;
+        let err = pool.cache(m, 41).unwrap_err();
+        assert!(
+            err.to_string().contains("make a pool of more blocks"),
+            "{err}"
+        );
+        assert_eq!(pool.stats().blocks_promised, 0);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+/// A cache grows past its promise while unpromised blocks are free, and fails with a typed error
+/// (leaving its tokens as they were) when none is.
+#[test]
+fn growth_past_the_promise_takes_free_blocks_or_fails_cleanly() {
+    root(Device::Cpu, |m| {
+        let pool = KvPool::new(m, SHAPE, 4, 3)?;
+        m.scope(|request| {
+            let mut cache = pool.cache(request, 4)?;
+            let other = pool.cache(request, 4)?;
+            request.scope(|s| {
+                let qkv = s.randn(&[8, 3, 3, 8])?;
+                let mut step = KvStep::new(&pool, vec![&mut cache], &[8])?;
+                step.attend(0, &qkv, 0.3)?;
+                step.finish();
+                Ok::<_, Error>(())
+            })?;
+            assert_eq!(cache.usage().blocks, 2);
+            // The third block is promised to `other`.
+            let err = KvStep::new(&pool, vec![&mut cache], &[1]).unwrap_err();
+            assert!(matches!(err, Error::KvCapacity { .. }), "{err}");
+            assert_eq!(cache.len(), 8);
+            drop(other);
+            KvStep::new(&pool, vec![&mut cache], &[1])?.finish();
+            assert_eq!((cache.len(), cache.usage().blocks), (9, 3));
+            Ok::<_, Error>(())
+        })?;
+        assert_eq!(pool.stats().blocks_free, 3);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn a_panicking_request_gives_its_blocks_back() {
+    root(Device::Cpu, |m| {
+        let pool = KvPool::new(m, SHAPE, 4, 8)?;
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            m.scope(|request| {
+                let mut cache = pool.cache(request, 32).unwrap();
+                KvStep::new(&pool, vec![&mut cache], &[6]).unwrap().finish();
+                assert_eq!(pool.stats().blocks_used(), 2);
+                panic!("the request fails halfway");
+            })
+        }));
+        assert!(caught.is_err());
+        let stats = pool.stats();
+        assert_eq!((stats.blocks_free, stats.blocks_promised), (8, 0));
+        assert_eq!(stats.tokens_cached, 0);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn bad_input_is_refused_with_a_typed_error() {
+    root(Device::Cpu, |m| {
+        // A block of 1 token of f16 with width 2 is 8 bytes: not a multiple of 64.
+        let odd = KvShape {
+            layers: 1,
+            heads: 1,
+            head_width: 2,
+            dtype: DType::F16,
+        };
+        let err = KvPool::new(m, odd, 1, 4).unwrap_err();
+        assert!(err.to_string().contains("use a block of 8 tokens"), "{err}");
+        assert!(
+            KvPool::new(
+                m,
+                KvShape {
+                    dtype: DType::I64,
+                    ..SHAPE
+                },
+                4,
+                4
+            )
+            .is_err()
+        );
+        assert!(KvPool::new(m, SHAPE, 0, 4).is_err());
+        let pool = KvPool::new(m, SHAPE, 4, 4)?;
+        let other = KvPool::new(m, SHAPE, 4, 4)?;
+        m.scope(|request| {
+            let mut cache = pool.cache(request, 4)?;
+            let err = KvStep::new(&other, vec![&mut cache], &[1]).unwrap_err();
+            assert!(err.to_string().contains("another KV pool"), "{err}");
+            let mut step = KvStep::new(&pool, vec![&mut cache], &[2])?;
+            let wrong: Tensor<'_> = request.zeros(&[2, 3, 3, 4])?;
+            let err = step.attend(0, &wrong, 1.0).unwrap_err();
+            assert!(err.to_string().contains("[2, 3, 3, 8]"), "{err}");
+            let f64s = request.zeros(&[2, 3, 3, 8])?.to_dtype(DType::F64)?;
+            assert!(matches!(
+                step.attend(0, &f64s, 1.0),
+                Err(Error::DTypeMismatch { .. })
+            ));
+            let layer = request.zeros(&[2, 3, 3, 8])?;
+            assert!(step.attend(2, &layer, 1.0).is_err());
+            Ok::<_, Error>(())
+        })
+    })
+    .unwrap();
+}
