@@ -231,7 +231,7 @@ fn forks_share_the_prompt_blocks_copy_on_write() {
                     .to_vec::<f32>()
             })?;
             let full = prompt.len() / 4;
-            let mut second = first.fork(&pool, 64)?;
+            let mut second = first.fork(request, &pool, 64)?;
             assert_eq!(first.blocks()[..full], second.blocks()[..full]);
             assert_ne!(
                 first.blocks()[full],

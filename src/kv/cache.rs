@@ -2,11 +2,14 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::pool::KvPool;
 use crate::error::{Error, Result};
 use crate::memory::pages::PageTable;
 use crate::ops::paged::unshare_page;
+use crate::scope::node::Note;
 use crate::scope::{Movable, Scope};
 
 /// The keys and values a request has cached: a table of blocks taken from a [`KvPool`] as tokens
@@ -19,7 +22,30 @@ pub struct KvCache<'r> {
     pub(super) tokens: usize,
     block_tokens: usize,
     block_bytes: usize,
+    /// What the scope's dump shows of this cache.
+    figures: Arc<Figures>,
     _brand: PhantomData<fn(&'r ()) -> &'r ()>,
+}
+
+/// A cache's figures, shared with its scope's dump.
+#[derive(Debug, Default)]
+struct Figures {
+    tokens: AtomicUsize,
+    blocks: AtomicUsize,
+    promised: AtomicUsize,
+    block_bytes: usize,
+}
+
+impl Note for Figures {
+    fn line(&self) -> String {
+        let usage = KvUsage {
+            tokens: self.tokens.load(Ordering::Relaxed),
+            blocks: self.blocks.load(Ordering::Relaxed),
+            bytes: self.blocks.load(Ordering::Relaxed) * self.block_bytes,
+            blocks_promised: self.promised.load(Ordering::Relaxed),
+        };
+        format!("kv cache: {usage}")
+    }
 }
 
 /// One cache's figures.
@@ -39,9 +65,10 @@ impl fmt::Display for KvUsage {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} tokens in {} blocks ({}), {} more promised",
+            "{} tokens in {} block{} ({}), {} more promised",
             self.tokens,
             self.blocks,
+            if self.blocks == 1 { "" } else { "s" },
             crate::memory::stats::Bytes(self.bytes),
             self.blocks_promised
         )
@@ -49,14 +76,35 @@ impl fmt::Display for KvUsage {
 }
 
 impl<'r> KvCache<'r> {
-    pub(super) fn new(table: PageTable, block_tokens: usize, block_bytes: usize) -> KvCache<'r> {
-        KvCache {
+    pub(super) fn new(
+        scope: &Scope<'r>,
+        table: PageTable,
+        tokens: usize,
+        block_tokens: usize,
+        block_bytes: usize,
+    ) -> KvCache<'r> {
+        let figures = Arc::new(Figures {
+            block_bytes,
+            ..Figures::default()
+        });
+        scope.add_note(Arc::downgrade(&figures) as std::sync::Weak<dyn Note>);
+        let cache = KvCache {
             table,
-            tokens: 0,
+            tokens,
             block_tokens,
             block_bytes,
+            figures,
             _brand: PhantomData,
-        }
+        };
+        cache.update_figures();
+        cache
+    }
+
+    fn update_figures(&self) {
+        let f = &self.figures;
+        f.tokens.store(self.tokens, Ordering::Relaxed);
+        f.blocks.store(self.table.len(), Ordering::Relaxed);
+        f.promised.store(self.table.reserved(), Ordering::Relaxed);
     }
 
     /// Tokens cached.
@@ -93,7 +141,12 @@ impl<'r> KvCache<'r> {
     /// # Errors
     /// [`Error::KvCapacity`] when the pool cannot promise the blocks the fork may need: those past the
     /// shared ones, plus the copy of a partly filled last block.
-    pub fn fork(&self, pool: &KvPool<'_>, max_tokens: usize) -> Result<KvCache<'r>> {
+    pub fn fork(
+        &self,
+        scope: &Scope<'r>,
+        pool: &KvPool<'_>,
+        max_tokens: usize,
+    ) -> Result<KvCache<'r>> {
         self.check_pool(pool)?;
         let mut table = self.table.share();
         let full = self.tokens / self.block_tokens;
@@ -108,18 +161,19 @@ impl<'r> KvCache<'r> {
         if partial == 1 && !unshare_page(pool.slab(), &mut table, full)? {
             return Err(pool.capacity_error(max_tokens, 1));
         }
-        Ok(KvCache {
+        Ok(KvCache::new(
+            scope,
             table,
-            tokens: self.tokens,
-            block_tokens: self.block_tokens,
-            block_bytes: self.block_bytes,
-            _brand: PhantomData,
-        })
+            self.tokens,
+            self.block_tokens,
+            self.block_bytes,
+        ))
     }
 
     /// Gives back the blocks promised and not taken (a request that finished early).
     pub fn release_promised(&mut self) {
         self.table.release_reservation();
+        self.update_figures();
     }
 
     pub(super) fn check_pool(&self, pool: &KvPool<'_>) -> Result<()> {
@@ -151,6 +205,7 @@ impl<'r> KvCache<'r> {
                 return Err(pool.capacity_error(end, 1));
             }
         }
+        self.update_figures();
         Ok(())
     }
 
@@ -162,6 +217,7 @@ impl<'r> KvCache<'r> {
             self.table.fill(i, slots);
         }
         self.tokens = end;
+        self.update_figures();
     }
 }
 
@@ -175,15 +231,18 @@ impl fmt::Debug for KvCache<'_> {
 }
 
 /// A cache moves between scopes without copying: its blocks belong to the pool, not to a scope, so
-/// moving only re-brands it (`Child::ret` hands a finished cache to the parent scope).
+/// moving only re-brands it and shows it in the target's dump (`Child::ret` hands a finished cache to
+/// the parent scope).
 impl<'a> Movable<'a> for KvCache<'a> {
     type Moved<'b> = KvCache<'b>;
-    fn move_into<'b>(self, _target: &Scope<'b>) -> Result<KvCache<'b>> {
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<KvCache<'b>> {
+        target.add_note(Arc::downgrade(&self.figures) as std::sync::Weak<dyn Note>);
         Ok(KvCache {
             table: self.table,
             tokens: self.tokens,
             block_tokens: self.block_tokens,
             block_bytes: self.block_bytes,
+            figures: self.figures,
             _brand: PhantomData,
         })
     }

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::memory::pages::Pages;
 use crate::memory::stats::Bytes;
 use crate::ops::paged::PageGeometry;
+use crate::scope::node::Note;
 use crate::scope::{Scope, root};
 use crate::tensor::Tensor;
 
@@ -45,6 +46,35 @@ pub struct KvPool<'m> {
     pages: Arc<Pages>,
     geometry: PageGeometry,
     shape: KvShape,
+    /// What the model scope's dump shows of the pool.
+    figures: Arc<Figures>,
+}
+
+/// The pool's figures, shared with its scope's dump.
+struct Figures {
+    pages: Arc<Pages>,
+    block_tokens: usize,
+}
+
+impl Figures {
+    fn stats(&self) -> KvPoolStats {
+        let c = self.pages.counts();
+        KvPoolStats {
+            blocks: c.total,
+            blocks_free: c.free,
+            blocks_promised: c.reserved,
+            blocks_shared: c.shared,
+            block_tokens: self.block_tokens,
+            block_bytes: self.pages.page_bytes(),
+            tokens_cached: c.filled,
+        }
+    }
+}
+
+impl Note for Figures {
+    fn line(&self) -> String {
+        self.stats().to_string()
+    }
 }
 
 /// What a [`KvPool`]'s blocks are doing now.
@@ -173,7 +203,9 @@ impl<'m> KvPool<'m> {
         let slab = scope
             .empty(&[blocks, geometry.page_elements()], shape.dtype)?
             .named("kv pool");
-        KvPool::from_slab(slab, geometry, shape, blocks)
+        let pool = KvPool::from_slab(slab, geometry, shape, blocks)?;
+        scope.add_note(Arc::downgrade(&pool.figures) as std::sync::Weak<dyn Note>);
+        Ok(pool)
     }
 
     /// The pool that holds `tokens` tokens in blocks of `block_tokens`.
@@ -210,6 +242,10 @@ impl<'m> KvPool<'m> {
             })?;
         Ok(KvPool {
             slab,
+            figures: Arc::new(Figures {
+                pages: Arc::clone(&pages),
+                block_tokens: geometry.tokens,
+            }),
             pages,
             geometry,
             shape,
@@ -238,34 +274,26 @@ impl<'m> KvPool<'m> {
 
     /// The blocks' figures now.
     pub fn stats(&self) -> KvPoolStats {
-        let c = self.pages.counts();
-        KvPoolStats {
-            blocks: c.total,
-            blocks_free: c.free,
-            blocks_promised: c.reserved,
-            blocks_shared: c.shared,
-            block_tokens: self.geometry.tokens,
-            block_bytes: self.pages.page_bytes(),
-            tokens_cached: c.filled,
-        }
+        self.figures.stats()
     }
 
-    /// An empty cache for a request running in `request`, with the blocks of `max_tokens` tokens
-    /// promised to it: it takes them as it grows (a block is only held once a token lands in it), and
+    /// An empty cache for a request running in `request` (its brand, and the scope whose dump shows
+    /// it), with the blocks of `max_tokens` tokens promised to it: it takes them as it grows (a block is only held once a token lands in it), and
     /// no other cache can take them meanwhile. A cache may grow past `max_tokens` while unpromised
     /// blocks are free.
     ///
     /// # Errors
     /// [`Error::KvCapacity`] when fewer unpromised blocks are free.
     pub fn cache<'r>(&self, request: &Scope<'r>, max_tokens: usize) -> Result<KvCache<'r>> {
-        let _ = request; // the brand is all the cache takes from its scope
         let needed = max_tokens.div_ceil(self.geometry.tokens);
         let table = self
             .pages
             .table(needed)
             .ok_or_else(|| self.capacity_error(max_tokens, needed))?;
         Ok(KvCache::new(
+            request,
             table,
+            0,
             self.geometry.tokens,
             self.pages.page_bytes(),
         ))

@@ -44,6 +44,9 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     }
     out.push('\n');
     let child_indent = format!("{indent}  ");
+    for line in n.notes() {
+        let _ = writeln!(out, "{child_indent}{line}");
+    }
     for (shown, h) in n.blocks().enumerate() {
         if shown == MAX_TENSORS_SHOWN {
             let rest = n.blocks().count() - shown;

@@ -229,6 +229,11 @@ impl<'s> Scope<'s> {
         dump::dump_tree(self.node.root())
     }
 
+    /// Shows `note`'s line under this scope in [`dump`](Self::dump) while it lives.
+    pub(crate) fn add_note(&self, note: std::sync::Weak<dyn node::Note>) {
+        self.node.add_note(note);
+    }
+
     /// Refuses any further block in this scope (allocations and moves in) with [`Error::Capped`](crate::Error::Capped), as
     /// DJL's `NDManager.cap()` does. Child scopes are unaffected.
     pub fn cap(&self) {

@@ -197,6 +197,8 @@ pub(crate) struct ScopeNode {
     autocast: Cell<Option<DType>>,
     /// Whether `f32` products here may read their operands as TF32 (inherited by child scopes).
     tf32: Cell<bool>,
+    /// Lines that values living in this scope add to its dump (see [`Note`]).
+    notes: RefCell<Vec<std::sync::Weak<dyn Note>>>,
 }
 
 // SAFETY: a node is reachable only through its `Scope` (which is neither `Send` nor `Sync`, by its
@@ -257,6 +259,13 @@ pub(crate) fn refused(
     }
 }
 
+/// A value that lives in a scope without being a tensor of it (a KV cache's blocks belong to the
+/// pool) and says what it holds in the scope's dump.
+pub(crate) trait Note: Send + Sync {
+    /// One line, without indentation.
+    fn line(&self) -> String;
+}
+
 impl BlockOwner for ScopeNode {
     fn release(&self, h: &BlockHeader) {
         self.release_block(h);
@@ -290,6 +299,7 @@ impl ScopeNode {
             arena: Cell::new(None),
             autocast: Cell::new(parent.and_then(|p| p.autocast.get())),
             tf32: Cell::new(parent.is_some_and(|p| p.tf32.get())),
+            notes: RefCell::new(Vec::new()),
         }
     }
 
@@ -312,6 +322,22 @@ impl ScopeNode {
                 p.first_child.set(self);
             }
         }
+    }
+
+    /// Adds `note` to the scope's dump for as long as it lives.
+    pub(crate) fn add_note(&self, note: std::sync::Weak<dyn Note>) {
+        let mut notes = self.notes.borrow_mut();
+        notes.retain(|n| n.strong_count() > 0);
+        notes.push(note);
+    }
+
+    /// The lines of the notes still alive.
+    pub(crate) fn notes(&self) -> Vec<String> {
+        self.notes
+            .borrow()
+            .iter()
+            .filter_map(|n| n.upgrade().map(|n| n.line()))
+            .collect()
     }
 
     pub(crate) fn tree(&self) -> &TreeState {

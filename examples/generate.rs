@@ -1,0 +1,234 @@
+//! Text generation with a paged KV cache, and a load of concurrent requests through the
+//! continuous-batching engine.
+//!
+//! ```text
+//! cargo run --release --example generate                          # the bundled tiny GPT-2
+//! cargo run --release --example generate -- --prompt "def main():" --temperature 0.8 --top-p 0.9
+//! cargo run --release --example generate -- --serve 64            # 64 requests of mixed lengths
+//! ```
+//!
+//! The model and the KV pool live in the model scope; each request's cache in the request's scope;
+//! each step's temporaries in the step's scope. `--serve N` prints tokens/s, latency percentiles, the
+//! KV pool's waste and the scope tree after the run.
+
+#[allow(dead_code)] // the training helpers of examples/common; this example needs its entry point
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use ndscope::data::Tokenizer;
+use ndscope::kv::{CausalLm, KvPool};
+use ndscope::models::Gpt2;
+use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, generate};
+use ndscope::{DType, Device, Error, Result, root};
+
+const USAGE: &str = "\
+generate: text from a Hugging Face GPT-2 directory, one prompt or a served load
+
+usage: cargo run --release --example generate -- [options]
+
+  --model DIR       a GPT-2 directory (config.json, model.safetensors, tokenizer.json) [default: data/gpt2-tiny]
+  --prompt TEXT     what to continue                                   [default: \"A scope owns every tensor\"]
+  --max-new N       tokens to generate at most                         [default: 48]
+  --temperature T   0 is greedy                                        [default: 0]
+  --top-k K         keep the K most likely tokens (0: all)             [default: 0]
+  --top-p P         keep the most likely tokens summing to P           [default: 1]
+  --seed S          the sampling seed                                  [default: 42]
+  --device D        cpu, or cuda:N (needs --features cuda)             [default: cpu]
+  --block B         tokens per KV block                                [default: 16]
+  --serve N         serve N concurrent requests of mixed lengths instead of one prompt
+  --batch B         requests decoded together when serving             [default: 8]
+  --help            this text";
+
+#[derive(Debug)]
+struct Options {
+    model: PathBuf,
+    prompt: String,
+    max_new: usize,
+    sampling: Sampling,
+    seed: u64,
+    device: Device,
+    block: usize,
+    serve: Option<usize>,
+    batch: usize,
+}
+
+impl Options {
+    fn parse(args: impl Iterator<Item = String>) -> std::result::Result<Options, String> {
+        let mut o = Options {
+            model: "data/gpt2-tiny".into(),
+            prompt: "A scope owns every tensor".into(),
+            max_new: 48,
+            sampling: Sampling::GREEDY,
+            seed: 42,
+            device: Device::Cpu,
+            block: KvPool::BLOCK_TOKENS,
+            serve: None,
+            batch: 8,
+        };
+        let mut args = args;
+        while let Some(flag) = args.next() {
+            if flag == "--help" || flag == "-h" {
+                return Err(String::new());
+            }
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let count = |v: &str| {
+                v.parse::<usize>()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| format!("{flag}: `{v}` is not a positive whole number"))
+            };
+            let number = |v: &str| {
+                v.parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| format!("{flag}: `{v}` is not a number"))
+            };
+            match flag.as_str() {
+                "--model" => o.model = value.into(),
+                "--prompt" => o.prompt = value,
+                "--max-new" => o.max_new = count(&value)?,
+                "--temperature" => o.sampling.temperature = number(&value)?,
+                "--top-k" => {
+                    o.sampling.top_k = value
+                        .parse()
+                        .map_err(|_| format!("--top-k: `{value}` is not a whole number"))?
+                }
+                "--top-p" => o.sampling.top_p = number(&value)?,
+                "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
+                "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
+                "--block" => o.block = count(&value)?,
+                "--serve" => o.serve = Some(count(&value)?),
+                "--batch" => o.batch = count(&value)?,
+                _ => return Err(format!("unknown option {flag}")),
+            }
+        }
+        o.sampling.check().map_err(|e| e.to_string())?;
+        Ok(o)
+    }
+}
+
+/// splitmix64: the served load comes from the seed alone.
+struct Rng(u64);
+
+impl Rng {
+    fn between(&mut self, lo: usize, hi: usize) -> usize {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        lo + ((z ^ (z >> 31)) % (hi - lo + 1) as u64) as usize
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+fn run(o: &Options) -> Result<()> {
+    let tokenizer = Tokenizer::from_file(o.model.join("tokenizer.json"))?;
+    root(o.device, |m| {
+        let gpt2 = Gpt2::from_pretrained(m, &o.model, DType::F32)?;
+        let positions = gpt2.max_positions();
+        let Some(n) = o.serve else {
+            let pool = KvPool::for_tokens(m, gpt2.kv_shape(), o.block, positions)?;
+            let prompt = tokenizer.encode(&o.prompt)?;
+            let options = GenerateOptions::sampled(o.max_new, o.sampling, o.seed);
+            let started = Instant::now();
+            let out = generate(&gpt2, m, &pool, &prompt, &options)?;
+            let elapsed = started.elapsed().as_secs_f64();
+            println!("{}{}", o.prompt, tokenizer.decode(&out.tokens)?);
+            println!(
+                "\n{} new tokens in {:.1} ms ({:.0} tokens/s, the prompt's {} tokens included in the time); \
+                 finished by {:?}; cache at the end: {}",
+                out.tokens.len(),
+                elapsed * 1e3,
+                out.tokens.len() as f64 / elapsed,
+                prompt.len(),
+                out.finish,
+                out.kv
+            );
+            return Ok(());
+        };
+        // A load of n requests: prompts are windows of the bundled text, of 4 to half the model's
+        // positions; outputs of 8 to a quarter of them; a few arrive at each step.
+        let text = std::fs::read_to_string("data/scopes.txt").map_err(|e| Error::Io {
+            path: "data/scopes.txt".into(),
+            reason: e.to_string(),
+        })?;
+        let corpus = tokenizer.encode(&text)?;
+        let mut rng = Rng(o.seed);
+        let pool = KvPool::for_tokens(m, gpt2.kv_shape(), o.block, o.batch * positions)?;
+        let mut engine = Engine::new(&gpt2, &pool, EngineConfig { max_batch: o.batch });
+        let mut generated_max = 0;
+        for i in 0..n {
+            let len = rng.between(4, positions / 2);
+            let at = rng.between(0, corpus.len() - len);
+            let new = rng.between(8, positions / 4);
+            generated_max += new;
+            let options = GenerateOptions::sampled(new, o.sampling, o.seed + i as u64);
+            engine.submit(Request {
+                prompt: corpus[at..at + len].to_vec(),
+                options,
+                arrival: i / 2,
+            })?;
+        }
+        let (mut held, mut cached, mut steps, mut peak_blocks) = (0, 0, 0, 0);
+        let mut full_batch_dump = None;
+        let started = Instant::now();
+        let done = engine.run(m, |step| {
+            held += step.pool.blocks_used() * step.pool.block_tokens;
+            cached += step.pool.tokens_cached;
+            steps += 1;
+            peak_blocks = peak_blocks.max(step.pool.blocks_used());
+            if step.batch == o.batch && full_batch_dump.is_none() {
+                full_batch_dump = Some((step.step, m.dump()));
+            }
+        })?;
+        let elapsed = started.elapsed().as_secs_f64();
+        let tokens: usize = done.iter().map(|c| c.generation.tokens.len()).sum();
+        let prompts: usize = done.iter().map(|c| c.prompt_tokens).sum();
+        let mut latency: Vec<Duration> = done.iter().map(|c| c.latency).collect();
+        let mut first: Vec<Duration> = done.iter().map(|c| c.first_token).collect();
+        latency.sort();
+        first.sort();
+        let stats = pool.stats();
+        println!(
+            "served {n} requests ({prompts} prompt tokens, {tokens} generated of at most {generated_max}) \
+             in {steps} steps, {:.2} s: {:.0} generated tokens/s",
+            elapsed,
+            tokens as f64 / elapsed
+        );
+        println!(
+            "latency p50 {:.1} ms, p90 {:.1} ms, p99 {:.1} ms; first token p50 {:.1} ms, p99 {:.1} ms",
+            percentile(&latency, 0.5),
+            percentile(&latency, 0.9),
+            percentile(&latency, 0.99),
+            percentile(&first, 0.5),
+            percentile(&first, 0.99)
+        );
+        println!(
+            "KV: waste {:.2}% of the held bytes over the run (blocks of {}), peak {} of {} blocks ({} B each); \
+             a max-length reservation would hold {} blocks for {} requests",
+            100.0 * (held - cached) as f64 / held.max(1) as f64,
+            stats.block_tokens,
+            peak_blocks,
+            stats.blocks,
+            stats.block_bytes,
+            o.batch * positions.div_ceil(o.block),
+            o.batch
+        );
+        println!("{stats}");
+        if let Some((step, dump)) = full_batch_dump {
+            println!("\nscope tree at step {step}, the first with a full batch:\n{dump}");
+        }
+        println!("scope tree after the run:\n{}", m.dump());
+        Ok(())
+    })
+}
+
+fn main() {
+    common::main_with(USAGE, Options::parse, run);
+}
