@@ -132,8 +132,9 @@ impl<'r> KvCache<'r> {
         self.table.indices()
     }
 
-    /// A second cache of the same tokens that shares this one's full blocks, with the blocks for
-    /// `max_tokens` tokens in all promised to it: the samples of one prompt share the prompt's
+    /// A second cache of the same tokens, for a request in `scope` (this cache's or another, such as
+    /// a child's), that shares this one's full blocks, with the blocks for `max_tokens` tokens in all
+    /// promised to it: the samples of one prompt share the prompt's
     /// blocks. Full blocks are never written again, so they stay shared until the last holder lets
     /// go; a partly filled last block is copied into a block of the fork's own at once, since both
     /// caches write into it next (copy-on-write with the write known to come).
@@ -141,12 +142,12 @@ impl<'r> KvCache<'r> {
     /// # Errors
     /// [`Error::KvCapacity`] when the pool cannot promise the blocks the fork may need: those past the
     /// shared ones, plus the copy of a partly filled last block.
-    pub fn fork(
+    pub fn fork<'c>(
         &self,
-        scope: &Scope<'r>,
+        scope: &Scope<'c>,
         pool: &KvPool<'_>,
         max_tokens: usize,
-    ) -> Result<KvCache<'r>> {
+    ) -> Result<KvCache<'c>> {
         self.check_pool(pool)?;
         let mut table = self.table.share();
         let full = self.tokens / self.block_tokens;
