@@ -121,19 +121,21 @@ fn small(c: &mut Criterion) {
             for batch in [1usize, 8] {
                 group.bench_function(format!("batch_{batch}_at_128_tokens"), |b| {
                     b.iter(|| {
-                        session.scope(|request| -> Result<f32> {
-                            let mut forks = (0..batch)
-                                .map(|_| cache.fork(request, &pool, 129))
-                                .collect::<Result<Vec<_>>>()?;
-                            let mut caches: Vec<_> = forks.iter_mut().collect();
-                            let tokens: Vec<[i64; 1]> = (0..batch as i64).map(|i| [i]).collect();
-                            let tokens: Vec<&[i64]> = tokens.iter().map(|t| &t[..]).collect();
-                            request.scope(|s| {
-                                let logits = gpt2.decode(s, &pool, &mut caches, &tokens)?;
-                                logits.narrow(1, 0, 1)?.sum_all()?.to_scalar::<f32>()
+                        session
+                            .scope(|request| -> Result<f32> {
+                                let mut forks = (0..batch)
+                                    .map(|_| cache.fork(request, &pool, 129))
+                                    .collect::<Result<Vec<_>>>()?;
+                                let mut caches: Vec<_> = forks.iter_mut().collect();
+                                let tokens: Vec<[i64; 1]> =
+                                    (0..batch as i64).map(|i| [i]).collect();
+                                let tokens: Vec<&[i64]> = tokens.iter().map(|t| &t[..]).collect();
+                                request.scope(|s| {
+                                    let logits = gpt2.decode(s, &pool, &mut caches, &tokens)?;
+                                    logits.narrow(1, 0, 1)?.sum_all()?.to_scalar::<f32>()
+                                })
                             })
-                        })
-                        .unwrap()
+                            .unwrap()
                     })
                 });
             }
