@@ -8,7 +8,6 @@
 #define ATTN_WARPS 4
 #define ATTN_MAX_WIDTH 256
 #define ATTN_PER_LANE (ATTN_MAX_WIDTH / 32)
-#define FULL_WARP 0xffffffffu
 
 // The operands' strides (batch, head, row; the width's is 1), by index into AttnGeo::s.
 #define A_Q 0
@@ -42,19 +41,6 @@ __device__ __forceinline__ i64 attn_keys(const AttnGeo& g, const i64* lengths, i
 
 __device__ __forceinline__ i64 attn_at(const AttnGeo& g, int which, i64 b, i64 h, i64 row) {
     return b * g.s[which][0] + h * g.s[which][1] + row * g.s[which][2];
-}
-
-template <typename C> __device__ __forceinline__ C warp_sum(C x) {
-    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(FULL_WARP, x, o);
-    return x;
-}
-
-template <typename C> __device__ __forceinline__ C warp_max(C x) {
-    for (int o = 16; o > 0; o /= 2) {
-        C y = __shfl_xor_sync(FULL_WARP, x, o);
-        x = y > x ? y : x;
-    }
-    return x;
 }
 
 // Row `x` (width n) into this warp's shared row, in the compute type.

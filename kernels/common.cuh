@@ -255,3 +255,19 @@ template <typename T> __device__ __forceinline__ void block_combine(int op, T* b
     }
     __syncthreads();
 }
+
+// Warp-wide reductions (every lane gets the result): attention and paged attention.
+#define FULL_WARP 0xffffffffu
+
+template <typename C> __device__ __forceinline__ C warp_sum(C x) {
+    for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(FULL_WARP, x, o);
+    return x;
+}
+
+template <typename C> __device__ __forceinline__ C warp_max(C x) {
+    for (int o = 16; o > 0; o /= 2) {
+        C y = __shfl_xor_sync(FULL_WARP, x, o);
+        x = y > x ? y : x;
+    }
+    return x;
+}

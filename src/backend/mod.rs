@@ -225,18 +225,28 @@ impl PageGeometry {
 /// The cached sequences of one paged-attention call: sequence `s` holds `lengths[s]` tokens in
 /// `pages[first[s]..first[s + 1]]`, in order, and its queries are rows `queries[s]..queries[s + 1]`
 /// of the packed queries (its last positions, in order).
+///
+/// For a GPU, `table` is the same as one `i64` device array the kernel reads: for each query row,
+/// its sequence's first page in the table and the tokens the row sees, then every page's address.
 #[derive(Clone, Copy)]
 pub(crate) struct PagedSeqs<'a> {
     pub(crate) pages: &'a [Buf<'a>],
     pub(crate) first: &'a [usize],
     pub(crate) lengths: &'a [usize],
     pub(crate) queries: &'a [usize],
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only GPU kernels read the table
+    pub(crate) table: Option<Src<'a>>,
 }
 
 /// Where the rows of one paged write go: row `r` to slot `slots[r].1` of `pages[slots[r].0]`.
+///
+/// For a GPU, `table` is the same as an `i64` device array: the address of each row's key slot
+/// (head 0 of the written layer) in its page.
 pub(crate) struct PageRows<'a, 'b> {
     pub(crate) pages: &'b mut [BufMut<'a>],
     pub(crate) slots: &'b [(usize, usize)],
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))] // only GPU kernels read the table
+    pub(crate) table: Option<Src<'b>>,
 }
 
 /// Elements as the bytes a device copy moves.

@@ -8,6 +8,7 @@ use super::{same_device, same_dtype};
 pub(crate) use crate::backend::PageGeometry;
 pub(crate) use crate::backend::op::PagedAttention;
 use crate::backend::{Buf, BufMut, Dst, PageRows, PagedSeqs, Src};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
@@ -120,6 +121,23 @@ pub(crate) fn paged_attention<'s>(
     }
     first.push(pages.len());
     starts.push(row);
+    // A GPU kernel reads the sequences from one table in device memory.
+    let table = if q.device() == Device::Cpu {
+        None
+    } else {
+        let mut values = Vec::with_capacity(2 * rows + pages.len());
+        for (s, &len) in lengths.iter().enumerate() {
+            let count = queries[s];
+            for i in 0..count {
+                values.push(first[s] as i64);
+                values.push(math.visible(i, count, len) as i64);
+            }
+        }
+        values.extend(pages.iter().map(|p| p.address() as i64));
+        let mut t = Tensor::output_of(&[&q], DType::I64, &[values.len()], at)?;
+        t.upload(&values)?;
+        Some(t)
+    };
     q.backend()?.paged_attention(
         q.dtype(),
         &math,
@@ -130,6 +148,7 @@ pub(crate) fn paged_attention<'s>(
             first: &first,
             lengths,
             queries: &starts,
+            table: table.as_ref().map(Tensor::src),
         },
         out.dst(),
     )?;
@@ -146,6 +165,7 @@ pub(crate) struct PagedWrite<'a> {
 /// Writes the rows of `kv` (`[rows, 2, heads, width]`: each new token's keys and values, sequence by
 /// sequence in `writes`' order) into `layer` of their positions' pages. Every page written must be
 /// held by its table alone (`PageTable::unshare` first).
+#[track_caller]
 pub(crate) fn write_pages(
     slab: &Tensor<'_>,
     geometry: PageGeometry,
@@ -207,6 +227,21 @@ pub(crate) fn write_pages(
             ));
         }
     }
+    // A GPU kernel reads where each row goes from a table in device memory.
+    let table = if kv.device() == Device::Cpu {
+        None
+    } else {
+        let e = kv.dtype().size();
+        let values: Vec<i64> = slots
+            .iter()
+            .map(|&(page, slot)| {
+                (pages[page].address() as usize + geometry.row(layer, 0, 0, slot) * e) as i64
+            })
+            .collect();
+        let mut t = Tensor::output_of(&[&kv], DType::I64, &[values.len()], Location::caller())?;
+        t.upload(&values)?;
+        Some(t)
+    };
     kv.backend()?.write_pages(
         kv.dtype(),
         geometry,
@@ -215,6 +250,7 @@ pub(crate) fn write_pages(
         PageRows {
             pages: &mut pages,
             slots: &slots,
+            table: table.as_ref().map(Tensor::src),
         },
     )
 }

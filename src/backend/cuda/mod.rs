@@ -13,6 +13,7 @@ mod graph;
 mod kernels;
 mod memory;
 mod ops;
+mod paged;
 mod transfer;
 
 use std::collections::HashMap;

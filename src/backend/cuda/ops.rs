@@ -13,8 +13,10 @@ use crate::backend::cuda::kernels::{
     Geo, cast_kernel, elementwise_launch, family, float_family, float_kernel, kernel, rows_launch,
 };
 use crate::backend::cuda::{Gpu, blas, cuda_error, transfer};
-use crate::backend::op::{Attention, Binary, FusedUpdate, Math, Reduce, Unary, Window2d};
-use crate::backend::{AttentionInputs, Backend, Dst, Src};
+use crate::backend::op::{
+    Attention, Binary, FusedUpdate, Math, PagedAttention, Reduce, Unary, Window2d,
+};
+use crate::backend::{AttentionInputs, Backend, Dst, PageGeometry, PageRows, PagedSeqs, Src};
 use crate::dtype::{DType, Element, with_dtype, with_float_dtype};
 use crate::error::Result;
 use crate::layout::Layout;
@@ -264,6 +266,29 @@ impl Backend for Gpu {
         lse: Dst,
     ) -> Result<()> {
         self.attention_forward(dtype, math, inputs, out, lse)
+    }
+
+    fn paged_attention(
+        &self,
+        dtype: DType,
+        math: &PagedAttention,
+        geometry: PageGeometry,
+        q: Src,
+        seqs: PagedSeqs,
+        out: Dst,
+    ) -> Result<()> {
+        self.paged_attention_kernel(dtype, math, geometry, q, seqs, out)
+    }
+
+    fn write_pages(
+        &self,
+        dtype: DType,
+        geometry: PageGeometry,
+        layer: usize,
+        kv: Src,
+        rows: PageRows,
+    ) -> Result<()> {
+        self.write_pages_kernel(dtype, geometry, layer, kv, rows)
     }
 
     fn attention_backward(
