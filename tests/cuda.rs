@@ -1094,3 +1094,59 @@ fn tf32_products_are_opt_in_and_shown_in_the_dump() {
     })
     .unwrap();
 }
+
+/// Paged attention and page writes against the host: three sequences fed a prompt, then single
+/// tokens and a chunk, blocks of 4 (every sequence crosses several), and a fork of one mid-block.
+#[test]
+fn paged_attention_agrees_with_the_host() {
+    use ndscope::kv::{KvPool, KvShape, KvStep};
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+        agree(&format!("paged attention in {dtype}"), tol, &move |s| {
+            let shape = KvShape {
+                layers: 2,
+                heads: 3,
+                head_width: 40,
+                dtype,
+            };
+            let pool = KvPool::new(s, shape, 4, 48)?;
+            let mut caches = vec![pool.cache(s, 40)?, pool.cache(s, 40)?, pool.cache(s, 40)?];
+            let mut outs = Vec::new();
+            for counts in [[5usize, 1, 17], [1, 1, 1], [1, 9, 1]] {
+                let rows: usize = counts.iter().sum();
+                let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
+                for layer in 0..2 {
+                    let qkv = s.randn(&[rows, 3, 3, 40])?.to_dtype(dtype)?;
+                    outs.push(step.attend(layer, &qkv, 0.2)?);
+                }
+                step.finish();
+            }
+            let mut fork = caches[0].fork(s, &pool, 40)?;
+            let mut step = KvStep::new(&pool, vec![&mut fork], &[1])?;
+            outs.push(step.attend(1, &s.randn(&[1, 3, 3, 40])?.to_dtype(dtype)?, 0.2)?);
+            step.finish();
+            Ok(outs)
+        });
+    }
+}
+
+/// The tiny GPT-2 decoding against its cache on the GPU gives the host's logits.
+#[test]
+fn gpt2_decoding_agrees_with_the_host() {
+    use ndscope::kv::{CausalLm, KvPool};
+    use ndscope::models::Gpt2;
+    agree("GPT-2 decoding", 1e-4, &|s| {
+        let gpt2 = Gpt2::from_pretrained(s, "data/gpt2-tiny", DType::F32)?;
+        let pool = KvPool::new(s, gpt2.kv_shape(), 16, 16)?;
+        let (mut a, mut b) = (pool.cache(s, 64)?, pool.cache(s, 64)?);
+        let mut outs = Vec::new();
+        let mut caches = [&mut a, &mut b];
+        s.scope(|step| -> Result<()> {
+            let logits = gpt2.decode(step, &pool, &mut caches, &[&[33, 292, 482], &[5; 20]])?;
+            outs.push(logits.to_vec::<f32>()?);
+            let logits = gpt2.decode(step, &pool, &mut caches, &[&[7], &[8]])?;
+            outs.push(logits.to_vec::<f32>()?);
+            Ok(())
+        })?;
+        outs.iter().map(|v| s.from_slice(v, &[v.len()])).collect()
+    });
+}
