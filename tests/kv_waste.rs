@@ -58,10 +58,12 @@ fn paged_kv_wastes_under_four_percent_of_what_it_holds() {
                 arrival: i / 4,
             })?;
         }
-        let (mut held, mut cached) = (0usize, 0usize);
+        let (mut held, mut cached, mut peak_blocks, mut peak_batch) = (0usize, 0usize, 0, 0);
         let done = engine.run(m, |step| {
             held += step.pool.blocks_used() * step.pool.block_tokens;
             cached += step.pool.tokens_cached;
+            peak_blocks = peak_blocks.max(step.pool.blocks_used());
+            peak_batch = peak_batch.max(step.batch);
         })?;
         let paged = (held - cached) as f64 / held as f64;
         let lives: Vec<(usize, usize)> = done
@@ -76,11 +78,15 @@ fn paged_kv_wastes_under_four_percent_of_what_it_holds() {
         let doubling = waste(held_and_cached(&lives, |t| t.next_power_of_two().max(16)));
         println!(
             "KV waste over {} requests: paged (blocks of {block}) {:.2}%, max-length preallocation \
-             {:.1}%, grow by doubling {:.1}%",
+             {:.1}%, grow by doubling {:.1}%; peak {} tokens held in blocks, where {} requests at \
+             once reserve {} tokens at the maximum length",
             lives.len(),
             100.0 * paged,
             100.0 * max_length,
-            100.0 * doubling
+            100.0 * doubling,
+            peak_blocks * block,
+            peak_batch,
+            peak_batch * 1024
         );
         assert!(paged <= 0.04, "paged waste {paged}");
         assert!(max_length > 0.5 && doubling > 4.0 * paged);
