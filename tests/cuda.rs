@@ -1109,7 +1109,7 @@ fn paged_attention_agrees_with_the_host() {
                 dtype,
             };
             let pool = KvPool::new(s, shape, 4, 48)?;
-            let mut caches = vec![pool.cache(s, 40)?, pool.cache(s, 40)?, pool.cache(s, 40)?];
+            let mut caches = [pool.cache(s, 40)?, pool.cache(s, 40)?, pool.cache(s, 40)?];
             let mut outs = Vec::new();
             for counts in [[5usize, 1, 17], [1, 1, 1], [1, 9, 1]] {
                 let rows: usize = counts.iter().sum();

@@ -223,7 +223,7 @@ fn forks_share_the_prompt_blocks_copy_on_write() {
         let gpt2 = Gpt2::from_pretrained(m, DIR, DType::F32)?;
         let pool = KvPool::new(m, gpt2.kv_shape(), 4, 64)?;
         let prompt = &want.prompts[0]; // not a multiple of 4 tokens: the last block is partial
-        assert!(prompt.len() % 4 != 0);
+        assert!(!prompt.len().is_multiple_of(4));
         m.scope(|request| {
             let mut first = pool.cache(request, 64)?;
             let first_logits = request.scope(|s| {

@@ -57,14 +57,14 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
                 pool.cache(request, 40)?,
                 pool.cache(request, 40)?,
             ];
-            // History per sequence and layer: keys and values as f64 (as stored, after rounding).
-            let mut history = vec![vec![(Vec::new(), Vec::new()); shape.layers]; 3];
+            // History per layer and sequence: keys and values as f64 (as stored, after rounding).
+            let mut history = vec![vec![(Vec::new(), Vec::new()); 3]; shape.layers];
             let rounds: [[usize; 3]; 4] = [[5, 1, 17], [1, 1, 1], [1, 9, 1], [3, 1, 2]];
             for counts in rounds {
                 let rows: usize = counts.iter().sum();
                 request.scope(|s| {
                     let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
-                    for layer in 0..shape.layers {
+                    for (layer, sequences) in history.iter_mut().enumerate() {
                         let qkv = s.randn(&[rows, 3, heads, w])?.to_dtype(dtype)?;
                         let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
                         assert_eq!(out.shape(), &[rows, heads, w]);
@@ -72,7 +72,7 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
                         let got = out.to_vec_f64()?;
                         let mut row = 0;
                         for (seq, &n) in counts.iter().enumerate() {
-                            let (keys, values) = &mut history[seq][layer];
+                            let (keys, values) = &mut sequences[seq];
                             let mut q = Vec::new();
                             for r in row..row + n {
                                 let part = |i: usize| &qkv[((r * 3 + i) * heads) * w..][..heads * w];

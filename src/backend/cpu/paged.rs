@@ -133,8 +133,8 @@ where
         let page_max = rows::max(scores);
         if page_max > max {
             let rescale = (max - page_max).exp();
-            sum = sum * rescale;
-            acc.iter_mut().for_each(|a| *a = *a * rescale);
+            sum *= rescale;
+            acc.iter_mut().for_each(|a| *a *= rescale);
             max = page_max;
         }
         sum += rows::exp_in_place(scores, max);
@@ -145,7 +145,7 @@ where
     }
     if sum > zero {
         let inv = sum.recip();
-        acc.iter_mut().for_each(|a| *a = *a * inv);
+        acc.iter_mut().for_each(|a| *a *= inv);
     }
     acc
 }
