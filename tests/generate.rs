@@ -1,33 +1,16 @@
 //! Generation with paged KV caches against transformers' `generate` on the bundled tiny GPT-2, and
 //! cached decoding against re-running the whole window.
 
-use std::collections::BTreeMap;
-
 use ndscope::kv::{CausalLm, KvPool};
 use ndscope::models::Gpt2;
 use ndscope::nn::Mode;
 use ndscope::serve::{
     Completion, Engine, EngineConfig, Finish, GenerateOptions, Request, Sampling, generate,
 };
-use ndscope::weights::Weights;
 use ndscope::{DType, Device, Error, Tape, root};
 
-const DIR: &str = "data/gpt2-tiny";
-
-/// The reference tensors, as f64 values with their shapes.
-fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
-    root(Device::Cpu, |s| {
-        let mut out = BTreeMap::new();
-        for name in weights.names() {
-            let (dtype, shape) = weights.info(name)?;
-            let t = weights.tensor(s, name, shape, dtype)?;
-            out.insert(name.to_string(), (shape.to_vec(), t.to_vec_f64()?));
-        }
-        Ok::<_, Error>(out)
-    })
-    .unwrap()
-}
+mod common;
+use common::reference::{DIR, reference};
 
 fn token_ids(values: &[f64]) -> Vec<i64> {
     values.iter().map(|&v| v as i64).collect()

@@ -11,22 +11,8 @@ use ndscope::nn::{Mode, Parameters, WeightLayout};
 use ndscope::weights::Weights;
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, checkpoint, root};
 
-const DIR: &str = "data/gpt2-tiny";
-
-/// The reference tensors, as f64 values with their shapes.
-fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
-    root(Device::Cpu, |s| {
-        let mut out = BTreeMap::new();
-        for name in weights.names() {
-            let (dtype, shape) = weights.info(name)?;
-            let t = weights.tensor(s, name, shape, dtype)?;
-            out.insert(name.to_string(), (shape.to_vec(), t.to_vec_f64()?));
-        }
-        Ok::<_, Error>(out)
-    })
-    .unwrap()
-}
+mod common;
+use common::reference::{DIR, reference};
 
 /// The largest difference between `got` and `want`, relative to `want`'s largest magnitude.
 fn relative_error(got: &[f64], want: &[f64]) -> f64 {

@@ -6,44 +6,18 @@
 //!
 //! One test per binary: the allocator's counters are process-wide.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use ndscope::nn::{BatchNorm2d, Conv2d, Init, Linear, Mode, Module, Pool2d};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{Conv2dOptions, Device, Result, Scope, Tape, Workspace, root};
 
-/// Counts allocations shaped like tensor storage: the pool takes host block memory with
-/// `alloc_zeroed` at 64-byte alignment (blocks from 1 MiB are mapped, and counted by the scope's
-/// `system_allocations`).
-struct Counting;
-
-static STORAGE: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; the counter is an atomic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if layout.align() == 64 {
-            STORAGE.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+mod common;
+use common::counting::{Counting, STORAGE};
+use common::gpt::Gpt;
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
-
-mod common;
-use common::gpt::Gpt;
 
 const ROUNDS: usize = 6;
 const STEPS_PER_ROUND: u64 = 8;

@@ -6,44 +6,20 @@
 //!
 //! One test per binary: the allocator's counters are process-wide.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Barrier;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use ndscope::kv::{CausalLm, KvPool, KvStep};
 use ndscope::models::Gpt2;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, generate};
 use ndscope::{DType, Device, Error, MoveOut, root};
 
-/// Counts allocations shaped like tensor storage (the pool's host blocks: `alloc_zeroed` at 64-byte
-/// alignment).
-struct Counting;
-
-static STORAGE: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call to the system allocator unchanged; the counter is an atomic.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if layout.align() == 64 {
-            STORAGE.fetch_add(1, Ordering::Relaxed);
-        }
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
+mod common;
+use common::counting::{Counting, STORAGE};
+use common::reference::DIR;
 
 #[global_allocator]
 static GLOBAL: Counting = Counting;
-
-const DIR: &str = "data/gpt2-tiny";
 const THREADS: usize = 4;
 
 fn requests() -> usize {

@@ -3,7 +3,9 @@
 //! bytes of test files.
 #![allow(dead_code)]
 
+pub mod counting;
 pub mod gpt;
+pub mod reference;
 
 /// Row-major strides of `shape`.
 pub fn strides(shape: &[usize]) -> Vec<usize> {

@@ -1,0 +1,24 @@
+//! What transformers computed from the bundled tiny GPT-2 (`data/gpt2-tiny/reference.safetensors`).
+
+use std::collections::BTreeMap;
+
+use ndscope::weights::Weights;
+use ndscope::{Device, Error, root};
+
+/// The model directory the reference was computed from.
+pub const DIR: &str = "data/gpt2-tiny";
+
+/// Every reference tensor, as f64 values with its shape.
+pub fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
+    root(Device::Cpu, |s| {
+        let mut out = BTreeMap::new();
+        for name in weights.names() {
+            let (dtype, shape) = weights.info(name)?;
+            let t = weights.tensor(s, name, shape, dtype)?;
+            out.insert(name.to_string(), (shape.to_vec(), t.to_vec_f64()?));
+        }
+        Ok::<_, Error>(out)
+    })
+    .unwrap()
+}
