@@ -266,3 +266,32 @@ fn bad_input_is_refused_with_a_typed_error() {
     })
     .unwrap();
 }
+
+/// An engine whose pool is held by a cache outside it answers `KvCapacity` instead of waiting forever.
+#[test]
+fn an_engine_starved_by_an_outside_cache_is_a_typed_error() {
+    use ndscope::models::{Gpt2, Gpt2Config};
+    use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request};
+    root(Device::Cpu, |m| {
+        let gpt2 = Gpt2::new(m, Gpt2Config::new(64, 64, 16, 1, 2))?;
+        let pool = KvPool::new(m, ndscope::kv::CausalLm::kv_shape(&gpt2), 16, 2)?;
+        let outside = pool.cache(m, 32)?; // both blocks promised
+        let mut engine = Engine::new(&gpt2, &pool, EngineConfig::default());
+        engine.submit(Request {
+            prompt: vec![1, 2],
+            options: GenerateOptions::greedy(4),
+            arrival: 0,
+        })?;
+        let err = engine.run(m, |_| {}).unwrap_err();
+        assert!(matches!(err, Error::KvCapacity { .. }), "{err}");
+        drop(outside);
+        engine.submit(Request {
+            prompt: vec![1, 2],
+            options: GenerateOptions::greedy(4),
+            arrival: 0,
+        })?;
+        assert_eq!(engine.run(m, |_| {})?.len(), 1);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

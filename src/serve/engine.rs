@@ -72,7 +72,8 @@ pub struct StepReport {
 /// length (prompt plus `max_new_tokens`), so an admitted request never finds the pool empty and no
 /// request is ever preempted or starved of memory by another. A request that fits the pool but not
 /// now waits (first come, first served: later requests do not overtake it); one that could never fit
-/// is refused by [`submit`](Engine::submit) with [`Error::KvCapacity`]. Blocks are taken as tokens
+/// is refused by [`submit`](Engine::submit) with [`Error::KvCapacity`], and so is a run whose next
+/// request cannot be admitted while the engine runs nothing (caches outside the engine hold the pool). Blocks are taken as tokens
 /// arrive, so promised-but-untaken blocks hold no data and cost no waste.
 pub struct Engine<'p, M> {
     model: &'p M,
@@ -155,8 +156,9 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
     /// come in the order requests finished.
     ///
     /// # Errors
-    /// As for the model's [`decode`](CausalLm::decode); the requests still running are then dropped
-    /// and their blocks given back.
+    /// As for the model's [`decode`](CausalLm::decode); [`Error::KvCapacity`] when the next request
+    /// cannot be admitted while the engine runs nothing (the pool is held outside the engine). The
+    /// requests running and waiting are then dropped, and their blocks given back.
     pub fn run<'a>(
         &mut self,
         scope: &Scope<'a>,
@@ -212,6 +214,16 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
                     active.push(a);
                 }
                 if active.is_empty() {
+                    if let Some((_, request, _, _)) = queue.front() {
+                        // Nothing of this engine holds a block, so waiting cannot help: the pool is
+                        // held by caches outside the engine.
+                        let tokens =
+                            Decoding::new(&request.prompt, &request.options, max_positions)?
+                                .cache_tokens();
+                        return Err(
+                            pool.capacity_error(tokens, tokens.div_ceil(pool.block_tokens()))
+                        );
+                    }
                     // Nothing can run: requests are still to arrive.
                     step += 1;
                     continue;
