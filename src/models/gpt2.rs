@@ -512,7 +512,10 @@ impl<'m> Gpt2<'m> {
 
     /// `prompt` followed by up to `new_tokens` greedy tokens (the most likely next token each
     /// step), stopping after `stop` if it is given and generated. Each step runs the whole window
-    /// (the last `n_positions` tokens) in a scope of its own, so memory stays that of one forward.
+    /// (the last `n_positions` tokens) in a scope of its own, so memory stays that of one forward —
+    /// and work grows with the square of the length: [`serve::generate`](crate::serve::generate)
+    /// decodes against a KV cache instead (one token per step) and samples too. This stays as the
+    /// cache-free reference the cached path is tested against.
     ///
     /// # Errors
     /// [`Error::InvalidShape`] for an empty prompt; as for [`forward`](Self::forward).
