@@ -645,22 +645,16 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
         let (heads, head) = (c.n_head, c.n_embd / c.n_head);
         let scale = 1.0 / (head as f64).sqrt();
         for (layer, block) in self.blocks.iter().enumerate() {
-            let normed = block.ln1.forward(&x, Mode::Eval)?;
-            let qkv = block.attn.qkv.forward(&normed, Mode::Eval)?;
-            let qkv = qkv.value().reshape(&[rows, 3, heads, head])?;
-            let attended = kv.attend(layer, &qkv, scale)?.reshape(&[rows, c.n_embd])?;
-            x = x.add(
-                &block
+            // The block as it is, its attention reading and filling the caches.
+            x = block.forward_with(&x, Mode::Eval, |normed| {
+                let qkv = block.attn.qkv.forward(normed, Mode::Eval)?;
+                let qkv = qkv.value().reshape(&[rows, 3, heads, head])?;
+                let attended = kv.attend(layer, &qkv, scale)?.reshape(&[rows, c.n_embd])?;
+                block
                     .attn
                     .proj
-                    .forward(&tape.constant(&attended), Mode::Eval)?,
-            )?;
-            let hidden = block
-                .fc1
-                .forward(&block.ln2.forward(&x, Mode::Eval)?, Mode::Eval)?;
-            let hidden =
-                <Activation as Module<'m>>::forward(&block.activation(), &hidden, Mode::Eval)?;
-            x = x.add(&block.fc2.forward(&hidden, Mode::Eval)?)?;
+                    .forward(&tape.constant(&attended), Mode::Eval)
+            })?;
         }
         kv.finish();
         // Only each sequence's last new token is scored.

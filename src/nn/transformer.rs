@@ -212,17 +212,37 @@ impl<'m> TransformerBlock<'m> {
     }
 }
 
+impl<'m> TransformerBlock<'m> {
+    /// The block with its attention computed by `attend`, from the normalised input to the
+    /// attention's output (before the residual dropout): decoding against a KV cache swaps in
+    /// attention that reads the cache, and keeps the rest of the block.
+    ///
+    /// # Errors
+    /// What `attend` returns; as for [`forward`](Module::forward).
+    pub fn forward_with<'t, 's>(
+        &self,
+        x: &Var<'t, 's>,
+        mode: Mode,
+        attend: impl FnOnce(&Var<'t, 's>) -> Result<Var<'t, 's>>,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let drop = |v: Var<'t, 's>| <Dropout as Module<'m>>::forward(&self.dropout, &v, mode);
+        let attended = attend(&self.ln1.forward(x, mode)?)?;
+        let x = x.add(&drop(attended)?)?;
+        let hidden = self.fc1.forward(&self.ln2.forward(&x, mode)?, mode)?;
+        let hidden = <Activation as Module<'m>>::forward(&self.activation, &hidden, mode)?;
+        x.add(&drop(self.fc2.forward(&hidden, mode)?)?)
+    }
+}
+
 impl<'m> Module<'m> for TransformerBlock<'m> {
     fn forward<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
-        let drop = |v: Var<'t, 's>| <Dropout as Module<'m>>::forward(&self.dropout, &v, mode);
-        let attended = self.attn.forward(&self.ln1.forward(x, mode)?, mode)?;
-        let x = x.add(&drop(attended)?)?;
-        let hidden = self.fc1.forward(&self.ln2.forward(&x, mode)?, mode)?;
-        let hidden = <Activation as Module<'m>>::forward(&self.activation, &hidden, mode)?;
-        x.add(&drop(self.fc2.forward(&hidden, mode)?)?)
+        self.forward_with(x, mode, |normed| self.attn.forward(normed, mode))
     }
 }
 
