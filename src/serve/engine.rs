@@ -79,8 +79,16 @@ pub struct Engine<'p, M> {
     model: &'p M,
     pool: &'p KvPool<'p>,
     config: EngineConfig,
-    waiting: VecDeque<(usize, Request)>,
+    waiting: VecDeque<Pending>,
     next_id: usize,
+}
+
+/// A submitted request, checked: its decoding state is made once, at `submit`.
+struct Pending {
+    id: usize,
+    arrival: usize,
+    prompt_tokens: usize,
+    decoding: Decoding,
 }
 
 impl<M> std::fmt::Debug for Engine<'_, M> {
@@ -146,7 +154,12 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back((id, request));
+        self.waiting.push_back(Pending {
+            id,
+            arrival: request.arrival,
+            prompt_tokens: request.prompt.len(),
+            decoding,
+        });
         Ok(id)
     }
 
@@ -169,38 +182,37 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
     {
         let (model, pool) = (self.model, self.pool);
         let max_positions = model.max_positions();
-        let mut arrivals: Vec<(usize, Request)> = self.waiting.drain(..).collect();
-        arrivals.sort_by_key(|(id, r)| (r.arrival, *id));
-        let mut arrivals: VecDeque<(usize, Request)> = arrivals.into();
+        let mut arrivals: Vec<Pending> = self.waiting.drain(..).collect();
+        arrivals.sort_by_key(|p| (p.arrival, p.id));
+        let mut arrivals: VecDeque<Pending> = arrivals.into();
         let config = self.config;
         scope.named_scope("engine", |engine| {
             let mut done = Vec::new();
             let mut active: Vec<Active<'_>> = Vec::new();
             // Requests that have arrived, with the step and time they arrived at.
-            let mut queue: VecDeque<(usize, Request, usize, Instant)> = VecDeque::new();
+            let mut queue: VecDeque<(Pending, usize, Instant)> = VecDeque::new();
             let mut step = 0;
             while !(arrivals.is_empty() && queue.is_empty() && active.is_empty()) {
-                while arrivals.front().is_some_and(|(_, r)| r.arrival <= step) {
-                    let (id, r) = arrivals.pop_front().expect("checked");
+                while arrivals.front().is_some_and(|p| p.arrival <= step) {
+                    let p = arrivals.pop_front().expect("checked");
                     // A request that arrives at a later step is timed from its step's start.
-                    queue.push_back((id, r, step, Instant::now()));
+                    queue.push_back((p, step, Instant::now()));
                 }
                 let mut joined = 0;
                 let mut prompt_tokens = 0;
                 while active.len() < config.max_batch {
-                    let Some((_, request, _, _)) = queue.front() else {
+                    let Some((pending, _, _)) = queue.front() else {
                         break;
                     };
-                    let decoding = Decoding::new(&request.prompt, &request.options, max_positions)?;
-                    let Ok(cache) = pool.cache(engine, decoding.cache_tokens()) else {
+                    let Ok(cache) = pool.cache(engine, pending.decoding.cache_tokens()) else {
                         break; // waits for blocks
                     };
-                    let (id, request, arrived_step, arrived) = queue.pop_front().expect("checked");
+                    let (pending, arrived_step, arrived) = queue.pop_front().expect("checked");
                     let a = Active {
-                        id,
-                        prompt_tokens: request.prompt.len(),
+                        id: pending.id,
+                        prompt_tokens: pending.prompt_tokens,
                         cache,
-                        decoding,
+                        decoding: pending.decoding,
                         arrived,
                         steps_waited: step - arrived_step,
                         first_token: None,
@@ -214,12 +226,10 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
                     active.push(a);
                 }
                 if active.is_empty() {
-                    if let Some((_, request, _, _)) = queue.front() {
+                    if let Some((pending, _, _)) = queue.front() {
                         // Nothing of this engine holds a block, so waiting cannot help: the pool is
                         // held by caches outside the engine.
-                        let tokens =
-                            Decoding::new(&request.prompt, &request.options, max_positions)?
-                                .cache_tokens();
+                        let tokens = pending.decoding.cache_tokens();
                         return Err(
                             pool.capacity_error(tokens, tokens.div_ceil(pool.block_tokens()))
                         );
