@@ -22,6 +22,7 @@ use ndscope::optim::{Adam, AdamConfig, Optimizer};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Workspace, root};
 
 mod common;
+use common::Rng;
 
 const USAGE: &str = "\
 Fine-tune a pretrained GPT-2 (a Hugging Face model directory) on a text with ndscope.
@@ -107,19 +108,6 @@ impl Options {
             }
         }
         Ok(o)
-    }
-}
-
-/// splitmix64: the windows come from the seed alone.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) % n as u64) as usize
     }
 }
 

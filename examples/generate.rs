@@ -13,6 +13,7 @@
 
 #[allow(dead_code)] // the training helpers of examples/common; this example needs its entry point
 mod common;
+use common::Rng;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -109,19 +110,6 @@ impl Options {
     }
 }
 
-/// splitmix64: the served load comes from the seed alone.
-struct Rng(u64);
-
-impl Rng {
-    fn between(&mut self, lo: usize, hi: usize) -> usize {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        lo + ((z ^ (z >> 31)) % (hi - lo + 1) as u64) as usize
-    }
-}
-
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i].as_secs_f64() * 1e3
@@ -164,9 +152,9 @@ fn run(o: &Options) -> Result<()> {
         let mut engine = Engine::new(&gpt2, &pool, EngineConfig { max_batch: o.batch });
         let mut generated_max = 0;
         for i in 0..n {
-            let len = rng.between(4, positions / 2);
-            let at = rng.between(0, corpus.len() - len);
-            let new = rng.between(8, positions / 4);
+            let len = 4 + rng.below(positions / 2 - 3);
+            let at = rng.below(corpus.len() - len + 1);
+            let new = 8 + rng.below(positions / 4 - 7);
             generated_max += new;
             let options = GenerateOptions::sampled(new, o.sampling, o.seed + i as u64);
             engine.submit(Request {

@@ -24,6 +24,7 @@ use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
 
 mod common;
+use common::Rng;
 
 const USAGE: &str = "\
 Train a small GPT with ndscope: two-digit addition by default, or any text.
@@ -116,27 +117,6 @@ impl Options {
 
 /// Steps left out of the steps/s figure: the first ones compile the GPU kernels and grow the caches.
 const WARM_UP_STEPS: u64 = 10;
-
-/// splitmix64: the problems, the split and the batches come from the seed alone.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 ndscope::model! {
     /// GPT-2's shape: token and position embeddings, pre-norm blocks, a final norm and a head.
