@@ -8,18 +8,8 @@ use ndscope::models::{Gpt2, Gpt2Config};
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request};
 use ndscope::{Device, Error, root};
 
-/// A deterministic generator for the workload.
-struct Lcg(u64);
-
-impl Lcg {
-    fn between(&mut self, lo: usize, hi: usize) -> usize {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        lo + ((self.0 >> 33) % (hi - lo + 1) as u64) as usize
-    }
-}
+mod common;
+use common::Lcg;
 
 /// Held and cached token slots summed over every request at every step it was decoded, for a cache
 /// that holds `capacity(tokens)` slots when it caches `tokens`.
@@ -48,10 +38,10 @@ fn paged_kv_wastes_under_four_percent_of_what_it_holds() {
         let mut engine = Engine::new(&model, &pool, EngineConfig { max_batch: 16 });
         let mut rng = Lcg(9);
         for i in 0..64 {
-            let prompt = (0..rng.between(16, 512))
+            let prompt = (0..16 + rng.below(497))
                 .map(|j| ((i + j) % 64) as i64)
                 .collect();
-            let new = rng.between(16, 256);
+            let new = 16 + rng.below(241);
             engine.submit(Request {
                 prompt,
                 options: GenerateOptions::greedy(new),

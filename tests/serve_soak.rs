@@ -15,6 +15,7 @@ use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, g
 use ndscope::{DType, Device, Error, MoveOut, root};
 
 mod common;
+use common::Lcg;
 use common::counting::{Counting, STORAGE};
 use common::reference::DIR;
 
@@ -32,19 +33,6 @@ fn requests() -> usize {
 /// Below this many requests (CI's valgrind run) the warm-up sweep and the system-allocation check
 /// are skipped: the sweep is most of the work, and memcheck is there for the memory errors.
 const COUNTED: usize = 200;
-
-/// A small deterministic generator for the workload.
-struct Lcg(u64);
-
-impl Lcg {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 33) % n as u64) as usize
-    }
-}
 
 /// `n` requests: prompts of 1 to 24 tokens, 1 to 16 new tokens, sampled or greedy.
 fn workload(n: usize, seed: u64) -> Vec<Request> {

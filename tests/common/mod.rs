@@ -148,3 +148,18 @@ pub fn idx(dims: &[u32], data: &[u8]) -> Vec<u8> {
     bytes.extend_from_slice(data);
     bytes
 }
+
+/// A small deterministic generator for test workloads (a linear congruential one: the numbers need
+/// only vary, and come from the seed alone).
+pub struct Lcg(pub u64);
+
+impl Lcg {
+    /// A whole number in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
