@@ -180,6 +180,20 @@ pub enum Error {
         /// Bytes requested.
         requested: usize,
     },
+    /// An allocation in a strict scope (see [`Scope::set_strict`](crate::Scope::set_strict)) while one of
+    /// its child scopes was open.
+    OuterAllocation {
+        /// The strict scope.
+        scope: String,
+        /// Its open child.
+        child: String,
+        /// The refused tensor's element type.
+        dtype: DType,
+        /// The refused tensor's shape.
+        shape: Vec<usize>,
+        /// Where the tensor was being made: `file:line:column`.
+        at: String,
+    },
     /// Integer division by zero.
     DivisionByZero {
         /// The operation.
@@ -391,6 +405,20 @@ impl fmt::Display for Error {
                 f,
                 "scope \"{scope}\" is capped and refuses new tensors ({requested} bytes requested); allocate in \
                  a child scope and `ret` only what must outlive it, or call `uncap()`"
+            ),
+            Error::OuterAllocation {
+                scope,
+                child,
+                dtype,
+                shape,
+                at,
+            } => write!(
+                f,
+                "scope \"{scope}\" is strict and refuses a new {dtype} tensor of shape {shape:?} (made at \
+                 {at}) while its child scope \"{child}\" is open: an op's result goes to the innermost \
+                 owner of its operands, so a step whose inputs were created in \"{scope}\" computes \
+                 there; create the step's inputs in the step's scope (`batch.from_slice(..)`), compute \
+                 through the step's tape, and `ret` what must outlive the step"
             ),
             Error::DivisionByZero { op } => {
                 write!(

@@ -24,7 +24,7 @@ pub mod serve;
 mod tensor;
 pub mod weights;
 
-pub use autograd::{Gradients, Tape, Var};
+pub use autograd::{Gradients, Segment, Tape, Var};
 pub use backend::{GpuMemory, gpu_memory, reset_gpu_memory_peak};
 pub use device::Device;
 pub use dtype::{DType, Element, Float, ParseDTypeError, bf16, f16};

@@ -628,8 +628,8 @@ macro_rules! check_layer {
 #[test]
 fn transformer_layers() {
     use ndscope::nn::{
-        AttentionOptions, Init, LayerNorm, Mode, Module, MultiHeadAttention, PositionalEmbedding,
-        RmsNorm, TransformerBlock,
+        AttentionOptions, Checkpointed, Init, LayerNorm, Mode, Module, MultiHeadAttention,
+        PositionalEmbedding, RmsNorm, TransformerBlock,
     };
     let opts = AttentionOptions {
         causal: true,
@@ -655,6 +655,13 @@ fn transformer_layers() {
         TransformerBlock,
         [1, 3, 4],
         |s| TransformerBlock::new(s, 4, 2, opts, Init::XavierUniform)?,
+        |m, x| m.forward(&x, Mode::Train)
+    );
+    // The recomputing backward pass of a checkpointed block.
+    check_layer!(
+        Checkpointed,
+        [1, 3, 4],
+        |s| Checkpointed::new(TransformerBlock::new(s, 4, 2, opts, Init::XavierUniform)?),
         |m, x| m.forward(&x, Mode::Train)
     );
 }

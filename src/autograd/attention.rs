@@ -40,6 +40,7 @@ impl<'t, 's> Var<'t, 's> {
         spec: AttentionSpec,
         key_lengths: Option<&Tensor<'s>>,
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([q, k, v]) = Var::autocast_operands([self, k, v])? {
             return q.attention(&k, &v, spec, key_lengths);
         }

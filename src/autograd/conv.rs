@@ -18,6 +18,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::unfold2d`](crate::Tensor::unfold2d).
     #[track_caller]
     pub fn unfold2d(&self, kernel: [usize; 2], options: &Conv2dOptions) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let w = window("unfold2d", self.shape(), kernel, options)?;
         self.windows("unfold2d", w, 0.0, Location::caller())
     }
@@ -69,6 +70,7 @@ impl<'t, 's> Var<'t, 's> {
         bias: Option<&Var<'t, 's>>,
         options: &Conv2dOptions,
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         const OP: &str = "conv2d";
         if let Some([x, w]) = Var::autocast_operands([self, weight])? {
             return x.conv2d(&w, bias, options);
@@ -143,6 +145,7 @@ impl<'t, 's> Var<'t, 's> {
         stride: [usize; 2],
         padding: [usize; 2],
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         self.pool("max_pool2d", kernel, stride, padding, Location::caller())
     }
 
@@ -158,6 +161,7 @@ impl<'t, 's> Var<'t, 's> {
         stride: [usize; 2],
         padding: [usize; 2],
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         self.pool("avg_pool2d", kernel, stride, padding, Location::caller())
     }
 
@@ -210,6 +214,7 @@ impl<'t, 's> Var<'t, 's> {
     /// [`Error::UnsupportedDType`] for integer inputs.
     #[track_caller]
     pub fn adaptive_avg_pool2d(&self, size: [usize; 2]) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         const OP: &str = "adaptive_avg_pool2d";
         let at = Location::caller();
         let &[_, _, rows, cols] = self.shape() else {

@@ -52,6 +52,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`cross_entropy_with`](Self::cross_entropy_with).
     #[track_caller]
     pub fn cross_entropy(&self, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         self.cross_entropy_with(labels, CrossEntropy::default())
     }
 
@@ -98,6 +99,7 @@ impl<'t, 's> Var<'t, 's> {
         labels: &Tensor<'s>,
         options: CrossEntropy,
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         const OP: &str = "cross_entropy";
         let logits = &self.value;
         let Some((&classes, rows_shape)) = logits.shape().split_last() else {

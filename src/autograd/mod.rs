@@ -25,6 +25,7 @@
 
 mod attention;
 mod autocast;
+mod checkpoint;
 mod conv;
 mod loss;
 mod norm;
@@ -36,11 +37,13 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
+pub use checkpoint::Segment;
 pub use loss::{CrossEntropy, Reduction};
 
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::scope::Scope;
+use crate::scope::node::Placement;
 use crate::tensor::Tensor;
 
 /// The gradients of one op's inputs, in input order; `None` for inputs that need none.
@@ -54,17 +57,37 @@ type BackwardFn<'s> = Box<dyn FnOnce(&Tensor<'s>, &[bool]) -> Result<InputGrads<
 struct Node<'s> {
     /// The node of each input, or `None` for inputs that need no gradient.
     inputs: SmallVec<[Option<usize>; 2]>,
-    /// How to push the gradient to the inputs; `None` for a watched parameter (a leaf), and taken
-    /// once the backward pass has used it.
+    /// How to push the gradient to the inputs; `None` for a leaf, and taken once the backward pass
+    /// has used it.
     backward: Option<BackwardFn<'s>>,
-    /// For a leaf: which parameter it watches.
-    param: Option<ParamKey>,
+    /// What a leaf stands for; `None` for an op.
+    leaf: Option<Leaf>,
+}
+
+/// A node whose gradient the backward pass hands out rather than pushes further.
+enum Leaf {
+    /// A watched parameter.
+    Param(ParamKey),
+    /// The input of a checkpointed segment being recomputed (its gradient goes to the outer tape).
+    Input,
+}
+
+/// What a tape records.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Recording {
+    /// Every op on a value that depends on a watched parameter (training).
+    All,
+    /// Nothing: parameters are constants (inference).
+    Nothing,
+    /// Nothing, but the parameters watched are listed: the first pass of a checkpointed segment,
+    /// whose parameters the outer tape must know.
+    Watches,
 }
 
 /// A watched parameter: its storage block, and the layout through which the tape watched it (the
 /// whole block, or a view of it such as `w.t()` or a slice). Gradients are kept per block, so every
 /// view of one parameter adds into the same gradient (a head tied to an embedding).
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 struct ParamKey {
     block: usize,
     block_numel: usize,
@@ -90,8 +113,9 @@ pub struct Tape<'s> {
     scope: &'s Scope<'s>,
     nodes: RefCell<Vec<Node<'s>>>,
     backward_done: Cell<bool>,
-    /// False for an inference tape: parameters are watched as constants and nothing is recorded.
-    records: bool,
+    recording: Recording,
+    /// The parameters watched, in order, by a [`Recording::Watches`] tape.
+    watched: RefCell<Vec<ParamKey>>,
 }
 
 impl fmt::Debug for Tape<'_> {
@@ -137,7 +161,8 @@ impl<'s> Tape<'s> {
             scope,
             nodes: RefCell::new(Vec::new()),
             backward_done: Cell::new(false),
-            records: true,
+            recording: Recording::All,
+            watched: RefCell::new(Vec::new()),
         }
     }
 
@@ -145,9 +170,22 @@ impl<'s> Tape<'s> {
     /// recorded and no tensor is kept for a backward pass, which it cannot run.
     pub fn no_grad(scope: &'s Scope<'s>) -> Tape<'s> {
         Tape {
-            records: false,
+            recording: Recording::Nothing,
             ..Tape::new(scope)
         }
+    }
+
+    /// A tape that records nothing but lists the parameters watched on it.
+    fn watching(scope: &'s Scope<'s>) -> Tape<'s> {
+        Tape {
+            recording: Recording::Watches,
+            ..Tape::new(scope)
+        }
+    }
+
+    /// Whether ops on this tape are recorded for a backward pass.
+    pub fn records(&self) -> bool {
+        self.recording == Recording::All
     }
 
     /// The scope the tape's tensors belong to.
@@ -168,19 +206,32 @@ impl<'s> Tape<'s> {
     /// gradient, which [`Gradients::get`] finds by the parameter itself. Watching the same parameter
     /// twice sums both uses' gradients.
     pub fn param<'t>(&'t self, value: &Tensor<'s>) -> Var<'t, 's> {
-        if !self.records {
-            return self.constant(value);
+        match self.recording {
+            Recording::All => self.leaf(value, Leaf::Param(ParamKey::of(value))),
+            Recording::Nothing => self.constant(value),
+            Recording::Watches => {
+                self.watched.borrow_mut().push(ParamKey::of(value));
+                self.constant(value)
+            }
         }
-        let node = self.push(Node {
-            inputs: SmallVec::new(),
-            backward: None,
-            param: Some(ParamKey::of(value)),
-        });
+    }
+
+    /// A variable for `value` that the backward pass treats as `leaf`.
+    fn leaf<'t>(&'t self, value: &Tensor<'s>, leaf: Leaf) -> Var<'t, 's> {
+        let node = self.push_leaf(leaf);
         Var {
             tape: self,
             node: Some(node),
             value: value.clone(),
         }
+    }
+
+    fn push_leaf(&self, leaf: Leaf) -> usize {
+        self.push(Node {
+            inputs: SmallVec::new(),
+            backward: None,
+            leaf: Some(leaf),
+        })
     }
 
     /// Number of recorded nodes (watched parameters and ops that depend on them).
@@ -216,7 +267,7 @@ impl<'s> Tape<'s> {
                         .into(),
             });
         }
-        if !self.records {
+        if self.recording != Recording::All {
             return Err(Error::Autograd {
                 op: OP,
                 reason: "a `Tape::no_grad` tape records nothing to differentiate; use `Tape::new` for training".into(),
@@ -243,23 +294,40 @@ impl<'s> Tape<'s> {
                 reason: "this tape already ran backward and released what it saved; record the forward pass on a new tape".into(),
             });
         }
-        let mut nodes = self.nodes.borrow_mut();
-        let mut grads: Vec<Option<Tensor<'s>>> = Vec::new();
-        grads.resize_with(root + 1, || None);
-        grads[root] = Some(
-            self.scope
-                .full_dtype(loss.value.shape(), 1.0, loss.value.dtype())?,
-        );
+        let seed = self
+            .scope
+            .full_dtype(loss.value.shape(), 1.0, loss.value.dtype())?;
         let mut found = Gradients {
             entries: Vec::new(),
         };
+        self.propagate(root, seed, |_, leaf, grad| match leaf {
+            Leaf::Param(key) => found.accumulate(key, &grad),
+            Leaf::Input => Ok(()),
+        })?;
+        Ok(found)
+    }
+
+    /// Pushes `seed`, the gradient of node `root`, back through the tape, handing each leaf's
+    /// gradient to `on_leaf` with the leaf's node index, and releases what the tape saved. Results are
+    /// placed in the tape's scope (the derivatives are library code whose tensors are all the tape's).
+    fn propagate(
+        &self,
+        root: usize,
+        seed: Tensor<'s>,
+        mut on_leaf: impl FnMut(usize, &Leaf, Tensor<'s>) -> Result<()>,
+    ) -> Result<()> {
+        let _placed = self.scope.place_results();
+        let mut nodes = self.nodes.borrow_mut();
+        let mut grads: Vec<Option<Tensor<'s>>> = Vec::new();
+        grads.resize_with(root + 1, || None);
+        grads[root] = Some(seed);
         for id in (0..=root).rev() {
             let Some(grad) = grads[id].take() else {
                 continue;
             };
             let node = &mut nodes[id];
-            if let Some(key) = &node.param {
-                found.accumulate(key, &grad)?;
+            if let Some(leaf) = &node.leaf {
+                on_leaf(id, leaf, grad)?;
                 continue;
             }
             let backward = node
@@ -276,7 +344,7 @@ impl<'s> Tape<'s> {
         }
         // Release what the unreached part of the tape saved, too.
         nodes.iter_mut().for_each(|n| n.backward = None);
-        Ok(found)
+        Ok(())
     }
 }
 
@@ -523,6 +591,14 @@ impl<'t, 's> Var<'t, 's> {
         self.tape
     }
 
+    /// Places the results of the op being computed in the tape's scope (unless an operand's owner
+    /// closes sooner) while the guard lives, whatever scope the operands come from: a step's
+    /// activations belong to the step even when its inputs were created in the model scope.
+    /// Every differentiable op takes it first thing; its results are all the tape's `Tensor<'s>`.
+    fn placing(&self) -> Placement {
+        self.tape.scope.place_results()
+    }
+
     /// The same value, cut off from the tape: no gradient flows through it.
     pub fn detach(&self) -> Var<'t, 's> {
         self.tape.constant(&self.value)
@@ -548,7 +624,7 @@ impl<'t, 's> Var<'t, 's> {
             Some(tape.push(Node {
                 inputs: ids,
                 backward: Some(Box::new(backward)),
-                param: None,
+                leaf: None,
             }))
         } else {
             None

@@ -54,6 +54,7 @@ impl<'t, 's> Var<'t, 's> {
         bias: Option<&Var<'t, 's>>,
         eps: f64,
     ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some(x) = self.autocast_f32()? {
             return x.layer_norm(weight, bias, eps);
         }
@@ -71,6 +72,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`layer_norm`](Self::layer_norm).
     #[track_caller]
     pub fn rms_norm(&self, weight: Option<&Var<'t, 's>>, eps: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some(x) = self.autocast_f32()? {
             return x.rms_norm(weight, eps);
         }

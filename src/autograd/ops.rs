@@ -116,6 +116,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::log1p`].
     #[track_caller]
     pub fn log1p(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let value = self.value.log1p()?;
         let x = self.value.clone();
         Var::record(&[self], "log1p", value, move |g, _| {
@@ -129,6 +130,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::expm1`].
     #[track_caller]
     pub fn expm1(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let value = self.value.expm1()?;
         let y = value.clone();
         Var::record(&[self], "expm1", value, move |g, _| {
@@ -143,6 +145,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::masked_fill`].
     #[track_caller]
     pub fn masked_fill(&self, mask: &Tensor<'s>, value: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.masked_fill(mask, value)?;
         let mask = mask.clone();
         Var::record(&[self], "masked_fill", out, move |g, _| {
@@ -157,6 +160,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::cumsum`].
     #[track_caller]
     pub fn cumsum(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.cumsum(axis)?;
         Var::record(&[self], "cumsum", out, move |g, _| {
             Ok(smallvec![Some(g.reverse_cumsum(axis)?)])
@@ -169,6 +173,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::tril`].
     #[track_caller]
     pub fn tril(&self, k: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.tril(k)?;
         Var::record(&[self], "tril", out, move |g, _| {
             Ok(smallvec![Some(g.tril(k)?)])
@@ -181,6 +186,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::triu`].
     #[track_caller]
     pub fn triu(&self, k: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.triu(k)?;
         Var::record(&[self], "triu", out, move |g, _| {
             Ok(smallvec![Some(g.triu(k)?)])
@@ -193,6 +199,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::add_scalar`].
     #[track_caller]
     pub fn add_scalar(&self, value: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.add_scalar(value)?;
         Var::record(&[self], "add_scalar", out, |g, _| {
             Ok(smallvec![Some(g.clone())])
@@ -205,6 +212,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::mul_scalar`].
     #[track_caller]
     pub fn mul_scalar(&self, value: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.mul_scalar(value)?;
         Var::record(&[self], "mul_scalar", out, move |g, _| {
             Ok(smallvec![Some(g.mul_scalar(value)?)])
@@ -217,6 +225,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::div_scalar`].
     #[track_caller]
     pub fn div_scalar(&self, value: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.div_scalar(value)?;
         Var::record(&[self], "div_scalar", out, move |g, _| {
             Ok(smallvec![Some(g.div_scalar(value)?)])
@@ -229,6 +238,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::powf`].
     #[track_caller]
     pub fn powf(&self, exponent: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.powf(exponent)?;
         let x = self.value.clone();
         Var::record(&[self], "powf", out, move |g, _| {
@@ -243,6 +253,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::clamp`].
     #[track_caller]
     pub fn clamp(&self, min: f64, max: f64) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.clamp(min, max)?;
         let x = self.value.clone();
         Var::record(&[self], "clamp", out, move |g, _| {
@@ -275,6 +286,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::add`].
     #[track_caller]
     pub fn add(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.add(&b);
         }
@@ -290,6 +302,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::sub`].
     #[track_caller]
     pub fn sub(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.sub(&b);
         }
@@ -306,6 +319,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::mul`].
     #[track_caller]
     pub fn mul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.mul(&b);
         }
@@ -324,6 +338,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::div`].
     #[track_caller]
     pub fn div(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.div(&b);
         }
@@ -348,6 +363,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::pow`].
     #[track_caller]
     pub fn pow(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.pow(&b);
         }
@@ -376,6 +392,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::maximum`].
     #[track_caller]
     pub fn maximum(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.maximum(&b);
         }
@@ -390,6 +407,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::minimum`].
     #[track_caller]
     pub fn minimum(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = self.autocast_mixed(other)? {
             return a.minimum(&b);
         }
@@ -431,6 +449,7 @@ impl<'t, 's> Var<'t, 's> {
         on_true: &Var<'t, 's>,
         on_false: &Var<'t, 's>,
     ) -> Result<Var<'t, 's>> {
+        let _placed = on_true.placing();
         let out = Tensor::where_cond(cond, &on_true.value, &on_false.value)?;
         let mask = cond.ne(&cond.mul_scalar(0.0)?)?.to_dtype(out.dtype())?;
         on_true.select_grad(on_false, "where_cond", out, mask)
@@ -442,6 +461,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::matmul`].
     #[track_caller]
     pub fn matmul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some([a, b]) = Var::autocast_operands([self, other])? {
             return a.matmul(&b);
         }
@@ -498,6 +518,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::sum`].
     #[track_caller]
     pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.sum(axes, keepdim)?;
         let reduced = self.reduced_axes("sum", axes)?;
         let shape = self.value.shape().to_vec();
@@ -512,6 +533,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::mean`].
     #[track_caller]
     pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.mean(axes, keepdim)?;
         let reduced = self.reduced_axes("mean", axes)?;
         let shape = self.value.shape().to_vec();
@@ -533,6 +555,7 @@ impl<'t, 's> Var<'t, 's> {
     /// Only allocation errors.
     #[track_caller]
     pub fn sum_all(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let axes: SmallVec<[isize; 6]> = (0..self.value.rank() as isize).collect();
         self.sum(&axes, false)
     }
@@ -543,6 +566,7 @@ impl<'t, 's> Var<'t, 's> {
     /// [`Error::UnsupportedDType`] for integer tensors.
     #[track_caller]
     pub fn mean_all(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let axes: SmallVec<[isize; 6]> = (0..self.value.rank() as isize).collect();
         self.mean(&axes, false)
     }
@@ -553,6 +577,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::max`].
     #[track_caller]
     pub fn max(&self, axes: &[isize], keepdim: bool) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.max(axes, keepdim)?;
         self.extremum("max", axes, keepdim, out)
     }
@@ -563,6 +588,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::min`].
     #[track_caller]
     pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.min(axes, keepdim)?;
         self.extremum("min", axes, keepdim, out)
     }
@@ -597,6 +623,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::softmax`].
     #[track_caller]
     pub fn softmax(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some(x) = self.autocast_f32()? {
             return x.softmax(axis);
         }
@@ -616,6 +643,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::log_softmax`].
     #[track_caller]
     pub fn log_softmax(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         if let Some(x) = self.autocast_f32()? {
             return x.log_softmax(axis);
         }
@@ -635,6 +663,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::reshape`].
     #[track_caller]
     pub fn reshape(&self, shape: &[usize]) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.reshape(shape)?;
         self.relabelled("reshape", out)
     }
@@ -654,6 +683,7 @@ impl<'t, 's> Var<'t, 's> {
     /// Only allocation errors (a strided value is copied).
     #[track_caller]
     pub fn flatten(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         self.reshape(&[self.value.numel()])
     }
 
@@ -663,6 +693,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::transpose`].
     #[track_caller]
     pub fn transpose(&self, a: isize, b: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.transpose(a, b)?;
         Var::record(&[self], "transpose", out, move |g, _| {
             Ok(smallvec![Some(g.transpose(a, b)?)])
@@ -675,6 +706,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::t`].
     #[track_caller]
     pub fn t(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.t()?;
         Var::record(&[self], "t", out, |g, _| Ok(smallvec![Some(g.t()?)]))
     }
@@ -685,6 +717,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::permute`].
     #[track_caller]
     pub fn permute(&self, perm: &[usize]) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.permute(perm)?;
         let mut inverse = vec![0; perm.len()];
         for (i, &p) in perm.iter().enumerate() {
@@ -701,6 +734,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::narrow`].
     #[track_caller]
     pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.narrow(axis, start, len)?;
         let x = self.value.clone();
         Var::record(&[self], "narrow", out, move |g, _| {
@@ -729,6 +763,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::slice`].
     #[track_caller]
     pub fn slice(&self, axis: isize, range: std::ops::Range<usize>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         self.narrow(axis, range.start, range.end.saturating_sub(range.start))
     }
 
@@ -738,6 +773,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::broadcast_to`].
     #[track_caller]
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.broadcast_to(shape)?;
         let from = self.value.shape().to_vec();
         Var::record(&[self], "broadcast_to", out, move |g, _| {
@@ -751,6 +787,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::squeeze`].
     #[track_caller]
     pub fn squeeze(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.squeeze(axis)?;
         self.relabelled("squeeze", out)
     }
@@ -761,6 +798,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::unsqueeze`].
     #[track_caller]
     pub fn unsqueeze(&self, axis: isize) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.unsqueeze(axis)?;
         self.relabelled("unsqueeze", out)
     }
@@ -771,6 +809,7 @@ impl<'t, 's> Var<'t, 's> {
     /// Only allocation errors.
     #[track_caller]
     pub fn contiguous(&self) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.contiguous()?;
         Var::record(&[self], "contiguous", out, |g, _| {
             Ok(smallvec![Some(g.clone())])
@@ -783,6 +822,7 @@ impl<'t, 's> Var<'t, 's> {
     /// [`Error::UnsupportedDType`] unless both dtypes are floats.
     #[track_caller]
     pub fn to_dtype(&self, dtype: DType) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let from = self.value.dtype();
         if !from.is_float() || !dtype.is_float() {
             return Err(not_float(
@@ -802,6 +842,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::index_select`].
     #[track_caller]
     pub fn index_select(&self, axis: isize, indices: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.index_select(axis, indices)?;
         let (x, indices) = (self.value.clone(), indices.clone());
         Var::record(&[self], "index_select", out, move |g, _| {
@@ -816,6 +857,7 @@ impl<'t, 's> Var<'t, 's> {
     /// As for [`Tensor::gather`].
     #[track_caller]
     pub fn gather(&self, axis: isize, index: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
         let out = self.value.gather(axis, index)?;
         let (x, index) = (self.value.clone(), index.clone());
         Var::record(&[self], "gather", out, move |g, _| {
@@ -831,6 +873,7 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn concat(vars: &[&Var<'t, 's>], axis: isize) -> Result<Var<'t, 's>> {
         let first = vars.first().ok_or(Error::Empty { op: "concat" })?;
+        let _placed = first.placing();
         let values: SmallVec<[&Tensor<'s>; 4]> = vars.iter().map(|v| &v.value).collect();
         let out = Tensor::concat(&values, axis)?;
         let ax = resolve_axis("concat", axis, first.value.rank())?;
@@ -857,6 +900,7 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn stack(vars: &[&Var<'t, 's>], axis: isize) -> Result<Var<'t, 's>> {
         let first = vars.first().ok_or(Error::Empty { op: "stack" })?;
+        let _placed = first.placing();
         let values: SmallVec<[&Tensor<'s>; 4]> = vars.iter().map(|v| &v.value).collect();
         let out = Tensor::stack(&values, axis)?;
         let ax = resolve_axis("stack", axis, first.value.rank() + 1)? as isize;

@@ -340,9 +340,12 @@ impl Workspace {
         }
     }
 
-    /// Ends a cycle: resets the arena and grows it to what the cycle needed. Returns whether the arena
-    /// was reallocated (a system allocation).
-    pub(crate) fn end_cycle(&mut self) -> bool {
+    /// Ends a cycle: resets the arena and grows it to what the cycle needed. Before a new arena is
+    /// allocated, `make_room(device)` hands the idle blocks of the pool the cycle spilled to back to
+    /// the device, so the arena takes their place instead of adding to them: the cycle that learned
+    /// the size ran from that pool, and its blocks are idle now. Returns whether the arena was
+    /// reallocated (a system allocation).
+    pub(crate) fn end_cycle(&mut self, make_room: impl FnOnce(Device)) -> bool {
         self.cycles += 1;
         self.top = 0;
         let mut needed = self.demand;
@@ -355,6 +358,8 @@ impl Workspace {
         }
         let moved = self.buf_device != self.cycle_device && needed > 0;
         if needed > self.capacity || moved {
+            self.release();
+            make_room(self.cycle_device);
             self.grow_to(self.cycle_device, needed);
             return true;
         }

@@ -39,6 +39,11 @@ pub struct ScopeStats {
     pub moved_in: u64,
     /// Allocations refused by a budget or by the system allocator.
     pub ooms: u64,
+    /// Allocations made in this scope itself while one of its child scopes was open: a step's
+    /// tensors charged to a longer-lived scope, usually because the step's inputs were created there.
+    /// Moves in (`ret`) are not counted, and a child's count is not added to its parent's. See
+    /// [`Scope::set_strict`](crate::Scope::set_strict).
+    pub outer_allocations: u64,
 }
 
 impl ScopeStats {
@@ -103,6 +108,13 @@ impl fmt::Display for ScopeStats {
         }
         if self.ooms > 0 {
             write!(f, ", {} refused", self.ooms)?;
+        }
+        if self.outer_allocations > 0 {
+            write!(
+                f,
+                ", {} allocs while a child was open",
+                self.outer_allocations
+            )?;
         }
         Ok(())
     }

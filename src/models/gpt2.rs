@@ -12,8 +12,8 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep};
 use crate::nn::{
-    Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
-    TransformerBlock, TransformerConfig,
+    Activation, Checkpointed, Embedding, Init, LayerNorm, Mode, Module, Parameters,
+    PositionalEmbedding, TransformerBlock, TransformerConfig,
 };
 use crate::scope::{Child, Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
@@ -311,6 +311,8 @@ pub struct Gpt2<'m> {
     /// The head `[vocab, width]` when it is not tied to `wte`.
     pub lm_head: Option<Tensor<'m>>,
     config: Gpt2Config,
+    /// Whether [`forward`](Gpt2::forward) checkpoints each block on a recording tape.
+    checkpointing: bool,
 }
 
 impl<'m> Gpt2<'m> {
@@ -340,6 +342,7 @@ impl<'m> Gpt2<'m> {
                 )
             },
             config,
+            checkpointing: false,
         })
     }
 
@@ -416,6 +419,7 @@ impl<'m> Gpt2<'m> {
             ln_f,
             lm_head,
             config,
+            checkpointing: false,
         })
     }
 
@@ -436,6 +440,20 @@ impl<'m> Gpt2<'m> {
     /// The configuration.
     pub fn config(&self) -> &Gpt2Config {
         &self.config
+    }
+
+    /// Checkpoints every block in [`forward`](Self::forward) on a recording tape (off by default):
+    /// a block's activations are freed when it returns and recomputed during the backward pass
+    /// (see [`Var::checkpoint`]), so a training step keeps one block's activations at a time plus
+    /// the blocks' inputs, for about one more forward pass of compute. The loss and gradients are
+    /// the same bit for bit on the host.
+    pub fn set_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+
+    /// Whether [`set_checkpointing`](Self::set_checkpointing) is on.
+    pub fn checkpointing(&self) -> bool {
+        self.checkpointing
     }
 
     /// The logits `[batch, len, vocab]` of token ids `[batch, len]` (`i64`, `len <=
@@ -464,7 +482,11 @@ impl<'m> Gpt2<'m> {
         };
         let mut x = self.wpe.forward(&self.wte.forward(tape, ids)?)?;
         for block in &self.blocks {
-            x = block.forward(&x, mode)?;
+            x = if self.checkpointing {
+                Checkpointed::new(block.clone()).forward(&x, mode)?
+            } else {
+                block.forward(&x, mode)?
+            };
         }
         let x = self
             .ln_f
@@ -707,6 +729,7 @@ impl<'m> Movable<'m> for Gpt2<'m> {
             ln_f: self.ln_f.move_into(target)?,
             lm_head: self.lm_head.move_into(target)?,
             config: self.config,
+            checkpointing: self.checkpointing,
         })
     }
 }
@@ -721,6 +744,7 @@ impl<'m> MoveOut<'m> for Gpt2<'m> {
             ln_f: self.ln_f.move_out()?,
             lm_head: self.lm_head.move_out()?,
             config: self.config,
+            checkpointing: self.checkpointing,
         })
     }
 }

@@ -119,7 +119,7 @@ fn check(width: usize, heads: usize, options: AttentionOptions) -> Result<()> {
 
 /// Multi-head self-attention: one projection to queries, keys and values for every head
 /// (`qkv`, `[3 width, width]`), attention per head, and an output projection (`proj`).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct MultiHeadAttention<'m> {
     /// Queries, keys and values of all heads: `[3 width, width]`.
     pub qkv: Linear<'m>,

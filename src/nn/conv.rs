@@ -9,7 +9,7 @@ use crate::scope::Scope;
 use crate::tensor::Tensor;
 
 /// A 2-D convolution ([`Var::conv2d`]) with a learned kernel and bias.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Conv2d<'m> {
     /// `[out channels, in channels / groups, kh, kw]` (PyTorch's layout).
     pub weight: Tensor<'m>,

@@ -12,7 +12,7 @@ use crate::weights::Weights;
 /// A table of `num` vectors of width `dim`; looking up `i64` ids gives their rows (PyTorch's
 /// `nn.Embedding`). The gradient of a lookup is added into the rows it read, so ids that repeat
 /// in a batch accumulate.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Embedding<'m> {
     /// `[num, dim]`.
     pub weight: Tensor<'m>,
@@ -92,7 +92,7 @@ layer_parts!(Embedding {
 
 /// Learned positional embeddings: position `p` of a sequence gets row `p` of a `[max_len, dim]`
 /// table added (GPT-2's `wpe`).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct PositionalEmbedding<'m> {
     /// `[max_len, dim]`.
     pub weight: Tensor<'m>,

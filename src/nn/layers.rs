@@ -90,7 +90,7 @@ impl<'m> Module<'m> for Dropout {
 /// One stage of a [`Sequential`].
 // A model holds a handful of layers, built once: boxing the large variant would buy nothing.
 #[allow(clippy::large_enum_variant)]
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Layer<'m> {
     /// A fully connected layer.
     Linear(Linear<'m>),
@@ -114,7 +114,7 @@ impl<'m> Module<'m> for Layer<'m> {
 }
 
 /// Layers applied in order.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Sequential<'m> {
     layers: Vec<Layer<'m>>,
 }

@@ -34,7 +34,7 @@ impl WeightLayout {
 /// `y = x Wᵀ + b` with `W` stored `[out_features, in_features]` (PyTorch's layout), or `y = x W +
 /// b` with `W` stored `[in_features, out_features]` ([`WeightLayout::InOut`]); the bias
 /// (`[out_features]`) is optional.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Linear<'m> {
     /// `[out_features, in_features]`, or `[in_features, out_features]` for [`WeightLayout::InOut`].
     pub weight: Tensor<'m>,

@@ -26,6 +26,7 @@
 
 mod attention;
 mod batch_norm;
+mod checkpointed;
 mod conv;
 mod embedding;
 mod init;
@@ -38,6 +39,7 @@ mod transformer;
 
 pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_product_attention};
 pub use batch_norm::BatchNorm2d;
+pub use checkpointed::Checkpointed;
 pub use conv::{Conv2d, Pool2d, PoolKind};
 pub use embedding::{Embedding, PositionalEmbedding};
 pub use init::Init;

@@ -24,7 +24,7 @@ fn check(op: &'static str, features: usize, eps: f64) -> Result<()> {
 
 /// Layer normalisation with a learned scale (ones) and an optional learned shift (zeros):
 /// [`Var::layer_norm`].
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct LayerNorm<'m> {
     /// `[features]`, starts at 1.
     pub weight: Tensor<'m>,
@@ -117,7 +117,7 @@ layer_parts!(LayerNorm {
 });
 
 /// RMS normalisation with a learned scale (ones): [`Var::rms_norm`].
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RmsNorm<'m> {
     /// `[features]`, starts at 1.
     pub weight: Tensor<'m>,

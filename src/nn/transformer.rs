@@ -71,7 +71,7 @@ impl TransformerConfig {
 /// `x + drop(attn(ln1(x)))`, then `y + drop(fc2(act(fc1(ln2(y)))))`: the pre-norm block. With
 /// [`TransformerConfig::gpt2`] it is GPT-2's block; [`new`](Self::new) keeps ndscope's default
 /// (exact GELU, `[out, in]` weights).
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct TransformerBlock<'m> {
     /// Normalises the attention's input.
     pub ln1: LayerNorm<'m>,

@@ -42,8 +42,24 @@ fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     if n.tf32() {
         out.push_str(" [tf32 products]");
     }
+    if n.is_strict() {
+        out.push_str(" [strict]");
+    }
     out.push('\n');
     let child_indent = format!("{indent}  ");
+    if let Some(first) = n.first_outer_allocation() {
+        let _ = writeln!(
+            out,
+            "{child_indent}{} allocations here while child \"{}\" was open; the first: {} {:?} created at {}:{}:{}",
+            stats.outer_allocations,
+            first.child,
+            first.dtype,
+            first.shape,
+            first.at.file(),
+            first.at.line(),
+            first.at.column()
+        );
+    }
     for line in n.notes() {
         let _ = writeln!(out, "{child_indent}{line}");
     }

@@ -250,6 +250,43 @@ impl<'s> Scope<'s> {
         self.node.is_capped()
     }
 
+    /// Makes this scope refuse new tensors while one of its child scopes is open, with
+    /// [`Error::OuterAllocation`](crate::Error::OuterAllocation) naming the child and the line that
+    /// made the tensor; `false` goes back to counting them. Moves in (`ret`) are still accepted.
+    ///
+    /// Every scope counts such allocations ([`ScopeStats::outer_allocations`] and a line in
+    /// [`dump`](Self::dump)): a step computing in the model scope because its inputs were created
+    /// there (an op's result belongs to the innermost owner of its operands) is the leak DJL's docs
+    /// warn about ("an intermediate NDArray gets into an upper-level NDManager"). A strict model
+    /// scope turns it into an error at the first such tensor:
+    ///
+    /// ```
+    /// use ndscope::{Device, Error, root};
+    /// root(Device::Cpu, |model| {
+    ///     model.set_strict(true);
+    ///     let w = model.ones(&[4])?;                       // before any child: fine
+    ///     let err = model.scope(|batch| -> ndscope::Result<()> {
+    ///         let x = batch.full(&[4], 2.0)?;
+    ///         let _fine = w.mul(&x)?;                       // owned by the batch
+    ///         let input = model.from_slice(&[1.0f32; 4], &[4])?; // the mistake
+    ///         let _y = w.mul(&input)?;
+    ///         Ok(())
+    ///     });
+    ///     assert!(matches!(err, Err(Error::OuterAllocation { .. })));
+    ///     assert_eq!(model.stats().outer_allocations, 0); // refused, not counted
+    ///     Ok::<_, Error>(())
+    /// })?;
+    /// # Ok::<(), Error>(())
+    /// ```
+    pub fn set_strict(&self, strict: bool) {
+        self.node.set_strict(strict);
+    }
+
+    /// Whether [`set_strict`](Self::set_strict) is in force.
+    pub fn is_strict(&self) -> bool {
+        self.node.is_strict()
+    }
+
     /// Limits the live bytes of this scope and every scope below it. An allocation that would exceed
     /// it returns [`Error::OutOfMemory`](crate::Error::OutOfMemory) with the tree dump; `None` removes the limit.
     pub fn set_budget(&self, bytes: Option<usize>) {
@@ -488,6 +525,24 @@ impl<'s> Scope<'s> {
     /// dropout and the initialisers): the next draws are those of a tree that started with `seed`.
     pub fn set_seed(&self, seed: u64) {
         self.node.tree().random.set(Stream::new(seed));
+    }
+
+    /// The tree's random generator as it stands: a checkpointed segment keeps it to replay its draws
+    /// (dropout) when it is recomputed.
+    pub(crate) fn random_stream(&self) -> Stream {
+        self.node.tree().random.get()
+    }
+
+    /// Puts the tree's random generator where [`random_stream`](Self::random_stream) found it.
+    pub(crate) fn set_random_stream(&self, stream: Stream) {
+        self.node.tree().random.set(stream);
+    }
+
+    /// Places op results in this scope (unless an operand's owner closes sooner) until the guard
+    /// drops. Only for code whose every result is typed with this scope's brand (see
+    /// [`Placement`](node::Placement)).
+    pub(crate) fn place_results(&self) -> node::Placement {
+        node::Placement::into(&self.node)
     }
 
     /// The seed of the tree's generator and the first counter of a draw of `n` elements, which the

@@ -29,6 +29,51 @@ use crate::scope::timeline::{EventKind, Recorder};
 thread_local! {
     /// Scopes opened so far on this thread; a scope opened later closes earlier (LIFO).
     static OPENED: Cell<u64> = const { Cell::new(0) };
+    /// The scope that op results go to while a differentiable op runs (see [`Placement`]); null
+    /// when none.
+    static PLACE_IN: Cell<*const ScopeNode> = const { Cell::new(ptr::null()) };
+}
+
+/// While it lives, op results on this thread go to a given scope when it closes sooner than every
+/// operand's owner (or to the operands' innermost owner, as always, when none is given).
+///
+/// Sound only for code whose every result is typed with that scope's brand: a tape sets its scope
+/// around the body of each differentiable op (library code, whose results are all `Tensor<'s>` of
+/// the tape's scope), and clears it around user code it calls (a checkpointed layer's forward).
+/// Guards nest: dropping one restores what was set before it.
+pub(crate) struct Placement {
+    previous: *const ScopeNode,
+}
+
+impl Placement {
+    /// Results go to `node` (or their innermost operand owner, if that closes sooner) until the
+    /// guard drops.
+    pub(crate) fn into(node: &ScopeNode) -> Placement {
+        Placement {
+            previous: PLACE_IN.with(|p| p.replace(node)),
+        }
+    }
+
+    /// Results go to their innermost operand owner until the guard drops.
+    pub(crate) fn cleared() -> Placement {
+        Placement {
+            previous: PLACE_IN.with(|p| p.replace(ptr::null())),
+        }
+    }
+
+    /// The scope results go to now, if one is set.
+    pub(crate) fn current<'a>() -> Option<&'a ScopeNode> {
+        // SAFETY: a pointer is set only by a guard borrowing an open node, and that guard (or an inner
+        // one, which restores it) lives while the node is open: guards are locals of the op bodies
+        // that run inside the scope. The returned reference is used at once to allocate.
+        PLACE_IN.with(|p| unsafe { p.get().as_ref() })
+    }
+}
+
+impl Drop for Placement {
+    fn drop(&mut self) {
+        PLACE_IN.with(|p| p.set(self.previous));
+    }
 }
 
 /// State shared by every scope of one tree: the block caches, the header slab and the RNG.
@@ -199,6 +244,21 @@ pub(crate) struct ScopeNode {
     tf32: Cell<bool>,
     /// Lines that values living in this scope add to its dump (see [`Note`]).
     notes: RefCell<Vec<std::sync::Weak<dyn Note>>>,
+    /// Whether an allocation here while a child scope is open is refused ([`Error::OuterAllocation`]).
+    strict: Cell<bool>,
+    /// The first allocation made here while a child scope was open: the child and the site.
+    first_outer: Cell<Option<OuterAllocation>>,
+}
+
+/// An allocation in a scope while one of its child scopes was open: usually a step's intermediate
+/// charged to a longer-lived scope (the step's inputs were created there).
+#[derive(Clone, Copy)]
+pub(crate) struct OuterAllocation {
+    /// The open child.
+    pub(crate) child: ScopeName,
+    pub(crate) at: &'static Location<'static>,
+    pub(crate) dtype: DType,
+    pub(crate) shape: ShapeSummary,
 }
 
 // SAFETY: a node is reachable only through its `Scope` (which is neither `Send` nor `Sync`, by its
@@ -300,6 +360,8 @@ impl ScopeNode {
             autocast: Cell::new(parent.and_then(|p| p.autocast.get())),
             tf32: Cell::new(parent.is_some_and(|p| p.tf32.get())),
             notes: RefCell::new(Vec::new()),
+            strict: Cell::new(false),
+            first_outer: Cell::new(None),
         }
     }
 
@@ -414,6 +476,52 @@ impl ScopeNode {
         self.budget.set(budget);
     }
 
+    pub(crate) fn is_strict(&self) -> bool {
+        self.strict.get()
+    }
+
+    pub(crate) fn set_strict(&self, strict: bool) {
+        self.strict.set(strict);
+    }
+
+    /// The first allocation made here while a child scope was open, if any.
+    pub(crate) fn first_outer_allocation(&self) -> Option<OuterAllocation> {
+        self.first_outer.get()
+    }
+
+    /// Counts (or, in a strict scope, refuses) an allocation of `shape` `dtype` made at `at` while a
+    /// child scope is open.
+    fn check_outer(
+        &self,
+        dtype: DType,
+        shape: &[usize],
+        at: &'static Location<'static>,
+    ) -> Result<()> {
+        // SAFETY: linked children are open nodes.
+        let Some(child) = (unsafe { self.first_child.get().as_ref() }) else {
+            return Ok(());
+        };
+        if self.strict.get() {
+            return Err(Error::OuterAllocation {
+                scope: self.name.to_string(),
+                child: child.name.to_string(),
+                dtype,
+                shape: shape.to_vec(),
+                at: format!("{}:{}:{}", at.file(), at.line(), at.column()),
+            });
+        }
+        self.stats.borrow_mut().outer_allocations += 1;
+        if self.first_outer.get().is_none() {
+            self.first_outer.set(Some(OuterAllocation {
+                child: child.name,
+                at,
+                dtype,
+                shape: ShapeSummary::of(shape),
+            }));
+        }
+        Ok(())
+    }
+
     pub(crate) fn autocast(&self) -> Option<DType> {
         self.autocast.get()
     }
@@ -457,14 +565,20 @@ impl ScopeNode {
     }
 
     /// Allocates a block of `device` memory for `shape` elements of `dtype` owned by this scope.
+    /// `moving` says the block is the copy of a tensor moved here (`ret` from a workspace), which is
+    /// not counted as an allocation made while a child is open.
     pub(crate) fn alloc(
         &self,
         device: Device,
         dtype: DType,
         shape: &[usize],
         at: &'static Location<'static>,
+        moving: bool,
     ) -> Result<BlockRef> {
         let bytes = checked_numel(shape, dtype.size())? * dtype.size();
+        if !moving {
+            self.check_outer(dtype, shape, at)?;
+        }
         self.tree().faults.on_alloc(self, bytes)?;
         self.admit(device, bytes, None)?;
         let grant = if bytes == 0 {
@@ -676,7 +790,10 @@ impl ScopeNode {
             s.reclaimed_tensors += 1;
             s.reclaimed_bytes += bytes;
         }
-        if let Some((true, device)) = self.with_arena(|ws| (ws.end_cycle(), ws.device())) {
+        let make_room = |device| {
+            self.tree().with_pool(device, |pool| pool.empty());
+        };
+        if let Some((true, device)) = self.with_arena(|ws| (ws.end_cycle(make_room), ws.device())) {
             let mut stats = self.stats.borrow_mut();
             match device {
                 Device::Cpu => stats.system_allocations += 1,

@@ -15,7 +15,7 @@ use crate::layout::{Layout, RowWalk};
 use crate::memory::block::{BlockRef, Home, Region, ShapeSummary, new_system_block};
 use crate::memory::raw;
 use crate::memory::reclaim::{self, Refused};
-use crate::scope::node::{ScopeNode, refused};
+use crate::scope::node::{Placement, ScopeNode, refused};
 use crate::scope::{Movable, Scope};
 
 /// An n-dimensional array whose memory is owned by a scope that lives at least as long as `'s`.
@@ -49,14 +49,19 @@ unsafe impl Sync for Tensor<'static> {}
 pub(crate) enum Owner<'n> {
     System,
     Node(&'n ScopeNode),
+    /// A scope receiving the copy of a tensor moved to it (not a new value made there).
+    Moving(&'n ScopeNode),
 }
 
 impl<'n> Owner<'n> {
-    /// The owner that closes first among `tensors`' owners (the system scope never closes), borrowed
-    /// for as long as the operands are.
+    /// Where an op's result goes: the owner that closes first among `tensors`' owners (the system
+    /// scope never closes), or the scope a running differentiable op places its results in
+    /// ([`Placement`]) when that closes sooner still.
     pub(crate) fn innermost(tensors: &'n [&'n Tensor<'_>]) -> Owner<'n> {
-        let mut best = Owner::System;
-        let mut best_order = 0;
+        let (mut best, mut best_order) = match Placement::current() {
+            Some(node) => (Owner::Node(node), node.order),
+            None => (Owner::System, 0),
+        };
         for t in tensors {
             if let Some(node) = ScopeNode::owning(t.block.header())
                 && node.order > best_order
@@ -66,6 +71,12 @@ impl<'n> Owner<'n> {
             }
         }
         best
+    }
+
+    /// The scope that owns `t`'s block itself (no placement): where a copy that replaces `t`'s
+    /// block must go.
+    fn of(t: &'n Tensor<'_>) -> Owner<'n> {
+        ScopeNode::owning(t.block.header()).map_or(Owner::System, Owner::Node)
     }
 
     /// Allocates a contiguous block of `device` memory for `shape` in this owner.
@@ -78,7 +89,8 @@ impl<'n> Owner<'n> {
         at: &'static Location<'static>,
     ) -> Result<BlockRef> {
         match self {
-            Owner::Node(node) => node.alloc(device, dtype, shape, at),
+            Owner::Node(node) => node.alloc(device, dtype, shape, at, false),
+            Owner::Moving(node) => node.alloc(device, dtype, shape, at, true),
             Owner::System => {
                 let bytes = crate::layout::checked_numel(shape, dtype.size())? * dtype.size();
                 if bytes == 0 {
@@ -511,7 +523,7 @@ impl<'s> Tensor<'s> {
                 return Ok(self.rebrand());
             }
             // A copy is the same tensor to the user: it keeps the original's name and creation site.
-            let copy: Tensor<'b> = self.copy_to_owner(Owner::Node(target))?;
+            let copy: Tensor<'b> = self.copy_to_owner(Owner::Moving(target))?;
             let made = copy.block.header();
             made.name.set(h.name.get());
             made.created_at.set(h.created_at.get());
@@ -635,7 +647,7 @@ impl<'s> Tensor<'s> {
     /// contiguous block: the copy-on-write step before an in-place op.
     pub(crate) fn make_unique_contiguous(&mut self) -> Result<()> {
         if !self.block.header().is_unique() || !self.is_contiguous() {
-            let copy = self.copy_to_owner(Owner::innermost(&[self]))?;
+            let copy = self.copy_to_owner(Owner::of(self))?;
             *self = copy;
         }
         Ok(())
