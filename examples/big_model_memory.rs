@@ -110,16 +110,17 @@ impl Options {
     }
 }
 
-/// A field of /proc/self/status in bytes (`VmHWM`, the peak resident set, or `VmRSS`), where
-/// Linux reports it.
-fn status_bytes(field: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
+fn mib(bytes: usize) -> String {
+    format!("{:.0} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
-fn mib(bytes: u64) -> String {
-    format!("{:.0} MiB", bytes as f64 / (1024.0 * 1024.0))
+/// What one step measured.
+struct Measured {
+    loss: f32,
+    /// The batch scope's peak bytes over the step.
+    peak: usize,
+    /// Its live bytes once the loss is computed: what the tape keeps for the backward pass.
+    after_forward: usize,
 }
 
 /// One training step in `b`: the next-token loss over the sequence, backward, AdamW.
@@ -128,14 +129,19 @@ fn step<'m: 'b, 'b>(
     model: &mut Gpt2<'m>,
     opt: &mut Adam<'m>,
     ids: &[i64],
-) -> Result<(f32, usize)> {
+) -> Result<Measured> {
     let tape = Tape::new(b);
     let ids = b.from_slice(ids, &[1, ids.len()])?;
-    let logits = model.forward(&tape, &ids, Mode::Train)?;
-    let loss = Gpt2::loss(&logits, &ids)?;
+    // The logits go when the loss no longer needs them (the loss's backward step), not at the end.
+    let loss = Gpt2::loss(&model.forward(&tape, &ids, Mode::Train)?, &ids)?;
+    let after_forward = b.stats().subtree_bytes;
     let grads = tape.backward(&loss)?;
     opt.step(model, &grads)?;
-    Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
+    Ok(Measured {
+        loss: loss.value().to_scalar::<f32>()?,
+        peak: b.stats().peak_bytes,
+        after_forward,
+    })
 }
 
 fn run(o: &Options) -> Result<()> {
@@ -155,7 +161,7 @@ fn run(o: &Options) -> Result<()> {
             model.set_checkpointing(o.checkpoint);
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-4, 0.01))?;
             m.set_strict(true);
-            let built = status_bytes("VmRSS:").unwrap_or(0);
+            let built = common::status_bytes("VmRSS:").unwrap_or(0);
             println!(
                 "GPT-2 shape: {} blocks of width {}, {} heads, vocab {}, {} tokens, {} parameters; \
                  {}, {}",
@@ -177,35 +183,42 @@ fn run(o: &Options) -> Result<()> {
                 }
             );
             let mut times = Vec::new();
-            let mut peak = 0;
+            let (mut peak, mut after_forward) = (0, 0);
             for k in 0..o.steps {
                 let started = Instant::now();
-                let (loss, step_peak) = match &mut ws {
+                let measured = match &mut ws {
                     None => m.named_scope("batch", |b| step(b, &mut model, &mut opt, &ids))?,
                     Some(ws) => m.workspace(ws, |b| step(b, &mut model, &mut opt, &ids))?,
                 };
                 let took = started.elapsed();
-                println!("step {}: loss {loss:.4}, {:.2} s", k + 1, took.as_secs_f64());
+                println!(
+                    "step {}: loss {:.4}, {:.2} s",
+                    k + 1,
+                    measured.loss,
+                    took.as_secs_f64()
+                );
                 if k > 0 {
                     times.push(took);
                 }
-                peak = peak.max(step_peak);
+                peak = peak.max(measured.peak);
+                after_forward = after_forward.max(measured.after_forward);
             }
             times.sort();
             let median = times[times.len() / 2];
-            let hwm = status_bytes("VmHWM:").unwrap_or(0);
+            let hwm = common::status_bytes("VmHWM:").unwrap_or(0);
             println!(
-                "batch scope peak {} ({peak} B); median step {:.3} s; process peak (VmHWM) {}, {} above \
-                 the model and optimizer ({}); pool cache now {}",
-                mib(peak as u64),
+                "batch scope peak {} ({peak} B), {} live after the forward pass; median step {:.3} s; \
+                 process peak (VmHWM) {}, {} above the model and optimizer ({}); pool cache now {}",
+                mib(peak),
+                mib(after_forward),
                 median.as_secs_f64(),
                 mib(hwm),
                 mib(hwm.saturating_sub(built)),
                 mib(built),
-                mib(m.memory_stats(Device::Cpu).cached_bytes as u64),
+                mib(m.memory_stats(Device::Cpu).cached_bytes),
             );
             if let Some(ws) = &ws {
-                println!("workspace arena {}", mib(ws.capacity() as u64));
+                println!("workspace arena {}", mib(ws.capacity()));
                 if let Some(line) = common::plan_summary(ws) {
                     println!("{line}");
                 }

@@ -243,6 +243,8 @@ fn run(o: &Options) -> Result<()> {
         s.named_scope("model", |m| {
             let mut model = Cnn::new(m, o.channels, train.classes(), o.dropout)?;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?;
+            // From here on a tensor made in the model scope while a step runs is an error, not a leak.
+            m.set_strict(true);
             println!(
                 "model: conv3x3({0}) bn relu, conv3x3({1}) bn relu, maxpool2, linear({1}x4x4 -> 128) \
                  relu dropout {2}, linear(128 -> {3}); {4} parameters; AdamW, batch {5}, lr {6} \

@@ -203,6 +203,8 @@ fn run(o: &Options) -> Result<()> {
             println!("continuation before: {sample_before:?}");
 
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 0.01))?;
+            // From here on a tensor made in the model scope while a step runs is an error, not a leak.
+            m.set_strict(true);
             let model_at_start = m.stats().live_bytes;
             let mut rng = Rng(o.seed);
             let training = Instant::now();

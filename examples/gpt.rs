@@ -17,7 +17,7 @@
 use std::time::Instant;
 
 use ndscope::nn::{
-    AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
+    AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
     PositionalEmbedding, TransformerBlock,
 };
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
@@ -44,6 +44,8 @@ OPTIONS:
   --device D        cpu, or cuda:N (needs --features cuda)   [default: cpu]
   --dtype T         f32, or bf16 / f16 autocast (f16 with loss scaling) [default: f32]
   --text FILE       train on the characters of FILE and sample from it
+  --checkpoint      recompute each block's activations in the backward pass instead of keeping them
+  --workspace W     the batch scope: planned, bump, or none (the pool)  [default: planned]
   --help            this text";
 
 /// The command line, parsed.
@@ -61,6 +63,8 @@ struct Options {
     device: Device,
     dtype: DType,
     text: Option<String>,
+    checkpoint: bool,
+    workspace: String,
 }
 
 impl Options {
@@ -78,11 +82,17 @@ impl Options {
             device: Device::Cpu,
             dtype: DType::F32,
             text: None,
+            checkpoint: false,
+            workspace: "planned".into(),
         };
         let mut args = args;
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
                 return Err(String::new());
+            }
+            if flag == "--checkpoint" {
+                o.checkpoint = true;
+                continue;
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let number = |v: &str| {
@@ -108,6 +118,12 @@ impl Options {
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 "--text" => o.text = Some(value),
+                "--workspace" if ["planned", "bump", "none"].contains(&value.as_str()) => {
+                    o.workspace = value;
+                }
+                "--workspace" => {
+                    return Err(format!("--workspace: planned, bump or none, not `{value}`"));
+                }
                 _ => return Err(format!("unknown option {flag}")),
             }
         }
@@ -147,19 +163,25 @@ impl<'m> Gpt<'m> {
         })
     }
 
-    /// Next-token logits `[batch, len, vocab]` for `ids` (`[batch, len]`).
+    /// Next-token logits `[batch, len, vocab]` for `ids` (`[batch, len]`); with `checkpoint`, each
+    /// block's activations are recomputed in the backward pass instead of kept.
     fn logits<'t, 's>(
         &self,
         tape: &'t Tape<'s>,
         ids: &Tensor<'s>,
         mode: Mode,
+        checkpoint: bool,
     ) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
         let mut x = self.positions.forward(&self.tokens.forward(tape, ids)?)?;
         for block in &self.blocks {
-            x = block.forward(&x, mode)?;
+            x = if checkpoint {
+                Checkpointed::new(block.clone()).forward(&x, mode)?
+            } else {
+                block.forward(&x, mode)?
+            };
         }
         self.head.forward(&self.ln.forward(&x, mode)?, mode)
     }
@@ -335,15 +357,16 @@ fn train_step<'m: 'b, 'b>(
     precision: &mut common::Precision,
     task: &dyn Task,
     batch: &(Vec<i64>, Vec<i64>),
-    size: usize,
+    o: &Options,
 ) -> Result<(f32, usize)> {
+    let size = o.batch_size;
     precision.enter(b)?;
     let (context, first) = (task.context(), task.first_counted());
     let ids = b.from_slice(&batch.0, &[size, context])?;
     let counted = context - first;
     let targets = b.from_slice(&batch.1, &[size * counted])?;
     let tape = Tape::new(b);
-    let logits = model.logits(&tape, &ids, Mode::Train)?;
+    let logits = model.logits(&tape, &ids, Mode::Train, o.checkpoint)?;
     let loss = logits
         .narrow(1, first, counted)?
         .reshape(&[size * counted, task.vocab()])?
@@ -369,7 +392,7 @@ fn held_out_accuracy<'m>(
             let ids = e.from_slice(&flat, &[n, len])?;
             let tape = Tape::no_grad(e);
             let next = model
-                .logits(&tape, &ids, Mode::Eval)?
+                .logits(&tape, &ids, Mode::Eval, false)?
                 .value()
                 .narrow(1, len - 1, 1)?
                 .argmax(-1, false)?
@@ -414,7 +437,7 @@ fn sample<'m>(
             let window = &ids[ids.len().saturating_sub(text.context)..];
             let x = e.from_slice(window, &[1, window.len()])?;
             let tape = Tape::no_grad(e);
-            let logits = model.logits(&tape, &x, Mode::Eval)?;
+            let logits = model.logits(&tape, &x, Mode::Eval, false)?;
             let probs = logits
                 .value()
                 .narrow(1, window.len() - 1, 1)?
@@ -466,7 +489,11 @@ fn run(o: &Options) -> Result<()> {
     });
     let schedule = WarmupCosine::new(o.lr, steps / 20, steps)?.with_min(o.lr / 10.0);
     let report_every = (steps / 10).max(1);
-    let mut ws = Workspace::planned("batch");
+    let mut ws = match o.workspace.as_str() {
+        "planned" => Some(Workspace::planned("batch")),
+        "bump" => Some(Workspace::new("batch")),
+        _ => None,
+    };
     let mut precision = common::Precision::new(o.dtype);
 
     root(o.device, |s| {
@@ -474,9 +501,11 @@ fn run(o: &Options) -> Result<()> {
         s.named_scope("model", |m| {
             let mut model = Gpt::new(m, task.vocab(), task.context(), o)?;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 0.01))?;
+            // From here on a tensor made in the model scope while a step runs is an error, not a leak.
+            m.set_strict(true);
             println!(
                 "model: {} blocks of width {}, {} heads, context {}, {} parameters; AdamW, batch {}, \
-                 lr {} (warm-up {} steps, cosine to {}), {} steps, {}, seed {}",
+                 lr {} (warm-up {} steps, cosine to {}), {} steps, {}, seed {}{}; batch scope: {}",
                 o.layers,
                 o.width,
                 o.heads,
@@ -488,7 +517,12 @@ fn run(o: &Options) -> Result<()> {
                 o.lr / 10.0,
                 steps,
                 precision.describe(),
-                o.seed
+                o.seed,
+                if o.checkpoint { ", blocks checkpointed" } else { "" },
+                match o.workspace.as_str() {
+                    "none" => "the pool",
+                    kind => kind,
+                }
             );
             let model_at_start = m.stats();
             let mut loss_sum = 0.0f64;
@@ -499,9 +533,14 @@ fn run(o: &Options) -> Result<()> {
                 opt.set_learning_rate(schedule.lr(step));
                 let batch = task.batch(&mut rng, o.batch_size);
                 let step_started = Instant::now();
-                let (loss, peak) = m.workspace(&mut ws, |b| {
-                    train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o.batch_size)
-                })?;
+                let (loss, peak) = match &mut ws {
+                    Some(ws) => m.workspace(ws, |b| {
+                        train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o)
+                    })?,
+                    None => m.named_scope("batch", |b| {
+                        train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o)
+                    })?,
+                };
                 if step >= WARM_UP_STEPS {
                     training += step_started.elapsed();
                 }
@@ -537,15 +576,23 @@ fn run(o: &Options) -> Result<()> {
                 "\ntraining: {:.0} steps/s after the first {WARM_UP_STEPS} (the loss read back every step)",
                 steps.saturating_sub(WARM_UP_STEPS) as f64 / training.as_secs_f64()
             );
+            let arena = ws.as_ref().map_or_else(String::new, |ws| {
+                format!(
+                    "; workspace arena {} B after {} cycles ({} spills in the last)",
+                    ws.capacity(),
+                    ws.cycles(),
+                    ws.last_cycle_spills()
+                )
+            });
             println!(
-                "model scope: {} live bytes at the start, {} at the end; workspace arena {} B after {} cycles ({} spills in the last)",
+                "model scope: {} live bytes at the start, {} at the end{arena}; batch scope peak {} B; \
+                 process peak resident (VmHWM) {} MiB",
                 model_at_start.live_bytes,
                 end.live_bytes,
-                ws.capacity(),
-                ws.cycles(),
-                ws.last_cycle_spills()
+                batch_peak,
+                common::status_bytes("VmHWM").unwrap_or(0) >> 20
             );
-            if let Some(line) = common::plan_summary(&ws) {
+            if let Some(line) = ws.as_ref().and_then(common::plan_summary) {
                 println!("{line}");
             }
             if let Some(line) = precision.report() {

@@ -17,13 +17,9 @@ use ndscope::models::{Gpt2, Gpt2Config};
 use ndscope::nn::Parameters;
 use ndscope::{DType, Device, Error, Result, root};
 
-/// A field of /proc/self/status in bytes (Linux), e.g. `VmHWM` (peak resident) or `VmRSS`.
-fn status_bytes(field: &str) -> Option<usize> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(field))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
+#[allow(dead_code)] // the training helpers of examples/common; this example reads /proc with it
+mod common;
+use common::status_bytes;
 
 fn run(dir: &str) -> Result<()> {
     if !std::path::Path::new(dir)

@@ -267,6 +267,8 @@ fn run(o: &Options) -> Result<()> {
                 "adam" => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adam(o.lr))?)),
                 _ => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?)),
             };
+            // From here on a tensor made in the model scope while a step runs is an error, not a leak.
+            m.set_strict(true);
             println!(
                 "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, {}, seed {}",
                 model.parameter_elements(),

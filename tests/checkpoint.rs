@@ -359,3 +359,59 @@ fn segment_scopes_show_in_the_dump_while_they_run() -> Result<()> {
     assert!(!seen[1].contains("scope \"checkpoint\""), "{}", seen[1]);
     Ok(())
 }
+
+#[test]
+fn a_checkpointed_step_replays_its_planned_workspace_from_the_arena_alone() -> Result<()> {
+    use ndscope::Workspace;
+    root(Device::Cpu, |s| {
+        let model = decoder(s, DType::F32, 0.1)?;
+        let plain = step(s, &model, Blocks::Checkpointed, None)?;
+        let mut ws = Workspace::planned("batch");
+        for cycle in 0..4 {
+            s.set_seed(99);
+            let (loss, grads) = s.workspace(&mut ws, |batch| -> Result<(f64, Vec<Vec<f64>>)> {
+                let tape = Tape::new(batch);
+                let ids: Vec<i64> = (0..2 * LEN as i64)
+                    .map(|i| (i * 7 + 3) % VOCAB as i64)
+                    .collect();
+                let ids = batch.from_slice(&ids, &[2, LEN])?;
+                let mut x = model
+                    .positions
+                    .forward(&model.tokens.forward(&tape, &ids)?)?;
+                for block in &model.blocks {
+                    x = Checkpointed::new(block.clone()).forward(&x, Mode::Train)?;
+                }
+                let logits = model
+                    .head
+                    .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
+                let loss = logits
+                    .reshape(&[2 * LEN, VOCAB])?
+                    .cross_entropy(&ids.reshape(&[2 * LEN])?)?;
+                let g = tape.backward(&loss)?;
+                let mut found = Vec::new();
+                model.visit("", &mut |_, p| {
+                    found.push(
+                        g.get(p)
+                            .unwrap()
+                            .to_dtype(DType::F64)
+                            .unwrap()
+                            .to_vec()
+                            .unwrap(),
+                    );
+                });
+                Ok((
+                    loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()?,
+                    found,
+                ))
+            })?;
+            assert_same(&format!("cycle {cycle}"), &plain, &(loss, grads, 0));
+            if cycle > 0 {
+                // The segments' scopes allocate in the cycle's arena, so the plan covers them.
+                assert!(ws.last_cycle_replayed(), "cycle {cycle} replays the plan");
+                assert_eq!(ws.last_cycle_spills(), 0, "cycle {cycle}");
+            }
+        }
+        assert_eq!(ws.plans_solved(), 1);
+        Ok(())
+    })
+}

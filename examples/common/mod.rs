@@ -154,3 +154,13 @@ impl Rng {
         (self.next() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
+
+/// A field of /proc/self/status in bytes (Linux), e.g. `VmHWM` (the peak resident set) or `VmRSS`;
+/// `None` where the system does not report it.
+#[allow(dead_code)] // only the examples that report their process's peak call it
+pub fn status_bytes(field: &str) -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

@@ -847,7 +847,7 @@ impl<'t, 's> Var<'t, 's> {
         let (x, indices) = (self.value.clone(), indices.clone());
         Var::record(&[self], "index_select", out, move |g, _| {
             let zeros = g.full_like_scalar(x.shape(), 0.0)?;
-            Ok(smallvec![Some(zeros.index_add(axis, &indices, g)?)])
+            Ok(smallvec![Some(zeros.into_index_add(axis, &indices, g)?)])
         })
     }
 
@@ -862,7 +862,7 @@ impl<'t, 's> Var<'t, 's> {
         let (x, index) = (self.value.clone(), index.clone());
         Var::record(&[self], "gather", out, move |g, _| {
             let zeros = g.full_like_scalar(x.shape(), 0.0)?;
-            Ok(smallvec![Some(zeros.scatter_add(axis, &index, g)?)])
+            Ok(smallvec![Some(zeros.into_scatter_add(axis, &index, g)?)])
         })
     }
 

@@ -194,9 +194,21 @@ fn scatter_add_into<'s>(
     index_layout: &Layout,
     src: &Tensor<'s>,
 ) -> Result<Tensor<'s>> {
-    let mut out = base.copy_to_owner(Owner::innermost(&[base, index, src]))?;
-    let dtype = base.dtype();
-    base.backend()?.scatter_add(
+    let out = base.copy_to_owner(Owner::innermost(&[base, index, src]))?;
+    scatter_add_onto(op, out, axis, index, index_layout, src)
+}
+
+/// `scatter_add_into` writing into `out` itself, a contiguous block no other handle sees.
+fn scatter_add_onto<'s>(
+    op: &'static str,
+    mut out: Tensor<'s>,
+    axis: usize,
+    index: &Tensor<'s>,
+    index_layout: &Layout,
+    src: &Tensor<'s>,
+) -> Result<Tensor<'s>> {
+    let dtype = out.dtype();
+    out.backend()?.scatter_add(
         op,
         dtype,
         out.dst(),
@@ -231,6 +243,34 @@ impl<'s> Tensor<'s> {
         index: &Tensor<'s>,
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
+        let axis = self.check_scatter_add(axis, index, src)?;
+        scatter_add_into("scatter_add", self, axis, index, index.layout(), src)
+    }
+
+    /// [`scatter_add`](Self::scatter_add) written into `self`'s own block when no other handle
+    /// shares it and it is contiguous (a gradient's fresh zeros): no copy of the base.
+    #[track_caller]
+    pub(crate) fn into_scatter_add(
+        self,
+        axis: isize,
+        index: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<Tensor<'s>> {
+        let axis = self.check_scatter_add(axis, index, src)?;
+        if self.is_unique_contiguous() {
+            scatter_add_onto("scatter_add", self, axis, index, index.layout(), src)
+        } else {
+            scatter_add_into("scatter_add", &self, axis, index, index.layout(), src)
+        }
+    }
+
+    /// The checks of `scatter_add`; the resolved axis.
+    fn check_scatter_add(
+        &self,
+        axis: isize,
+        index: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<usize> {
         const OP: &str = "scatter_add";
         same_dtype(OP, self, src)?;
         same_device(OP, self, index)?;
@@ -252,7 +292,7 @@ impl<'s> Tensor<'s> {
             "the index must have the same rank, and no larger size on any axis but the scattered one",
         )?;
         check_indices(OP, index, self.shape()[axis_u], Access::Write)?;
-        scatter_add_into(OP, self, axis_u, index, index.layout(), src)
+        Ok(axis_u)
     }
 
     /// The inverse of [`index_select`](Self::index_select): a copy of `self` with slice `k` of `src`
@@ -268,6 +308,34 @@ impl<'s> Tensor<'s> {
         indices: &Tensor<'s>,
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
+        let (axis, index_layout) = self.check_index_add(axis, indices, src)?;
+        scatter_add_into("index_add", self, axis, indices, &index_layout, src)
+    }
+
+    /// [`index_add`](Self::index_add) written into `self`'s own block when no other handle shares
+    /// it and it is contiguous (a gradient's fresh zeros): no copy of the base.
+    #[track_caller]
+    pub(crate) fn into_index_add(
+        self,
+        axis: isize,
+        indices: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<Tensor<'s>> {
+        let (axis, index_layout) = self.check_index_add(axis, indices, src)?;
+        if self.is_unique_contiguous() {
+            scatter_add_onto("index_add", self, axis, indices, &index_layout, src)
+        } else {
+            scatter_add_into("index_add", &self, axis, indices, &index_layout, src)
+        }
+    }
+
+    /// The checks of `index_add`; the resolved axis and the index's layout over `src`.
+    fn check_index_add(
+        &self,
+        axis: isize,
+        indices: &Tensor<'s>,
+        src: &Tensor<'s>,
+    ) -> Result<(usize, Layout)> {
         const OP: &str = "index_add";
         same_dtype(OP, self, src)?;
         same_device(OP, self, indices)?;
@@ -285,7 +353,6 @@ impl<'s> Tensor<'s> {
             });
         }
         check_indices(OP, indices, self.shape()[axis_u], Access::Write)?;
-        let index_layout = along_axis(indices, axis_u, src.shape());
-        scatter_add_into(OP, self, axis_u, indices, &index_layout, src)
+        Ok((axis_u, along_axis(indices, axis_u, src.shape())))
     }
 }

@@ -27,7 +27,7 @@ pub(crate) fn dump_tree(root: &ScopeNode) -> String {
 fn node(out: &mut String, n: &ScopeNode, indent: &str) {
     let stats = *n.stats.borrow();
     let _ = write!(out, "{indent}scope \"{}\": {stats}", n.name);
-    if let Some(arena) = n.with_arena(|ws| describe_workspace(ws)) {
+    if let Some(arena) = n.with_own_arena(|ws| describe_workspace(ws)) {
         out.push_str(&arena);
     }
     if n.is_capped() {

@@ -237,7 +237,11 @@ pub(crate) struct ScopeNode {
     pub(crate) stats: RefCell<ScopeStats>,
     capped: Cell<bool>,
     budget: Cell<Option<usize>>,
+    /// The workspace this scope allocates from: its own cycle's, or the one its nearest workspace
+    /// ancestor cycles in (a scope opened inside a cycle is part of the cycle).
     arena: Cell<Option<NonNull<Workspace>>>,
+    /// Whether this scope is the cycle of `arena` (and ends it when it closes).
+    cycles: Cell<bool>,
     /// The 16-bit dtype differentiable matrix products compute in here (inherited by child scopes).
     autocast: Cell<Option<DType>>,
     /// Whether `f32` products here may read their operands as TF32 (inherited by child scopes).
@@ -357,6 +361,7 @@ impl ScopeNode {
             capped: Cell::new(false),
             budget: Cell::new(None),
             arena: Cell::new(None),
+            cycles: Cell::new(false),
             autocast: Cell::new(parent.and_then(|p| p.autocast.get())),
             tf32: Cell::new(parent.is_some_and(|p| p.tf32.get())),
             notes: RefCell::new(Vec::new()),
@@ -371,6 +376,10 @@ impl ScopeNode {
         if let Some(ws) = arena {
             ws.begin_cycle(self.device);
             self.arena.set(Some(NonNull::from(ws)));
+            self.cycles.set(true);
+        } else if let Some(p) = self.parent() {
+            // Inside a cycle: allocations and frees here are events of the cycle, planned with it.
+            self.arena.set(p.arena.get());
         }
         match self.parent() {
             None => self.tree().root.set(self),
@@ -452,12 +461,29 @@ impl ScopeNode {
         other.ancestors_and_self().any(|n| ptr::eq(n, self))
     }
 
-    /// Runs `f` on the workspace of a workspace scope (`None` for other scopes).
+    /// Runs `f` on the workspace this scope allocates from: its own cycle's or its workspace
+    /// ancestor's (`None` outside any cycle).
     pub(crate) fn with_arena<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> Option<R> {
-        // SAFETY: the workspace is mutably borrowed by the cycle's `workspace` call for as long as this
-        // node is open, and it is reached only here; `f` is never given a way back to this node, so the
-        // `&mut` cannot overlap another.
+        // SAFETY: the workspace is mutably borrowed by the cycle's `workspace` call for as long as the
+        // cycle's node is open, and this node is the cycle's or one opened inside it (closed before
+        // it). The workspace is reached only through `with_arena`, one call at a time on the scopes'
+        // thread, and `f` is never given a way back to a node, so the `&mut` cannot overlap another.
         self.arena.get().map(|mut w| f(unsafe { w.as_mut() }))
+    }
+
+    /// Whether both scopes are (inside) the same workspace cycle: its arena outlives them both.
+    pub(crate) fn in_cycle_with(&self, other: &ScopeNode) -> bool {
+        self.arena.get().is_some() && self.arena.get() == other.arena.get()
+    }
+
+    /// Runs `f` on the workspace of a workspace scope, the one whose cycle this scope is (`None`
+    /// for other scopes, also those opened inside a cycle).
+    pub(crate) fn with_own_arena<R>(&self, f: impl FnOnce(&mut Workspace) -> R) -> Option<R> {
+        if self.cycles.get() {
+            self.with_arena(f)
+        } else {
+            None
+        }
     }
 
     pub(crate) fn is_capped(&self) -> bool {
@@ -674,11 +700,19 @@ impl ScopeNode {
 
     /// Unlinks a block from this scope's list and uncounts it.
     fn detach(&self, h: &BlockHeader, event: EventKind) {
+        self.detach_within(h, event, None);
+    }
+
+    /// `detach`, for a block that moves to `to` (`None`: freed, or handed to the system). A block
+    /// of a planned workspace cycle leaves the cycle unless `to` is in the same cycle: then it keeps
+    /// its slot, and its free is the cycle's event wherever it happens.
+    fn detach_within(&self, h: &BlockHeader, event: EventKind, to: Option<&ScopeNode>) {
         self.tree().timeline.record(self.name, event, h);
-        // A block of a planned workspace cycle leaves the cycle: freed, or moved out of its scope.
-        let slot = h.slot.replace(NO_SLOT);
-        if slot != NO_SLOT {
-            self.with_arena(|a| a.leave(slot));
+        if !to.is_some_and(|to| self.in_cycle_with(to)) {
+            let slot = h.slot.replace(NO_SLOT);
+            if slot != NO_SLOT {
+                self.with_arena(|a| a.leave(slot));
+            }
         }
         let (prev, next) = (h.prev.get(), h.next.get());
         // SAFETY: neighbours in the list are live headers of this scope.
@@ -750,11 +784,11 @@ impl ScopeNode {
             return Ok(());
         }
         debug_assert!(
-            h.home.get() != Home::Arena,
-            "arena blocks are copied, never adopted"
+            h.home.get() != Home::Arena || from.in_cycle_with(self),
+            "arena blocks are copied out of their cycle, never adopted there"
         );
         self.admit(h.device.get(), h.bytes.get(), Some(from))?;
-        from.detach(h, EventKind::MoveOut);
+        from.detach_within(h, EventKind::MoveOut, Some(self));
         self.attach(h, EventKind::MoveIn);
         self.stats.borrow_mut().moved_in += 1;
         Ok(())
@@ -793,7 +827,8 @@ impl ScopeNode {
         let make_room = |device| {
             self.tree().with_pool(device, |pool| pool.empty());
         };
-        if let Some((true, device)) = self.with_arena(|ws| (ws.end_cycle(make_room), ws.device())) {
+        let ended = self.with_own_arena(|ws| (ws.end_cycle(make_room), ws.device()));
+        if let Some((true, device)) = ended {
             let mut stats = self.stats.borrow_mut();
             match device {
                 Device::Cpu => stats.system_allocations += 1,

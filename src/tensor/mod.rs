@@ -514,8 +514,15 @@ impl<'s> Tensor<'s> {
         let Some(owner) = ScopeNode::owning(h) else {
             return Ok(self.rebrand()); // the system scope outlives every scope
         };
+        if std::ptr::eq(owner, target) {
+            // Already there (a gradient that aliases the step's own tensor, returned by a segment):
+            // an arena block would otherwise be copied, and a planned cycle would diverge.
+            return Ok(self.rebrand());
+        }
         let same_tree = std::ptr::eq(owner.tree(), target.tree());
-        let movable = same_tree && h.home.get() != Home::Arena;
+        // An arena block moves only within its cycle (a scope opened inside a workspace cycle
+        // returning to it): the arena outlives the cycle's scopes, and is reset after them.
+        let movable = same_tree && (h.home.get() != Home::Arena || owner.in_cycle_with(target));
         if target.order <= owner.order {
             // `target` lives at least as long as the owner.
             if movable {
@@ -641,6 +648,12 @@ impl<'s> Tensor<'s> {
             let staged = self.to_vec::<T>()?;
             out.upload(&staged)
         })
+    }
+
+    /// Whether this is the only handle to its block and views it contiguously: an op may write it
+    /// in place without anyone seeing.
+    pub(crate) fn is_unique_contiguous(&self) -> bool {
+        self.block.header().is_unique() && self.is_contiguous()
     }
 
     /// Replaces `self` by a private contiguous copy unless it already is the only handle to a
