@@ -38,6 +38,7 @@ OPTIONS:
   --width N           model width                                       [default: 768]
   --heads N           attention heads                                   [default: 12]
   --vocab N           vocabulary                                        [default: 50257]
+  --device D          cpu, or cuda:N (needs --features cuda)            [default: cpu]
   --help              this text";
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -57,6 +58,7 @@ struct Options {
     width: usize,
     heads: usize,
     vocab: usize,
+    device: Device,
 }
 
 impl Options {
@@ -70,6 +72,7 @@ impl Options {
             width: 768,
             heads: 12,
             vocab: 50257,
+            device: Device::Cpu,
         };
         while let Some(arg) = args.next() {
             let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
@@ -100,6 +103,11 @@ impl Options {
                 "--width" => o.width = number("--width", value("--width")?)?,
                 "--heads" => o.heads = number("--heads", value("--heads")?)?,
                 "--vocab" => o.vocab = number("--vocab", value("--vocab")?)?,
+                "--device" => {
+                    o.device = value("--device")?
+                        .parse()
+                        .map_err(|e: Error| e.to_string())?;
+                }
                 other => return Err(format!("unknown option {other:?}")),
             }
         }
@@ -154,7 +162,7 @@ fn run(o: &Options) -> Result<()> {
         Arena::Bump => Some(Workspace::new("batch")),
         Arena::Planned => Some(Workspace::planned("batch")),
     };
-    root(Device::Cpu, |s| {
+    root(o.device, |s| {
         s.set_seed(7);
         s.named_scope("model", |m| {
             let mut model = Gpt2::new(m, config)?;
@@ -215,8 +223,18 @@ fn run(o: &Options) -> Result<()> {
                 mib(hwm),
                 mib(hwm.saturating_sub(built)),
                 mib(built),
-                mib(m.memory_stats(Device::Cpu).cached_bytes),
+                mib(m.memory_stats(o.device).cached_bytes),
             );
+            if o.device != Device::Cpu {
+                // On a GPU the process's resident set is the host's; the device pool's peak is its own.
+                let pool = m.memory_stats(o.device);
+                println!(
+                    "{} pool: peak reserved {}, peak allocated {}",
+                    o.device,
+                    mib(pool.peak_reserved_bytes),
+                    mib(pool.peak_allocated_bytes)
+                );
+            }
             if let Some(ws) = &ws {
                 println!("workspace arena {}", mib(ws.capacity()));
                 if let Some(line) = common::plan_summary(ws) {

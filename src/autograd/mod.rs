@@ -109,6 +109,16 @@ impl ParamKey {
 /// Create one per batch with [`Tape::new`], wrap the batch's inputs with [`constant`](Self::constant)
 /// and the model's parameters with [`param`](Self::param), compute with [`Var`]'s ops, and call
 /// [`backward`](Self::backward) on the loss.
+///
+/// Every result of a [`Var`] op, and every gradient, is placed in the tape's scope, whatever scope
+/// its operands come from: the step's activations belong to the step even if its inputs were created
+/// in the model scope. Still, a step's inputs belong in the step's scope (`batch.from_slice(..)`):
+/// made in the model scope while the step runs, they are allocations there, which the model scope's
+/// [`stats`](Scope::stats) count (`outer_allocations`) and its [`dump`](Scope::dump) shows, and which
+/// a strict model scope ([`Scope::set_strict`]) refuses with
+/// [`Error::OuterAllocation`]: `scope "model" is strict and refuses a new f32 tensor of shape
+/// [32, 784] (made at src/main.rs:40:27) while its child scope "batch" is open: …`. Tensor ops
+/// outside a tape keep the general rule (the innermost owner of the operands).
 pub struct Tape<'s> {
     scope: &'s Scope<'s>,
     nodes: RefCell<Vec<Node<'s>>>,

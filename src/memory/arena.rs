@@ -46,6 +46,12 @@ use crate::memory::{raw, reclaim};
 /// are kept. Resetting and reusing the arena needs no run-time check: a cycle's tensors carry its
 /// scope's lifetime, so none outlives it.
 ///
+/// Scopes opened inside a cycle (a checkpointed segment's, a child `scope`) allocate from the same
+/// arena and are planned with the cycle; tensors they `ret` to the cycle's scope stay where they are.
+/// When the arena grows, the tree's pool first hands its idle blocks of that device back, so the
+/// arena replaces the cache the learning cycle ran from instead of adding to it. Put a step's inputs
+/// in the cycle's scope (`w.from_slice(..)`), not in the model scope: see [`Tape`](crate::Tape).
+///
 /// ```
 /// use ndscope::{Device, Workspace};
 /// let mut ws = Workspace::new("batch");
