@@ -415,3 +415,41 @@ fn a_checkpointed_step_replays_its_planned_workspace_from_the_arena_alone() -> R
         Ok(())
     })
 }
+
+#[test]
+fn a_step_graph_runs_a_checkpointed_step_as_the_plain_one() -> Result<()> {
+    use ndscope::nn::{self, Activation};
+    use ndscope::optim::{Adam, AdamConfig, Optimizer};
+    use ndscope::{Input, StepGraph};
+    let run = |checkpoint: bool| -> Result<Vec<f32>> {
+        root(Device::Cpu, |m| {
+            m.set_seed(3);
+            let mut model = nn::mlp(m, &[16, 32, 4], Activation::Relu, Init::KaimingUniform)?;
+            let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-2, 1e-2))?;
+            let mut step = StepGraph::new("step", |b, inputs| {
+                let tape = Tape::new(b);
+                let x = tape.constant(&inputs[0]);
+                let logits = if checkpoint {
+                    Checkpointed::new(model.clone()).forward(&x, Mode::Train)?
+                } else {
+                    model.forward(&x, Mode::Train)?
+                };
+                let loss = logits.cross_entropy(&inputs[1])?;
+                let grads = tape.backward(&loss)?;
+                opt.step(&mut model, &grads)?;
+                Ok(loss.value().clone())
+            });
+            let x: Vec<f32> = (0..8 * 16)
+                .map(|i| ((i * 13) % 7) as f32 / 3.0 - 1.0)
+                .collect();
+            let y: Vec<i64> = (0..8).map(|i| i % 4).collect();
+            (0..5)
+                .map(|_| step.run(m, &[Input::new(&x, &[8, 16]), Input::new(&y, &[8])]))
+                .collect()
+        })
+    };
+    let plain = run(false)?;
+    assert_eq!(run(true)?, plain, "every loss, bit for bit");
+    assert!(plain[4] < plain[0], "it trains: {plain:?}");
+    Ok(())
+}

@@ -501,7 +501,7 @@ fn convolution_and_pooling_agree_with_the_host() {
 /// the parameters and the losses. SGD rather than Adam: some gradients are zero in exact arithmetic
 /// (a key bias shifts every score of a row, which the softmax ignores), so both devices compute
 /// rounding noise there, and Adam would scale that noise up to a full learning-rate step.
-fn train_transformer<'m>(m: &Scope<'m>) -> Result<Vec<Tensor<'m>>> {
+fn train_transformer<'m>(m: &Scope<'m>, checkpoint: bool) -> Result<Vec<Tensor<'m>>> {
     let opts = nn::AttentionOptions {
         causal: true,
         dropout: 0.0,
@@ -526,7 +526,11 @@ fn train_transformer<'m>(m: &Scope<'m>) -> Result<Vec<Tensor<'m>>> {
             let tokens = model.table.forward(&tape, &ids.narrow(1, 0, 5)?)?;
             let mut x = model.positions.forward(&tokens)?;
             for block in &model.blocks {
-                x = block.forward(&x, Mode::Train)?;
+                x = if checkpoint {
+                    nn::Checkpointed::new(block.clone()).forward(&x, Mode::Train)?
+                } else {
+                    block.forward(&x, Mode::Train)?
+                };
             }
             let logits = model.head.forward(&x, Mode::Train)?.reshape(&[20, 11])?;
             let next = ids.narrow(1, 1, 5)?.contiguous()?.reshape(&[20])?;
@@ -558,7 +562,18 @@ fn a_transformer_training_step_agrees_with_the_host() {
     agree(
         "embedding + 2 transformer blocks + SGD, 3 steps",
         1e-4,
-        &|m| train_transformer(m),
+        &|m| train_transformer(m, false),
+    );
+}
+
+/// Checkpointed blocks recompute on the device what the host recomputes; on the host the
+/// checkpointed step equals the plain one bit for bit (`tests/checkpoint.rs`).
+#[test]
+fn a_checkpointed_transformer_training_step_agrees_with_the_host() {
+    agree(
+        "embedding + 2 checkpointed transformer blocks + SGD, 3 steps",
+        1e-4,
+        &|m| train_transformer(m, true),
     );
 }
 
@@ -830,6 +845,17 @@ fn train_graph(
     adam: bool,
     steps: usize,
 ) -> Result<(Vec<f32>, Vec<f64>, [u64; 3])> {
+    train_graph_with(device, capture, adam, steps, false)
+}
+
+/// `train_graph`, with the whole MLP one checkpointed segment when `checkpoint`.
+fn train_graph_with(
+    device: Device,
+    capture: bool,
+    adam: bool,
+    steps: usize,
+    checkpoint: bool,
+) -> Result<(Vec<f32>, Vec<f64>, [u64; 3])> {
     root(device, |s| {
         s.set_seed(3);
         s.named_scope("model", |m| {
@@ -838,9 +864,13 @@ fn train_graph(
             let mut sgd = Sgd::new(m, &model, SgdConfig::new(0.05).momentum(0.9))?;
             let mut step = StepGraph::new("step", |b, inputs| {
                 let tape = Tape::new(b);
-                let loss = model
-                    .forward(&tape.constant(&inputs[0]), Mode::Train)?
-                    .cross_entropy(&inputs[1])?;
+                let x = tape.constant(&inputs[0]);
+                let logits = if checkpoint {
+                    nn::Checkpointed::new(model.clone()).forward(&x, Mode::Train)?
+                } else {
+                    model.forward(&x, Mode::Train)?
+                };
+                let loss = logits.cross_entropy(&inputs[1])?;
                 let grads = tape.backward(&loss)?;
                 if adam {
                     adamw.step(&mut model, &grads)?;
@@ -899,6 +929,27 @@ fn a_captured_step_replays_bit_identical_to_eager_steps() {
                 "{optimizer}: host {h} against GPU {g}"
             );
         }
+    }
+}
+
+/// A checkpointed segment's scopes take planned slots of the step's workspace, so the captured step
+/// holds the recomputation too.
+#[test]
+fn a_captured_checkpointed_step_replays_bit_identical_to_eager_steps() {
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_exclusive();
+    let steps = 24;
+    let eager = train_graph_with(device, false, true, steps, true).expect("eager steps");
+    let graph = train_graph_with(device, true, true, steps, true).expect("captured steps");
+    let plain = train_graph_with(device, false, true, steps, false).expect("plain steps");
+    assert_eq!(graph.2, [3, 1, 20], "captured once, then replayed");
+    assert_eq!(graph.0, eager.0, "every loss, bit for bit");
+    assert_eq!(graph.1, eager.1, "the parameters, bit for bit");
+    for (c, p) in eager.0.iter().zip(&plain.0) {
+        assert!(
+            (c - p).abs() <= 1e-5 * p.abs().max(1.0),
+            "checkpointed {c} against plain {p}"
+        );
     }
 }
 
