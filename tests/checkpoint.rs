@@ -89,50 +89,61 @@ fn step<'m>(
         if let Some(dtype) = autocast {
             batch.autocast(dtype)?;
         }
-        let tape = Tape::new(batch);
-        let ids: Vec<i64> = (0..2 * LEN as i64)
-            .map(|i| (i * 7 + 3) % VOCAB as i64)
-            .collect();
-        let ids = batch.from_slice(&ids, &[2, LEN])?;
-        let mut x = model
-            .positions
-            .forward(&model.tokens.forward(&tape, &ids)?)?;
-        match blocks {
-            Blocks::Plain => {
-                for block in &model.blocks {
-                    x = block.forward(&x, Mode::Train)?;
-                }
-            }
-            Blocks::Checkpointed => {
-                for block in &model.blocks {
-                    x = Checkpointed::new(block.clone()).forward(&x, Mode::Train)?;
-                }
-            }
-            Blocks::Nested => {
-                for pair in model.blocks.chunks(2) {
-                    x = x.checkpoint(Pair {
-                        first: Checkpointed::new(pair[0].clone()),
-                        second: pair[1].clone(),
-                    })?;
-                }
+        let (loss, grads) = loss_and_gradients(batch, model, blocks)?;
+        Ok((loss, grads, batch.stats().peak_bytes))
+    })
+}
+
+/// The next-token loss of a fixed batch, and every parameter's gradient (in `visit` order, as f64),
+/// computed in `batch`.
+fn loss_and_gradients<'m: 'b, 'b>(
+    batch: &'b Scope<'b>,
+    model: &Decoder<'m>,
+    blocks: Blocks,
+) -> Result<(f64, Vec<Vec<f64>>)> {
+    let tape = Tape::new(batch);
+    let ids: Vec<i64> = (0..2 * LEN as i64)
+        .map(|i| (i * 7 + 3) % VOCAB as i64)
+        .collect();
+    let ids = batch.from_slice(&ids, &[2, LEN])?;
+    let mut x = model
+        .positions
+        .forward(&model.tokens.forward(&tape, &ids)?)?;
+    match blocks {
+        Blocks::Plain => {
+            for block in &model.blocks {
+                x = block.forward(&x, Mode::Train)?;
             }
         }
-        let logits = model
-            .head
-            .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
-        let labels = ids.reshape(&[2 * LEN])?;
-        let loss = logits.reshape(&[2 * LEN, VOCAB])?.cross_entropy(&labels)?;
-        let grads = tape.backward(&loss)?;
-        let mut found = Vec::new();
-        model.visit("", &mut |name, p| {
-            let g = grads
-                .get(p)
-                .unwrap_or_else(|| panic!("{name} got no gradient"));
-            found.push(g.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap());
-        });
-        let loss = loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok((loss, found, batch.stats().peak_bytes))
-    })
+        Blocks::Checkpointed => {
+            for block in &model.blocks {
+                x = Checkpointed::new(block.clone()).forward(&x, Mode::Train)?;
+            }
+        }
+        Blocks::Nested => {
+            for pair in model.blocks.chunks(2) {
+                x = x.checkpoint(Pair {
+                    first: Checkpointed::new(pair[0].clone()),
+                    second: pair[1].clone(),
+                })?;
+            }
+        }
+    }
+    let logits = model
+        .head
+        .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
+    let labels = ids.reshape(&[2 * LEN])?;
+    let loss = logits.reshape(&[2 * LEN, VOCAB])?.cross_entropy(&labels)?;
+    let grads = tape.backward(&loss)?;
+    let mut found = Vec::new();
+    model.visit("", &mut |name, p| {
+        let g = grads
+            .get(p)
+            .unwrap_or_else(|| panic!("{name} got no gradient"));
+        found.push(g.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap());
+    });
+    let loss = loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    Ok((loss, found))
 }
 
 fn assert_same(
@@ -165,18 +176,15 @@ fn checkpointed_blocks_give_the_plain_step_bit_for_bit_with_dropout_in_less_memo
         );
         // Dropout is on: a step with other draws differs (the equality above is not vacuous).
         s.set_seed(1);
-        let other = s.scope(|b| -> Result<f64> {
-            let tape = Tape::new(b);
-            let x = tape.constant(&pattern(b)?);
-            let y = model.blocks[0].forward(&x, Mode::Train)?;
-            y.value().sum_all()?.to_scalar::<f64>()
-        })?;
-        let again = s.scope(|b| -> Result<f64> {
-            let tape = Tape::new(b);
-            let x = tape.constant(&pattern(b)?);
-            let y = model.blocks[0].forward(&x, Mode::Train)?;
-            y.value().sum_all()?.to_scalar::<f64>()
-        })?;
+        let block_sum = || {
+            s.scope(|b| -> Result<f64> {
+                let tape = Tape::new(b);
+                let x = tape.constant(&pattern(b)?);
+                let y = model.blocks[0].forward(&x, Mode::Train)?;
+                y.value().sum_all()?.to_scalar::<f64>()
+            })
+        };
+        let (other, again) = (block_sum()?, block_sum()?);
         assert_ne!(other.to_bits(), again.to_bits(), "dropout draws new masks");
         Ok(())
     })
@@ -253,27 +261,35 @@ impl<'m> Segment<'m> for Flaky<'m> {
     }
 }
 
+/// A step through a `Flaky` segment that fails (panics, or watches another parameter) when the
+/// backward pass recomputes it.
+fn flaky_step<'m>(
+    s: &Scope<'m>,
+    w: &Tensor<'m>,
+    runs: &Rc<Cell<usize>>,
+    panics: bool,
+) -> Result<()> {
+    s.scope(|batch| {
+        let tape = Tape::new(batch);
+        let x = tape.constant(&batch.randn(w.shape())?);
+        let segment = Flaky {
+            w: w.clone(),
+            runs: Rc::clone(runs),
+            fail_on: 2,
+            panics,
+        };
+        let loss = x.checkpoint(segment)?.sum_all()?;
+        tape.backward(&loss).map(|_| ())
+    })
+}
+
 #[test]
 fn a_segment_that_panics_while_recomputed_returns_every_byte() {
     let runs = Rc::new(Cell::new(0));
     let out = root(Device::Cpu, |s| -> Result<()> {
         let w = s.randn(&[64, 64])?;
         let before = s.stats().subtree_bytes;
-        let result = catch_unwind(AssertUnwindSafe(|| {
-            s.scope(|batch| -> Result<()> {
-                let tape = Tape::new(batch);
-                let x = tape.constant(&batch.randn(&[64, 64])?);
-                let segment = Flaky {
-                    w: w.clone(),
-                    runs: Rc::clone(&runs),
-                    fail_on: 2,
-                    panics: true,
-                };
-                let loss = x.checkpoint(segment)?.sum_all()?;
-                tape.backward(&loss)?;
-                Ok(())
-            })
-        }));
+        let result = catch_unwind(AssertUnwindSafe(|| flaky_step(s, &w, &runs, true)));
         assert!(result.is_err(), "the recomputation panicked");
         assert_eq!(
             runs.get(),
@@ -295,21 +311,7 @@ fn a_segment_that_watches_other_parameters_when_recomputed_is_an_error() -> Resu
     let runs = Rc::new(Cell::new(0));
     root(Device::Cpu, |s| {
         let w = s.randn(&[4, 4])?;
-        let err = s
-            .scope(|batch| -> Result<()> {
-                let tape = Tape::new(batch);
-                let x = tape.constant(&batch.randn(&[4, 4])?);
-                let segment = Flaky {
-                    w: w.clone(),
-                    runs: Rc::clone(&runs),
-                    fail_on: 2,
-                    panics: false,
-                };
-                let loss = x.checkpoint(segment)?.sum_all()?;
-                tape.backward(&loss)?;
-                Ok(())
-            })
-            .unwrap_err();
+        let err = flaky_step(s, &w, &runs, false).unwrap_err();
         let Error::Autograd { op, reason } = &err else {
             panic!("expected an autograd error, got {err}");
         };
@@ -369,40 +371,8 @@ fn a_checkpointed_step_replays_its_planned_workspace_from_the_arena_alone() -> R
         let mut ws = Workspace::planned("batch");
         for cycle in 0..4 {
             s.set_seed(99);
-            let (loss, grads) = s.workspace(&mut ws, |batch| -> Result<(f64, Vec<Vec<f64>>)> {
-                let tape = Tape::new(batch);
-                let ids: Vec<i64> = (0..2 * LEN as i64)
-                    .map(|i| (i * 7 + 3) % VOCAB as i64)
-                    .collect();
-                let ids = batch.from_slice(&ids, &[2, LEN])?;
-                let mut x = model
-                    .positions
-                    .forward(&model.tokens.forward(&tape, &ids)?)?;
-                for block in &model.blocks {
-                    x = Checkpointed::new(block.clone()).forward(&x, Mode::Train)?;
-                }
-                let logits = model
-                    .head
-                    .forward(&model.ln.forward(&x, Mode::Train)?, Mode::Train)?;
-                let loss = logits
-                    .reshape(&[2 * LEN, VOCAB])?
-                    .cross_entropy(&ids.reshape(&[2 * LEN])?)?;
-                let g = tape.backward(&loss)?;
-                let mut found = Vec::new();
-                model.visit("", &mut |_, p| {
-                    found.push(
-                        g.get(p)
-                            .unwrap()
-                            .to_dtype(DType::F64)
-                            .unwrap()
-                            .to_vec()
-                            .unwrap(),
-                    );
-                });
-                Ok((
-                    loss.value().to_dtype(DType::F64)?.to_scalar::<f64>()?,
-                    found,
-                ))
+            let (loss, grads) = s.workspace(&mut ws, |batch| {
+                loss_and_gradients(batch, &model, Blocks::Checkpointed)
             })?;
             assert_same(&format!("cycle {cycle}"), &plain, &(loss, grads, 0));
             if cycle > 0 {

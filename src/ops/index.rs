@@ -198,6 +198,24 @@ fn scatter_add_into<'s>(
     scatter_add_onto(op, out, axis, index, index_layout, src)
 }
 
+/// `scatter_add_into`, written into `base`'s own block when no other handle shares it and it is
+/// contiguous.
+#[track_caller]
+fn scatter_add_reusing<'s>(
+    op: &'static str,
+    base: Tensor<'s>,
+    axis: usize,
+    index: &Tensor<'s>,
+    index_layout: &Layout,
+    src: &Tensor<'s>,
+) -> Result<Tensor<'s>> {
+    if base.is_unique_contiguous() {
+        scatter_add_onto(op, base, axis, index, index_layout, src)
+    } else {
+        scatter_add_into(op, &base, axis, index, index_layout, src)
+    }
+}
+
 /// `scatter_add_into` writing into `out` itself, a contiguous block no other handle sees.
 fn scatter_add_onto<'s>(
     op: &'static str,
@@ -257,11 +275,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         let axis = self.check_scatter_add(axis, index, src)?;
-        if self.is_unique_contiguous() {
-            scatter_add_onto("scatter_add", self, axis, index, index.layout(), src)
-        } else {
-            scatter_add_into("scatter_add", &self, axis, index, index.layout(), src)
-        }
+        scatter_add_reusing("scatter_add", self, axis, index, index.layout(), src)
     }
 
     /// The checks of `scatter_add`; the resolved axis.
@@ -322,11 +336,7 @@ impl<'s> Tensor<'s> {
         src: &Tensor<'s>,
     ) -> Result<Tensor<'s>> {
         let (axis, index_layout) = self.check_index_add(axis, indices, src)?;
-        if self.is_unique_contiguous() {
-            scatter_add_onto("index_add", self, axis, indices, &index_layout, src)
-        } else {
-            scatter_add_into("index_add", &self, axis, indices, &index_layout, src)
-        }
+        scatter_add_reusing("index_add", self, axis, indices, &index_layout, src)
     }
 
     /// The checks of `index_add`; the resolved axis and the index's layout over `src`.
