@@ -605,7 +605,7 @@ impl<'t, 's> Var<'t, 's> {
     /// closes sooner) while the guard lives, whatever scope the operands come from: a step's
     /// activations belong to the step even when its inputs were created in the model scope.
     /// Every differentiable op takes it first thing; its results are all the tape's `Tensor<'s>`.
-    fn placing(&self) -> Placement {
+    fn placing(&self) -> Placement<'s> {
         self.tape.scope.place_results()
     }
 

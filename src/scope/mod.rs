@@ -541,7 +541,7 @@ impl<'s> Scope<'s> {
     /// Places op results in this scope (unless an operand's owner closes sooner) until the guard
     /// drops. Only for code whose every result is typed with this scope's brand (see
     /// [`Placement`](node::Placement)).
-    pub(crate) fn place_results(&self) -> node::Placement {
+    pub(crate) fn place_results(&self) -> node::Placement<'_> {
         node::Placement::into(&self.node)
     }
 

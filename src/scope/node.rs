@@ -41,36 +41,43 @@ thread_local! {
 /// around the body of each differentiable op (library code, whose results are all `Tensor<'s>` of
 /// the tape's scope), and clears it around user code it calls (a checkpointed layer's forward).
 /// Guards nest: dropping one restores what was set before it.
-pub(crate) struct Placement {
+/// The guard borrows the scope it places in (`'a`), so it cannot outlive it.
+pub(crate) struct Placement<'a> {
     previous: *const ScopeNode,
+    _scope: std::marker::PhantomData<&'a ScopeNode>,
 }
 
-impl Placement {
+impl<'a> Placement<'a> {
     /// Results go to `node` (or their innermost operand owner, if that closes sooner) until the
     /// guard drops.
-    pub(crate) fn into(node: &ScopeNode) -> Placement {
+    pub(crate) fn into(node: &'a ScopeNode) -> Placement<'a> {
         Placement {
             previous: PLACE_IN.with(|p| p.replace(node)),
+            _scope: std::marker::PhantomData,
         }
     }
 
     /// Results go to their innermost operand owner until the guard drops.
-    pub(crate) fn cleared() -> Placement {
+    pub(crate) fn cleared() -> Placement<'static> {
         Placement {
             previous: PLACE_IN.with(|p| p.replace(ptr::null())),
+            _scope: std::marker::PhantomData,
         }
     }
+}
 
+impl Placement<'_> {
     /// The scope results go to now, if one is set.
-    pub(crate) fn current<'a>() -> Option<&'a ScopeNode> {
-        // SAFETY: a pointer is set only by a guard borrowing an open node, and that guard (or an inner
-        // one, which restores it) lives while the node is open: guards are locals of the op bodies
-        // that run inside the scope. The returned reference is used at once to allocate.
+    pub(crate) fn current<'n>() -> Option<&'n ScopeNode> {
+        // SAFETY: a pointer is set only by a guard that borrows its node (so the node is open while
+        // the guard lives), and dropping that guard, or an inner one, restores the pointer before;
+        // guards are locals of op bodies, dropped in reverse order. The caller uses the reference at
+        // once, to allocate, while the guard that set it is alive.
         PLACE_IN.with(|p| unsafe { p.get().as_ref() })
     }
 }
 
-impl Drop for Placement {
+impl Drop for Placement<'_> {
     fn drop(&mut self) {
         PLACE_IN.with(|p| p.set(self.previous));
     }
