@@ -89,11 +89,15 @@ impl<'m> Linear<'m> {
                 draw.ret(w.t()?.contiguous()?)
             })?,
         };
+        // Not in a closure: `#[track_caller]` names the caller's line as the bias's creation site.
+        let bias = if bias {
+            Some(scope.zeros(&[out_features])?.named("bias"))
+        } else {
+            None
+        };
         Ok(Linear {
             weight: weight.named("weight"),
-            bias: bias
-                .then(|| Ok(scope.zeros(&[out_features])?.named("bias")))
-                .transpose()?,
+            bias,
             layout,
         })
     }
