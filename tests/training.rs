@@ -607,6 +607,71 @@ fn the_loader_covers_every_example_once_per_epoch_in_a_seeded_order() {
 }
 
 #[test]
+fn sharded_loaders_split_each_epoch_across_ranks_as_distributed_sampler_does() {
+    let data = Dataset::new((0..10).map(|v| v as f32).collect(), vec![0; 10], 1, 1).unwrap();
+    let epoch = |loader: &Loader<'_>, e: u64| {
+        let mut seen = Vec::new();
+        loader
+            .for_each_batch(e, false, |b| {
+                seen.extend(b.features().iter().map(|&f| f as usize));
+                Ok(())
+            })
+            .unwrap();
+        seen
+    };
+    for world in [1usize, 2, 3, 4] {
+        let whole = epoch(&Loader::new(&data, 3).unwrap().shuffle(5), 2);
+        let shards: Vec<Vec<usize>> = (0..world)
+            .map(|rank| {
+                let shard = Loader::new(&data, 3)
+                    .unwrap()
+                    .shuffle(5)
+                    .shard(rank, world)
+                    .unwrap();
+                assert_eq!(
+                    shard.batches_per_epoch(),
+                    10usize.div_ceil(world).div_ceil(3)
+                );
+                epoch(&shard, 2)
+            })
+            .collect();
+        // Rank r takes positions r, r + world, … of the epoch's order, padded from its start.
+        let per_rank = 10usize.div_ceil(world);
+        for (rank, shard) in shards.iter().enumerate() {
+            assert_eq!(shard.len(), per_rank, "world {world}: equal shards");
+            for (k, &example) in shard.iter().enumerate() {
+                assert_eq!(
+                    example,
+                    whole[(rank + k * world) % 10],
+                    "world {world} rank {rank}"
+                );
+            }
+        }
+        let mut all: Vec<usize> = shards.concat();
+        // The padding repeats the epoch's first examples, once each.
+        let pad = per_rank * world - 10;
+        for (i, example) in whole.iter().enumerate() {
+            let times = all.iter().filter(|&&e| e == *example).count();
+            assert_eq!(
+                times,
+                if i < pad { 2 } else { 1 },
+                "world {world}: example {example}"
+            );
+        }
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(
+            all,
+            (0..10).collect::<Vec<_>>(),
+            "world {world}: every example"
+        );
+    }
+    let err = Loader::new(&data, 3).unwrap().shard(3, 3).unwrap_err();
+    assert!(err.to_string().contains("rank 3 of 3"), "{err}");
+    assert!(Loader::new(&data, 3).unwrap().shard(0, 0).is_err());
+}
+
+#[test]
 fn datasets_check_their_arguments() {
     assert!(matches!(
         Dataset::new(vec![0.0; 5], vec![0, 1], 2, 2),

@@ -67,13 +67,17 @@ impl Batch {
     }
 }
 
-/// Batches of a data set, in a seeded random order per epoch (or in order).
+/// Batches of a data set, in a seeded random order per epoch (or in order), optionally one rank's
+/// shard of each epoch ([`shard`](Self::shard)).
 #[derive(Debug, Clone)]
 pub struct Loader<'d> {
     data: &'d Dataset,
     batch_size: usize,
     seed: Option<u64>,
     drop_last: bool,
+    /// This loader's rank and the number of ranks sharing each epoch (0 and 1: the whole epoch).
+    rank: usize,
+    world: usize,
 }
 
 /// Batches prepared ahead of the training loop by the background thread.
@@ -97,6 +101,8 @@ impl<'d> Loader<'d> {
             batch_size,
             seed: None,
             drop_last: false,
+            rank: 0,
+            world: 1,
         })
     }
 
@@ -113,9 +119,56 @@ impl<'d> Loader<'d> {
         Loader { drop_last, ..self }
     }
 
-    /// Batches in one epoch.
+    /// Rank `rank`'s shard of every epoch when `world` ranks share the data, as PyTorch's
+    /// `DistributedSampler` cuts it: every rank draws the same epoch order (give each the same
+    /// [`shuffle`](Self::shuffle) seed), the order is padded with its own first examples to a
+    /// multiple of `world`, and rank `r` takes positions `r, r + world, r + 2 world, …`. So the
+    /// shards of an epoch are disjoint but for the padding (at most `world - 1` examples seen twice),
+    /// cover every example, and hold the same number of examples, `ceil(len / world)`: every rank
+    /// runs the same number of batches, which keeps data-parallel collectives in step.
+    ///
+    /// ```
+    /// use ndscope::data::{Dataset, Loader};
+    /// let data = Dataset::new((0..10).map(|v| v as f32).collect(), vec![0; 10], 1, 1)?;
+    /// let mut seen = Vec::new();
+    /// for rank in 0..3 {
+    ///     let shard = Loader::new(&data, 2)?.shuffle(7).shard(rank, 3)?;
+    ///     assert_eq!(shard.batches_per_epoch(), 2); // 4 examples each: 10 padded to 12
+    ///     shard.for_each_batch(0, false, |b| Ok(seen.extend(b.features().iter().map(|&f| f as usize))))?;
+    /// }
+    /// seen.sort_unstable();
+    /// seen.dedup();
+    /// assert_eq!(seen, (0..10).collect::<Vec<_>>());
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for no ranks or a rank outside `0..world`.
+    pub fn shard(self, rank: usize, world: usize) -> Result<Loader<'d>> {
+        if world == 0 || rank >= world {
+            return Err(Error::InvalidShape {
+                op: "Loader::shard",
+                shape: vec![rank, world],
+                reason: format!(
+                    "needs a rank in 0..world and at least one rank, got rank {rank} of {world}"
+                ),
+            });
+        }
+        Ok(Loader {
+            rank,
+            world,
+            ..self
+        })
+    }
+
+    /// Examples in one epoch of this loader's shard (all of them without sharding).
+    fn epoch_len(&self) -> usize {
+        self.data.len().div_ceil(self.world)
+    }
+
+    /// Batches in one epoch (of this loader's shard).
     pub fn batches_per_epoch(&self) -> usize {
-        let n = self.data.len();
+        let n = self.epoch_len();
         if self.drop_last {
             n / self.batch_size
         } else {
@@ -123,16 +176,24 @@ impl<'d> Loader<'d> {
         }
     }
 
-    /// The example order of `epoch`.
+    /// The example order of `epoch` (of this loader's shard).
     fn order(&self, epoch: u64) -> Vec<usize> {
-        match self.seed {
+        let all = match self.seed {
             // A different, reproducible permutation per epoch.
             Some(seed) => shuffled(
                 self.data.len(),
                 seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15),
             ),
             None => (0..self.data.len()).collect(),
+        };
+        if self.world == 1 {
+            return all;
         }
+        // Padded with the order's own first examples (cyclically, for fewer examples than ranks).
+        (0..self.epoch_len())
+            .map(|k| self.rank + k * self.world)
+            .filter_map(|position| all.get(position % all.len().max(1)).copied())
+            .collect()
     }
 
     /// Calls `f` with every batch of `epoch`, in order, stopping at its first error. With
