@@ -160,27 +160,25 @@ impl<'s> Tape<'s> {
     ) -> Result<SegmentGradients<'s>> {
         let params: Vec<usize> = {
             let nodes = self.nodes.borrow();
-            let params: Vec<usize> = (0..nodes.len())
-                .filter(|&i| matches!(nodes[i].leaf, Some(Leaf::Param(_))))
+            let leaves: Vec<(usize, &super::ParamKey)> = (nodes.iter().enumerate())
+                .filter_map(|(i, n)| match &n.leaf {
+                    Some(Leaf::Param(key)) => Some((i, key)),
+                    _ => None,
+                })
                 .collect();
-            let same = params.len() == watched.len()
-                && params
-                    .iter()
-                    .zip(watched)
-                    .all(|(&i, key)| matches!(&nodes[i].leaf, Some(Leaf::Param(k)) if k == key));
-            if !same {
+            if !leaves.iter().map(|&(_, key)| key).eq(watched) {
                 return Err(Error::Autograd {
                     op: "checkpoint",
                     reason: format!(
                         "the segment watched {} parameter uses when recomputed for the backward pass \
                          but {} in the forward pass, or others; a checkpointed segment must run the \
                          same ops on the same parameters each time",
-                        params.len(),
+                        leaves.len(),
                         watched.len()
                     ),
                 });
             }
-            params
+            leaves.iter().map(|&(i, _)| i).collect()
         };
         let mut input_grad = None;
         let mut param_grads: Vec<Option<Tensor<'s>>> = vec![None; params.len()];

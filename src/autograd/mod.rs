@@ -193,11 +193,6 @@ impl<'s> Tape<'s> {
         }
     }
 
-    /// Whether ops on this tape are recorded for a backward pass.
-    pub fn records(&self) -> bool {
-        self.recording == Recording::All
-    }
-
     /// The scope the tape's tensors belong to.
     pub fn scope(&self) -> &'s Scope<'s> {
         self.scope

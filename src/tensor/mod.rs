@@ -514,11 +514,6 @@ impl<'s> Tensor<'s> {
         let Some(owner) = ScopeNode::owning(h) else {
             return Ok(self.rebrand()); // the system scope outlives every scope
         };
-        if std::ptr::eq(owner, target) {
-            // Already there (a gradient that aliases the step's own tensor, returned by a segment):
-            // an arena block would otherwise be copied, and a planned cycle would diverge.
-            return Ok(self.rebrand());
-        }
         let same_tree = std::ptr::eq(owner.tree(), target.tree());
         // An arena block moves only within its cycle (a scope opened inside a workspace cycle
         // returning to it): the arena outlives the cycle's scopes, and is reset after them.
@@ -659,7 +654,7 @@ impl<'s> Tensor<'s> {
     /// Replaces `self` by a private contiguous copy unless it already is the only handle to a
     /// contiguous block: the copy-on-write step before an in-place op.
     pub(crate) fn make_unique_contiguous(&mut self) -> Result<()> {
-        if !self.block.header().is_unique() || !self.is_contiguous() {
+        if !self.is_unique_contiguous() {
             let copy = self.copy_to_owner(Owner::of(self))?;
             *self = copy;
         }
