@@ -278,6 +278,40 @@ pub enum Error {
         /// What to do.
         hint: String,
     },
+    /// A distributed operation that cannot run as asked: the process group cannot start, a root
+    /// rank out of range, tensors that differ between ranks where they must agree.
+    Distributed {
+        /// The operation.
+        op: &'static str,
+        /// What was wrong and what to do.
+        reason: String,
+    },
+    /// Another rank of the process group failed; this rank stops at the same step with its message.
+    PeerFailed {
+        /// The operation at which the ranks agreed to stop.
+        op: &'static str,
+        /// The lowest rank that failed.
+        rank: usize,
+        /// That rank's error, as it printed it.
+        message: String,
+    },
+    /// A collective that did not complete in the process group's timeout: a peer that never joined
+    /// (it died, hangs, or runs a different step).
+    CollectiveTimeout {
+        /// The collective.
+        op: &'static str,
+        /// This process's rank.
+        rank: usize,
+        /// The timeout, in seconds.
+        seconds: f64,
+    },
+    /// Ranks whose models differ where data parallelism needs them equal.
+    ParameterMismatch {
+        /// The lowest rank whose parameters differ from rank 0's.
+        rank: usize,
+        /// The first difference: the parameter's name, and what each rank holds.
+        difference: String,
+    },
 }
 
 impl Error {
@@ -491,6 +525,22 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "the checkpoint's tensor \"{name}\" is {found}, the model expects {expected}; {hint}"
+            ),
+            Error::Distributed { op, reason } => write!(f, "{op}: {reason}"),
+            Error::PeerFailed { op, rank, message } => write!(
+                f,
+                "{op}: rank {rank} failed, so every rank stops here; its error: {message}"
+            ),
+            Error::CollectiveTimeout { op, rank, seconds } => write!(
+                f,
+                "{op}: rank {rank} waited {seconds} s and a peer did not join; it may have died, hung \
+                 or be running another step. Look at the other ranks' output, or raise the timeout \
+                 with ProcessGroup::set_timeout when steps are that slow"
+            ),
+            Error::ParameterMismatch { rank, difference } => write!(
+                f,
+                "rank {rank}'s model differs from rank 0's: {difference}; every rank must build the \
+                 same model (same code, same configuration) before data-parallel training"
             ),
         }
     }

@@ -7,6 +7,7 @@ mod backend;
 pub mod checkpoint;
 pub mod data;
 mod device;
+pub mod dist;
 mod dtype;
 mod error;
 mod fastmath;

@@ -22,6 +22,7 @@ const LAYERS: &[&[&str]] = &[
     &["kv"],
     &["optim"],
     &["data", "checkpoint"],
+    &["dist"],
     &["models"],
     &["serve"],
 ];

@@ -502,6 +502,17 @@ impl<'s> Gradients<'s> {
         Some(ordered.with_layout(layout))
     }
 
+    /// The gradient of `param`'s whole block as the backward pass keeps it (shaped as the
+    /// parameter, or flat in block order once a view of it was watched), for code that rewrites
+    /// gradients in place: data-parallel averaging.
+    pub(crate) fn block_gradient_mut(&mut self, param: &Tensor<'_>) -> Option<&mut Tensor<'s>> {
+        let block = param.block_id();
+        self.entries
+            .iter_mut()
+            .find(|(b, _)| *b == block)
+            .map(|(_, g)| g)
+    }
+
     /// Number of parameters with a gradient.
     pub fn len(&self) -> usize {
         self.entries.len()

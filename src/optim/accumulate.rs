@@ -81,6 +81,13 @@ impl<'m> GradientAccumulator<'m> {
         &self.sums
     }
 
+    /// The current sums, writable: for averaging them across data-parallel ranks
+    /// ([`DataParallel::average`](crate::dist::DataParallel::average)) before [`step`](Self::step),
+    /// so that the micro-batches before the last need no communication.
+    pub fn sums_mut(&mut self) -> &mut Gradients<'m> {
+        &mut self.sums
+    }
+
     /// Divides the sums by the number of micro-batches, applies them with `opt` to `params`, and
     /// zeroes the sums for the next accumulation.
     ///

@@ -365,6 +365,51 @@ impl<'s> Tensor<'s> {
         Ok(self.src().contiguous_host::<T>())
     }
 
+    /// The elements' bytes, for a transport that sends them (a collective's send side): the tensor
+    /// must be in host memory and contiguous.
+    ///
+    /// # Errors
+    /// [`Error::NotOnHost`], [`Error::NotContiguous`].
+    pub(crate) fn host_bytes(&self, op: &'static str) -> Result<&[u8]> {
+        if self.device() != Device::Cpu {
+            return Err(Error::NotOnHost {
+                op,
+                device: self.device().to_string(),
+            });
+        }
+        if !self.is_contiguous() {
+            return Err(Error::NotContiguous {
+                op,
+                shape: self.shape().to_vec(),
+                strides: self.strides().to_vec(),
+            });
+        }
+        let (at, n) = (
+            self.layout.offset() * self.dtype.size(),
+            self.numel() * self.dtype.size(),
+        );
+        Ok(&self.src().buf.bytes()[at..at + n])
+    }
+
+    /// The elements' bytes, writable, for a transport that receives into them (a fresh output made
+    /// with [`output_of`](Self::output_of) on the host, or any host tensor after the copy-on-write
+    /// step).
+    ///
+    /// # Errors
+    /// [`Error::NotOnHost`]; allocation errors of the copy-on-write step.
+    pub(crate) fn host_bytes_mut(&mut self, op: &'static str) -> Result<&mut [u8]> {
+        if self.device() != Device::Cpu {
+            return Err(Error::NotOnHost {
+                op,
+                device: self.device().to_string(),
+            });
+        }
+        self.make_unique_contiguous()?;
+        let n = self.numel() * self.dtype.size();
+        let at = self.layout.offset() * self.dtype.size();
+        Ok(&mut self.dst().buf.bytes()[at..at + n])
+    }
+
     pub(crate) fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
         if T::DTYPE != self.dtype {
             return Err(Error::ElementType {

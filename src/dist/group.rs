@@ -1,0 +1,584 @@
+//! The process group: which rank this process is, and the collectives that run across all of them.
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::Reduce;
+use super::flight::Flight;
+use crate::checkpoint;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::Parameters;
+use crate::tensor::Tensor;
+
+#[cfg(feature = "mpi")]
+use super::mpi::{Mpi, Requests};
+
+/// The ranks of a data-parallel job and the collectives between them: one per process, made at
+/// the start of `main` and passed by reference.
+///
+/// [`ProcessGroup::mpi`] joins the job `mpirun -np N` (or Slurm's `srun`) launched: it starts MPI,
+/// reads this process's rank, the world size, and its rank among the processes of its machine
+/// ([`local_rank`](Self::local_rank), the GPU to bind to), and finalizes MPI when dropped.
+/// [`ProcessGroup::single`] is a world of one, needing no MPI: the same program then trains on one
+/// process, and every collective is the identity.
+///
+/// Collectives take host tensors of any float dtype. Each process keeps its own scope tree; a
+/// collective's result is a tensor of the operand's scope, so the scope rules hold on every rank.
+///
+/// ```
+/// use ndscope::dist::{ProcessGroup, Reduce};
+/// use ndscope::{Device, root};
+///
+/// let group = ProcessGroup::single(); // ProcessGroup::mpi()? under mpirun
+/// root(Device::Cpu, |s| {
+///     let local = s.from_slice(&[1.0f32, 2.0], &[2])?;
+///     let summed = group.all_reduce(&local, Reduce::Sum)?; // every rank's `local`, added
+///     assert_eq!(summed.to_vec::<f32>()?, vec![1.0, 2.0]); // a world of one
+///     let gathered = group.all_gather(&local)?; // [world, 2]
+///     assert_eq!(gathered.shape(), &[1, 2]);
+///     Ok::<_, ndscope::Error>(())
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+pub struct ProcessGroup {
+    transport: Transport,
+    timeout: Cell<Duration>,
+    /// Seconds spent waiting for collectives to complete, since the group started.
+    waited: Cell<f64>,
+    /// Library-owned exchanges that timed out: MPI may still write their buffers, so they stay
+    /// here until a late peer completes them or the job ends.
+    #[cfg(feature = "mpi")]
+    abandoned: RefCell<Vec<(Started, Vec<Box<[u8]>>)>>,
+    #[cfg(not(feature = "mpi"))]
+    abandoned: RefCell<Vec<()>>,
+}
+
+enum Transport {
+    Single,
+    #[cfg(feature = "mpi")]
+    Mpi(Mpi),
+}
+
+/// A started transfer: MPI requests, or nothing for a world of one (done at once).
+pub(crate) enum Started {
+    Done,
+    #[cfg(feature = "mpi")]
+    Mpi(Requests),
+}
+
+impl fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .field("local_rank", &self.local_rank())
+            .field("transport", &self.transport_name())
+            .field("timeout", &self.timeout.get())
+            .finish()
+    }
+}
+
+/// The timeout a new group starts with.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+impl ProcessGroup {
+    fn with(transport: Transport) -> ProcessGroup {
+        ProcessGroup {
+            transport,
+            timeout: Cell::new(DEFAULT_TIMEOUT),
+            waited: Cell::new(0.0),
+            abandoned: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// A world of one process, without MPI.
+    pub fn single() -> ProcessGroup {
+        ProcessGroup::with(Transport::Single)
+    }
+
+    /// Joins the MPI job this process was launched in (`mpirun -np N ...`); a process started
+    /// without `mpirun` is a world of one. Call it once per process; MPI is finalized when the
+    /// group is dropped.
+    ///
+    /// # Errors
+    /// [`Error::Distributed`] when ndscope was built without the `mpi` feature, when MPI was
+    /// already started in this process, or when the MPI library allows no threads.
+    pub fn mpi() -> Result<ProcessGroup> {
+        #[cfg(feature = "mpi")]
+        {
+            Ok(ProcessGroup::with(Transport::Mpi(Mpi::start()?)))
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            Err(Error::Distributed {
+                op: "ProcessGroup::mpi",
+                reason: "ndscope was built without MPI; build with `--features mpi` (after \
+                         installing MPI: `apt-get install libopenmpi-dev openmpi-bin libclang-dev`) \
+                         and launch with `mpirun -np N`"
+                    .into(),
+            })
+        }
+    }
+
+    /// This process's rank, `0..world_size()`.
+    pub fn rank(&self) -> usize {
+        match &self.transport {
+            Transport::Single => 0,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.rank(),
+        }
+    }
+
+    /// The number of processes.
+    pub fn world_size(&self) -> usize {
+        match &self.transport {
+            Transport::Single => 1,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.world(),
+        }
+    }
+
+    /// This process's rank among the processes on its machine: the GPU it binds to
+    /// (`Device::Cuda(group.local_rank())` with one process per GPU).
+    pub fn local_rank(&self) -> usize {
+        match &self.transport {
+            Transport::Single => 0,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.local_rank(),
+        }
+    }
+
+    /// The number of processes on this machine.
+    pub fn local_size(&self) -> usize {
+        match &self.transport {
+            Transport::Single => 1,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.local_size(),
+        }
+    }
+
+    /// Whether this is rank 0, the rank that writes checkpoints and logs.
+    pub fn is_root(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// `"mpi"` or `"single"`.
+    pub fn transport_name(&self) -> &'static str {
+        match &self.transport {
+            Transport::Single => "single",
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(_) => "mpi",
+        }
+    }
+
+    /// How long a collective may wait for its peers (5 minutes unless set). An exchange the library
+    /// owns the buffers of (the per-step agreement of [`agree`](Self::agree), which
+    /// [`DataParallel`](super::DataParallel) runs before its all-reduce) returns
+    /// [`Error::CollectiveTimeout`]; a collective on tensors aborts the job with a message naming
+    /// the rank and the collective, since MPI may still write memory that returning would give back
+    /// to its scope.
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.timeout.set(timeout);
+    }
+
+    /// The collectives' timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout.get()
+    }
+
+    /// Seconds this process has spent waiting for collectives to complete since the group started:
+    /// read it before and after a step for the step's communication time.
+    pub fn waited_seconds(&self) -> f64 {
+        self.waited.get()
+    }
+
+    /// The sum, mean, max or min of `t` over every rank, as a new tensor of `t`'s scope (the same
+    /// on every rank). Every rank must call it with the same shape and dtype.
+    ///
+    /// # Errors
+    /// [`Error::NotOnHost`] for a GPU tensor; [`Error::UnsupportedDType`] for a dtype the reduction
+    /// does not take (sums of `i64`); allocation errors.
+    #[track_caller]
+    pub fn all_reduce<'s>(&self, t: &Tensor<'s>, reduce: Reduce) -> Result<Tensor<'s>> {
+        let mut out = t.clone();
+        self.in_flight(|flight| flight.all_reduce(&mut out, reduce).map(drop))?;
+        Ok(out)
+    }
+
+    /// [`all_reduce`](Self::all_reduce) into `t` (its handle then names the result).
+    ///
+    /// # Errors
+    /// As for [`all_reduce`](Self::all_reduce).
+    #[track_caller]
+    pub fn all_reduce_(&self, t: &mut Tensor<'_>, reduce: Reduce) -> Result<()> {
+        self.in_flight(|flight| flight.all_reduce(t, reduce).map(drop))
+    }
+
+    /// Overwrites `t` on every rank with rank `root`'s `t`.
+    ///
+    /// # Errors
+    /// [`Error::Distributed`] when `root` is not a rank; [`Error::NotOnHost`] for a GPU tensor.
+    pub fn broadcast_(&self, t: &mut Tensor<'_>, root: usize) -> Result<()> {
+        self.in_flight(|flight| flight.broadcast(t, root).map(drop))
+    }
+
+    /// Every rank's `t`, stacked in rank order: `[world_size, ..t.shape()]`, in `t`'s scope.
+    ///
+    /// # Errors
+    /// [`Error::NotOnHost`] for a GPU tensor; allocation errors.
+    #[track_caller]
+    pub fn all_gather<'s>(&self, t: &Tensor<'s>) -> Result<Tensor<'s>> {
+        let mut out = None;
+        self.in_flight(|flight| {
+            out = Some(flight.all_gather(t)?.into_output());
+            Ok(())
+        })?;
+        Ok(out.expect("set inside the flight"))
+    }
+
+    /// Waits until every rank has reached this call.
+    ///
+    /// # Errors
+    /// [`Error::CollectiveTimeout`] when a peer does not arrive within the timeout.
+    pub fn barrier(&self) -> Result<()> {
+        self.exchange_max("barrier", &mut [0]).map(drop)
+    }
+
+    /// Makes a rank's failure every rank's: each rank passes the result of its own work (a step, a
+    /// load), and every rank gets `Ok` only when every rank succeeded. A rank that failed gets its
+    /// own error back; the others get [`Error::PeerFailed`] with the lowest failing rank's message.
+    /// Call it at the same point on every rank, so that an error on one rank stops them all instead
+    /// of leaving them waiting in the next collective.
+    ///
+    /// ```
+    /// use ndscope::dist::ProcessGroup;
+    ///
+    /// let group = ProcessGroup::single();
+    /// let local: ndscope::Result<u32> = Ok(7);
+    /// assert_eq!(group.agree("step", local)?, 7);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// This rank's error; [`Error::PeerFailed`]; [`Error::CollectiveTimeout`] when a peer never
+    /// comes.
+    pub fn agree<T>(&self, op: &'static str, local: Result<T>) -> Result<T> {
+        let failure = local.as_ref().err().map(ToString::to_string);
+        match self.first_failure(op, failure)? {
+            None => local,
+            Some((rank, _)) if rank == self.rank() => local,
+            Some((rank, message)) => Err(Error::PeerFailed { op, rank, message }),
+        }
+    }
+
+    /// Rank 0 writes `params` to `path` (a safetensors checkpoint, as [`checkpoint::save`]); the
+    /// other ranks wait for it, and a failure to write reaches every rank. Every rank can then load
+    /// it with [`checkpoint::load`].
+    ///
+    /// # Errors
+    /// The write's error on rank 0, [`Error::PeerFailed`] naming rank 0 on the others.
+    pub fn save_checkpoint<'m>(
+        &self,
+        params: &(impl Parameters<'m> + ?Sized),
+        path: impl AsRef<Path>,
+    ) -> Result<()> {
+        let written = if self.is_root() {
+            checkpoint::save(params, path)
+        } else {
+            Ok(())
+        };
+        self.agree("save_checkpoint", written)
+    }
+
+    /// The lowest rank whose `failure` is `Some`, and its message; `None` on every rank when none
+    /// failed.
+    pub(crate) fn first_failure(
+        &self,
+        op: &'static str,
+        failure: Option<String>,
+    ) -> Result<Option<(usize, String)>> {
+        let world = self.world_size() as i64;
+        let mine = failure.as_ref().map_or(0, |_| world - self.rank() as i64);
+        let [highest] = self.exchange_max(op, &mut [mine])?;
+        if highest == 0 {
+            return Ok(None);
+        }
+        let rank = (world - highest) as usize;
+        let message = self.broadcast_text(op, failure.unwrap_or_default(), rank)?;
+        Ok(Some((rank, message)))
+    }
+
+    /// Rank `root`'s `text`, on every rank: a path, a run name, anything rank 0 decides for all.
+    ///
+    /// # Errors
+    /// [`Error::Distributed`] when `root` is not a rank; [`Error::CollectiveTimeout`].
+    pub fn broadcast_string(&self, text: &str, root: usize) -> Result<String> {
+        if root >= self.world_size() {
+            return Err(Error::Distributed {
+                op: "broadcast_string",
+                reason: format!(
+                    "root rank {root} is not a rank of this group of {} processes",
+                    self.world_size()
+                ),
+            });
+        }
+        self.broadcast_text("broadcast_string", text.to_string(), root)
+    }
+
+    /// Rank `root`'s `text`, on every rank.
+    pub(crate) fn broadcast_text(
+        &self,
+        op: &'static str,
+        text: String,
+        root: usize,
+    ) -> Result<String> {
+        if self.world_size() == 1 {
+            return Ok(text);
+        }
+        let mine = if self.rank() == root {
+            text.len() as i64
+        } else {
+            0
+        };
+        let [len] = self.exchange_max(op, &mut [mine])?;
+        let mut bytes = text.into_bytes();
+        bytes.resize(len as usize, 0);
+        let bytes = self.exchange_bytes(op, bytes, root)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The element-wise max of `values` over every rank, through buffers the library owns: a
+    /// timeout is an [`Error::CollectiveTimeout`].
+    pub(crate) fn exchange_max<const N: usize>(
+        &self,
+        op: &'static str,
+        values: &mut [i64; N],
+    ) -> Result<[i64; N]> {
+        match &self.transport {
+            Transport::Single => Ok(*values),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let send: Box<[u8]> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let mut recv = vec![0u8; send.len()].into_boxed_slice();
+                // SAFETY: both boxes live until the requests complete: `finish_owned` waits for
+                // them, or keeps them in `abandoned` for as long as MPI may use them.
+                let requests = unsafe {
+                    m.all_reduce(send.as_ptr(), recv.as_mut_ptr(), N, DType::I64, Reduce::Max)?
+                };
+                let recv = self.finish_owned(op, requests, vec![send, recv])?;
+                let mut out = [0i64; N];
+                for (o, chunk) in out.iter_mut().zip(recv.chunks_exact(8)) {
+                    *o = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Rank `root`'s `bytes` (every rank passes a buffer of the same length).
+    fn exchange_bytes(&self, op: &'static str, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        match &self.transport {
+            Transport::Single => Ok(bytes),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => {
+                let mut buf = bytes.into_boxed_slice();
+                // SAFETY: the box lives until the request completes (see `exchange_max`).
+                let requests = unsafe { m.broadcast(buf.as_mut_ptr(), buf.len(), root)? };
+                Ok(self.finish_owned(op, requests, vec![buf])?.into_vec())
+            }
+        }
+    }
+
+    /// Waits for an exchange on library-owned `buffers` and returns the last one; on timeout keeps
+    /// them (MPI may still write them) and returns [`Error::CollectiveTimeout`].
+    #[cfg(feature = "mpi")]
+    fn finish_owned(
+        &self,
+        op: &'static str,
+        requests: Requests,
+        mut buffers: Vec<Box<[u8]>>,
+    ) -> Result<Box<[u8]>> {
+        let mut started = Started::Mpi(requests);
+        if self.wait_for(&mut started) {
+            return Ok(buffers.pop().expect("at least one buffer"));
+        }
+        self.abandoned.borrow_mut().push((started, buffers));
+        Err(Error::CollectiveTimeout {
+            op,
+            rank: self.rank(),
+            seconds: self.timeout.get().as_secs_f64(),
+        })
+    }
+
+    /// Starts an all-reduce of `send` into `recv` (for a [`Flight`], which keeps both borrowed
+    /// until it completes).
+    pub(crate) fn transport_all_reduce(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        elements: usize,
+        dtype: DType,
+        reduce: Reduce,
+    ) -> Result<Started> {
+        match &self.transport {
+            Transport::Single => {
+                recv.copy_from_slice(send);
+                let _ = (elements, dtype, reduce);
+                Ok(Started::Done)
+            }
+            #[cfg(feature = "mpi")]
+            // SAFETY: the flight that calls this keeps both buffers borrowed until the requests
+            // complete (it waits for every started transfer before it returns, panics included).
+            Transport::Mpi(m) => Ok(Started::Mpi(unsafe {
+                m.all_reduce(send.as_ptr(), recv.as_mut_ptr(), elements, dtype, reduce)?
+            })),
+        }
+    }
+
+    pub(crate) fn transport_broadcast(&self, buf: &mut [u8], root: usize) -> Result<Started> {
+        if root >= self.world_size() {
+            return Err(Error::Distributed {
+                op: "broadcast",
+                reason: format!(
+                    "root rank {root} is not a rank of this group of {} processes",
+                    self.world_size()
+                ),
+            });
+        }
+        match &self.transport {
+            Transport::Single => Ok(Started::Done),
+            #[cfg(feature = "mpi")]
+            // SAFETY: as in `transport_all_reduce`.
+            Transport::Mpi(m) => Ok(Started::Mpi(unsafe {
+                m.broadcast(buf.as_mut_ptr(), buf.len(), root)?
+            })),
+        }
+    }
+
+    pub(crate) fn transport_all_gather(&self, send: &[u8], recv: &mut [u8]) -> Result<Started> {
+        match &self.transport {
+            Transport::Single => {
+                recv.copy_from_slice(send);
+                Ok(Started::Done)
+            }
+            #[cfg(feature = "mpi")]
+            // SAFETY: as in `transport_all_reduce`.
+            Transport::Mpi(m) => Ok(Started::Mpi(unsafe {
+                m.all_gather(send.as_ptr(), recv.as_mut_ptr(), send.len())?
+            })),
+        }
+    }
+
+    /// Moves started transfers on; whether they completed.
+    pub(crate) fn poll(&self, started: &mut Started) -> bool {
+        match (started, &self.transport) {
+            (Started::Done, _) => true,
+            #[cfg(feature = "mpi")]
+            (Started::Mpi(requests), Transport::Mpi(m)) => m.test(requests),
+            #[cfg(feature = "mpi")]
+            (Started::Mpi(_), Transport::Single) => unreachable!("MPI requests of a single group"),
+        }
+    }
+
+    /// Waits for `started` until the timeout; whether it completed.
+    pub(crate) fn wait_for(&self, started: &mut Started) -> bool {
+        let begin = Instant::now();
+        let deadline = begin + self.timeout.get();
+        let mut done = self.poll(started);
+        while !done && Instant::now() < deadline {
+            std::thread::yield_now();
+            done = self.poll(started);
+        }
+        self.waited
+            .set(self.waited.get() + begin.elapsed().as_secs_f64());
+        done
+    }
+
+    /// Waits for a transfer whose buffers the caller borrows; a timeout ends the job (see
+    /// [`set_timeout`](Self::set_timeout)).
+    pub(crate) fn complete(&self, op: &'static str, started: &mut Started) {
+        if !self.wait_for(started) {
+            self.abort(&format!(
+                "{op} did not complete in {} s: a peer never joined it (it died, hangs, or runs \
+                 another step)",
+                self.timeout.get().as_secs_f64()
+            ));
+        }
+    }
+
+    fn abort(&self, message: &str) -> ! {
+        match &self.transport {
+            Transport::Single => unreachable!("a world of one never waits: {message}"),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.abort(message),
+        }
+    }
+
+    /// Runs `f` with a [`Flight`] on which collectives start without waiting for each other (so
+    /// bucketed all-reduces overlap); every collective started is complete when `in_flight`
+    /// returns, whether `f` returned, failed or panicked. A tensor in flight stays mutably
+    /// borrowed until then, so reading it, writing it, or closing its scope meanwhile does not
+    /// compile.
+    ///
+    /// ```
+    /// use ndscope::dist::{ProcessGroup, Reduce};
+    /// use ndscope::{Device, root};
+    ///
+    /// let group = ProcessGroup::single();
+    /// root(Device::Cpu, |s| {
+    ///     let mut a = s.from_slice(&[1.0f32, 2.0], &[2])?;
+    ///     let mut b = s.from_slice(&[3.0f64], &[1])?;
+    ///     group.in_flight(|flight| {
+    ///         let first = flight.all_reduce(&mut a, Reduce::Mean)?; // started
+    ///         flight.all_reduce(&mut b, Reduce::Sum)?; // started too; waited for at the end
+    ///         first.wait()?; // or wait for one now
+    ///         Ok(())
+    ///     })?;
+    ///     assert_eq!(a.to_vec::<f32>()?, vec![1.0, 2.0]); // complete: readable again
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// What `f` returns, and the errors of finishing the collectives it started.
+    pub fn in_flight<'g, R>(
+        &'g self,
+        f: impl for<'f> FnOnce(&'f Flight<'f, 'g>) -> Result<R>,
+    ) -> Result<R> {
+        let flight = Flight::new(self);
+        // A panic in `f` must not unwind past the borrowed buffers while MPI may still use them:
+        // complete everything first, then go on unwinding.
+        let out = panic::catch_unwind(AssertUnwindSafe(|| f(&flight)));
+        let finished = flight.finish();
+        let out = out.unwrap_or_else(|payload| panic::resume_unwind(payload))?;
+        finished?;
+        Ok(out)
+    }
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        #[cfg(feature = "mpi")]
+        {
+            let mut abandoned = std::mem::take(&mut *self.abandoned.borrow_mut());
+            // A late peer may have completed a timed-out exchange; one still in MPI's hands would
+            // make MPI_Finalize wait for it.
+            if !abandoned
+                .iter_mut()
+                .all(|(started, _)| self.wait_for(started))
+            {
+                self.abort(
+                    "an exchange timed out earlier and its peers never completed it, so MPI \
+                     cannot finish cleanly",
+                );
+            }
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = &self.abandoned;
+    }
+}

@@ -1,0 +1,39 @@
+//! Training beyond one process: a process group over MPI, collectives on tensors, and data
+//! parallelism.
+//!
+//! `mpirun -np N` starts N copies of a program; each joins with [`ProcessGroup::mpi`], keeps its
+//! own scope tree, trains on its slice of every batch ([`Loader::shard`](crate::data::Loader::shard))
+//! and averages gradients with the others ([`DataParallel`]), so that all N take the step one
+//! process would take on the whole batch. Collectives run through the MPI library the job was
+//! launched with (Open MPI, MPICH), built in with the `mpi` feature; without it, and for a program
+//! started without `mpirun`, [`ProcessGroup::single`] is a world of one that needs no MPI.
+//!
+//! Collectives that run while the program goes on borrow their tensors for as long as they may
+//! touch them ([`ProcessGroup::in_flight`]): reading a gradient before its all-reduce completed, or
+//! closing the scope it lives in, does not compile.
+//!
+//! GPU tensors are refused ([`Error::NotOnHost`](crate::Error::NotOnHost)): collectives over NCCL
+//! are not built yet; copy to the host (`to_device(Device::Cpu)`) to all-reduce through MPI.
+
+mod flight;
+mod group;
+#[cfg(feature = "mpi")]
+mod mpi;
+mod parallel;
+
+pub use flight::{Flight, Gathering, Pending};
+pub use group::ProcessGroup;
+pub use parallel::{DEFAULT_BUCKET_BYTES, DataParallel, SyncReport};
+
+/// How a collective combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduce {
+    /// The element-wise sum.
+    Sum,
+    /// The element-wise sum divided by the world size (the same bits on every rank).
+    Mean,
+    /// The element-wise maximum.
+    Max,
+    /// The element-wise minimum.
+    Min,
+}

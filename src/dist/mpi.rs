@@ -1,0 +1,397 @@
+//! The MPI transport: starting MPI, the library's own communicator, and non-blocking collectives
+//! on host bytes. Every call into the MPI library is here, each with its `// SAFETY:` argument;
+//! the layer above ([`super::group`]) guarantees that the buffers of a started collective stay
+//! borrowed until it completes.
+
+use std::ffi::{c_int, c_void};
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
+use std::ptr;
+
+use mpi::ffi;
+
+use super::Reduce;
+use crate::dtype::{DType, bf16, f16};
+use crate::error::{Error, Result};
+
+/// MPI, started by this process, with a communicator of its own (a duplicate of the world, so a
+/// program's own MPI traffic never matches the library's). Finalizes MPI when dropped.
+///
+/// Not `Send`: MPI is started with `MPI_THREAD_FUNNELED`, so only the thread that started it may
+/// call it.
+pub(crate) struct Mpi {
+    comm: ffi::MPI_Comm,
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    local_size: usize,
+    /// `MPI_Op`s summing `bf16` and `f16` elements (MPI has no 16-bit float types).
+    sum_bf16: ffi::MPI_Op,
+    sum_f16: ffi::MPI_Op,
+    _funneled: PhantomData<*const ()>,
+}
+
+/// Started collectives: one MPI request per chunk (MPI counts elements in `int`).
+pub(crate) struct Requests(Vec<ffi::MPI_Request>);
+
+/// The largest element count one MPI call takes.
+const MAX_COUNT: usize = c_int::MAX as usize;
+
+/// The handle an MPI call writes through its out-pointer.
+///
+/// # Safety
+/// `call` must be an MPI call that writes a valid `T` through the pointer when it returns 0.
+unsafe fn made<T>(op: &'static str, call: impl FnOnce(*mut T) -> c_int) -> Result<T> {
+    let mut out = MaybeUninit::<T>::uninit();
+    check(op, call(out.as_mut_ptr()))?;
+    // SAFETY: the call returned 0, so it wrote the handle (the caller's contract).
+    Ok(unsafe { out.assume_init() })
+}
+
+fn check(op: &'static str, code: c_int) -> Result<()> {
+    // MPI's default error handler aborts the job on failure; a non-zero code reaching here means a
+    // program set another handler, so say which call failed.
+    if code == 0 {
+        Ok(())
+    } else {
+        Err(Error::Distributed {
+            op,
+            reason: format!("the MPI library returned error code {code}"),
+        })
+    }
+}
+
+impl Mpi {
+    /// Starts MPI (`MPI_Init_thread`, funneled) unless the program already did, duplicates the
+    /// world communicator, finds this rank's place among the ranks of its node, and registers the
+    /// 16-bit sums.
+    pub(crate) fn start() -> Result<Mpi> {
+        let op = "ProcessGroup::mpi";
+        let (mut initialized, mut finalized) = (0, 0);
+        // SAFETY: MPI_Initialized and MPI_Finalized may be called at any time, from any thread; the
+        // flags are valid for writes.
+        unsafe {
+            check(op, ffi::MPI_Initialized(&mut initialized))?;
+            check(op, ffi::MPI_Finalized(&mut finalized))?;
+        }
+        if initialized != 0 || finalized != 0 {
+            return Err(Error::Distributed {
+                op,
+                reason: "MPI was already started (or finished) in this process; make one \
+                         ProcessGroup per process, at the start of main, and pass it by reference"
+                    .into(),
+            });
+        }
+        let mut provided: c_int = 0;
+        // SAFETY: MPI is not initialized (checked above); null argc/argv are allowed since MPI-2;
+        // `provided` is valid for writes.
+        unsafe {
+            check(
+                op,
+                ffi::MPI_Init_thread(
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    ffi::RSMPI_THREAD_FUNNELED,
+                    &mut provided,
+                ),
+            )?;
+        }
+        // SAFETY: an initialized static of the MPI library.
+        if provided < unsafe { ffi::RSMPI_THREAD_FUNNELED } {
+            // The library is started, so finalize before refusing.
+            // SAFETY: MPI was initialized just above and nothing else uses it yet.
+            unsafe { ffi::MPI_Finalize() };
+            return Err(Error::Distributed {
+                op,
+                reason: "this MPI library does not allow a multi-threaded process \
+                         (MPI_THREAD_FUNNELED); ndscope's host kernels run on a thread pool, so \
+                         use an MPI built with thread support"
+                    .into(),
+            });
+        }
+        let (mut rank, mut world, mut local_rank, mut local_size) = (0, 0, 0, 0);
+        // SAFETY: MPI is initialized; every out-pointer is valid for writes (`made` hands each call
+        // its own); the reduction functions match MPI_User_function's signature and never unwind.
+        let (comm, sum_bf16, sum_f16) = unsafe {
+            let comm = made(op, |c| ffi::MPI_Comm_dup(ffi::RSMPI_COMM_WORLD, c))?;
+            check(op, ffi::MPI_Comm_rank(comm, &mut rank))?;
+            check(op, ffi::MPI_Comm_size(comm, &mut world))?;
+            let mut local = made(op, |c| {
+                ffi::MPI_Comm_split_type(
+                    comm,
+                    ffi::RSMPI_COMM_TYPE_SHARED,
+                    rank,
+                    ffi::RSMPI_INFO_NULL,
+                    c,
+                )
+            })?;
+            check(op, ffi::MPI_Comm_rank(local, &mut local_rank))?;
+            check(op, ffi::MPI_Comm_size(local, &mut local_size))?;
+            check(op, ffi::MPI_Comm_free(&mut local))?;
+            let sum_bf16 = made(op, |o| ffi::MPI_Op_create(Some(sum_halves::<bf16>), 1, o))?;
+            let sum_f16 = made(op, |o| ffi::MPI_Op_create(Some(sum_halves::<f16>), 1, o))?;
+            (comm, sum_bf16, sum_f16)
+        };
+        Ok(Mpi {
+            comm,
+            rank: rank as usize,
+            world: world as usize,
+            local_rank: local_rank as usize,
+            local_size: local_size as usize,
+            sum_bf16,
+            sum_f16,
+            _funneled: PhantomData,
+        })
+    }
+
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub(crate) fn world(&self) -> usize {
+        self.world
+    }
+
+    pub(crate) fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+
+    pub(crate) fn local_size(&self) -> usize {
+        self.local_size
+    }
+
+    /// The MPI datatype and operation reducing `dtype` elements with `reduce` (a mean is a sum
+    /// here; the caller divides).
+    fn reduction(&self, dtype: DType, reduce: Reduce) -> Result<(ffi::MPI_Datatype, ffi::MPI_Op)> {
+        // SAFETY: the RSMPI_ constants are initialized statics of the MPI library's handles.
+        let (float, double, u16s, sum, max, min, i64s) = unsafe {
+            (
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_DOUBLE,
+                ffi::RSMPI_UINT16_T,
+                ffi::RSMPI_SUM,
+                ffi::RSMPI_MAX,
+                ffi::RSMPI_MIN,
+                ffi::RSMPI_INT64_T,
+            )
+        };
+        let op = match reduce {
+            Reduce::Sum | Reduce::Mean => sum,
+            Reduce::Max => max,
+            Reduce::Min => min,
+        };
+        Ok(match (dtype, reduce) {
+            (DType::F32, _) => (float, op),
+            (DType::F64, _) => (double, op),
+            (DType::I64, _) => (i64s, op),
+            (DType::BF16, Reduce::Sum | Reduce::Mean) => (u16s, self.sum_bf16),
+            (DType::F16, Reduce::Sum | Reduce::Mean) => (u16s, self.sum_f16),
+            _ => {
+                return Err(Error::UnsupportedDType {
+                    op: "all_reduce",
+                    dtype,
+                    expected: "f32, f64, bf16 or f16 for a sum or mean; f32, f64 or i64 for a max \
+                               or min",
+                });
+            }
+        })
+    }
+
+    /// Starts an all-reduce of `elements` values of `dtype` from `send` into `recv`.
+    ///
+    /// # Safety
+    /// `send` must be valid for reads and `recv` for writes of `elements * dtype.size()` bytes, not
+    /// overlapping, until the returned requests complete ([`test`](Self::test) says so).
+    pub(crate) unsafe fn all_reduce(
+        &self,
+        send: *const u8,
+        recv: *mut u8,
+        elements: usize,
+        dtype: DType,
+        reduce: Reduce,
+    ) -> Result<Requests> {
+        let (datatype, op) = self.reduction(dtype, reduce)?;
+        let mut requests = Vec::with_capacity(elements.div_ceil(MAX_COUNT).max(1));
+        let mut start = 0;
+        while start < elements || requests.is_empty() {
+            let count = (elements - start).min(MAX_COUNT);
+            let at = start * dtype.size();
+            // SAFETY: by the caller's contract the chunk `at..at + count * size` is in both
+            // buffers and stays valid until the request completes; the handles are valid.
+            let request = unsafe {
+                made("all_reduce", |r| {
+                    ffi::MPI_Iallreduce(
+                        send.add(at).cast::<c_void>(),
+                        recv.add(at).cast::<c_void>(),
+                        count as c_int,
+                        datatype,
+                        op,
+                        self.comm,
+                        r,
+                    )
+                })?
+            };
+            requests.push(request);
+            start += count;
+        }
+        Ok(Requests(requests))
+    }
+
+    /// Starts a broadcast of `bytes` bytes at `buf` from rank `root`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for reads and writes of `bytes` bytes until the requests complete.
+    pub(crate) unsafe fn broadcast(
+        &self,
+        buf: *mut u8,
+        bytes: usize,
+        root: usize,
+    ) -> Result<Requests> {
+        let mut requests = Vec::with_capacity(bytes.div_ceil(MAX_COUNT).max(1));
+        let mut start = 0;
+        while start < bytes || requests.is_empty() {
+            let count = (bytes - start).min(MAX_COUNT);
+            // SAFETY: by the caller's contract the chunk is valid until the request completes; the
+            // root is a rank of the communicator (the caller checked it).
+            let request = unsafe {
+                made("broadcast", |r| {
+                    ffi::MPI_Ibcast(
+                        buf.add(start).cast::<c_void>(),
+                        count as c_int,
+                        ffi::RSMPI_UINT8_T,
+                        root as c_int,
+                        self.comm,
+                        r,
+                    )
+                })?
+            };
+            requests.push(request);
+            start += count;
+        }
+        Ok(Requests(requests))
+    }
+
+    /// Starts an all-gather of `bytes` bytes from every rank into `recv`, rank by rank.
+    ///
+    /// # Safety
+    /// `send` must be valid for reads of `bytes` bytes and `recv` for writes of `bytes * world`,
+    /// not overlapping, until the requests complete.
+    pub(crate) unsafe fn all_gather(
+        &self,
+        send: *const u8,
+        recv: *mut u8,
+        bytes: usize,
+    ) -> Result<Requests> {
+        if bytes > MAX_COUNT {
+            return Err(Error::Distributed {
+                op: "all_gather",
+                reason: format!(
+                    "each rank sends {bytes} bytes and one MPI call takes at most {MAX_COUNT}; \
+                     gather the tensor in slices"
+                ),
+            });
+        }
+        // SAFETY: by the caller's contract; the handles are valid.
+        let request = unsafe {
+            made("all_gather", |r| {
+                ffi::MPI_Iallgather(
+                    send.cast::<c_void>(),
+                    bytes as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    recv.cast::<c_void>(),
+                    bytes as c_int,
+                    ffi::RSMPI_UINT8_T,
+                    self.comm,
+                    r,
+                )
+            })?
+        };
+        Ok(Requests(vec![request]))
+    }
+
+    /// Whether every request has completed (each completed one is released by MPI); moves the
+    /// started collectives on.
+    pub(crate) fn test(&self, requests: &mut Requests) -> bool {
+        let mut done = true;
+        for request in &mut requests.0 {
+            let mut flag: c_int = 0;
+            // SAFETY: the request came from a non-blocking call on this communicator; MPI sets a
+            // completed one to MPI_REQUEST_NULL, which MPI_Test accepts again.
+            unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+            done &= flag != 0;
+        }
+        done
+    }
+
+    /// Ends every rank of the job, printing `message` first: for a collective whose buffers MPI
+    /// may still write, where returning would hand that memory back to its scope.
+    pub(crate) fn abort(&self, message: &str) -> ! {
+        eprintln!(
+            "ndscope: rank {}: {message}; aborting the MPI job",
+            self.rank
+        );
+        // SAFETY: MPI is initialized; MPI_Abort does not return when it works.
+        unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+        std::process::abort()
+    }
+}
+
+impl Drop for Mpi {
+    fn drop(&mut self) {
+        // SAFETY: the handles were made in `start` and no request on the communicator is pending
+        // (every started collective is waited for, or the job was aborted); MPI_Finalize is the
+        // last MPI call of the process.
+        unsafe {
+            ffi::MPI_Op_free(&mut self.sum_bf16);
+            ffi::MPI_Op_free(&mut self.sum_f16);
+            ffi::MPI_Comm_free(&mut self.comm);
+            ffi::MPI_Finalize();
+        }
+    }
+}
+
+/// A 16-bit float that the sums widen to `f32`.
+trait Half: Copy {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Half for bf16 {
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Half for f16 {
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// `inout[i] = in[i] + inout[i]`, each pair widened to `f32` and rounded back once (as NCCL sums
+/// 16-bit floats): MPI's signature for a user-defined reduction.
+unsafe extern "C" fn sum_halves<T: Half>(
+    input: *mut c_void,
+    inout: *mut c_void,
+    len: *mut c_int,
+    _datatype: *mut ffi::MPI_Datatype,
+) {
+    // SAFETY: MPI passes two buffers of `*len` elements of the datatype the reduction was started
+    // with (16-bit), suitably aligned, the second one writable, not overlapping.
+    let (a, b) = unsafe {
+        let n = *len as usize;
+        (
+            std::slice::from_raw_parts(input.cast::<T>(), n),
+            std::slice::from_raw_parts_mut(inout.cast::<T>(), n),
+        )
+    };
+    for (x, y) in a.iter().zip(b.iter_mut()) {
+        *y = T::from_f32(x.to_f32() + y.to_f32());
+    }
+}
