@@ -6,17 +6,22 @@
 //! per-epoch lines show that the model scope's memory stays the same and the batch scope's peak is
 //! flat.
 //!
+//! With `--distributed` under `mpirun -np N` (and the `mpi` feature), each of the N processes
+//! trains on its shard of every epoch and averages gradients with the others before each step:
+//!
 //! ```text
 //! cargo run --release --example train -- --help
+//! mpirun -np 2 cargo run --release --features mpi --example train -- --distributed
 //! ```
 
 use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use ndscope::data::{Batch, Dataset, Loader};
+use ndscope::dist::{DataParallel, ProcessGroup};
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, checkpoint, root};
+use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, root};
 
 mod common;
 
@@ -43,6 +48,9 @@ OPTIONS:
                        (and the workspace's plan, PREFIX-plan.svg)
   --leak               keep every batch's logits in the model scope (with `move_to`),
                        to see what a leak looks like in the stats and the timeline
+  --distributed        data-parallel over the ranks of `mpirun -np N` (needs --features
+                       mpi): each rank trains on its shard, --batch-size per rank, and
+                       gradients are averaged before every step
   --help               this text";
 
 /// The command line, parsed.
@@ -63,6 +71,7 @@ struct Options {
     checkpoint: Option<String>,
     timeline: Option<String>,
     leak: bool,
+    distributed: bool,
 }
 
 impl Options {
@@ -81,6 +90,7 @@ impl Options {
             checkpoint: None,
             timeline: None,
             leak: false,
+            distributed: false,
         };
         let mut args = args.peekable();
         while let Some(flag) = args.next() {
@@ -89,6 +99,10 @@ impl Options {
             }
             if flag == "--leak" {
                 o.leak = true;
+                continue;
+            }
+            if flag == "--distributed" {
+                o.distributed = true;
                 continue;
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -143,18 +157,26 @@ impl<'m> AnyOptimizer<'m> {
     }
 }
 
-/// One training step in the batch scope `b` of the model scope `m`: forward, backward, update. Returns
-/// the loss and the batch scope's peak bytes. With `leak`, the batch's logits are moved into the model
-/// scope and kept: legal (the move is explicit), and exactly the leak the stats and timeline expose.
+/// What a step needs beside the model: the optimizer, the precision, and the data-parallel group.
+struct Trainer<'m, 'g> {
+    opt: AnyOptimizer<'m>,
+    precision: common::Precision,
+    ddp: Option<DataParallel<'g>>,
+}
+
+/// One training step in the batch scope `b` of the model scope `m`: forward, backward (and the
+/// gradients' average over the ranks when distributed), update. Returns the loss and the batch
+/// scope's peak bytes. With `leak`, the batch's logits are moved into the model scope and kept:
+/// legal (the move is explicit), and exactly the leak the stats and timeline expose.
 fn train_step<'m: 'b, 'b>(
     m: &Scope<'m>,
     b: &'b Scope<'b>,
     model: &mut Sequential<'m>,
-    opt: &mut AnyOptimizer<'m>,
-    precision: &mut common::Precision,
+    trainer: &mut Trainer<'m, '_>,
     batch: &Batch,
     leak: Option<&mut Vec<Tensor<'m>>>,
 ) -> Result<(f32, usize)> {
+    let precision = &mut trainer.precision;
     precision.enter(b)?;
     // The features arrive as f32 and are stored in the compute dtype (the f32 copy dies at once).
     let x = b
@@ -164,7 +186,16 @@ fn train_step<'m: 'b, 'b>(
     let tape = Tape::new(b);
     let logits = model.forward(&tape.constant(&x), Mode::Train)?;
     let loss = logits.cross_entropy(&labels)?;
-    precision.backward_and_step(&tape, &loss, |grads| opt.step(model, grads))?;
+    let scaled = precision.scale(&loss)?;
+    let mut grads = match &trainer.ddp {
+        // Every rank learns whether every rank got here, then the gradients are averaged: the
+        // same bits everywhere, so every rank takes (or, on overflow, skips) the same step.
+        Some(ddp) => ddp.backward(&*model, &tape, Ok(scaled))?,
+        None => tape.backward(&scaled)?,
+    };
+    if precision.unscale(&mut grads)? {
+        trainer.opt.step(model, &grads)?;
+    }
     if let Some(kept) = leak {
         kept.push(logits.into_value().move_to(m)?.named("leaked logits"));
     }
@@ -235,16 +266,39 @@ fn load_data(o: &Options) -> Result<(Dataset, Dataset, String)> {
 }
 
 fn run(o: &Options) -> Result<()> {
+    let group = if o.distributed {
+        ProcessGroup::mpi()?
+    } else {
+        ProcessGroup::single()
+    };
+    let (rank, world) = (group.rank(), group.world_size());
+    // Rank 0 speaks for the job; every rank prints its own figures at the end.
+    macro_rules! say {
+        ($($arg:tt)*) => { if rank == 0 { println!($($arg)*) } };
+    }
     let started = Instant::now();
     let (train, test, source) = load_data(o)?;
-    println!(
+    say!(
         "data: {source}: {} training and {} test examples of {} features, {} classes",
         train.len(),
         test.len(),
         train.dim(),
         train.classes()
     );
-    let loader = Loader::new(&train, o.batch_size)?.shuffle(o.seed);
+    // Every rank shuffles with the same seed and takes its shard of each epoch.
+    let loader = Loader::new(&train, o.batch_size)?
+        .shuffle(o.seed)
+        .shard(rank, world)?;
+    if o.distributed {
+        say!(
+            "distributed: {world} ranks over {} ({} per machine); {} examples per rank and epoch, \
+             global batch {}",
+            group.transport_name(),
+            group.local_size(),
+            train.len().div_ceil(world),
+            o.batch_size * world
+        );
+    }
     let steps_per_epoch = loader.batches_per_epoch();
     let progress = Progress {
         on_terminal: std::io::stderr().is_terminal(),
@@ -256,20 +310,31 @@ fn run(o: &Options) -> Result<()> {
     };
     let use_workspace = o.workspace != "off";
 
-    let mut precision = common::Precision::new(o.dtype);
+    let precision = common::Precision::new(o.dtype);
     root(o.device, |s| {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
             let sizes = [train.dim(), o.hidden, train.classes()];
             let mut model = nn::mlp(m, &sizes, Activation::Relu, Init::KaimingUniform)?;
-            let mut opt = match o.optimizer.as_str() {
+            // Every rank built the same model; rank 0's initial values become everyone's.
+            let ddp = if o.distributed {
+                Some(DataParallel::new(&group, &mut model)?)
+            } else {
+                None
+            };
+            let opt = match o.optimizer.as_str() {
                 "sgd" => AnyOptimizer::Sgd(Sgd::new(m, &model, SgdConfig::new(o.lr).momentum(0.9))?),
                 "adam" => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adam(o.lr))?)),
                 _ => AnyOptimizer::Adam(Box::new(Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?)),
             };
+            let mut trainer = Trainer {
+                opt,
+                precision,
+                ddp,
+            };
             // From here on a tensor made in the model scope while a step runs is an error, not a leak.
             m.set_strict(true);
-            println!(
+            say!(
                 "model: MLP {sizes:?}, {} parameters, {}, batch {}, lr {}, {} batch scopes, {}, seed {}",
                 model.parameter_elements(),
                 o.optimizer,
@@ -280,7 +345,7 @@ fn run(o: &Options) -> Result<()> {
                     "bump" => "bump workspace",
                     _ => "pool",
                 },
-                precision.describe(),
+                trainer.precision.describe(),
                 o.seed
             );
             let model_at_start = m.stats();
@@ -291,30 +356,45 @@ fn run(o: &Options) -> Result<()> {
             for epoch in 1..=o.epochs {
                 let mut loss_sum = 0.0f64;
                 let mut batch_peak = 0;
+                let mut sync_seconds = 0.0;
+                let epoch_started = Instant::now();
                 let before = m.stats();
                 loader.for_each_batch(epoch, true, |batch| {
                     let leak = o.leak.then_some(&mut leaked);
                     let (loss, peak) = if use_workspace {
                         m.workspace(&mut ws, |b| {
-                            train_step(m, b, &mut model, &mut opt, &mut precision, batch, leak)
+                            train_step(m, b, &mut model, &mut trainer, batch, leak)
                         })?
                     } else {
                         m.named_scope("batch", |b| {
-                            train_step(m, b, &mut model, &mut opt, &mut precision, batch, leak)
+                            train_step(m, b, &mut model, &mut trainer, batch, leak)
                         })?
                     };
+                    if let Some(ddp) = &trainer.ddp {
+                        sync_seconds += ddp.last_sync().seconds;
+                    }
                     m.mark_step();
                     batch_peak = batch_peak.max(peak);
                     loss_sum += f64::from(loss);
                     progress.draw(epoch, o.epochs, batch.index() + 1, steps_per_epoch);
                     Ok(())
                 })?;
-                let acc = accuracy(m, &model, &test, &precision)?;
+                let epoch_seconds = epoch_started.elapsed().as_secs_f64();
+                let acc = accuracy(m, &model, &test, &trainer.precision)?;
                 progress.clear();
                 let after = m.stats();
-                println!(
+                let sync = if trainer.ddp.is_some() {
+                    format!(
+                        " | all-reduce {:.2} ms/step ({:.0}% of the step)",
+                        sync_seconds * 1e3 / steps_per_epoch as f64,
+                        sync_seconds / epoch_seconds * 100.0
+                    )
+                } else {
+                    String::new()
+                };
+                say!(
                     "epoch {epoch:>3}  loss {:.4}  test acc {:5.1}%  | model: {} tensors, {} B live | \
-                     batch: peak {} B, {} allocs/step, {} from system this epoch",
+                     batch: peak {} B, {} allocs/step, {} from system this epoch{sync}",
                     loss_sum / steps_per_epoch as f64,
                     acc * 100.0,
                     after.live_tensors,
@@ -324,8 +404,29 @@ fn run(o: &Options) -> Result<()> {
                     after.system_allocations - before.system_allocations,
                 );
             }
+            if o.distributed {
+                // Each rank's own figures, in rank order.
+                for r in 0..world {
+                    if r == rank {
+                        let sync = trainer.ddp.as_ref().map(DataParallel::last_sync);
+                        println!(
+                            "rank {rank}/{world}: model scope {} B live, {} B peak; last all-reduce: \
+                             {} bucket(s), {} B, {:.2} ms ({:.2} ms waiting); {:.2} s in collectives",
+                            m.stats().live_bytes,
+                            m.stats().peak_bytes,
+                            sync.map_or(0, |s| s.buckets),
+                            sync.map_or(0, |s| s.bytes),
+                            sync.map_or(0.0, |s| s.seconds * 1e3),
+                            sync.map_or(0.0, |s| s.waited_seconds * 1e3),
+                            group.waited_seconds()
+                        );
+                        let _ = std::io::stdout().flush();
+                    }
+                    group.barrier()?;
+                }
+            }
             let end = m.stats();
-            println!(
+            say!(
                 "\nmodel scope: {} live bytes at the start, {} at the end; workspace arena {} B after {} cycles ({} spills, {} in the last cycle)",
                 model_at_start.live_bytes,
                 end.live_bytes,
@@ -335,10 +436,10 @@ fn run(o: &Options) -> Result<()> {
                 ws.last_cycle_spills()
             );
             if let Some(line) = common::plan_summary(&ws) {
-                println!("{line}");
+                say!("{line}");
             }
-            if let Some(line) = precision.report() {
-                println!("{line}");
+            if let Some(line) = trainer.precision.report() {
+                say!("{line}");
             }
             if let Some(prefix) = &o.timeline {
                 let timeline = s.take_timeline();
@@ -367,14 +468,15 @@ fn run(o: &Options) -> Result<()> {
                 );
             }
             if let Some(path) = &o.checkpoint {
-                checkpoint::save(&model, path)?;
-                println!("checkpoint: wrote {path} (safetensors; names {:?})", names(&model));
+                // Rank 0 writes; a failure to write reaches every rank.
+                group.save_checkpoint(&model, path)?;
+                say!("checkpoint: wrote {path} (safetensors; names {:?})", names(&model));
             }
-            println!("\nscope tree at the end of training:\n{}", s.dump());
+            say!("\nscope tree at the end of training:\n{}", s.dump());
             Ok::<_, Error>(())
         })
     })?;
-    println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    say!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 

@@ -246,7 +246,7 @@ fn in_flight_any_order(group: &ProcessGroup) -> Result<()> {
             second.wait()?; // out of order
             gathered = Some(third.wait()?);
             flight.progress();
-            drop(first); // completed by the flight
+            let _ = first; // never waited for: the flight completes it
             Ok(())
         })?;
         let triangle = (world * (world + 1)) as f32 / 2.0 / world as f32;

@@ -89,21 +89,34 @@ impl Precision {
 
     /// The backward pass from `loss` and, unless loss scaling finds inf/NaN gradients (the step is
     /// then skipped and the scale lowered), the optimizer step `step`.
+    #[allow(dead_code)] // train.rs scales and unscales itself, around the data-parallel average
     pub fn backward_and_step<'s>(
         &mut self,
         tape: &ndscope::Tape<'s>,
         loss: &ndscope::Var<'_, 's>,
         step: impl FnOnce(&ndscope::Gradients<'s>) -> ndscope::Result<()>,
     ) -> ndscope::Result<()> {
+        let mut grads = tape.backward(&self.scale(loss)?)?;
+        if self.unscale(&mut grads)? {
+            step(&grads)?;
+        }
+        Ok(())
+    }
+
+    /// The loss to run the backward pass from: multiplied by the loss scale under f16.
+    pub fn scale<'t, 's>(&self, loss: &ndscope::Var<'t, 's>) -> ndscope::Result<ndscope::Var<'t, 's>> {
+        match &self.scaler {
+            Some(scaler) => scaler.scale_loss(loss),
+            None => Ok(loss.clone()),
+        }
+    }
+
+    /// Divides gradients of a scaled loss by the scale; `false` when they overflowed (skip the
+    /// step). Always `true` without loss scaling.
+    pub fn unscale(&mut self, grads: &mut ndscope::Gradients<'_>) -> ndscope::Result<bool> {
         match &mut self.scaler {
-            Some(scaler) => {
-                let mut grads = tape.backward(&scaler.scale_loss(loss)?)?;
-                if scaler.unscale(&mut grads)? {
-                    step(&grads)?;
-                }
-                Ok(())
-            }
-            None => step(&tape.backward(loss)?),
+            Some(scaler) => scaler.unscale(grads),
+            None => Ok(true),
         }
     }
 

@@ -52,10 +52,14 @@ pub struct ProcessGroup {
     /// Library-owned exchanges that timed out: MPI may still write their buffers, so they stay
     /// here until a late peer completes them or the job ends.
     #[cfg(feature = "mpi")]
-    abandoned: RefCell<Vec<(Started, Vec<Box<[u8]>>)>>,
+    abandoned: RefCell<Vec<Abandoned>>,
     #[cfg(not(feature = "mpi"))]
     abandoned: RefCell<Vec<()>>,
 }
+
+/// A timed-out exchange and the buffers MPI may still write.
+#[cfg(feature = "mpi")]
+type Abandoned = (Started, Vec<Box<[u8]>>);
 
 enum Transport {
     Single,
@@ -359,7 +363,10 @@ impl ProcessGroup {
         values: &mut [i64; N],
     ) -> Result<[i64; N]> {
         match &self.transport {
-            Transport::Single => Ok(*values),
+            Transport::Single => {
+                let _ = op; // nothing to wait for
+                Ok(*values)
+            }
             #[cfg(feature = "mpi")]
             Transport::Mpi(m) => {
                 let send: Box<[u8]> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -382,7 +389,10 @@ impl ProcessGroup {
     /// Rank `root`'s `bytes` (every rank passes a buffer of the same length).
     fn exchange_bytes(&self, op: &'static str, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
         match &self.transport {
-            Transport::Single => Ok(bytes),
+            Transport::Single => {
+                let _ = (op, root); // this rank is the root
+                Ok(bytes)
+            }
             #[cfg(feature = "mpi")]
             Transport::Mpi(m) => {
                 let mut buf = bytes.into_boxed_slice();
@@ -450,7 +460,10 @@ impl ProcessGroup {
             });
         }
         match &self.transport {
-            Transport::Single => Ok(Started::Done),
+            Transport::Single => {
+                let _ = buf; // rank 0's tensor is already everyone's
+                Ok(Started::Done)
+            }
             #[cfg(feature = "mpi")]
             // SAFETY: as in `transport_all_reduce`.
             Transport::Mpi(m) => Ok(Started::Mpi(unsafe {

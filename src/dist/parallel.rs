@@ -392,7 +392,8 @@ mod tests {
                 s.zeros(&[1])?,                       // 4 bytes
             ];
             let buckets = plan_buckets(&grads, 16); // 4 f32s or 2 f64s per bucket
-            let shape: Vec<(DType, Vec<(usize, usize, usize)>)> = buckets
+            type Cut = (DType, Vec<(usize, usize, usize)>);
+            let shape: Vec<Cut> = buckets
                 .iter()
                 .map(|b| {
                     (
