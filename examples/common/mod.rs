@@ -104,7 +104,10 @@ impl Precision {
     }
 
     /// The loss to run the backward pass from: multiplied by the loss scale under f16.
-    pub fn scale<'t, 's>(&self, loss: &ndscope::Var<'t, 's>) -> ndscope::Result<ndscope::Var<'t, 's>> {
+    pub fn scale<'t, 's>(
+        &self,
+        loss: &ndscope::Var<'t, 's>,
+    ) -> ndscope::Result<ndscope::Var<'t, 's>> {
         match &self.scaler {
             Some(scaler) => scaler.scale_loss(loss),
             None => Ok(loss.clone()),

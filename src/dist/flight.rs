@@ -14,8 +14,7 @@ use std::mem::ManuallyDrop;
 
 use super::Reduce;
 use super::group::{ProcessGroup, Started};
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::Tensor;
 
 /// Collectives started and not yet waited for, inside [`ProcessGroup::in_flight`]. Collectives
@@ -111,7 +110,7 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
         reduce: Reduce,
     ) -> Result<Pending<'_, 'f, 'g>> {
         let op = "all_reduce";
-        check_reduction(t.dtype(), reduce)?;
+        reduce.check(t.dtype())?;
         let src = if t.is_contiguous() {
             t.clone()
         } else {
@@ -261,24 +260,5 @@ impl<'s> Gathering<'_, '_, '_, 's> {
     pub(crate) fn into_output(self) -> Tensor<'s> {
         let _ = self.pending.flight.complete(self.pending.index);
         self.out
-    }
-}
-
-/// Refuses a reduction the dtype does not take, before anything starts.
-fn check_reduction(dtype: DType, reduce: Reduce) -> Result<()> {
-    let fine = match dtype {
-        DType::F32 | DType::F64 => true,
-        DType::BF16 | DType::F16 => matches!(reduce, Reduce::Sum | Reduce::Mean),
-        DType::I64 => reduce != Reduce::Mean,
-    };
-    if fine {
-        Ok(())
-    } else {
-        Err(Error::UnsupportedDType {
-            op: "all_reduce",
-            dtype,
-            expected: "f32 or f64 for any reduction; bf16 or f16 for a sum or mean; i64 for a \
-                       sum, max or min",
-        })
     }
 }

@@ -2,7 +2,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::fmt;
-use std::panic::{self, AssertUnwindSafe};
+use std::panic::{self, AssertUnwindSafe, Location};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,10 @@ use crate::tensor::Tensor;
 
 #[cfg(feature = "mpi")]
 use super::mpi::{Mpi, Requests};
+#[cfg(feature = "mpi")]
+use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(feature = "mpi")]
+use std::sync::{Arc, Mutex};
 
 /// The ranks of a data-parallel job and the collectives between them: one per process, made at
 /// the start of `main` and passed by reference.
@@ -55,6 +59,8 @@ pub struct ProcessGroup {
     abandoned: RefCell<Vec<Abandoned>>,
     #[cfg(not(feature = "mpi"))]
     abandoned: RefCell<Vec<()>>,
+    #[cfg(feature = "mpi")]
+    watchdog: Option<Watchdog>,
 }
 
 /// A timed-out exchange and the buffers MPI may still write.
@@ -65,6 +71,53 @@ enum Transport {
     Single,
     #[cfg(feature = "mpi")]
     Mpi(Mpi),
+}
+
+/// Ends the process when a blocking collective outlives the timeout: a blocking MPI call cannot be
+/// given up, and returning would hand its buffers back while MPI may still write them. A thread of
+/// its own that never calls MPI; `mpirun` then ends the job and names the rank.
+#[cfg(feature = "mpi")]
+struct Watchdog {
+    /// Milliseconds after `epoch` at which the running call is late; 0 when none runs.
+    deadline: Arc<AtomicU64>,
+    op: Arc<Mutex<&'static str>>,
+    epoch: Instant,
+}
+
+#[cfg(feature = "mpi")]
+impl Watchdog {
+    fn start(rank: usize) -> Watchdog {
+        let deadline = Arc::new(AtomicU64::new(0));
+        let op = Arc::new(Mutex::new(""));
+        let epoch = Instant::now();
+        let (late, name) = (Arc::clone(&deadline), Arc::clone(&op));
+        std::thread::Builder::new()
+            .name("ndscope collective watchdog".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_millis(50));
+                    if Arc::strong_count(&late) == 1 {
+                        return; // the group is gone
+                    }
+                    let due = late.load(Ordering::Acquire);
+                    if due != 0 && epoch.elapsed().as_millis() as u64 > due {
+                        let op = *name.lock().unwrap_or_else(|e| e.into_inner());
+                        eprintln!(
+                            "ndscope: rank {rank}: {op} did not complete within the process group's \
+                             timeout: a peer never joined it (it died, hangs, or runs another step); \
+                             ending this process, which ends the MPI job"
+                        );
+                        std::process::abort();
+                    }
+                }
+            })
+            .expect("a thread for the collective watchdog");
+        Watchdog {
+            deadline,
+            op,
+            epoch,
+        }
+    }
 }
 
 /// A started transfer: MPI requests, or nothing for a world of one (done at once).
@@ -96,6 +149,8 @@ impl ProcessGroup {
             timeout: Cell::new(DEFAULT_TIMEOUT),
             waited: Cell::new(0.0),
             abandoned: RefCell::new(Vec::new()),
+            #[cfg(feature = "mpi")]
+            watchdog: None,
         }
     }
 
@@ -114,7 +169,10 @@ impl ProcessGroup {
     pub fn mpi() -> Result<ProcessGroup> {
         #[cfg(feature = "mpi")]
         {
-            Ok(ProcessGroup::with(Transport::Mpi(Mpi::start()?)))
+            let mpi = Mpi::start()?;
+            let mut group = ProcessGroup::with(Transport::Mpi(mpi));
+            group.watchdog = Some(Watchdog::start(group.rank()));
+            Ok(group)
         }
         #[cfg(not(feature = "mpi"))]
         {
@@ -208,8 +266,35 @@ impl ProcessGroup {
     /// does not take (sums of `i64`); allocation errors.
     #[track_caller]
     pub fn all_reduce<'s>(&self, t: &Tensor<'s>, reduce: Reduce) -> Result<Tensor<'s>> {
-        let mut out = t.clone();
-        self.in_flight(|flight| flight.all_reduce(&mut out, reduce).map(drop))?;
+        let op = "all_reduce";
+        reduce.check(t.dtype())?;
+        let src = if t.is_contiguous() {
+            t.clone()
+        } else {
+            t.contiguous()?
+        };
+        let mut out = Tensor::output_of(&[t], t.dtype(), t.shape(), Location::caller())?;
+        let (send, recv) = (src.host_bytes(op)?, out.host_bytes_mut(op)?);
+        match &self.transport {
+            Transport::Single => recv.copy_from_slice(send),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => self.watched(op, || {
+                // SAFETY: both buffers are borrowed for the whole call, which returns when the
+                // all-reduce is complete on this rank.
+                unsafe {
+                    m.all_reduce_now(
+                        send.as_ptr(),
+                        recv.as_mut_ptr(),
+                        src.numel(),
+                        src.dtype(),
+                        reduce,
+                    )
+                }
+            })?,
+        }
+        if reduce == Reduce::Mean && self.world_size() > 1 {
+            out.mul_scalar_(1.0 / self.world_size() as f64)?;
+        }
         Ok(out)
     }
 
@@ -219,7 +304,8 @@ impl ProcessGroup {
     /// As for [`all_reduce`](Self::all_reduce).
     #[track_caller]
     pub fn all_reduce_(&self, t: &mut Tensor<'_>, reduce: Reduce) -> Result<()> {
-        self.in_flight(|flight| flight.all_reduce(t, reduce).map(drop))
+        *t = self.all_reduce(t, reduce)?;
+        Ok(())
     }
 
     /// Overwrites `t` on every rank with rank `root`'s `t`.
@@ -401,6 +487,23 @@ impl ProcessGroup {
                 Ok(self.finish_owned(op, requests, vec![buf])?.into_vec())
             }
         }
+    }
+
+    /// Runs a blocking collective under the watchdog, counting its time as waiting.
+    #[cfg(feature = "mpi")]
+    fn watched<R>(&self, op: &'static str, call: impl FnOnce() -> R) -> R {
+        let begin = Instant::now();
+        let watchdog = self.watchdog.as_ref().expect("an MPI group has a watchdog");
+        *watchdog.op.lock().unwrap_or_else(|e| e.into_inner()) = op;
+        let due = watchdog.epoch.elapsed() + self.timeout.get();
+        watchdog
+            .deadline
+            .store((due.as_millis() as u64).max(1), Ordering::Release);
+        let out = call();
+        watchdog.deadline.store(0, Ordering::Release);
+        self.waited
+            .set(self.waited.get() + begin.elapsed().as_secs_f64());
+        out
     }
 
     /// Waits for an exchange on library-owned `buffers` and returns the last one; on timeout keeps

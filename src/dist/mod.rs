@@ -15,6 +15,9 @@
 //! GPU tensors are refused ([`Error::NotOnHost`](crate::Error::NotOnHost)): collectives over NCCL
 //! are not built yet; copy to the host (`to_device(Device::Cpu)`) to all-reduce through MPI.
 
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
 mod flight;
 mod group;
 #[cfg(feature = "mpi")]
@@ -36,4 +39,26 @@ pub enum Reduce {
     Max,
     /// The element-wise minimum.
     Min,
+}
+
+impl Reduce {
+    /// Refuses a reduction the dtype does not take, before anything starts (so that every rank
+    /// refuses it at the same point and the ranks stay in step).
+    pub(crate) fn check(self, dtype: DType) -> Result<()> {
+        let fine = match dtype {
+            DType::F32 | DType::F64 => true,
+            DType::BF16 | DType::F16 => matches!(self, Reduce::Sum | Reduce::Mean),
+            DType::I64 => self != Reduce::Mean,
+        };
+        if fine {
+            Ok(())
+        } else {
+            Err(Error::UnsupportedDType {
+                op: "all_reduce",
+                dtype,
+                expected: "f32 or f64 for any reduction; bf16 or f16 for a sum or mean; i64 for a \
+                           sum, max or min",
+            })
+        }
+    }
 }

@@ -22,8 +22,8 @@ use crate::tensor::Tensor;
 ///   [`average`](Self::average)s the gradients.
 /// - [`average`](Self::average) flattens the gradients into buckets of at most
 ///   [`bucket_bytes`](Self::bucket_bytes) (25 MiB unless set, as PyTorch's DDP; a bucket boundary
-///   may fall inside a tensor), in the gradients' scope, and all-reduces the buckets in flight:
-///   bucket k+1 is being filled while bucket k is on the wire. The averaged gradients are the
+///   may fall inside a tensor), in the gradients' scope, and all-reduces them one after the other
+///   right after the backward pass (the tape has no per-bucket hooks). The averaged gradients are the
 ///   same bits on every rank, so an optimizer (and a [`LossScaler`](crate::optim::LossScaler)'s
 ///   skip decision) takes the same step everywhere.
 /// - Gradient accumulation: accumulate micro-batches locally, then average the sums once
@@ -226,14 +226,13 @@ impl<'g> DataParallel<'g> {
                 Tensor::output_of(&[like], b.dtype, &[b.elements], location)
             })
             .collect::<Result<Vec<_>>>()?;
-        self.group.in_flight(|flight| {
-            for (bucket, flat) in buckets.iter().zip(flats.iter_mut()) {
-                fill(op, bucket, &flat_grads, flat)?;
-                flight.all_reduce(flat, Reduce::Mean)?;
-                flight.progress();
-            }
-            Ok(())
-        })?;
+        // Blocking all-reduces, bucket after bucket: MPI moves a non-blocking collective on only
+        // inside MPI calls, so on the host an all-reduce in flight overlaps little, and MPI's
+        // blocking algorithms are up to 4x faster for mid-sized buckets (BENCHMARKS.md).
+        for (bucket, flat) in buckets.iter().zip(flats.iter_mut()) {
+            fill(op, bucket, &flat_grads, flat)?;
+            self.group.all_reduce_(flat, Reduce::Mean)?;
+        }
         drop(flat_grads);
         for (bucket, flat) in buckets.iter().zip(&flats) {
             let size = bucket.dtype.size();
