@@ -20,6 +20,12 @@ type Case = fn(&ProcessGroup) -> Result<()>;
 
 fn main() {
     let group = ProcessGroup::mpi().expect("MPI starts");
+    if let Ok(fault) = std::env::var("NDSCOPE_DIST_FAULT") {
+        // Not a case: a job that must end (non-zero, naming the rank) rather than hang. .ci/mpi
+        // checks the exit status and the message.
+        vanishing_peer(&group, &fault);
+        return;
+    }
     // A failing case is reported once per rank below; the default hook's backtrace is noise here.
     panic::set_hook(Box::new(|info| eprintln!("panic: {info}")));
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
@@ -746,4 +752,23 @@ fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
             }),
         }
     })
+}
+
+/// Rank 0 all-reduces a tensor (blocking, or on a flight) with a one-second timeout while the other
+/// ranks never join: the process group must end the job with a message naming rank 0 and the
+/// collective, not hang. Returning from here is the failure.
+fn vanishing_peer(group: &ProcessGroup, fault: &str) {
+    group.set_timeout(Duration::from_secs(1));
+    if group.rank() != 0 {
+        std::thread::sleep(Duration::from_secs(60)); // never joins; mpirun ends it
+        return;
+    }
+    let outcome = root(Device::Cpu, |s| {
+        let mut t = s.ones(&[1024])?;
+        match fault {
+            "blocking" => group.all_reduce_(&mut t, Reduce::Sum),
+            _ => group.in_flight(|flight| flight.all_reduce(&mut t, Reduce::Sum).map(drop)),
+        }
+    });
+    println!("rank 0: the all-reduce returned ({outcome:?}) although no peer joined it");
 }
