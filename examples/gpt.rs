@@ -16,6 +16,7 @@
 
 use std::time::Instant;
 
+use ndscope::dist::{DataParallel, ProcessGroup};
 use ndscope::nn::{
     AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
     PositionalEmbedding, TransformerBlock,
@@ -46,6 +47,8 @@ OPTIONS:
   --text FILE       train on the characters of FILE and sample from it
   --checkpoint      recompute each block's activations in the backward pass instead of keeping them
   --workspace W     the batch scope: planned, bump, or none (the pool)  [default: planned]
+  --distributed     data-parallel over the ranks of `mpirun -np N` (needs --features mpi):
+                    --batch-size sequences per rank, gradients averaged before each step
   --help            this text";
 
 /// The command line, parsed.
@@ -65,6 +68,7 @@ struct Options {
     text: Option<String>,
     checkpoint: bool,
     workspace: String,
+    distributed: bool,
 }
 
 impl Options {
@@ -84,6 +88,7 @@ impl Options {
             text: None,
             checkpoint: false,
             workspace: "planned".into(),
+            distributed: false,
         };
         let mut args = args;
         while let Some(flag) = args.next() {
@@ -92,6 +97,10 @@ impl Options {
             }
             if flag == "--checkpoint" {
                 o.checkpoint = true;
+                continue;
+            }
+            if flag == "--distributed" {
+                o.distributed = true;
                 continue;
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -350,11 +359,13 @@ impl Job {
 
 /// One step in the batch scope `b`: forward, loss on the counted positions, backward, AdamW.
 /// Returns the loss and the batch scope's peak bytes.
+#[allow(clippy::too_many_arguments)] // the step's parts, each borrowed differently
 fn train_step<'m: 'b, 'b>(
     b: &'b Scope<'b>,
     model: &mut Gpt<'m>,
     opt: &mut Adam<'m>,
     precision: &mut common::Precision,
+    ddp: Option<&DataParallel<'_>>,
     task: &dyn Task,
     batch: &(Vec<i64>, Vec<i64>),
     o: &Options,
@@ -371,7 +382,14 @@ fn train_step<'m: 'b, 'b>(
         .narrow(1, first, counted)?
         .reshape(&[size * counted, task.vocab()])?
         .cross_entropy(&targets)?;
-    precision.backward_and_step(&tape, &loss, |grads| opt.step(model, grads))?;
+    let scaled = precision.scale(&loss)?;
+    let mut grads = match ddp {
+        Some(ddp) => ddp.backward(&*model, &tape, Ok(scaled))?, // averaged over the ranks
+        None => tape.backward(&scaled)?,
+    };
+    if precision.unscale(&mut grads)? {
+        opt.step(model, &grads)?;
+    }
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 
@@ -460,12 +478,22 @@ fn sample<'m>(
 }
 
 fn run(o: &Options) -> Result<()> {
+    let group = if o.distributed {
+        ProcessGroup::mpi()?
+    } else {
+        ProcessGroup::single()
+    };
+    let (rank, world) = (group.rank(), group.world_size());
+    // Rank 0 speaks for the job.
+    macro_rules! say {
+        ($($arg:tt)*) => { if rank == 0 { println!($($arg)*) } };
+    }
     let started = Instant::now();
     let mut rng = Rng(o.seed);
     let job = match &o.text {
         Some(path) => {
             let text = Text::load(path, o.context)?;
-            println!(
+            say!(
                 "data: {path}: {} characters, {} distinct",
                 text.ids.len(),
                 text.chars.len()
@@ -474,7 +502,7 @@ fn run(o: &Options) -> Result<()> {
         }
         None => {
             let add = Addition::new(&mut rng);
-            println!(
+            say!(
                 "data: two-digit addition, {} training problems, {} held out (never trained on)",
                 add.train.len(),
                 add.held_out.len()
@@ -483,6 +511,16 @@ fn run(o: &Options) -> Result<()> {
         }
     };
     let task = job.task();
+    if o.distributed {
+        // The same problems on every rank (drawn above from the shared seed), each rank's own batches.
+        rng = Rng(o.seed ^ (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        say!(
+            "distributed: {world} ranks over {}, {} sequences per rank and step (global batch {})",
+            group.transport_name(),
+            o.batch_size,
+            o.batch_size * world
+        );
+    }
     let steps = o.steps.unwrap_or(match job {
         Job::Addition(_) => 1000,
         Job::Text(_) => 3000,
@@ -500,10 +538,17 @@ fn run(o: &Options) -> Result<()> {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
             let mut model = Gpt::new(m, task.vocab(), task.context(), o)?;
+            // Every rank built the same model; rank 0's initial values become everyone's.
+            let ddp = if o.distributed {
+                Some(DataParallel::new(&group, &mut model)?)
+            } else {
+                None
+            };
+            let mut sync_seconds = 0.0;
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 0.01))?;
             // From here on a tensor made in the model scope while a step runs is an error, not a leak.
             m.set_strict(true);
-            println!(
+            say!(
                 "model: {} blocks of width {}, {} heads, context {}, {} parameters; AdamW, batch {}, \
                  lr {} (warm-up {} steps, cosine to {}), {} steps, {}, seed {}{}; batch scope: {}",
                 o.layers,
@@ -535,12 +580,17 @@ fn run(o: &Options) -> Result<()> {
                 let step_started = Instant::now();
                 let (loss, peak) = match &mut ws {
                     Some(ws) => m.workspace(ws, |b| {
-                        train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o)
+                        train_step(b, &mut model, &mut opt, &mut precision, ddp.as_ref(), task, &batch, o)
                     })?,
                     None => m.named_scope("batch", |b| {
-                        train_step(b, &mut model, &mut opt, &mut precision, task, &batch, o)
+                        train_step(b, &mut model, &mut opt, &mut precision, ddp.as_ref(), task, &batch, o)
                     })?,
                 };
+                if let Some(ddp) = &ddp
+                    && step >= WARM_UP_STEPS
+                {
+                    sync_seconds += ddp.last_sync().seconds;
+                }
                 if step >= WARM_UP_STEPS {
                     training += step_started.elapsed();
                 }
@@ -555,7 +605,7 @@ fn run(o: &Options) -> Result<()> {
                         ),
                         Job::Text(_) => String::new(),
                     };
-                    println!(
+                    say!(
                         "step {:>5}  loss {:.4}{quality}  | model: {} tensors, {} B live | \
                          batch: peak {} B, {} allocs/step, {} from system | {:.0} s",
                         step + 1,
@@ -572,10 +622,21 @@ fn run(o: &Options) -> Result<()> {
                 }
             }
             let end = m.stats();
-            println!(
+            let timed = steps.saturating_sub(WARM_UP_STEPS) as f64;
+            say!(
                 "\ntraining: {:.0} steps/s after the first {WARM_UP_STEPS} (the loss read back every step)",
-                steps.saturating_sub(WARM_UP_STEPS) as f64 / training.as_secs_f64()
+                timed / training.as_secs_f64()
             );
+            if let Some(ddp) = &ddp {
+                let last = ddp.last_sync();
+                say!(
+                    "all-reduce: {:.2} ms/step, {:.0}% of the step ({} bucket(s), {} B per step)",
+                    sync_seconds * 1e3 / timed,
+                    sync_seconds / training.as_secs_f64() * 100.0,
+                    last.buckets,
+                    last.bytes
+                );
+            }
             let arena = ws.as_ref().map_or_else(String::new, |ws| {
                 format!(
                     "; workspace arena {} B after {} cycles ({} spills in the last)",
@@ -584,7 +645,7 @@ fn run(o: &Options) -> Result<()> {
                     ws.last_cycle_spills()
                 )
             });
-            println!(
+            say!(
                 "model scope: {} live bytes at the start, {} at the end{arena}; batch scope peak {} B; \
                  process peak resident (VmHWM) {} MiB",
                 model_at_start.live_bytes,
@@ -593,28 +654,28 @@ fn run(o: &Options) -> Result<()> {
                 common::status_bytes("VmHWM").unwrap_or(0) >> 20
             );
             if let Some(line) = ws.as_ref().and_then(common::plan_summary) {
-                println!("{line}");
+                say!("{line}");
             }
             if let Some(line) = precision.report() {
-                println!("{line}");
+                say!("{line}");
             }
             match &job {
                 Job::Addition(add) => {
                     let (acc, shown) = held_out_accuracy(m, &model, add, &precision)?;
-                    println!("held-out exact match: {:.1}%; completions:", acc * 100.0);
+                    say!("held-out exact match: {:.1}%; completions:", acc * 100.0);
                     for line in shown {
-                        println!("  {line}");
+                        say!("  {line}");
                     }
                 }
                 Job::Text(text) => {
-                    println!("sample:\n{}", sample(m, &model, text, &mut rng, 300, &precision)?);
+                    say!("sample:\n{}", sample(m, &model, text, &mut rng, 300, &precision)?);
                 }
             }
-            println!("\nscope tree at the end of training:\n{}", s.dump());
+            say!("\nscope tree at the end of training:\n{}", s.dump());
             Ok::<_, Error>(())
         })
     })?;
-    println!("done in {:.1} s", started.elapsed().as_secs_f64());
+    say!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 

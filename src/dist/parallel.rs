@@ -218,6 +218,16 @@ impl<'g> DataParallel<'g> {
             flat_grads.push(g.clone());
         }
         let buckets = plan_buckets(&flat_grads, self.bucket_bytes);
+        if self.group.world_size() == 1 {
+            // The mean over one rank is its own gradient: nothing to move.
+            self.last.set(SyncReport {
+                buckets: buckets.len(),
+                bytes: buckets.iter().map(|b| b.elements * b.dtype.size()).sum(),
+                seconds: begin.elapsed().as_secs_f64(),
+                waited_seconds: 0.0,
+            });
+            return Ok(());
+        }
         let location = std::panic::Location::caller();
         let mut flats = buckets
             .iter()
