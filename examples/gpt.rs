@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use ndscope::dist::{DataParallel, ProcessGroup};
+use ndscope::dist::DataParallel;
 use ndscope::nn::{
     AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
     PositionalEmbedding, TransformerBlock,
@@ -478,11 +478,7 @@ fn sample<'m>(
 }
 
 fn run(o: &Options) -> Result<()> {
-    let group = if o.distributed {
-        ProcessGroup::mpi()?
-    } else {
-        ProcessGroup::single()
-    };
+    let group = common::process_group(o.distributed)?;
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job.
     macro_rules! say {

@@ -18,7 +18,7 @@ use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use ndscope::data::{Batch, Dataset, Loader};
-use ndscope::dist::{DataParallel, ProcessGroup};
+use ndscope::dist::DataParallel;
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, root};
@@ -266,11 +266,7 @@ fn load_data(o: &Options) -> Result<(Dataset, Dataset, String)> {
 }
 
 fn run(o: &Options) -> Result<()> {
-    let group = if o.distributed {
-        ProcessGroup::mpi()?
-    } else {
-        ProcessGroup::single()
-    };
+    let group = common::process_group(o.distributed)?;
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job; every rank prints its own figures at the end.
     macro_rules! say {

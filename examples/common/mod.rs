@@ -180,3 +180,14 @@ pub fn status_bytes(field: &str) -> Option<usize> {
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
+
+#[allow(dead_code)] // only the examples that train data-parallel call it
+/// The examples' `--distributed`: the MPI job `mpirun` launched (with the `mpi` feature), else a
+/// world of one.
+pub fn process_group(distributed: bool) -> ndscope::Result<ndscope::dist::ProcessGroup> {
+    if distributed {
+        ndscope::dist::ProcessGroup::mpi()
+    } else {
+        Ok(ndscope::dist::ProcessGroup::single())
+    }
+}

@@ -12,8 +12,10 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 
-use super::Reduce;
+use std::panic::Location;
+
 use super::group::{ProcessGroup, Started};
+use super::{Reduce, operands};
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -111,13 +113,7 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     ) -> Result<Pending<'_, 'f, 'g>> {
         let op = "all_reduce";
         reduce.check(t.dtype())?;
-        let src = if t.is_contiguous() {
-            t.clone()
-        } else {
-            t.contiguous()?
-        };
-        let mut out =
-            Tensor::output_of(&[&*t], t.dtype(), t.shape(), std::panic::Location::caller())?;
+        let (src, mut out) = operands(t, t.shape(), Location::caller())?;
         let started = self.group.transport_all_reduce(
             src.host_bytes(op)?,
             out.host_bytes_mut(op)?,
@@ -169,14 +165,9 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     #[track_caller]
     pub fn all_gather<'s: 'f>(&self, t: &'f Tensor<'s>) -> Result<Gathering<'_, 'f, 'g, 's>> {
         let op = "all_gather";
-        let src = if t.is_contiguous() {
-            t.clone()
-        } else {
-            t.contiguous()?
-        };
         let mut shape = vec![self.group.world_size()];
         shape.extend_from_slice(t.shape());
-        let mut out = Tensor::output_of(&[t], t.dtype(), &shape, std::panic::Location::caller())?;
+        let (src, mut out) = operands(t, &shape, Location::caller())?;
         let started = self
             .group
             .transport_all_gather(src.host_bytes(op)?, out.host_bytes_mut(op)?)?;

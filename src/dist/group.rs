@@ -6,8 +6,8 @@ use std::panic::{self, AssertUnwindSafe, Location};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use super::Reduce;
 use super::flight::Flight;
+use super::{Reduce, operands};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -262,18 +262,13 @@ impl ProcessGroup {
     /// on every rank). Every rank must call it with the same shape and dtype.
     ///
     /// # Errors
-    /// [`Error::NotOnHost`] for a GPU tensor; [`Error::UnsupportedDType`] for a dtype the reduction
-    /// does not take (sums of `i64`); allocation errors.
+    /// [`Error::NotOnHost`] for a GPU tensor; [`Error::UnsupportedDType`] for a reduction the dtype
+    /// does not take (a mean of `i64`, a max of 16-bit floats); allocation errors.
     #[track_caller]
     pub fn all_reduce<'s>(&self, t: &Tensor<'s>, reduce: Reduce) -> Result<Tensor<'s>> {
         let op = "all_reduce";
         reduce.check(t.dtype())?;
-        let src = if t.is_contiguous() {
-            t.clone()
-        } else {
-            t.contiguous()?
-        };
-        let mut out = Tensor::output_of(&[t], t.dtype(), t.shape(), Location::caller())?;
+        let (src, mut out) = operands(t, t.shape(), Location::caller())?;
         let (send, recv) = (src.host_bytes(op)?, out.host_bytes_mut(op)?);
         match &self.transport {
             Transport::Single => recv.copy_from_slice(send),

@@ -15,8 +15,11 @@
 //! GPU tensors are refused ([`Error::NotOnHost`](crate::Error::NotOnHost)): collectives over NCCL
 //! are not built yet; copy to the host (`to_device(Device::Cpu)`) to all-reduce through MPI.
 
+use std::panic::Location;
+
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 mod flight;
 mod group;
@@ -61,4 +64,20 @@ impl Reduce {
             })
         }
     }
+}
+
+/// A collective's operands: `t`'s elements contiguous (`t` itself when it already is), and a fresh
+/// host output of `shape` in `t`'s scope for the result.
+pub(crate) fn operands<'s>(
+    t: &Tensor<'s>,
+    shape: &[usize],
+    at: &'static Location<'static>,
+) -> Result<(Tensor<'s>, Tensor<'s>)> {
+    let src = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let out = Tensor::output_of(&[t], t.dtype(), shape, at)?;
+    Ok((src, out))
 }

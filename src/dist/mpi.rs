@@ -37,6 +37,14 @@ pub(crate) struct Requests(Vec<ffi::MPI_Request>);
 /// The largest element count one MPI call takes.
 const MAX_COUNT: usize = c_int::MAX as usize;
 
+/// `(start, count)` of the pieces of `n` elements one MPI call each takes; one empty piece for 0.
+fn chunks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n.div_ceil(MAX_COUNT).max(1)).map(move |i| {
+        let start = i * MAX_COUNT;
+        (start, (n - start).min(MAX_COUNT))
+    })
+}
+
 /// The handle an MPI call writes through its out-pointer.
 ///
 /// # Safety
@@ -212,9 +220,7 @@ impl Mpi {
     ) -> Result<Requests> {
         let (datatype, op) = self.reduction(dtype, reduce)?;
         let mut requests = Vec::with_capacity(elements.div_ceil(MAX_COUNT).max(1));
-        let mut start = 0;
-        while start < elements || requests.is_empty() {
-            let count = (elements - start).min(MAX_COUNT);
+        for (start, count) in chunks(elements) {
             let at = start * dtype.size();
             // SAFETY: by the caller's contract the chunk `at..at + count * size` is in both
             // buffers and stays valid until the request completes; the handles are valid.
@@ -232,7 +238,6 @@ impl Mpi {
                 })?
             };
             requests.push(request);
-            start += count;
         }
         Ok(Requests(requests))
     }
@@ -253,9 +258,7 @@ impl Mpi {
         reduce: Reduce,
     ) -> Result<()> {
         let (datatype, op) = self.reduction(dtype, reduce)?;
-        let mut start = 0;
-        while start < elements {
-            let count = (elements - start).min(MAX_COUNT);
+        for (start, count) in chunks(elements) {
             let at = start * dtype.size();
             // SAFETY: by the caller's contract the chunk is in both buffers; the handles are valid.
             unsafe {
@@ -271,7 +274,6 @@ impl Mpi {
                     ),
                 )?;
             }
-            start += count;
         }
         Ok(())
     }
@@ -287,9 +289,7 @@ impl Mpi {
         root: usize,
     ) -> Result<Requests> {
         let mut requests = Vec::with_capacity(bytes.div_ceil(MAX_COUNT).max(1));
-        let mut start = 0;
-        while start < bytes || requests.is_empty() {
-            let count = (bytes - start).min(MAX_COUNT);
+        for (start, count) in chunks(bytes) {
             // SAFETY: by the caller's contract the chunk is valid until the request completes; the
             // root is a rank of the communicator (the caller checked it).
             let request = unsafe {
@@ -305,7 +305,6 @@ impl Mpi {
                 })?
             };
             requests.push(request);
-            start += count;
         }
         Ok(Requests(requests))
     }
