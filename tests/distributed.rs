@@ -80,6 +80,11 @@ fn main() {
             "rank_zero_writes_the_checkpoint_every_rank_loads_it",
             checkpoint_on_root,
         ),
+        #[cfg(feature = "cuda")]
+        (
+            "gpu_tensors_reduce_through_nccl_as_host_ones_through_mpi",
+            gpu_like_host,
+        ),
     ];
     let (rank, world) = (group.rank(), group.world_size());
     let mut failed = 0;
@@ -771,4 +776,81 @@ fn vanishing_peer(group: &ProcessGroup, fault: &str) {
         }
     });
     println!("rank 0: the all-reduce returned ({outcome:?}) although no peer joined it");
+}
+
+/// Every GPU collective against the same collective of host tensors, and a data-parallel step on
+/// GPU parameters against the same step on the host (needs a GPU per rank and NCCL; skipped, saying
+/// why, without them).
+#[cfg(feature = "cuda")]
+fn gpu_like_host(group: &ProcessGroup) -> Result<()> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let device = Device::Cuda(group.local_rank());
+    if let Err(e) = device.check_available() {
+        println!("rank {rank}: GPU collectives skipped: {e}");
+        return Ok(());
+    }
+    let close = |a: &[f64], b: &[f64], tol: f64, what: &str| {
+        check(
+            a.iter()
+                .zip(b)
+                .all(|(x, y)| (x - y).abs() <= tol * y.abs().max(1.0)),
+            || format!("{what}: GPU {a:?} vs host {b:?}"),
+        )
+    };
+    root(Device::Cpu, |host| {
+        root(device, |gpu| {
+            for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+                let mine = host
+                    .from_slice(&rank_values(rank, 33), &[33])?
+                    .to_dtype(dtype)?;
+                let on_gpu = mine.to_device(gpu.device())?;
+                let tol = if dtype.is_half() { 1e-2 } else { 1e-6 };
+                for reduce in [Reduce::Sum, Reduce::Mean] {
+                    let want = group.all_reduce(&mine, reduce)?.to_vec_f64()?;
+                    let got = group.all_reduce(&on_gpu, reduce)?.to_vec_f64()?;
+                    close(&got, &want, tol, &format!("{dtype:?} {reduce:?}"))?;
+                }
+            }
+            let mut t = gpu.from_slice(&rank_values(rank, 5), &[5])?;
+            group.broadcast_(&mut t, world - 1)?;
+            close(
+                &t.to_vec_f64()?,
+                &rank_values(world - 1, 5),
+                0.0,
+                "broadcast",
+            )?;
+            let mine = gpu.from_slice(&rank_values(rank, 4), &[4])?;
+            let all = group.all_gather(&mine)?.to_vec_f64()?;
+            let want: Vec<f64> = (0..world).flat_map(|r| rank_values(r, 4)).collect();
+            close(&all, &want, 0.0, "all_gather")?;
+            let mut a = gpu.ones(&[8])?;
+            group.in_flight(|flight| flight.all_reduce(&mut a, Reduce::Sum).map(drop))?;
+            close(&a.to_vec_f64()?, &[world as f64; 8], 0.0, "in flight")?;
+            // One data-parallel step, on the GPU and on the host.
+            let data = dataset();
+            let (x, y) = shard_batch(&data, rank, world, 0)?;
+            let step = |s: &Scope<'_>| -> Result<Vec<Vec<f64>>> {
+                // The same values in `s`, whichever device it is on.
+                let mut params = model(host, 13, DType::F64)?
+                    .iter()
+                    .map(|p| s.from_slice(&p.to_vec::<f64>()?, p.shape()))
+                    .collect::<Result<Vec<_>>>()?;
+                let ddp = DataParallel::new(group, &mut params)?;
+                s.scope(|b| {
+                    let tape = Tape::new(b);
+                    let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
+                    let labels = b.from_slice(&y, &[y.len()])?;
+                    let grads = ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))?;
+                    grads_of(&grads, &params)
+                })
+            };
+            let (on_gpu, on_host) = (step(gpu)?, step(host)?);
+            close(
+                &on_gpu.concat(),
+                &on_host.concat(),
+                1e-10,
+                "data-parallel gradients",
+            )
+        })
+    })
 }

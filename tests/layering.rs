@@ -28,7 +28,8 @@ const LAYERS: &[&[&str]] = &[
 ];
 
 /// Modules that may name the backend.
-const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops", "replay"];
+/// `dist` hands GPU buffers to NCCL as `ops` hands them to kernels (docs/design.md, issue 25).
+const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops", "replay", "dist"];
 
 fn layer(module: &str) -> Option<usize> {
     LAYERS.iter().position(|l| l.contains(&module))

@@ -506,6 +506,18 @@ thread_local! {
 /// A step captured on a GPU's stream (uninhabited without the `cuda` feature).
 pub(crate) use cuda::Graph;
 
+/// A process's NCCL communicator on one GPU, and the unique id rank 0 makes for it (uninhabited and
+/// refused without the `cuda` feature).
+pub(crate) use cuda::{Nccl, nccl_unique_id};
+
+/// How an NCCL all-reduce combines the ranks' values (a mean is a sum its caller divides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NcclReduce {
+    Sum,
+    Max,
+    Min,
+}
+
 /// Starts capturing the stream of `device` (a GPU) on this thread: from now until
 /// [`end_capture`], its kernels and copies are recorded, not run.
 pub(crate) fn begin_capture(device: Device) -> Result<()> {

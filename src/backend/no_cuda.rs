@@ -82,3 +82,59 @@ pub(crate) unsafe fn copy_from_device(
 ) -> Result<()> {
     Err(unavailable(ordinal))
 }
+
+/// An NCCL communicator: none exist in this build.
+pub(crate) enum Nccl {}
+
+/// Refused: no GPU opens in this build.
+pub(crate) fn nccl_unique_id(ordinal: usize) -> Result<[u8; 128]> {
+    Err(unavailable(ordinal))
+}
+
+impl Nccl {
+    /// Refused: no GPU opens in this build.
+    pub(crate) fn new(
+        ordinal: usize,
+        _rank: usize,
+        _world: usize,
+        _id: &[u8; 128],
+    ) -> Result<Nccl> {
+        Err(unavailable(ordinal))
+    }
+
+    /// Never called: no communicator exists.
+    pub(crate) fn ordinal(&self) -> usize {
+        match *self {}
+    }
+
+    /// Never called: no communicator exists.
+    ///
+    /// # Safety
+    /// None needed; the signature matches the CUDA backend's.
+    pub(crate) unsafe fn all_reduce(
+        &self,
+        _send: u64,
+        _recv: u64,
+        _elements: usize,
+        _dtype: crate::dtype::DType,
+        _reduce: crate::backend::NcclReduce,
+    ) -> Result<()> {
+        match *self {}
+    }
+
+    /// Never called: no communicator exists.
+    ///
+    /// # Safety
+    /// None needed; the signature matches the CUDA backend's.
+    pub(crate) unsafe fn broadcast(&self, _buf: u64, _bytes: usize, _root: usize) -> Result<()> {
+        match *self {}
+    }
+
+    /// Never called: no communicator exists.
+    ///
+    /// # Safety
+    /// None needed; the signature matches the CUDA backend's.
+    pub(crate) unsafe fn all_gather(&self, _send: u64, _recv: u64, _bytes: usize) -> Result<()> {
+        match *self {}
+    }
+}

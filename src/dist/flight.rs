@@ -16,6 +16,7 @@ use std::panic::Location;
 
 use super::group::{ProcessGroup, Started};
 use super::{Reduce, operands};
+use crate::device::Device;
 use crate::error::Result;
 use crate::tensor::Tensor;
 
@@ -103,7 +104,7 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// result (a new tensor of its scope). `t` stays borrowed until the flight ends.
     ///
     /// # Errors
-    /// [`Error::NotOnHost`] for a GPU tensor; [`Error::UnsupportedDType`] for a reduction the dtype
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; [`Error::UnsupportedDType`] for a reduction the dtype
     /// does not take (a mean of `i64`, a max of 16-bit floats); allocation errors.
     #[track_caller]
     pub fn all_reduce<'s: 'f>(
@@ -113,6 +114,12 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     ) -> Result<Pending<'_, 'f, 'g>> {
         let op = "all_reduce";
         reduce.check(t.dtype())?;
+        if t.device() != Device::Cpu {
+            // NCCL enqueues it on the GPU's stream, ahead of anything that later reads the result:
+            // in flight by construction, and `t` stays borrowed all the same.
+            let out = self.group.all_reduce(t, reduce)?;
+            return Ok(self.done(op, move || *t = out));
+        }
         let (src, mut out) = operands(t, t.shape(), Location::caller())?;
         let started = self.group.transport_all_reduce(
             src.host_bytes(op)?,
@@ -140,12 +147,16 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// flight ends.
     ///
     /// # Errors
-    /// [`Error::Distributed`] when `root` is not a rank; [`Error::NotOnHost`] for a GPU tensor.
+    /// [`Error::Distributed`] when `root` is not a rank; [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing.
     pub fn broadcast<'s: 'f>(
         &self,
         t: &'f mut Tensor<'s>,
         root: usize,
     ) -> Result<Pending<'_, 'f, 'g>> {
+        if t.device() != Device::Cpu {
+            self.group.broadcast_(t, root)?; // on the GPU's stream, as for `all_reduce`
+            return Ok(self.done("broadcast", || ()));
+        }
         let started = self
             .group
             .transport_broadcast(t.host_bytes_mut("broadcast")?, root)?;
@@ -161,10 +172,15 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// scope, in rank order. `t` stays borrowed (readable, not writable) until the flight ends.
     ///
     /// # Errors
-    /// [`Error::NotOnHost`] for a GPU tensor; allocation errors.
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; allocation errors.
     #[track_caller]
     pub fn all_gather<'s: 'f>(&self, t: &'f Tensor<'s>) -> Result<Gathering<'_, 'f, 'g, 's>> {
         let op = "all_gather";
+        if t.device() != Device::Cpu {
+            let out = self.group.all_gather(t)?; // on the GPU's stream, as for `all_reduce`
+            let pending = self.done(op, || ());
+            return Ok(Gathering { pending, out });
+        }
         let mut shape = vec![self.group.world_size()];
         shape.extend_from_slice(t.shape());
         let (src, mut out) = operands(t, &shape, Location::caller())?;
@@ -181,6 +197,19 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
             }),
         });
         Ok(Gathering { pending, out })
+    }
+
+    /// An entry for a collective already ordered on a GPU's stream: complete for the host, with
+    /// `finish` to run when it is waited for.
+    fn done(&self, op: &'static str, finish: impl FnOnce() + 'f) -> Pending<'_, 'f, 'g> {
+        self.push(Entry {
+            op,
+            started: Started::Done,
+            finish: Box::new(move || {
+                finish();
+                Ok(())
+            }),
+        })
     }
 
     /// Moves every started collective on without waiting (MPI progresses non-blocking

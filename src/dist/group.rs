@@ -1,6 +1,6 @@
 //! The process group: which rank this process is, and the collectives that run across all of them.
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, Ref, RefCell};
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe, Location};
 use std::path::Path;
@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::flight::Flight;
 use super::{Reduce, operands};
+use crate::backend::{Nccl, NcclReduce, nccl_unique_id};
 use crate::checkpoint;
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
@@ -49,6 +51,9 @@ use std::sync::{Arc, Mutex};
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 pub struct ProcessGroup {
+    /// The NCCL communicator for GPU tensors, made at the first collective on one (dropped before
+    /// MPI is finalized).
+    nccl: RefCell<Option<Nccl>>,
     transport: Transport,
     timeout: Cell<Duration>,
     /// Seconds spent waiting for collectives to complete, since the group started.
@@ -145,6 +150,7 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 impl ProcessGroup {
     fn with(transport: Transport) -> ProcessGroup {
         ProcessGroup {
+            nccl: RefCell::new(None),
             transport,
             timeout: Cell::new(DEFAULT_TIMEOUT),
             waited: Cell::new(0.0),
@@ -262,16 +268,48 @@ impl ProcessGroup {
     /// on every rank). Every rank must call it with the same shape and dtype.
     ///
     /// # Errors
-    /// [`Error::NotOnHost`] for a GPU tensor; [`Error::UnsupportedDType`] for a reduction the dtype
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; [`Error::UnsupportedDType`] for a reduction the dtype
     /// does not take (a mean of `i64`, a max of 16-bit floats); allocation errors.
     #[track_caller]
     pub fn all_reduce<'s>(&self, t: &Tensor<'s>, reduce: Reduce) -> Result<Tensor<'s>> {
         let op = "all_reduce";
         reduce.check(t.dtype())?;
         let (src, mut out) = operands(t, t.shape(), Location::caller())?;
+        if let Device::Cuda(ordinal) = t.device() {
+            let ((_, send), (_, recv)) = (src.device_address(op)?, out.device_address_mut(op)?);
+            let nccl = self.nccl(op, ordinal)?;
+            let reduce = match reduce {
+                Reduce::Sum | Reduce::Mean => NcclReduce::Sum,
+                Reduce::Max => NcclReduce::Max,
+                Reduce::Min => NcclReduce::Min,
+            };
+            // SAFETY: both are live blocks of this GPU; `src` and `out` free them stream-ordered,
+            // after the collective, and nothing else holds `out` yet.
+            unsafe { nccl.all_reduce(send, recv, src.numel(), src.dtype(), reduce)? };
+            drop(src);
+        } else {
+            self.host_all_reduce(op, &src, &mut out, reduce)?;
+        }
+        if reduce == Reduce::Mean && self.world_size() > 1 {
+            out.mul_scalar_(1.0 / self.world_size() as f64)?;
+        }
+        Ok(out)
+    }
+
+    /// `all_reduce` of host tensors: MPI's blocking call under the watchdog.
+    fn host_all_reduce(
+        &self,
+        op: &'static str,
+        src: &Tensor<'_>,
+        out: &mut Tensor<'_>,
+        reduce: Reduce,
+    ) -> Result<()> {
         let (send, recv) = (src.host_bytes(op)?, out.host_bytes_mut(op)?);
         match &self.transport {
-            Transport::Single => recv.copy_from_slice(send),
+            Transport::Single => {
+                let _ = reduce; // over one rank every reduction is the identity
+                recv.copy_from_slice(send);
+            }
             #[cfg(feature = "mpi")]
             Transport::Mpi(m) => self.watched(op, || {
                 // SAFETY: both buffers are borrowed for the whole call, which returns when the
@@ -287,10 +325,41 @@ impl ProcessGroup {
                 }
             })?,
         }
-        if reduce == Reduce::Mean && self.world_size() > 1 {
-            out.mul_scalar_(1.0 / self.world_size() as f64)?;
+        Ok(())
+    }
+
+    /// This rank's NCCL communicator, on GPU `ordinal`: made at the first collective on a GPU
+    /// tensor (every rank makes it at the same collective, rank 0's unique id sent over MPI).
+    fn nccl(&self, op: &'static str, ordinal: usize) -> Result<Ref<'_, Nccl>> {
+        if self.nccl.borrow().is_none() {
+            // Every rank checks its GPU and rank 0 makes the id before anyone waits in NCCL's
+            // start, so a rank without a GPU or NCCL stops them all with its reason.
+            let ready = Device::Cuda(ordinal).check_available().and_then(|()| {
+                if self.is_root() {
+                    nccl_unique_id(ordinal).map(|id| id.to_vec())
+                } else {
+                    Ok(vec![0; 128])
+                }
+            });
+            let id = self.agree(op, ready)?;
+            let id = self.exchange_bytes(op, id, 0)?;
+            let id: [u8; 128] = id.try_into().expect("128 bytes from every rank");
+            let comm = Nccl::new(ordinal, self.rank(), self.world_size(), &id)?;
+            *self.nccl.borrow_mut() = Some(comm);
         }
-        Ok(out)
+        let nccl = Ref::map(self.nccl.borrow(), |n| n.as_ref().expect("made above"));
+        if nccl.ordinal() != ordinal {
+            return Err(Error::Distributed {
+                op,
+                reason: format!(
+                    "this rank's GPU collectives run on cuda:{}, and this tensor is on cuda:{ordinal}; \
+                     NCCL gives each process one GPU: keep a rank's tensors on \
+                     Device::Cuda(group.local_rank())",
+                    nccl.ordinal()
+                ),
+            });
+        }
+        Ok(nccl)
     }
 
     /// [`all_reduce`](Self::all_reduce) into `t` (its handle then names the result).
@@ -306,17 +375,50 @@ impl ProcessGroup {
     /// Overwrites `t` on every rank with rank `root`'s `t`.
     ///
     /// # Errors
-    /// [`Error::Distributed`] when `root` is not a rank; [`Error::NotOnHost`] for a GPU tensor.
+    /// [`Error::Distributed`] when `root` is not a rank; [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing.
     pub fn broadcast_(&self, t: &mut Tensor<'_>, root: usize) -> Result<()> {
+        if let Device::Cuda(ordinal) = t.device() {
+            self.check_root("broadcast", root)?;
+            let (_, buf) = t.device_address_mut("broadcast")?;
+            let nccl = self.nccl("broadcast", ordinal)?;
+            let bytes = t.numel() * t.dtype().size();
+            // SAFETY: `t`'s block is live and frees stream-ordered, after the collective; `t` is
+            // borrowed mutably for this call and unique after the copy-on-write step.
+            return unsafe { nccl.broadcast(buf, bytes, root) };
+        }
         self.in_flight(|flight| flight.broadcast(t, root).map(drop))
+    }
+
+    fn check_root(&self, op: &'static str, root: usize) -> Result<()> {
+        if root < self.world_size() {
+            return Ok(());
+        }
+        Err(Error::Distributed {
+            op,
+            reason: format!(
+                "root rank {root} is not a rank of this group of {} processes",
+                self.world_size()
+            ),
+        })
     }
 
     /// Every rank's `t`, stacked in rank order: `[world_size, ..t.shape()]`, in `t`'s scope.
     ///
     /// # Errors
-    /// [`Error::NotOnHost`] for a GPU tensor; allocation errors.
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; allocation errors.
     #[track_caller]
     pub fn all_gather<'s>(&self, t: &Tensor<'s>) -> Result<Tensor<'s>> {
+        if let Device::Cuda(ordinal) = t.device() {
+            let op = "all_gather";
+            let mut shape = vec![self.world_size()];
+            shape.extend_from_slice(t.shape());
+            let (src, mut out) = operands(t, &shape, Location::caller())?;
+            let ((_, send), (_, recv)) = (src.device_address(op)?, out.device_address_mut(op)?);
+            let nccl = self.nccl(op, ordinal)?;
+            // SAFETY: as in `all_reduce`.
+            unsafe { nccl.all_gather(send, recv, src.numel() * src.dtype().size())? };
+            return Ok(out);
+        }
         let mut out = None;
         self.in_flight(|flight| {
             out = Some(flight.all_gather(t)?.into_output());
@@ -402,15 +504,7 @@ impl ProcessGroup {
     /// # Errors
     /// [`Error::Distributed`] when `root` is not a rank; [`Error::CollectiveTimeout`].
     pub fn broadcast_string(&self, text: &str, root: usize) -> Result<String> {
-        if root >= self.world_size() {
-            return Err(Error::Distributed {
-                op: "broadcast_string",
-                reason: format!(
-                    "root rank {root} is not a rank of this group of {} processes",
-                    self.world_size()
-                ),
-            });
-        }
+        self.check_root("broadcast_string", root)?;
         self.broadcast_text("broadcast_string", text.to_string(), root)
     }
 
@@ -548,15 +642,7 @@ impl ProcessGroup {
     }
 
     pub(crate) fn transport_broadcast(&self, buf: &mut [u8], root: usize) -> Result<Started> {
-        if root >= self.world_size() {
-            return Err(Error::Distributed {
-                op: "broadcast",
-                reason: format!(
-                    "root rank {root} is not a rank of this group of {} processes",
-                    self.world_size()
-                ),
-            });
-        }
+        self.check_root("broadcast", root)?;
         match &self.transport {
             Transport::Single => {
                 let _ = buf; // rank 0's tensor is already everyone's

@@ -12,8 +12,9 @@
 //! touch them ([`ProcessGroup::in_flight`]): reading a gradient before its all-reduce completed, or
 //! closing the scope it lives in, does not compile.
 //!
-//! GPU tensors are refused ([`Error::NotOnHost`](crate::Error::NotOnHost)): collectives over NCCL
-//! are not built yet; copy to the host (`to_device(Device::Cpu)`) to all-reduce through MPI.
+//! GPU tensors go through NCCL (with the `cuda` feature; `libnccl` is loaded at run time), one GPU
+//! per process (`Device::Cuda(group.local_rank())`), enqueued on the GPU's stream: NCCL's unique id
+//! travels over MPI, as nccl-tests and Horovod do it.
 
 use std::panic::Location;
 

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use super::{ProcessGroup, Reduce};
 use crate::autograd::{Gradients, Tape, Var};
+use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
@@ -180,7 +181,7 @@ impl<'g> DataParallel<'g> {
     ///
     /// # Errors
     /// [`Error::Distributed`] when the ranks' gradients are not for the same parameters;
-    /// [`Error::NotOnHost`] for GPU gradients; allocation errors.
+    /// [`Error::DeviceUnavailable`] for GPU gradients when its GPU or NCCL is missing; allocation errors.
     #[track_caller]
     pub fn average<'m, P: Parameters<'m> + ?Sized>(
         &self,
@@ -207,6 +208,9 @@ impl<'g> DataParallel<'g> {
             }
         }
         self.check_same_gradients(op, &mask)?;
+        if order.first().is_some_and(|p| p.device() != Device::Cpu) {
+            return self.average_on_gpu(&order, grads, begin, waited_before);
+        }
         // Each gradient contiguous and in its block's own shape (the backward pass may leave one
         // strided).
         let mut flat_grads: Vec<Tensor<'_>> = Vec::with_capacity(order.len());
@@ -266,6 +270,30 @@ impl<'g> DataParallel<'g> {
             waited_seconds: self.group.waited_seconds() - waited_before,
         });
         flats.clear();
+        Ok(())
+    }
+
+    /// GPU gradients: one NCCL all-reduce per gradient, enqueued on the GPU's stream (the buckets
+    /// are the host path's: flattening them on a GPU is left for when it can be measured there).
+    fn average_on_gpu(
+        &self,
+        order: &[&Tensor<'_>],
+        grads: &mut Gradients<'_>,
+        begin: Instant,
+        waited_before: f64,
+    ) -> Result<()> {
+        let mut bytes = 0;
+        for p in order {
+            let g = grads.block_gradient_mut(p).expect("present");
+            bytes += g.numel() * g.dtype().size();
+            self.group.all_reduce_(g, Reduce::Mean)?;
+        }
+        self.last.set(SyncReport {
+            buckets: order.len(),
+            bytes,
+            seconds: begin.elapsed().as_secs_f64(),
+            waited_seconds: self.group.waited_seconds() - waited_before,
+        });
         Ok(())
     }
 

@@ -410,6 +410,43 @@ impl<'s> Tensor<'s> {
         Ok(&mut self.dst().buf.bytes()[at..at + n])
     }
 
+    /// The GPU ordinal and the device address of the first element of a contiguous GPU tensor, for
+    /// a transport that reads it (NCCL's send side).
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedOnDevice`] for a host tensor, [`Error::NotContiguous`], and
+    /// [`Error::InsideCapture`] while the GPU is captured.
+    pub(crate) fn device_address(&self, op: &'static str) -> Result<(usize, u64)> {
+        let Device::Cuda(ordinal) = self.device() else {
+            return Err(Error::UnsupportedOnDevice {
+                op,
+                device: self.device().to_string(),
+            });
+        };
+        self.refuse_inside_capture(op, "a collective between processes")?;
+        if !self.is_contiguous() {
+            return Err(Error::NotContiguous {
+                op,
+                shape: self.shape().to_vec(),
+                strides: self.strides().to_vec(),
+            });
+        }
+        let offset = (self.layout.offset() * self.dtype.size()) as u64;
+        Ok((ordinal, self.src().buf.address() + offset))
+    }
+
+    /// As [`device_address`](Self::device_address), for a transport that writes the tensor (after
+    /// the copy-on-write step).
+    ///
+    /// # Errors
+    /// As for [`device_address`](Self::device_address); allocation errors of the copy.
+    pub(crate) fn device_address_mut(&mut self, op: &'static str) -> Result<(usize, u64)> {
+        if self.device() != Device::Cpu {
+            self.make_unique_contiguous()?;
+        }
+        self.device_address(op)
+    }
+
     pub(crate) fn check_dtype<T: Element>(&self, op: &'static str) -> Result<()> {
         if T::DTYPE != self.dtype {
             return Err(Error::ElementType {

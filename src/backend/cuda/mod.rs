@@ -12,6 +12,7 @@ mod blas;
 mod graph;
 mod kernels;
 mod memory;
+mod nccl;
 mod ops;
 mod paged;
 mod transfer;
@@ -30,6 +31,7 @@ use crate::error::{Error, Result};
 
 pub(crate) use graph::{Graph, begin_capture, end_capture};
 pub(crate) use memory::{alloc, free};
+pub(crate) use nccl::{Nccl, nccl_unique_id};
 pub(crate) use transfer::{copy_from_device, copy_to_device};
 
 /// What the backend holds for one GPU.
