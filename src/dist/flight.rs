@@ -104,8 +104,10 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// result (a new tensor of its scope). `t` stays borrowed until the flight ends.
     ///
     /// # Errors
-    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; [`Error::UnsupportedDType`] for a reduction the dtype
-    /// does not take (a mean of `i64`, a max of 16-bit floats); allocation errors.
+    /// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) for a GPU tensor when its GPU
+    /// or NCCL is missing; [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) for a
+    /// reduction the dtype does not take (a mean of `i64`, a max of 16-bit floats); allocation
+    /// errors.
     #[track_caller]
     pub fn all_reduce<'s: 'f>(
         &self,
@@ -147,7 +149,9 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// flight ends.
     ///
     /// # Errors
-    /// [`Error::Distributed`] when `root` is not a rank; [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing.
+    /// [`Error::Distributed`](crate::Error::Distributed) when `root` is not a rank;
+    /// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) for a GPU tensor when its GPU
+    /// or NCCL is missing.
     pub fn broadcast<'s: 'f>(
         &self,
         t: &'f mut Tensor<'s>,
@@ -172,7 +176,8 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
     /// scope, in rank order. `t` stays borrowed (readable, not writable) until the flight ends.
     ///
     /// # Errors
-    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; allocation errors.
+    /// [`Error::DeviceUnavailable`](crate::Error::DeviceUnavailable) for a GPU tensor when its GPU
+    /// or NCCL is missing; allocation errors.
     #[track_caller]
     pub fn all_gather<'s: 'f>(&self, t: &'f Tensor<'s>) -> Result<Gathering<'_, 'f, 'g, 's>> {
         let op = "all_gather";

@@ -268,8 +268,9 @@ impl ProcessGroup {
     /// on every rank). Every rank must call it with the same shape and dtype.
     ///
     /// # Errors
-    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; [`Error::UnsupportedDType`] for a reduction the dtype
-    /// does not take (a mean of `i64`, a max of 16-bit floats); allocation errors.
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is
+    /// missing; [`Error::UnsupportedDType`] for a reduction the dtype does not take (a mean of
+    /// `i64`, a max of 16-bit floats); allocation errors.
     #[track_caller]
     pub fn all_reduce<'s>(&self, t: &Tensor<'s>, reduce: Reduce) -> Result<Tensor<'s>> {
         let op = "all_reduce";
@@ -375,7 +376,8 @@ impl ProcessGroup {
     /// Overwrites `t` on every rank with rank `root`'s `t`.
     ///
     /// # Errors
-    /// [`Error::Distributed`] when `root` is not a rank; [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing.
+    /// [`Error::Distributed`] when `root` is not a rank;
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing.
     pub fn broadcast_(&self, t: &mut Tensor<'_>, root: usize) -> Result<()> {
         if let Device::Cuda(ordinal) = t.device() {
             self.check_root("broadcast", root)?;
@@ -405,7 +407,8 @@ impl ProcessGroup {
     /// Every rank's `t`, stacked in rank order: `[world_size, ..t.shape()]`, in `t`'s scope.
     ///
     /// # Errors
-    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is missing; allocation errors.
+    /// [`Error::DeviceUnavailable`] for a GPU tensor when its GPU or NCCL is
+    /// missing; allocation errors.
     #[track_caller]
     pub fn all_gather<'s>(&self, t: &Tensor<'s>) -> Result<Tensor<'s>> {
         if let Device::Cuda(ordinal) = t.device() {

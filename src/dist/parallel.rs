@@ -181,7 +181,8 @@ impl<'g> DataParallel<'g> {
     ///
     /// # Errors
     /// [`Error::Distributed`] when the ranks' gradients are not for the same parameters;
-    /// [`Error::DeviceUnavailable`] for GPU gradients when its GPU or NCCL is missing; allocation errors.
+    /// [`Error::DeviceUnavailable`] for GPU gradients when the GPU or NCCL is missing;
+    /// allocation errors.
     #[track_caller]
     pub fn average<'m, P: Parameters<'m> + ?Sized>(
         &self,
