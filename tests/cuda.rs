@@ -1201,3 +1201,64 @@ fn gpt2_decoding_agrees_with_the_host() {
         outs.iter().map(|v| s.from_slice(v, &[v.len()])).collect()
     });
 }
+
+/// Collectives on GPU tensors go through NCCL, here as a world of one (no MPI needed, and NCCL
+/// refuses two ranks on one GPU): an all-reduce gives the tensor back, a mean of one rank too, a
+/// gather stacks it once, and a data-parallel step gives the plain step's gradients. Without a GPU
+/// (or without libnccl) the collective is a clear `DeviceUnavailable`.
+#[test]
+fn collectives_on_gpu_tensors_go_through_nccl() {
+    use ndscope::dist::{DataParallel, ProcessGroup, Reduce};
+    let group = ProcessGroup::single();
+    let Some(device) = gpu() else {
+        // The host path still works, and the GPU's absence is the error a GPU tensor would meet.
+        let err = Device::Cuda(0).check_available().unwrap_err();
+        assert!(matches!(err, Error::DeviceUnavailable { .. }), "{err}");
+        return;
+    };
+    let _gpu = gpu_shared();
+    root(device, |s| {
+        for dtype in [DType::F32, DType::F64, DType::BF16, DType::F16] {
+            let t = s.randn(&[1000])?.to_dtype(dtype)?;
+            for reduce in [Reduce::Sum, Reduce::Mean] {
+                let out = group.all_reduce(&t, reduce)?;
+                assert_eq!(out.device(), device);
+                assert_eq!(out.to_vec_f64()?, t.to_vec_f64()?, "{dtype:?} {reduce:?}");
+            }
+        }
+        let t = s.randn(&[2, 3])?;
+        let gathered = group.all_gather(&t)?;
+        assert_eq!(gathered.shape(), &[1, 2, 3]);
+        assert_eq!(gathered.to_vec::<f32>()?, t.to_vec::<f32>()?);
+        let mut b = t.clone();
+        group.broadcast_(&mut b, 0)?;
+        assert_eq!(b.to_vec::<f32>()?, t.to_vec::<f32>()?);
+        let mut model = nn::mlp(s, &[4, 8, 3], Activation::Tanh, Init::XavierUniform)?;
+        let ddp = DataParallel::new(&group, &mut model)?;
+        let features: Vec<f32> = (0..20).map(|i| (i as f32 * 0.37).sin()).collect();
+        let gradients = |averaged: bool| {
+            s.scope(|b| {
+                let tape = Tape::new(b);
+                let x = tape.constant(&b.from_slice(&features, &[5, 4])?);
+                let labels = b.from_slice(&[0i64, 1, 2, 0, 1], &[5])?;
+                let loss = model.forward(&x, Mode::Train)?.cross_entropy(&labels)?;
+                let grads = if averaged {
+                    ddp.backward(&model, &tape, Ok(loss))?
+                } else {
+                    tape.backward(&loss)?
+                };
+                let mut values = Vec::new();
+                ndscope::nn::Parameters::visit(&model, "", &mut |_, p| {
+                    values.push(grads.get(p).map(|g| g.to_vec_f64()));
+                });
+                values
+                    .into_iter()
+                    .map(|g| g.expect("a gradient per parameter"))
+                    .collect::<Result<Vec<_>>>()
+            })
+        };
+        assert_eq!(gradients(true)?, gradients(false)?);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
