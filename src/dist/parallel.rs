@@ -192,17 +192,18 @@ impl<'g> DataParallel<'g> {
         let op = "DataParallel::average";
         let begin = Instant::now();
         let waited_before = self.group.waited_seconds();
-        let (mut blocks, mut present) = (Vec::new(), Vec::new());
+        // One entry per parameter block, in visit order.
+        let mut present: Vec<Tensor<'_>> = Vec::new();
         params.visit("", &mut |_, p| {
-            if !blocks.contains(&p.block_id()) {
-                blocks.push(p.block_id());
+            if !present.iter().any(|q| q.block_id() == p.block_id()) {
                 present.push(p.clone());
             }
         });
         let mut order: Vec<&Tensor<'_>> = Vec::new();
         let mut mask = Vec::with_capacity(present.len());
         for p in &present {
-            let has = grads.get(p).is_some();
+            // The block's gradient itself: `get` would copy a view's into block order to answer.
+            let has = grads.block_gradient_mut(p).is_some();
             mask.push(has);
             if has {
                 order.push(p);
@@ -223,14 +224,10 @@ impl<'g> DataParallel<'g> {
             flat_grads.push(g.clone());
         }
         let buckets = plan_buckets(&flat_grads, self.bucket_bytes);
+        let bytes = buckets.iter().map(|b| b.elements * b.dtype.size()).sum();
         if self.group.world_size() == 1 {
             // The mean over one rank is its own gradient: nothing to move.
-            self.last.set(SyncReport {
-                buckets: buckets.len(),
-                bytes: buckets.iter().map(|b| b.elements * b.dtype.size()).sum(),
-                seconds: begin.elapsed().as_secs_f64(),
-                waited_seconds: 0.0,
-            });
+            self.record(buckets.len(), bytes, begin, waited_before);
             return Ok(());
         }
         let location = std::panic::Location::caller();
@@ -264,14 +261,19 @@ impl<'g> DataParallel<'g> {
                 at += bytes;
             }
         }
+        self.record(buckets.len(), bytes, begin, waited_before);
+        Ok(())
+    }
+
+    /// Sets [`last_sync`](Self::last_sync) for an average that began at `begin`, when the group had
+    /// waited `waited_before` seconds.
+    fn record(&self, buckets: usize, bytes: usize, begin: Instant, waited_before: f64) {
         self.last.set(SyncReport {
-            buckets: buckets.len(),
-            bytes: buckets.iter().map(|b| b.elements * b.dtype.size()).sum(),
+            buckets,
+            bytes,
             seconds: begin.elapsed().as_secs_f64(),
             waited_seconds: self.group.waited_seconds() - waited_before,
         });
-        flats.clear();
-        Ok(())
     }
 
     /// GPU gradients: one NCCL all-reduce per gradient, enqueued on the GPU's stream (the buckets
@@ -289,12 +291,7 @@ impl<'g> DataParallel<'g> {
             bytes += g.numel() * g.dtype().size();
             self.group.all_reduce_(g, Reduce::Mean)?;
         }
-        self.last.set(SyncReport {
-            buckets: order.len(),
-            bytes,
-            seconds: begin.elapsed().as_secs_f64(),
-            waited_seconds: self.group.waited_seconds() - waited_before,
-        });
+        self.record(order.len(), bytes, begin, waited_before);
         Ok(())
     }
 
