@@ -117,7 +117,11 @@ template <typename T> __device__ __forceinline__ T binary_apply(int op, T a, T b
 #define ELEMENTWISE(T, C, S)                                                                       \
     extern "C" __global__ void unary_##S(int op, i64 n, T* out, Geo go, const T* a, Geo ga, C p0,  \
                                          C p1) {                                                   \
-        GRID_STRIDE(i, n) { put(&out[geo_at(go, i)], unary_apply<C>(op, ld(a[geo_at(ga, i)]), p0, p1)); } \
+        /* A fill reads nothing: its output has not been written yet. */                          \
+        GRID_STRIDE(i, n) {                                                                        \
+            C x = op == U_FILL ? (C)0 : ld(a[geo_at(ga, i)]);                                      \
+            put(&out[geo_at(go, i)], unary_apply<C>(op, x, p0, p1));                               \
+        }                                                                                          \
     }                                                                                              \
     extern "C" __global__ void binary_##S(int op, i64 n, T* out, Geo go, const T* a, Geo ga,       \
                                           const T* b, Geo gb, C p0, C p1) {                        \
