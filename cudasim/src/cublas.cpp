@@ -1,8 +1,9 @@
 // The cuBLAS calls ndscope makes, as plain loops on the CPU over simulated device memory: strided
 // batched products in f32 and f64 (sgemm/dgemm), and GemmEx with f32, bf16 or f16 elements and f32
-// accumulation. TF32 (CUBLAS_COMPUTE_32F_FAST_TF32) is computed as full f32: the simulator does not
-// round operands to TF32, so a TF32 product is closer to f32 here than on a GPU. Every operand range
-// is checked like a kernel's accesses (inside its allocation; inputs written before).
+// accumulation. TF32 (CUBLAS_COMPUTE_32F_FAST_TF32) rounds each operand to TF32's 10-bit mantissa
+// (to nearest, ties away from zero, as cvt.rna.tf32.f32 does) and accumulates in f32; the order of
+// the additions is the simple one, not a GPU's. Every operand range is checked like a kernel's
+// accesses (inside its allocation; inputs written before).
 #include <string.h>
 
 #include "sim.h"
@@ -62,7 +63,16 @@ struct Gemm {
     long long lda, ldb, ldc, sa, sb, sc;
     int batches;
     bool wide;  // accumulate in double (dgemm), else in float
+    bool tf32;  // round f32 operands to TF32 first
 };
+
+float to_tf32(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7f800000u) != 0x7f800000u) x = (x + 0x1000u) & 0xffffe000u;  // inf and NaN stay
+    memcpy(&f, &x, 4);
+    return f;
+}
 
 // Checks the columns of a column-major `rows x cols` matrix with leading dimension ld.
 Result check_matrix(uint64_t base, long long rows, long long cols, long long ld, int type, Access access,
@@ -106,6 +116,10 @@ Result run_gemm(const Gemm& g) {
                     for (int l = 0; l < g.k; ++l) {
                         float av = (float)load(pa + (size_t)(g.ta ? i * g.lda + l : l * g.lda + i) * ea, g.type_a);
                         float bv = (float)load(pb + (size_t)(g.tb ? l * g.ldb + j : j * g.ldb + l) * eb, g.type_b);
+                        if (g.tf32) {
+                            av = to_tf32(av);
+                            bv = to_tf32(bv);
+                        }
                         s += av * bv;
                     }
                     acc[i] = s;
@@ -185,13 +199,13 @@ int cublasSgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, cons
                               int lda, long long sa, const float* b, int ldb, long long sb, const float* beta, float* c,
                               int ldc, long long sc, int batches) {
     return enqueue(h, Gemm{ta, tb, m, n, k, *alpha, *beta, (uint64_t)a, (uint64_t)b, (uint64_t)c, R_32F, R_32F, R_32F,
-                           lda, ldb, ldc, sa, sb, sc, batches, false});
+                           lda, ldb, ldc, sa, sb, sc, batches, false, false});
 }
 int cublasDgemmStridedBatched(void* h, int ta, int tb, int m, int n, int k, const double* alpha, const double* a,
                               int lda, long long sa, const double* b, int ldb, long long sb, const double* beta,
                               double* c, int ldc, long long sc, int batches) {
     return enqueue(h, Gemm{ta, tb, m, n, k, *alpha, *beta, (uint64_t)a, (uint64_t)b, (uint64_t)c, R_64F, R_64F, R_64F,
-                           lda, ldb, ldc, sa, sb, sc, batches, true});
+                           lda, ldb, ldc, sa, sb, sc, batches, true, false});
 }
 int cublasSgemm_v2(void* h, int ta, int tb, int m, int n, int k, const float* alpha, const float* a, int lda,
                    const float* b, int ldb, const float* beta, float* c, int ldc) {
@@ -202,7 +216,8 @@ int cublasDgemm_v2(void* h, int ta, int tb, int m, int n, int k, const double* a
     return cublasDgemmStridedBatched(h, ta, tb, m, n, k, alpha, a, lda, 0, b, ldb, 0, beta, c, ldc, 0, 1);
 }
 
-// Compute types: 68 CUBLAS_COMPUTE_32F, 77 CUBLAS_COMPUTE_32F_FAST_TF32 (computed as 32F), 70 64F.
+// Compute types: 68 CUBLAS_COMPUTE_32F, 77 CUBLAS_COMPUTE_32F_FAST_TF32, 70 64F; 74-76 (the other
+// FAST_ 32F modes) compute as 68.
 int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha, const void* a,
                                int type_a, int lda, long long sa, const void* b, int type_b, int ldb, long long sb,
                                const void* beta, void* c, int type_c, int ldc, long long sc, int batches, int compute,
@@ -221,7 +236,7 @@ int cublasGemmStridedBatchedEx(void* h, int ta, int tb, int m, int n, int k, con
     double al = wide ? *(const double*)alpha : *(const float*)alpha;
     double be = wide ? *(const double*)beta : *(const float*)beta;
     return enqueue(h, Gemm{ta, tb, m, n, k, al, be, (uint64_t)a, (uint64_t)b, (uint64_t)c, type_a, type_b, type_c, lda,
-                           ldb, ldc, sa, sb, sc, batches, wide});
+                           ldb, ldc, sa, sb, sc, batches, wide, compute == 77});
 }
 int cublasGemmEx(void* h, int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int type_a, int lda,
                  const void* b, int type_b, int ldb, const void* beta, void* c, int type_c, int ldc, int compute,

@@ -200,8 +200,10 @@ impl<'m> KvPool<'m> {
         blocks: usize,
     ) -> Result<KvPool<'m>> {
         let geometry = geometry_of(shape, block_tokens, blocks)?;
+        // Zeroed once: a fork copies whole pages, slots a sequence has not written yet included, and
+        // on a GPU those would otherwise be copies of unspecified memory.
         let slab = scope
-            .empty(&[blocks, geometry.page_elements()], shape.dtype)?
+            .full_dtype(&[blocks, geometry.page_elements()], 0.0, shape.dtype)?
             .named("kv pool");
         let pool = KvPool::from_slab(slab, geometry, shape, blocks)?;
         scope.add_note(Arc::downgrade(&pool.figures) as std::sync::Weak<dyn Note>);
@@ -336,8 +338,9 @@ impl KvPool<'static> {
         blocks: usize,
     ) -> Result<KvPool<'static>> {
         let geometry = geometry_of(shape, block_tokens, blocks)?;
+        // Zeroed once, as in `new`.
         let slab = root(device, |s| -> Result<Tensor<'static>> {
-            s.empty(&[blocks, geometry.page_elements()], shape.dtype)?
+            s.full_dtype(&[blocks, geometry.page_elements()], 0.0, shape.dtype)?
                 .named("kv pool")
                 .move_out()
         })?;

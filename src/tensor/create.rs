@@ -106,10 +106,11 @@ impl<'s> Scope<'s> {
         self.filled(dtype, shape, value, Location::caller())
     }
 
-    /// A tensor of `dtype` whose elements are left as the memory holds them: zeros, or what an earlier
-    /// tensor of this tree left in the block (never uninitialised memory). For outputs that are
-    /// about to be overwritten, and for measuring the allocator, it costs no pass over the memory
-    /// (PyTorch's `torch.empty`).
+    /// A tensor of `dtype` whose elements are left as the memory holds them. On the host that is
+    /// zeros, or what an earlier tensor of this tree left in the block (never uninitialised memory);
+    /// on a GPU, a block fresh from the driver holds unspecified values, as `torch.empty`'s do (the
+    /// CUDA simulator, `cudasim/run`, reports reading them). For outputs that are about to be
+    /// overwritten, and for measuring the allocator, it costs no pass over the memory.
     ///
     /// ```
     /// # ndscope::root(ndscope::Device::Cpu, |s| {
