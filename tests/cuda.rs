@@ -22,7 +22,9 @@ fn gpu() -> Option<Device> {
     let device = Device::Cuda(0);
     match device.check_available() {
         Ok(()) => Some(device),
-        Err(e) if gpu_required() => panic!("NDSCOPE_REQUIRE_GPU=1, but the GPU cannot be used: {e}"),
+        Err(e) if gpu_required() => {
+            panic!("NDSCOPE_REQUIRE_GPU=1, but the GPU cannot be used: {e}")
+        }
         Err(e) => {
             eprintln!("skipping the GPU half of this test: {e}");
             None
@@ -1009,7 +1011,11 @@ fn what_a_captured_step_cannot_do_is_a_typed_error() {
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     };
     refused("a host read of the loss", "to_scalar", 0);
-    refused("a scatter, which checks its indices on the host", "index_add", 1);
+    refused(
+        "a scatter, which checks its indices on the host",
+        "index_add",
+        1,
+    );
     refused("random numbers", "rand", 2);
 }
 

@@ -235,7 +235,7 @@ void rt_check(uintptr_t address, long bytes, int is_store) {
     if (address >= (uintptr_t)f.lo && address + bytes <= (uintptr_t)f.hi) return;  // its own stack
     if (in_heap(address)) {
         int code = check_access(address, bytes, is_store);
-        if (code != SUCCESS) fault((Result)code, take_detail());
+        if (code != SUCCESS) fault((Result)code, access_failure);
         return;
     }
     for (auto& [lo, hi] : r.module->image) {

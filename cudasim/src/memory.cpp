@@ -215,24 +215,26 @@ void copy_written(uint64_t to, uint64_t from, size_t bytes) {
     memmove(h.shadow + (to - (uint64_t)h.base), h.shadow + (from - (uint64_t)h.base), bytes);
 }
 
-// 0 when the access is fine; otherwise the driver code, with the detail recorded (the caller names
-// the thread).
+// The account of the last failed check_access (the caller adds which thread made the access).
+std::string access_failure;
+
+// 0 when the access is fine; otherwise the driver code, with access_failure saying why.
 int check_access(uintptr_t address, long bytes, int is_store) {
     Heap& h = heap();
+    const char* verb = is_store ? "writes " : "reads ";
     if (!(address >= hit_lo && address + bytes <= hit_hi)) {
         auto it = find(h, address);
         if (it == h.live.end() || address + bytes > it->first + it->second) {
-            uint64_t bad = it == h.live.end() ? address : it->first + it->second;
-            fail_detail(std::string(is_store ? "writes " : "reads ") + std::to_string(bytes) + " bytes at " +
-                        describe(address) + ": out of bounds at " + describe(bad));
+            access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address);
+            if (it != h.live.end()) access_failure += ", out of bounds from " + describe(it->first + it->second);
             return ILLEGAL_ADDRESS;
         }
         hit_lo = it->first;
         hit_hi = it->first + it->second;
     }
     if ((bytes == 2 || bytes == 4 || bytes == 8 || bytes == 16) && (address & (bytes - 1))) {
-        fail_detail(std::string(is_store ? "writes " : "reads ") + std::to_string(bytes) + " bytes at " +
-                    describe(address) + ", which is not aligned to " + std::to_string(bytes) + " bytes");
+        access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address) + ", which is not aligned to " +
+                         std::to_string(bytes) + " bytes";
         return MISALIGNED_ADDRESS;
     }
     unsigned char* s = h.shadow + (address - (uint64_t)h.base);
@@ -241,8 +243,9 @@ int check_access(uintptr_t address, long bytes, int is_store) {
     } else {
         for (long i = 0; i < bytes; ++i) {
             if (!s[i]) {
-                fail_detail("reads " + std::to_string(bytes) + " bytes at " + describe(address) + ", and the byte at " +
-                            describe(address + i) + " was never written");
+                access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address) +
+                                 (i ? ", and byte " + std::to_string(i) + " of them" : std::string(", which")) +
+                                 " was never written";
                 return ILLEGAL_ADDRESS;
             }
         }

@@ -105,6 +105,11 @@ std::vector<std::string> kernel_names(const std::string& text) {
 }  // namespace
 
 bool compile_program(const std::string& source, const std::string& name, std::string& ptx, std::string& log) {
+    // One compile at a time in a process: a second thread asking for the same program then finds the
+    // first one's module in the cache instead of building it again.
+    static std::mutex compiling;
+    static unsigned serial = 0;
+    std::lock_guard<std::mutex> guard(compiling);
     const char* cxx_env = getenv("CUDASIM_CXX");
     std::string cxx = cxx_env && *cxx_env ? cxx_env : "c++";
     std::string key = std::to_string(CUDASIM_ABI) + "\n" + cxx + "\n" + FLAGS + "\n" + cudasim_abi_h + cudasim_device_h +
@@ -117,7 +122,7 @@ bool compile_program(const std::string& source, const std::string& name, std::st
     if (access(module.c_str(), R_OK) == 0) return true;
 
     // Private names for this process's files; the module appears under its final name by a rename.
-    std::string stem = dir + "/" + hash + "." + std::to_string(getpid());
+    std::string stem = dir + "/" + hash + "." + std::to_string(getpid()) + "." + std::to_string(serial++);
     std::string include = stem + ".include";
     mkdir(include.c_str(), 0755);
     if (!write_file(include + "/abi.h", cudasim_abi_h) || !write_file(include + "/cudasim_device.h", cudasim_device_h) ||

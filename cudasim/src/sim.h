@@ -74,6 +74,7 @@ void mark_written(uint64_t address, size_t bytes);
 void copy_written(uint64_t to, uint64_t from, size_t bytes);
 // The hot path for kernels: the same check for one access of 1-16 bytes (see abi.h).
 int check_access(uintptr_t address, long bytes, int is_store);
+extern std::string access_failure;
 // Describes an address for a message: which allocation it falls in or near.
 std::string describe(uint64_t address);
 
