@@ -27,6 +27,10 @@ struct Heap {
     size_t cursor = 0;                    // next fit starts here
     std::map<uint64_t, size_t> live;      // start -> requested bytes
     std::map<uint64_t, size_t> free_runs; // start -> bytes (offsets from base), coalesced
+    // Blocks a caching allocator lent out of its allocations (cudasimNoteBlock): in an allocation
+    // that has any, an access must fall inside one live block.
+    std::map<uint64_t, size_t> blocks;    // start -> bytes
+    std::map<uint64_t, bool> subdivided;  // allocation start -> true once a block was lent from it
 };
 
 Heap& heap() {
@@ -122,6 +126,8 @@ bool heap_free(uint64_t address) {
     }
     size_t need = (it->second + ALIGN - 1) / ALIGN * ALIGN + RED_ZONE;
     size_t offset = address - (uint64_t)h.base;
+    h.blocks.erase(h.blocks.lower_bound(address), h.blocks.lower_bound(address + it->second));
+    h.subdivided.erase(address);
     h.live.erase(it);
     h.used -= need;
     hit_lo = 1;
@@ -178,15 +184,50 @@ std::string describe(uint64_t address) {
     return buf;
 }
 
+// Where [address, address + bytes) may be accessed: inside one live allocation and, in an allocation
+// a caching allocator subdivides, inside one live block. On success [lo, hi) is that extent; on
+// failure `why` says where the range falls.
+bool locate(Heap& h, uint64_t address, size_t bytes, uint64_t& lo, uint64_t& hi, std::string& why) {
+    auto it = find(h, address);
+    if (it == h.live.end() || address + bytes > it->first + it->second) {
+        why = describe(address);
+        if (it != h.live.end()) why += ", out of bounds from " + describe(it->first + it->second);
+        return false;
+    }
+    lo = it->first;
+    hi = it->first + it->second;
+    if (!h.subdivided.count(it->first)) return true;
+    auto b = h.blocks.upper_bound(address);
+    if (b != h.blocks.begin()) {
+        --b;
+        if (address >= b->first && address + bytes <= b->first + b->second) {
+            lo = b->first;
+            hi = b->first + b->second;
+            return true;
+        }
+    }
+    char buf[200];
+    if (b != h.blocks.end() && address >= b->first && address < b->first + b->second) {
+        snprintf(buf, sizeof buf, ", which runs %llu bytes past the end of the %zu-byte block at 0x%llx",
+                 (unsigned long long)(address + bytes - b->first - b->second), b->second, (unsigned long long)b->first);
+    } else if (b != h.blocks.end() && address >= b->first + b->second) {
+        snprintf(buf, sizeof buf, ", %llu bytes past the end of the %zu-byte block at 0x%llx (no live block holds it)",
+                 (unsigned long long)(address - b->first - b->second), b->second, (unsigned long long)b->first);
+    } else {
+        snprintf(buf, sizeof buf, ", which no live block of the pool holds");
+    }
+    why = describe(address) + buf;
+    return false;
+}
+
 Result check_range(uint64_t address, size_t bytes, Access access, const std::string& who) {
     if (bytes == 0) return SUCCESS;
     Heap& h = heap();
     const char* verb = access == Access::Read ? "reads" : "writes";
-    auto it = find(h, address);
-    if (it == h.live.end() || address + bytes > it->first + it->second) {
-        uint64_t bad = it == h.live.end() ? address : it->first + it->second;
-        fail_detail(who + " " + verb + " " + std::to_string(bytes) + " bytes from " + describe(address) +
-                    ": out of bounds at " + describe(bad));
+    uint64_t lo, hi;
+    std::string why;
+    if (!locate(h, address, bytes, lo, hi, why)) {
+        fail_detail(who + " " + verb + " " + std::to_string(bytes) + " bytes at " + why);
         return ILLEGAL_ADDRESS;
     }
     size_t offset = address - (uint64_t)h.base;
@@ -223,14 +264,14 @@ int check_access(uintptr_t address, long bytes, int is_store) {
     Heap& h = heap();
     const char* verb = is_store ? "writes " : "reads ";
     if (!(address >= hit_lo && address + bytes <= hit_hi)) {
-        auto it = find(h, address);
-        if (it == h.live.end() || address + bytes > it->first + it->second) {
-            access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address);
-            if (it != h.live.end()) access_failure += ", out of bounds from " + describe(it->first + it->second);
+        uint64_t lo, hi;
+        std::string why;
+        if (!locate(h, address, (size_t)bytes, lo, hi, why)) {
+            access_failure = verb + std::to_string(bytes) + " bytes at " + why;
             return ILLEGAL_ADDRESS;
         }
-        hit_lo = it->first;
-        hit_hi = it->first + it->second;
+        hit_lo = lo;
+        hit_hi = hi;
     }
     if ((bytes == 2 || bytes == 4 || bytes == 8 || bytes == 16) && (address & (bytes - 1))) {
         access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address) + ", which is not aligned to " +
@@ -254,3 +295,27 @@ int check_access(uintptr_t address, long bytes, int is_store) {
 }
 
 }  // namespace sim
+
+// A caching allocator's note that `bytes` at `address` were lent to one block (lent = 1: its bytes
+// count as never written) or came back (lent = 0). 0, or INVALID_VALUE for a range outside every
+// live allocation (reported on stderr).
+extern "C" int cudasimNoteBlock(uint64_t address, size_t bytes, int lent) {
+    using namespace sim;
+    std::lock_guard<std::recursive_mutex> guard(device_lock());
+    Heap& h = heap();
+    auto it = find(h, address);
+    if (it == h.live.end() || address + bytes > it->first + it->second) {
+        fail_detail("cudasim: a pool notes a block at " + describe(address) + " outside every live allocation");
+        return INVALID_VALUE;
+    }
+    hit_lo = 1;
+    hit_hi = 0;
+    if (lent) {
+        h.subdivided[it->first] = true;
+        h.blocks[address] = bytes;
+    } else {
+        h.blocks.erase(address);
+    }
+    memset(h.shadow + (address - (uint64_t)h.base), 0, bytes);
+    return SUCCESS;
+}

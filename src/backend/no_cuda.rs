@@ -43,6 +43,9 @@ pub(crate) fn alloc(_ordinal: usize, _bytes: usize) -> Option<NonNull<u8>> {
 /// None needed; the signature matches the CUDA backend's.
 pub(crate) unsafe fn free(_ordinal: usize, _ptr: NonNull<u8>, _bytes: usize) {}
 
+/// Nothing listens to block notes in this build (no GPU memory exists).
+pub(crate) fn note_block(_ordinal: usize, _ptr: NonNull<u8>, _bytes: usize, _lent: bool) {}
+
 /// A captured step: none exist in this build.
 pub(crate) enum Graph {}
 

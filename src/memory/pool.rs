@@ -110,6 +110,7 @@ impl<R: RawMemory> Pool<R> {
             self.large.take(Segments::round(bytes)?)?
         };
         self.on_take(bytes, capacity);
+        self.raw.note_block(ptr, bytes, true);
         Some((ptr, capacity, Source::Reused))
     }
 
@@ -141,6 +142,7 @@ impl<R: RawMemory> Pool<R> {
             return Err(released);
         };
         self.on_take(bytes, capacity);
+        self.raw.note_block(ptr, bytes, true);
         // A new segment's idle tail may take the cache over its limit.
         self.enforce_limit();
         Ok((ptr, capacity, Source::System))
@@ -154,6 +156,7 @@ impl<R: RawMemory> Pool<R> {
     /// queued after this point on the device's stream).
     #[inline]
     pub(crate) unsafe fn give(&mut self, ptr: NonNull<u8>, bytes: usize, capacity: usize) {
+        self.raw.note_block(ptr, bytes, false);
         if capacity <= SMALL_MAX {
             self.small.push(ptr, capacity);
         } else {

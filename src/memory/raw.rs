@@ -29,6 +29,12 @@ pub(crate) trait RawMemory {
     /// `ptr` came from `self.alloc(bytes)` with this `bytes`, and nothing uses it afterwards (for a
     /// GPU: no work queued later on the device's stream reads it).
     unsafe fn free(&mut self, ptr: NonNull<u8>, bytes: usize);
+
+    /// Says that `bytes` at `ptr` (inside memory from [`alloc`](Self::alloc)) were lent to one block
+    /// (`lent`), or came back. Only a memory checker listens (the CUDA simulator, which then bounds
+    /// each tensor's accesses by its own block and treats a lent block as never written); for every
+    /// real allocator it does nothing.
+    fn note_block(&mut self, _ptr: NonNull<u8>, _bytes: usize, _lent: bool) {}
 }
 
 /// A device's own allocator ([`alloc`] and [`free`]).
@@ -43,6 +49,12 @@ impl RawMemory for DeviceMemory {
     unsafe fn free(&mut self, ptr: NonNull<u8>, bytes: usize) {
         // SAFETY: forwarded from the caller.
         unsafe { free(self.0, ptr, bytes) }
+    }
+
+    fn note_block(&mut self, ptr: NonNull<u8>, bytes: usize, lent: bool) {
+        if let Device::Cuda(ordinal) = self.0 {
+            cuda::note_block(ordinal, ptr, bytes, lent);
+        }
     }
 }
 

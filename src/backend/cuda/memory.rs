@@ -3,6 +3,7 @@
 //! where the driver has them), so freeing never waits for the GPU.
 
 use std::ptr::{self, NonNull};
+use std::sync::OnceLock;
 use std::sync::atomic::Ordering::Relaxed;
 
 use cudarc::driver::{result, sys};
@@ -82,4 +83,30 @@ pub(crate) unsafe fn free(ordinal: usize, ptr: NonNull<u8>, bytes: usize) {
     let c = &gpu.counters;
     c.free_calls.fetch_add(1, Relaxed);
     c.reserved_bytes.fetch_sub(bytes, Relaxed);
+}
+
+/// What the CUDA simulator exports to hear of the blocks a pool lends out of its driver allocations
+/// (`cudasimNoteBlock` in cudasim/src/memory.cpp): address, bytes, lent (1) or returned (0).
+type NoteBlock = unsafe extern "C" fn(u64, usize, i32) -> i32;
+
+/// Tells a memory checker standing in for the driver that `bytes` at `ptr` were lent to one block
+/// (`lent`) or came back, as compute-sanitizer hears of a caching allocator's blocks through NVTX's
+/// memory-region calls. With a real driver the symbol does not exist and this does nothing.
+pub(crate) fn note_block(_ordinal: usize, ptr: NonNull<u8>, bytes: usize, lent: bool) {
+    static NOTE: OnceLock<Option<NoteBlock>> = OnceLock::new();
+    let note = NOTE.get_or_init(|| {
+        // SAFETY: the driver library is already loaded (this memory came from it); looking a symbol up
+        // calls nothing, and the simulator's function has exactly the `NoteBlock` signature.
+        unsafe {
+            cudarc::driver::sys::culib()
+                .get::<NoteBlock>(b"cudasimNoteBlock\0")
+                .ok()
+                .map(|f| *f)
+        }
+    });
+    if let Some(note) = note {
+        // SAFETY: the simulator only updates its own records of the address range (its answer, a
+        // status, matters only to the simulator, which reports a bad range itself).
+        unsafe { note(ptr.as_ptr() as usize as u64, bytes, i32::from(lent)) };
+    }
 }

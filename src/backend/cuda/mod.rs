@@ -30,7 +30,7 @@ use crate::device::Device;
 use crate::error::{Error, Result};
 
 pub(crate) use graph::{Graph, begin_capture, end_capture};
-pub(crate) use memory::{alloc, free};
+pub(crate) use memory::{alloc, free, note_block};
 pub(crate) use nccl::{Nccl, nccl_unique_id};
 pub(crate) use transfer::{copy_from_device, copy_to_device};
 
