@@ -5,7 +5,7 @@
 
 #include <stdint.h>
 
-#define CUDASIM_ABI 2
+#define CUDASIM_ABI 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -18,6 +18,18 @@ typedef struct {
 // The kinds of warp exchange (`__shfl_sync` and friends, `__syncwarp`).
 enum { CUDASIM_SHFL_IDX = 0, CUDASIM_SHFL_XOR = 1, CUDASIM_SHFL_DOWN = 2, CUDASIM_SHFL_UP = 3, CUDASIM_SYNCWARP = 4 };
 
+// What a module's access hooks read to accept most accesses without calling the runtime: every
+// fiber's stack lies in [stack_lo, stack_hi); [hit_lo[i], hit_hi[i]) are the blocks the last
+// checked accesses fell in, whose bytes' written-state is shadow[address - heap_base]. Owned by the
+// runtime.
+#define CUDASIM_HITS 4
+typedef struct {
+    uintptr_t stack_lo, stack_hi;
+    uintptr_t hit_lo[CUDASIM_HITS], hit_hi[CUDASIM_HITS];
+    uintptr_t heap_base;
+    unsigned char* shadow;
+} cudasim_fast;
+
 typedef struct {
     // Checks one access of `bytes` at `address` by the running thread; does not return when the
     // access is invalid (the launch ends with the error).
@@ -28,6 +40,7 @@ typedef struct {
     // source lane (`kind` and `arg` say which, within segments of `width` lanes).
     unsigned long long (*warp)(unsigned mask, unsigned long long value, int kind, int arg, int width,
                                const char* file, int line);
+    cudasim_fast* fast;
 } cudasim_api;
 
 // One `extern "C" __global__` function of a module: its name, a thunk that unpacks cuLaunchKernel's

@@ -89,7 +89,7 @@ Result check_matrix(uint64_t base, long long rows, long long cols, long long ld,
 // C = alpha op(A) op(B) + beta C, column-major, for every batch.
 Result run_gemm(const Gemm& g) {
     size_t ea = elem_size(g.type_a), eb = elem_size(g.type_b), ec = elem_size(g.type_c);
-    std::vector<double> acc((size_t)g.m);
+    std::vector<double> pack_a, pack_b;
     for (int batch = 0; batch < g.batches; ++batch) {
         uint64_t a = g.a + (uint64_t)(batch * g.sa) * ea, b = g.b + (uint64_t)(batch * g.sb) * eb,
                  c = g.c + (uint64_t)(batch * g.sc) * ec;
@@ -99,35 +99,39 @@ Result run_gemm(const Gemm& g) {
         if (r == SUCCESS && g.beta != 0.0) r = check_matrix(c, g.m, g.n, g.ldc, g.type_c, Access::Read, "C");
         if (r == SUCCESS) r = check_matrix(c, g.m, g.n, g.ldc, g.type_c, Access::Write, "C");
         if (r != SUCCESS) return r;
+        // Pack op(A) as m rows of k and op(B) as n columns of k, in the accumulation type, so each
+        // output is a dot product of two contiguous rows.
         const unsigned char *pa = (const unsigned char*)a, *pb = (const unsigned char*)b;
         unsigned char* pc = (unsigned char*)c;
-        for (int j = 0; j < g.n; ++j) {
-            for (int i = 0; i < g.m; ++i) acc[i] = 0.0;
-            if (g.wide) {
-                for (int l = 0; l < g.k; ++l) {
-                    double bl = load(pb + (size_t)(g.tb ? l * g.ldb + j : j * g.ldb + l) * eb, g.type_b);
-                    for (int i = 0; i < g.m; ++i) {
-                        acc[i] += load(pa + (size_t)(g.ta ? i * g.lda + l : l * g.lda + i) * ea, g.type_a) * bl;
-                    }
-                }
-            } else {
-                for (int i = 0; i < g.m; ++i) {
-                    float s = 0.0f;
-                    for (int l = 0; l < g.k; ++l) {
-                        float av = (float)load(pa + (size_t)(g.ta ? i * g.lda + l : l * g.lda + i) * ea, g.type_a);
-                        float bv = (float)load(pb + (size_t)(g.tb ? l * g.ldb + j : j * g.ldb + l) * eb, g.type_b);
-                        if (g.tf32) {
-                            av = to_tf32(av);
-                            bv = to_tf32(bv);
-                        }
-                        s += av * bv;
-                    }
-                    acc[i] = s;
-                }
+        pack_a.resize((size_t)g.m * g.k);
+        pack_b.resize((size_t)g.n * g.k);
+        for (int i = 0; i < g.m; ++i) {
+            for (int l = 0; l < g.k; ++l) {
+                double v = load(pa + (size_t)(g.ta ? i * g.lda + l : l * g.lda + i) * ea, g.type_a);
+                pack_a[(size_t)i * g.k + l] = g.tf32 ? to_tf32((float)v) : v;
             }
+        }
+        for (int j = 0; j < g.n; ++j) {
+            for (int l = 0; l < g.k; ++l) {
+                double v = load(pb + (size_t)(g.tb ? l * g.ldb + j : j * g.ldb + l) * eb, g.type_b);
+                pack_b[(size_t)j * g.k + l] = g.tf32 ? to_tf32((float)v) : v;
+            }
+        }
+        for (int j = 0; j < g.n; ++j) {
+            const double* bj = &pack_b[(size_t)j * g.k];
             for (int i = 0; i < g.m; ++i) {
+                const double* ai = &pack_a[(size_t)i * g.k];
+                double v;
+                if (g.wide) {
+                    double s = 0.0;
+                    for (int l = 0; l < g.k; ++l) s += ai[l] * bj[l];
+                    v = g.alpha * s;
+                } else {
+                    float s = 0.0f;
+                    for (int l = 0; l < g.k; ++l) s += (float)ai[l] * (float)bj[l];
+                    v = (float)(g.alpha * s);
+                }
                 unsigned char* at = pc + (size_t)(j * g.ldc + i) * ec;
-                double v = g.alpha * acc[i];
                 if (g.beta != 0.0) v += g.beta * load(at, g.type_c);
                 if (!g.wide) v = (float)v;
                 store(at, g.type_c, v);

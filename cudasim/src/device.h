@@ -124,10 +124,30 @@ inline unsigned long long atomicAdd(unsigned long long* at, unsigned long long v
 inline int atomicMax(int* at, int v) { int old = *at; if (v > old) *at = v; return old; }
 inline int atomicMin(int* at, int v) { int old = *at; if (v < old) *at = v; return old; }
 
-// The address-sanitizer hooks GCC calls before every load and store (outline form).
+// The address-sanitizer hooks GCC calls before every load and store (outline form). Accesses to the
+// thread's own stack, and to the block the last checked access fell in (aligned, and for loads
+// already written), are accepted here; everything else goes to the runtime's full check.
+__attribute__((no_sanitize_address, always_inline)) inline void cudasim_access(uintptr_t p, long n, int store) {
+    const cudasim_fast* f = cudasim_rt.fast;
+    if (p - f->stack_lo < f->stack_hi - f->stack_lo) return;
+    for (int h = 0; h < CUDASIM_HITS; ++h) {
+        if (p >= f->hit_lo[h] && p + n <= f->hit_hi[h] && !(p & (n - 1))) {
+            unsigned char* s = f->shadow + (p - f->heap_base);
+            if (store) {
+                for (long i = 0; i < n; ++i) s[i] = 1;
+                return;
+            }
+            long i = 0;
+            while (i < n && s[i]) ++i;
+            if (i == n) return;
+            break;
+        }
+    }
+    cudasim_rt.check(p, n, store);
+}
 #define CUDASIM_HOOK(kind, n, store)                                                               \
     extern "C" __attribute__((no_sanitize_address)) void __asan_##kind##n##_noabort(void* p) {   \
-        cudasim_rt.check((uintptr_t)p, n, store);                                                 \
+        cudasim_access((uintptr_t)p, n, store);                                                    \
     }
 CUDASIM_HOOK(load, 1, 0)
 CUDASIM_HOOK(load, 2, 0)

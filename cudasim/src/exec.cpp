@@ -10,6 +10,9 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <chrono>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -33,8 +36,9 @@ namespace {
 
 // ---- fibers ----
 
-// Switches stacks: saves the callee-saved registers and the FPU control words on the current stack,
-// stores the stack pointer in *from, and resumes the fiber whose stack pointer is `to`.
+// Switches stacks: saves the callee-saved registers on the current stack, stores the stack pointer
+// in *from, and resumes the fiber whose stack pointer is `to`. The FPU control words are not
+// switched: kernels never change the rounding mode or exception masks.
 extern "C" void cudasim_switch(void** from, void* to);
 #if defined(__x86_64__)
 asm(R"(
@@ -48,14 +52,8 @@ cudasim_switch:
     pushq %r13
     pushq %r14
     pushq %r15
-    subq $8, %rsp
-    stmxcsr (%rsp)
-    fnstcw 4(%rsp)
     movq %rsp, (%rdi)
     movq %rsi, %rsp
-    ldmxcsr (%rsp)
-    fldcw 4(%rsp)
-    addq $8, %rsp
     popq %r15
     popq %r14
     popq %r13
@@ -127,6 +125,13 @@ struct Fiber {
     unsigned long long value = 0, result = 0;
 };
 
+struct Run;
+}  // namespace
+
+cudasim_fast fast_state = {0, 0, {1, 1, 1, 1}, {0, 0, 0, 0}, 0, nullptr};
+
+namespace {
+
 struct Run {
     const Launch* launch = nullptr;
     Module* module = nullptr;
@@ -152,11 +157,13 @@ std::string where_thread(const Fiber& f) {
     return buf;
 }
 
+void leave(Fiber& from);
+
 void fiber_main() {
     Run& r = run_state;
     r.launch->kernel->entry->thunk(r.params);
     r.current->state = State::Done;
-    cudasim_switch(&r.current->sp, r.scheduler_sp);
+    leave(*r.current);
     abort();  // a finished fiber is never resumed
 }
 
@@ -173,31 +180,36 @@ void fiber_main() {
     abort();
 }
 
+// Every fiber's stack, in one reservation (so a module's hooks recognise a stack access with one
+// comparison): 1024 stacks, each above a page of no access that stops an overflow.
+constexpr size_t MAX_THREADS = 1024;
+unsigned char* stacks = nullptr;
+
 void prepare(Fiber& f) {
-    if (!f.lo) {
-        void* m = mmap(nullptr, STACK_BYTES + GUARD, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                       -1, 0);
+    if (!stacks) {
+        size_t span = MAX_THREADS * (STACK_BYTES + GUARD);
+        void* m = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) {
-            fprintf(stderr, "cudasim: cannot map a fiber stack\n");
+            fprintf(stderr, "cudasim: cannot map the fibers' stacks\n");
             abort();
         }
-        mprotect(m, GUARD, PROT_NONE);
-        f.lo = (unsigned char*)m + GUARD;
+        stacks = (unsigned char*)m;
+        for (size_t i = 0; i < MAX_THREADS; ++i) mprotect(stacks + i * (STACK_BYTES + GUARD), GUARD, PROT_NONE);
+        fast_state.stack_lo = (uintptr_t)stacks;
+        fast_state.stack_hi = (uintptr_t)stacks + span;
+    }
+    if (!f.lo) {
+        f.lo = stacks + f.linear * (STACK_BYTES + GUARD) + GUARD;
         f.hi = f.lo + STACK_BYTES;
     }
     uintptr_t top = (uintptr_t)f.hi & ~(uintptr_t)15;
 #if defined(__x86_64__)
-    // What cudasim_switch pops: the MXCSR/x87 control words, six registers, then the return address
-    // (fiber_main), above which the stack is aligned as at a call.
+    // What cudasim_switch pops: six registers, then the return address (fiber_main), above which
+    // the stack is aligned as at a call.
     uint64_t* sp = (uint64_t*)top;
     *--sp = 0;                           // alignment: fiber_main starts with rsp = 8 mod 16
     *--sp = (uint64_t)(void*)&fiber_main;
     for (int i = 0; i < 6; ++i) *--sp = 0;
-    uint32_t mxcsr;
-    uint16_t fcw;
-    asm volatile("stmxcsr %0" : "=m"(mxcsr));
-    asm volatile("fnstcw %0" : "=m"(fcw));
-    *--sp = (uint64_t)mxcsr | ((uint64_t)fcw << 32);
     f.sp = sp;
 #else
     uint64_t* sp = (uint64_t*)(top - 176);
@@ -215,6 +227,22 @@ void resume(Fiber& f) {
     r.current = nullptr;
 }
 
+// Leaves fiber `from` (blocked or finished): runs the next ready fiber of the block directly, or
+// goes back to the scheduler when none is left in this pass. One switch per fiber and phase.
+void leave(Fiber& from) {
+    Run& r = run_state;
+    for (unsigned j = from.linear + 1; j < r.nthreads; ++j) {
+        Fiber& to = r.fibers[j];
+        if (to.state == State::Ready) {
+            r.current = &to;
+            *r.module->thread_idx = to.tid;
+            cudasim_switch(&from.sp, to.sp);
+            return;
+        }
+    }
+    cudasim_switch(&from.sp, r.scheduler_sp);
+}
+
 // Blocks the running fiber in `state` until the scheduler makes it Ready again.
 void wait(State state, const char* file, int line) {
     Run& r = run_state;
@@ -222,7 +250,7 @@ void wait(State state, const char* file, int line) {
     f.state = state;
     f.file = file;
     f.line = line;
-    cudasim_switch(&f.sp, r.scheduler_sp);
+    leave(f);
 }
 
 std::string at(const Fiber& f) { return std::string(f.file) + ":" + std::to_string(f.line); }
@@ -278,7 +306,7 @@ unsigned long long rt_warp(unsigned mask, unsigned long long value, int kind, in
     return f.result;
 }
 
-cudasim_api api = {rt_check, rt_syncthreads, rt_warp};
+cudasim_api api = {rt_check, rt_syncthreads, rt_warp, &fast_state};
 
 // ---- the scheduler ----
 
@@ -430,6 +458,36 @@ int image_callback(struct dl_phdr_info* info, size_t, void* data) {
     return 1;
 }
 
+// CUDASIM_PROFILE=1: launches, blocks, threads run and seconds per kernel, printed at exit.
+struct Profile {
+    struct Row {
+        unsigned long long launches = 0, blocks = 0, threads = 0;
+        double seconds = 0;
+    };
+    std::map<std::string, Row> rows;
+    ~Profile() {
+        if (rows.empty()) return;
+        std::vector<std::pair<std::string, Row>> sorted(rows.begin(), rows.end());
+        std::sort(sorted.begin(), sorted.end(), [](auto& a, auto& b) { return a.second.seconds > b.second.seconds; });
+        double total = 0;
+        for (auto& r : sorted) total += r.second.seconds;
+        fprintf(stderr, "cudasim profile: %.2f s in kernels\n%-28s %10s %12s %14s %9s\n", total, "kernel", "launches",
+                "blocks", "threads", "seconds");
+        for (size_t i = 0; i < sorted.size() && i < 25; ++i) {
+            const Row& r = sorted[i].second;
+            fprintf(stderr, "%-28s %10llu %12llu %14llu %9.3f\n", sorted[i].first.c_str(), r.launches, r.blocks, r.threads,
+                    r.seconds);
+        }
+    }
+};
+Profile* profile() {
+    static Profile* p = getenv("CUDASIM_PROFILE") ? new Profile : nullptr;
+    static struct Flush {
+        ~Flush() { delete profile(); }
+    } flush;
+    return p;
+}
+
 }  // namespace
 
 Result load_module(const char* image, Module** out) {
@@ -528,6 +586,7 @@ Result run_launch(const Launch& launch) {
     r.error = SUCCESS;
     r.message.clear();
     Module* m = r.module;
+    auto started = std::chrono::steady_clock::now();
     *m->block_dim = {b[0], b[1], b[2]};
     *m->grid_dim = {g[0], g[1], g[2]};
     for (unsigned z = 0; z < g[2]; ++z) {
@@ -544,6 +603,13 @@ Result run_launch(const Launch& launch) {
         }
     }
     r.launch = nullptr;
+    if (Profile* p = profile()) {
+        Profile::Row& row = p->rows[name];
+        row.launches += 1;
+        row.blocks += (unsigned long long)g[0] * g[1] * g[2];
+        row.threads += (unsigned long long)g[0] * g[1] * g[2] * threads;
+        row.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    }
     return SUCCESS;
 }
 

@@ -52,6 +52,8 @@ Heap& heap() {
         mprotect(h->base, h->total, PROT_READ | PROT_WRITE);
         h->shadow = (unsigned char*)shadow;
         h->free_runs[0] = h->total;
+        fast_state.heap_base = (uintptr_t)h->base;
+        fast_state.shadow = h->shadow;
         return h;
     }();
     return *h;
@@ -80,8 +82,23 @@ std::map<uint64_t, size_t>::iterator find(Heap& h, uint64_t address) {
     return address < it->first + it->second ? it : h.live.end();
 }
 
-// The last allocation a check found: kernels touch a handful of buffers, so most checks hit it.
-uint64_t hit_lo = 1, hit_hi = 0;
+// The last blocks checks found (kernels touch a handful of buffers, so most checks hit one): kept
+// in fast_state, where the modules' hooks read them too; replaced round robin.
+unsigned next_hit = 0;
+
+void forget_hits() {
+    for (int i = 0; i < CUDASIM_HITS; ++i) {
+        fast_state.hit_lo[i] = 1;
+        fast_state.hit_hi[i] = 0;
+    }
+}
+
+bool hit(uintptr_t address, long bytes) {
+    for (int i = 0; i < CUDASIM_HITS; ++i) {
+        if (address >= fast_state.hit_lo[i] && address + bytes <= fast_state.hit_hi[i]) return true;
+    }
+    return false;
+}
 
 }  // namespace
 
@@ -130,8 +147,7 @@ bool heap_free(uint64_t address) {
     h.subdivided.erase(address);
     h.live.erase(it);
     h.used -= need;
-    hit_lo = 1;
-    hit_hi = 0;
+    forget_hits();
     release(h, offset, need);
     // Coalesce with the neighbouring free runs.
     size_t start = offset, len = need;
@@ -263,15 +279,16 @@ std::string access_failure;
 int check_access(uintptr_t address, long bytes, int is_store) {
     Heap& h = heap();
     const char* verb = is_store ? "writes " : "reads ";
-    if (!(address >= hit_lo && address + bytes <= hit_hi)) {
+    if (!hit(address, bytes)) {
         uint64_t lo, hi;
         std::string why;
         if (!locate(h, address, (size_t)bytes, lo, hi, why)) {
             access_failure = verb + std::to_string(bytes) + " bytes at " + why;
             return ILLEGAL_ADDRESS;
         }
-        hit_lo = lo;
-        hit_hi = hi;
+        fast_state.hit_lo[next_hit] = lo;
+        fast_state.hit_hi[next_hit] = hi;
+        next_hit = (next_hit + 1) % CUDASIM_HITS;
     }
     if ((bytes == 2 || bytes == 4 || bytes == 8 || bytes == 16) && (address & (bytes - 1))) {
         access_failure = verb + std::to_string(bytes) + " bytes at " + describe(address) + ", which is not aligned to " +
@@ -308,8 +325,7 @@ extern "C" int cudasimNoteBlock(uint64_t address, size_t bytes, int lent) {
         fail_detail("cudasim: a pool notes a block at " + describe(address) + " outside every live allocation");
         return INVALID_VALUE;
     }
-    hit_lo = 1;
-    hit_hi = 0;
+    forget_hits();
     if (lent) {
         h.subdivided[it->first] = true;
         h.blocks[address] = bytes;

@@ -75,6 +75,8 @@ void copy_written(uint64_t to, uint64_t from, size_t bytes);
 // The hot path for kernels: the same check for one access of 1-16 bytes (see abi.h).
 int check_access(uintptr_t address, long bytes, int is_store);
 extern std::string access_failure;
+// The state a module's hooks read (abi.h); check_access keeps hit_lo/hit_hi there.
+extern cudasim_fast fast_state;
 // Describes an address for a message: which allocation it falls in or near.
 std::string describe(uint64_t address);
 
