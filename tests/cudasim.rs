@@ -153,7 +153,7 @@ fn correct_kernels_give_what_a_gpu_gives() {
     assert_eq!(stream.clone_dtoh(&out).unwrap(), vec![496.0; 32]);
 
     // Atomics: a histogram of 3000 values over 3 blocks.
-    let values: Vec<i32> = (0..3000).map(|i| (i * 7 % 10) as i32).collect();
+    let values: Vec<i32> = (0..3000).map(|i| i * 7 % 10).collect();
     let v = stream.clone_htod(&values).unwrap();
     let mut counts = stream.alloc_zeros::<u32>(10).unwrap();
     let hist = module.load_function("histogram").unwrap();
