@@ -229,17 +229,25 @@ fn a_missing_barrier_changes_the_result() {
     );
 }
 
+/// Launches `kernel(float* out)`, wrong on purpose, on one warp with 32 floats of output, and returns
+/// the error the simulator stops it with.
+fn one_warp_failure(stream: &Arc<CudaStream>, module: &Arc<CudaModule>, kernel: &str) -> String {
+    let mut out = stream.alloc_zeros::<f32>(32).unwrap();
+    let f = module.load_function(kernel).unwrap();
+    let mut l = stream.launch_builder(&f);
+    l.arg(&mut out);
+    // SAFETY: not safe on a GPU (the kernels passed here misuse barriers or shuffles); the simulator
+    // stops them before anything but `out` is written.
+    failure(unsafe { l.launch(grid(1, 32)) })
+}
+
 #[test]
 fn a_barrier_part_of_the_block_never_reaches_is_an_error() {
     let Some((stream, module)) = simulator() else {
         return;
     };
-    let mut out = stream.alloc_zeros::<f32>(32).unwrap();
-    let f = module.load_function("partial_barrier").unwrap();
-    let mut l = stream.launch_builder(&f);
-    l.arg(&mut out);
-    // SAFETY: not safe on a GPU (a barrier in divergent code); the simulator stops it.
-    let text = failure(unsafe { l.launch(grid(1, 32)) });
+    // A barrier in divergent code: a GPU hangs or goes on with half the block.
+    let text = one_warp_failure(&stream, &module, "partial_barrier");
     assert!(
         text.contains("kernel `partial_barrier`")
             && text.contains("__syncthreads")
@@ -254,12 +262,8 @@ fn a_shuffle_naming_an_exited_lane_is_an_error() {
     let Some((stream, module)) = simulator() else {
         return;
     };
-    let mut out = stream.alloc_zeros::<f32>(32).unwrap();
-    let f = module.load_function("shuffle_inactive").unwrap();
-    let mut l = stream.launch_builder(&f);
-    l.arg(&mut out);
-    // SAFETY: not safe on a GPU (the value is undefined); the simulator stops it.
-    let text = failure(unsafe { l.launch(grid(1, 32)) });
+    // A GPU returns an undefined value.
+    let text = one_warp_failure(&stream, &module, "shuffle_inactive");
     assert!(
         text.contains("kernel `shuffle_inactive`")
             && text.contains("names lane 16, which has exited"),
