@@ -19,7 +19,7 @@ use ndscope::data::Tokenizer;
 use ndscope::models::Gpt2;
 use ndscope::nn::{Mode, Parameters};
 use ndscope::optim::{Adam, AdamConfig, Optimizer};
-use ndscope::{DType, Device, Error, Result, Scope, Tape, Workspace, root};
+use ndscope::{DType, Device, Error, Result, Scope, Tape, Workspace, checkpoint, root};
 
 mod common;
 use common::Rng;
@@ -264,10 +264,11 @@ fn save(model: &Gpt2<'_>, from: &Path, out: &Path) -> Result<()> {
     model.save_pretrained(out)?;
     for file in ["tokenizer.json", "generation_config.json"] {
         if from.join(file).is_file() {
-            std::fs::copy(from.join(file), out.join(file)).map_err(|e| Error::Io {
-                path: out.join(file).display().to_string(),
+            let bytes = std::fs::read(from.join(file)).map_err(|e| Error::Io {
+                path: from.join(file).display().to_string(),
                 reason: e.to_string(),
             })?;
+            checkpoint::write_atomically(out.join(file), &bytes)?;
         }
     }
     println!(

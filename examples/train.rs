@@ -477,10 +477,7 @@ fn run(o: &Options) -> Result<()> {
 }
 
 fn write_file(path: &str, text: &str) -> Result<()> {
-    std::fs::write(path, text).map_err(|e| Error::Io {
-        path: path.to_string(),
-        reason: e.to_string(),
-    })
+    ndscope::checkpoint::write_atomically(path, text.as_bytes())
 }
 
 fn names(model: &Sequential<'_>) -> Vec<String> {

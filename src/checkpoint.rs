@@ -151,13 +151,95 @@ fn serialize<'m>(
     })
 }
 
-/// Writes the parameters of `params` to `path` in the safetensors format.
+/// Writes the parameters of `params` to `path` in the safetensors format, through
+/// [`write_atomically`]: a crash, a full disk or an error during the save leaves the previous file at
+/// `path` as it was, and a [`Weights`] that maps it keeps reading it.
 ///
 /// # Errors
-/// [`Error::Io`] when the file cannot be written.
+/// [`Error::Io`] when the file cannot be written (the previous one is then untouched).
 pub fn save<'m>(params: &(impl Parameters<'m> + ?Sized), path: impl AsRef<Path>) -> Result<()> {
-    let path = path.as_ref();
-    std::fs::write(path, to_bytes(params)?).map_err(|e| Error::io(path, e))
+    write_atomically(path, &to_bytes(params)?)
+}
+
+/// Replaces the file at `path` with `bytes` so that at every moment, even across a crash or a power
+/// loss, `path` holds either the whole previous file or the whole new one.
+///
+/// The bytes go to a temporary file beside `path` (`.NAME.ndscope-tmp-PID-N`, in the same directory
+/// so that the rename stays within one file system), which is flushed to the disk (`fsync`) and then
+/// renamed over `path`; last the directory is flushed, so that the rename itself survives a power
+/// loss. A failure removes the temporary file; a process killed mid-write leaves it behind, and
+/// nothing else. A process that maps the old file (a [`Weights`]) keeps its pages: the old file lives
+/// on, unnamed, until its last map is gone, where writing in place would have cut the pages from
+/// under it. If `path` is a symbolic link, the file it points to is replaced. The new file gets the
+/// default permissions of a new file, not the old file's.
+///
+/// ```
+/// let dir = std::env::temp_dir().join(format!("ndscope-doc-atomic-{}", std::process::id()));
+/// std::fs::create_dir_all(&dir)?;
+/// let path = dir.join("notes.txt");
+/// ndscope::checkpoint::write_atomically(&path, b"first")?;
+/// ndscope::checkpoint::write_atomically(&path, b"second")?;
+/// assert_eq!(std::fs::read(&path)?, b"second");
+/// assert_eq!(std::fs::read_dir(&dir)?.count(), 1, "no temporary file is left");
+/// std::fs::remove_dir_all(&dir)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Io`] naming `path` when the directory cannot be written, the disk is full, `path` is a
+/// directory, or the rename is refused; `path` is then untouched.
+pub fn write_atomically(path: impl AsRef<Path>, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+
+    let asked = path.as_ref();
+    let fail = |what: &str, e: std::io::Error| Error::io(asked, format!("{what}: {e}"));
+    // A link is followed, so that the file it names is replaced rather than the link.
+    let path = if asked.is_symlink() {
+        std::fs::canonicalize(asked).map_err(|e| fail("cannot follow the symbolic link", e))?
+    } else {
+        asked.to_path_buf()
+    };
+    if path.is_dir() {
+        return Err(Error::io(asked, "is a directory; name a file to write"));
+    }
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::io(asked, "names no file; name a file to write"))?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => std::path::PathBuf::from("."),
+    };
+    let temp = dir.join(format!(
+        ".{}.ndscope-tmp-{}-{}",
+        name.to_string_lossy(),
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    let written = (|| {
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            .map_err(|e| fail("cannot create a file in its directory", e))?;
+        file.write_all(bytes)
+            .map_err(|e| fail("writing failed (is the disk full?)", e))?;
+        file.sync_all()
+            .map_err(|e| fail("flushing to the disk failed", e))?;
+        std::fs::rename(&temp, &path).map_err(|e| fail("cannot replace the file", e))
+    })();
+    if written.is_err() {
+        // Best effort: the error that matters is the one above.
+        let _ = std::fs::remove_file(&temp);
+        return written;
+    }
+    // The rename is durable once the directory is flushed. A directory that cannot be opened or
+    // flushed (some network and FUSE file systems) does not undo a completed replace.
+    if let Ok(d) = std::fs::File::open(&dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// Overwrites every parameter of `params` with the tensor of the same name in `bytes`. Nothing is

@@ -149,19 +149,40 @@ impl Weights {
     /// holding `model.safetensors` or `model.safetensors.index.json` (a Hugging Face model
     /// directory). Files are memory-mapped; only their headers are read here.
     ///
+    /// **A mapped file must not change while the `Weights` lives.** Its tensors are read from the
+    /// file's pages when they are loaded, so a file rewritten in place meanwhile gives other bytes,
+    /// and one truncated by another process makes the read fault (SIGBUS) — the contract of every
+    /// memory-mapped loader (candle makes its loader `unsafe` for it). Replacing the file is safe:
+    /// ndscope's own saves ([`checkpoint::save`](crate::checkpoint::save), `save_pretrained`) write a
+    /// new file and rename it over the old one, and this map keeps reading the old file. For a file
+    /// that another program may rewrite in place, use [`read`](Self::read), which copies it.
+    ///
     /// # Errors
     /// [`Error::Io`] for a path that cannot be read (or a directory with neither file);
     /// [`Error::Format`] for a file that is not safetensors (truncated, say), an index that is not
     /// valid JSON with a `weight_map`, or a tensor that two shards both hold.
     pub fn open(path: impl AsRef<Path>) -> Result<Weights> {
-        let path = path.as_ref();
+        Weights::open_as(path.as_ref(), true)
+    }
+
+    /// As [`open`](Self::open), but each file is read into memory whole instead of mapped: later
+    /// changes to the files cannot reach it, at the price of holding every file's bytes (and reading
+    /// them all) up front.
+    ///
+    /// # Errors
+    /// As for [`open`](Self::open).
+    pub fn read(path: impl AsRef<Path>) -> Result<Weights> {
+        Weights::open_as(path.as_ref(), false)
+    }
+
+    fn open_as(path: &Path, mapped: bool) -> Result<Weights> {
         if path.is_dir() {
             let index = path.join("model.safetensors.index.json");
             let single = path.join("model.safetensors");
             return if single.is_file() {
-                Weights::open(single)
+                Weights::open_as(&single, mapped)
             } else if index.is_file() {
-                Weights::open(index)
+                Weights::open_as(&index, mapped)
             } else {
                 Err(Error::io(
                     path,
@@ -179,7 +200,12 @@ impl Weights {
             tensors: BTreeMap::new(),
         };
         for file in files {
-            let map = MappedFile::open(&file).map_err(|e| Error::io(&file, e))?;
+            let map = if mapped {
+                MappedFile::open(&file)
+            } else {
+                std::fs::read(&file).map(MappedFile::Read)
+            }
+            .map_err(|e| Error::io(&file, e))?;
             source.add(file, map)?;
         }
         Ok(Weights {

@@ -21,10 +21,12 @@ impl MappedFile {
             // An empty file cannot be mapped; it is (invalidly) empty either way.
             return Ok(MappedFile::Read(Vec::new()));
         }
-        // SAFETY: the map is read-only and private to this value; the bytes are only read as plain
-        // bytes (validated by the safetensors parser before any use), so another process truncating
-        // or rewriting the file can at worst make reads see other bytes or fault (SIGBUS) — the
-        // documented hazard of every memory-mapped reader, as in safetensors' and candle's loaders.
+        // SAFETY: the map is read-only (`MAP_SHARED`, `PROT_READ`) and owned by this value; the bytes
+        // are only read as plain bytes (validated by the safetensors parser before any use), so
+        // another process truncating or rewriting the file in place can at worst make reads see
+        // other bytes or fault (SIGBUS) — the hazard of every memory-mapped reader, stated to users
+        // on `Weights::open` (which offers `Weights::read` for files that may change). ndscope's own
+        // saves replace a file by renaming a new one over it, which leaves this map's pages alone.
         match unsafe { Mmap::map(&file) } {
             Ok(map) => Ok(MappedFile::Mapped(map)),
             Err(_) => Ok(MappedFile::Read(std::fs::read(path)?)),
@@ -46,8 +48,8 @@ impl MappedFile {
             let start = range.start / HUGE * HUGE;
             let end = range.end.next_multiple_of(HUGE).min(map.len());
             if end > start {
-                // SAFETY: the map is a private, read-only mapping of a file, so MADV_DONTNEED
-                // discards no data: the next read of these pages maps the file's bytes again.
+                // SAFETY: the map is a read-only mapping of a file, never written through, so
+                // MADV_DONTNEED discards no data: the next read of these pages maps the file again.
                 // No slice of the map is borrowed while this runs (`&self` is only lent out for
                 // the copies that `bytes` serves, which have ended when a loader releases them).
                 let _ = unsafe {

@@ -427,14 +427,19 @@ impl<'m> Gpt2<'m> {
     /// and layouts; a tied head is not stored, as `save_pretrained` does). Transformers'
     /// `GPT2LMHeadModel.from_pretrained(dir)` loads it; so does [`from_pretrained`](Self::from_pretrained).
     ///
+    /// Each file is replaced atomically ([`checkpoint::write_atomically`]): a crash or a full disk
+    /// during the save leaves each file whole, old or new.
+    ///
     /// # Errors
     /// [`Error::Io`] when the directory or its files cannot be written.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
         let io = |e: std::io::Error| Error::io(dir, e);
         std::fs::create_dir_all(dir).map_err(io)?;
-        std::fs::write(dir.join("config.json"), self.config.to_json()).map_err(io)?;
-        checkpoint::save(self, dir.join("model.safetensors"))
+        // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
+        // checks every tensor's shape against the config, so a mismatch is an error, not a mix.
+        checkpoint::save(self, dir.join("model.safetensors"))?;
+        checkpoint::write_atomically(dir.join("config.json"), self.config.to_json().as_bytes())
     }
 
     /// The configuration.
