@@ -11,6 +11,8 @@
 //! the second half of an odd `k`'s last pair. Like the instruction, subnormal inputs and results
 //! count as zero.
 
+use std::marker::PhantomData;
+
 use rayon::prelude::*;
 
 use crate::dtype::{bf16, bf16_of_f32};
@@ -22,15 +24,21 @@ const NR: usize = 32;
 /// Columns per task (and per packed block of the right operand).
 const NC: usize = 256;
 
-/// Whether this CPU runs the bf16 dot-product path.
-pub(super) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+/// Proof that this CPU has AVX-512F and AVX-512 BF16: only [`detect`](Self::detect) makes one, and
+/// [`matmul`] takes one, so the intrinsics cannot be reached on a CPU without them.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Bf16Dot {
+    _detected: (),
+}
+
+impl Bf16Dot {
+    /// The proof, where this CPU runs the bf16 dot-product path (the check is cached by `std`).
+    pub(super) fn detect() -> Option<Bf16Dot> {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
+            return Some(Bf16Dot { _detected: () });
+        }
+        None
     }
 }
 
@@ -49,20 +57,28 @@ impl Matrix<'_> {
     }
 }
 
-/// `out = a b` (`a` `m×k`, `b` `k×n`, `out` contiguous `m×n`), rounded once per element. Only call
-/// when [`available`] says so.
+/// `out = a b` (`a` `m×k`, `b` `k×n`, `out` contiguous `m×n`), rounded once per element.
+///
+/// # Panics
+/// When `out` does not hold exactly `m * n` elements (the stores below rely on it), or an operand's
+/// slice is too short for its strides (a bounds check of the packing).
 pub(super) fn matmul(
+    dot: Bf16Dot,
     a: Matrix<'_>,
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
 ) {
-    debug_assert!(available() && out.len() == m * n);
+    assert_eq!(
+        out.len(),
+        m * n,
+        "bf16 matmul: the output must hold m * n elements"
+    );
     if m == 0 || n == 0 {
         return;
     }
     if b.rows == 1 && k.is_multiple_of(2) {
-        return weight_stationary(a, b, (m, k, n), out);
+        return weight_stationary(dot, a, b, (m, k, n), out);
     }
     let pairs = k.div_ceil(2);
     let panels = m.div_ceil(MR);
@@ -85,10 +101,7 @@ pub(super) fn matmul(
                 }
             }
         });
-    let out_rows = OutRows {
-        ptr: out.as_mut_ptr(),
-        n,
-    };
+    let out_rows = OutRows::new(out, n);
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
@@ -115,7 +128,7 @@ pub(super) fn matmul(
             let lp = &left[panel * pairs * MR..(panel + 1) * pairs * MR];
             for cp in 0..col_panels {
                 let rp = &right[cp * pairs * NR * 2..(cp + 1) * pairs * NR * 2];
-                micro_kernel(lp, rp, pairs, &mut tile);
+                micro_kernel(dot, lp, rp, pairs, &mut tile);
                 let (i0, c0) = (panel * MR, j0 + cp * NR);
                 let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
                 for (r, values) in tile.iter().enumerate().take(rows) {
@@ -136,6 +149,7 @@ const ROWS_PER_TASK: usize = 8 * MR;
 /// being packed whole with a stride of `k` per element. Tasks take [`ROWS_PER_TASK`] weight rows
 /// (output columns) each.
 fn weight_stationary(
+    dot: Bf16Dot,
     a: Matrix<'_>,
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
@@ -156,10 +170,7 @@ fn weight_stationary(
                 }
             }
         });
-    let out_rows = OutRows {
-        ptr: out.as_mut_ptr(),
-        n,
-    };
+    let out_rows = OutRows::new(out, n);
     let weight_row = |j: usize| &b.data[j * b.cols..j * b.cols + k];
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
@@ -180,7 +191,7 @@ fn weight_stationary(
                 }
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR * 2..(tp + 1) * pairs * NR * 2];
-                    micro_kernel(&left, rp, pairs, &mut tile);
+                    micro_kernel(dot, &left, rp, pairs, &mut tile);
                     for t in 0..NR.min(m - tp * NR) {
                         for (c, row) in column.iter_mut().zip(&tile) {
                             *c = row[t];
@@ -192,26 +203,43 @@ fn weight_stationary(
         });
 }
 
-/// The output, written by the column-block tasks: each task writes only its own columns.
+/// The output, written by the column-block tasks: each task writes only its own columns. It holds
+/// the exclusive borrow of the output for `'a`, so it cannot outlive it.
 #[derive(Clone, Copy)]
-struct OutRows {
+struct OutRows<'a> {
     ptr: *mut bf16,
+    len: usize,
     n: usize,
+    _out: PhantomData<&'a mut [bf16]>,
 }
 
 // SAFETY: the tasks that share an `OutRows` write disjoint columns of it (see `store`), and the
-// borrow of the output outlives them (`matmul` and `weight_stationary` return after their parallel
-// loops).
-unsafe impl Send for OutRows {}
+// borrow of the output outlives them (`'a`; `matmul` and `weight_stationary` return after their
+// parallel loops).
+unsafe impl Send for OutRows<'_> {}
 // SAFETY: as above.
-unsafe impl Sync for OutRows {}
+unsafe impl Sync for OutRows<'_> {}
 
-impl OutRows {
-    /// Rounds `values` into row `row`, columns `col..col + values.len()`.
+impl<'a> OutRows<'a> {
+    /// The rows of `n` elements of `out`.
+    fn new(out: &'a mut [bf16], n: usize) -> OutRows<'a> {
+        OutRows {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            n,
+            _out: PhantomData,
+        }
+    }
+
+    /// Rounds `values` into row `row`, columns `col..col + values.len()`, which must lie inside the
+    /// row (checked). The callers give each column block to one task.
     fn store(&self, row: usize, col: usize, values: &[f32]) {
-        // SAFETY: `matmul`'s callers give `out` with `m * n` elements; `row < m` and `col +
-        // values.len() <= n` (the tile is clipped to the matrix), so the range is inside it; each
-        // column block belongs to one task, so no other thread touches these elements meanwhile.
+        assert!(
+            col + values.len() <= self.n && (row * self.n + col + values.len()) <= self.len,
+            "bf16 matmul: a store outside the output"
+        );
+        // SAFETY: the range is inside the borrowed output (checked above); each column block
+        // belongs to one task, so no other thread touches these elements meanwhile.
         let dst = unsafe {
             std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), values.len())
         };
@@ -222,16 +250,23 @@ impl OutRows {
 }
 
 /// `tile = left_panel · right_panel` over `pairs` k-pairs.
-fn micro_kernel(left: &[u32], right: &[u16], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+fn micro_kernel(
+    dot: Bf16Dot,
+    left: &[u32],
+    right: &[u16],
+    pairs: usize,
+    tile: &mut [[f32; NR]; MR],
+) {
     assert!(left.len() >= pairs * MR && right.len() >= pairs * NR * 2);
+    let _ = dot;
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `matmul` runs only where `available()` found AVX-512F and AVX-512 BF16; the assertion
-    // keeps every load inside the panels.
+    // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU; the
+    // assertion keeps every load inside the panels.
     unsafe {
         micro_kernel_avx512(left, right, pairs, tile)
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("the bf16 dot-product path is only taken on x86-64 with AVX-512 BF16")
+    unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
 }
 
 #[cfg(target_arch = "x86_64")]

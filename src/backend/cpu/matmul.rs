@@ -30,40 +30,43 @@ pub(super) fn matmul(
         DType::F32 => direct::<f32>(a, b, batch, mkn, out),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
-        DType::BF16 if bf16_gemm::available() => {
-            let (la, lb) = (a.layout, b.layout);
-            let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<bf16>());
-            let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));
-            let out = out.contiguous_host::<bf16>();
-            let (m, k, n) = mkn;
-            if k == 0 {
-                out.fill(bf16::ZERO);
-                return;
+        DType::BF16 => match bf16_gemm::Bf16Dot::detect() {
+            Some(dot) => {
+                let (la, lb) = (a.layout, b.layout);
+                let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<bf16>());
+                let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));
+                let out = out.contiguous_host::<bf16>();
+                let (m, k, n) = mkn;
+                if k == 0 {
+                    out.fill(bf16::ZERO);
+                    return;
+                }
+                each_product(la, lb, batch, (m, n), |ia, ib, io| {
+                    let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
+                        data,
+                        rows: rows as usize,
+                        cols: cols as usize,
+                    };
+                    bf16_gemm::matmul(
+                        dot,
+                        matrix(&da[ia..], a_rs, a_cs),
+                        matrix(&db[ib..], b_rs, b_cs),
+                        mkn,
+                        &mut out[io..io + m * n],
+                    );
+                });
             }
-            each_product(la, lb, batch, (m, n), |ia, ib, io| {
-                let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
-                    data,
-                    rows: rows as usize,
-                    cols: cols as usize,
-                };
-                bf16_gemm::matmul(
-                    matrix(&da[ia..], a_rs, a_cs),
-                    matrix(&db[ib..], b_rs, b_cs),
-                    mkn,
-                    &mut out[io..io + m * n],
-                );
-            });
-        }
-        DType::BF16 => {
-            let (wa, la) = widen(a);
-            let (wb, lb) = widen(b);
-            let out = out.contiguous_host::<bf16>();
-            let mut wide = vec![0.0f32; out.len()];
-            matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
-            out.par_chunks_mut(CONVERT_CHUNK)
-                .zip(wide.par_chunks(CONVERT_CHUNK))
-                .for_each(|(o, w)| o.iter_mut().zip(w).for_each(|(o, &w)| *o = bf16_of_f32(w)));
-        }
+            None => {
+                let (wa, la) = widen(a);
+                let (wb, lb) = widen(b);
+                let out = out.contiguous_host::<bf16>();
+                let mut wide = vec![0.0f32; out.len()];
+                matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
+                out.par_chunks_mut(CONVERT_CHUNK)
+                    .zip(wide.par_chunks(CONVERT_CHUNK))
+                    .for_each(|(o, w)| o.iter_mut().zip(w).for_each(|(o, &w)| *o = bf16_of_f32(w)));
+            }
+        },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
 }
