@@ -420,10 +420,16 @@ unsafe extern "C" fn sum_halves<T: Half>(
     len: *mut c_int,
     _datatype: *mut ffi::MPI_Datatype,
 ) {
-    // SAFETY: MPI passes two buffers of `*len` elements of the datatype the reduction was started
-    // with (16-bit), suitably aligned, the second one writable, not overlapping.
+    // SAFETY: MPI passes a valid pointer to the element count.
+    let n = usize::try_from(unsafe { *len }).unwrap_or(0);
+    // An empty reduction may come with null (or dangling) buffers, which no slice may be made of.
+    if n == 0 || input.is_null() || inout.is_null() {
+        return;
+    }
+    // SAFETY: MPI passes two buffers of `n` elements of the datatype the reduction was started
+    // with (16-bit), suitably aligned, the second one writable, not overlapping; neither is null
+    // (checked above).
     let (a, b) = unsafe {
-        let n = *len as usize;
         (
             std::slice::from_raw_parts(input.cast::<T>(), n),
             std::slice::from_raw_parts_mut(inout.cast::<T>(), n),
@@ -431,5 +437,37 @@ unsafe extern "C" fn sum_halves<T: Half>(
     };
     for (x, y) in a.iter().zip(b.iter_mut()) {
         *y = T::from_f32(x.to_f32() + y.to_f32());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_16_bit_sum_adds_elementwise_and_takes_empty_null_buffers() {
+        let mut acc = [bf16::from_f32(1.0), bf16::from_f32(2.5)];
+        let mut input = [bf16::from_f32(0.5), bf16::from_f32(-4.0)];
+        let mut len: c_int = 2;
+        // SAFETY: two buffers of `len` bf16 elements, as MPI passes them.
+        unsafe {
+            sum_halves::<bf16>(
+                input.as_mut_ptr().cast(),
+                acc.as_mut_ptr().cast(),
+                &mut len,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(acc.map(bf16::to_f32), [1.5, -1.5]);
+        let mut none: c_int = 0;
+        // SAFETY: an empty reduction with null buffers, which MPI may pass: nothing is read.
+        unsafe {
+            sum_halves::<f16>(
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut none,
+                std::ptr::null_mut(),
+            )
+        };
     }
 }
