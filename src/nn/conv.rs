@@ -1,5 +1,6 @@
 //! Convolution and pooling layers over `[batch, channels, rows, cols]`.
 
+use super::given;
 use super::params::layer_parts;
 use super::{Init, Mode, Module};
 use crate::autograd::Var;
@@ -53,6 +54,52 @@ impl<'m> Conv2d<'m> {
         Ok(Conv2d {
             weight: init.tensor(scope, &shape)?.named("weight"),
             bias: scope.zeros(&[out_channels])?.named("bias"),
+            options,
+        })
+    }
+
+    /// A convolution of tensors the caller holds: `weight` `[out channels, in channels / groups,
+    /// kh, kw]` (PyTorch's layout) and `bias` `[out channels]`, placed by `options`. The tensors
+    /// are taken as they are, so the layer lives in their scope.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a weight that is not 4-D with no zero dimension, output
+    /// channels that are not a multiple of the groups, or a bias that is not `[out channels]`;
+    /// [`Error::UnsupportedDType`], [`Error::DTypeMismatch`], [`Error::DeviceMismatch`].
+    pub fn from_tensors(
+        weight: Tensor<'m>,
+        bias: Tensor<'m>,
+        options: Conv2dOptions,
+    ) -> Result<Conv2d<'m>> {
+        let op = "Conv2d::from_tensors";
+        let &[out_channels, per_group, kh, kw] = weight.shape() else {
+            return Err(Error::InvalidShape {
+                op,
+                shape: weight.shape().to_vec(),
+                reason: "the weight must be [out channels, in channels / groups, kh, kw]".into(),
+            });
+        };
+        if options.groups == 0 || !out_channels.is_multiple_of(options.groups) {
+            return Err(Error::InvalidShape {
+                op,
+                shape: weight.shape().to_vec(),
+                reason: format!(
+                    "the output channels must be a multiple of the groups ({})",
+                    options.groups
+                ),
+            });
+        }
+        given::check(
+            op,
+            "weight",
+            &weight,
+            &[out_channels, per_group, kh, kw],
+            None,
+        )?;
+        given::check(op, "bias", &bias, &[out_channels], Some(&weight))?;
+        Ok(Conv2d {
+            weight,
+            bias,
             options,
         })
     }

@@ -1,5 +1,6 @@
 //! The fully connected layer, in either weight layout.
 
+use super::given;
 use super::params::layer_parts;
 use super::{Init, Mode, Module};
 use crate::autograd::Var;
@@ -125,6 +126,64 @@ impl<'m> Linear<'m> {
             bias: bias
                 .then(|| weights.parameter(scope, "bias", &[out_features], dtype))
                 .transpose()?,
+            layout,
+        })
+    }
+
+    /// A layer of tensors the caller holds: `weight` stored in `layout` (`[out, in]` for
+    /// [`WeightLayout::OutIn`], `[in, out]` for [`WeightLayout::InOut`]) and an optional `bias`
+    /// (`[out]`), as candle's `Linear::new(weight, bias)`. The tensors are taken as they are (not
+    /// copied), so the layer lives in their scope.
+    ///
+    /// ```
+    /// use ndscope::nn::{Linear, WeightLayout};
+    /// use ndscope::{Device, root};
+    ///
+    /// root(Device::Cpu, |s| {
+    ///     let weight = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2])?; // [out, in]
+    ///     let bias = s.from_slice(&[0.5f32, 0.0, -0.5], &[3])?;
+    ///     let layer = Linear::from_tensors(weight, Some(bias), WeightLayout::OutIn)?;
+    ///     assert_eq!((layer.in_features(), layer.out_features()), (2, 3));
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a weight that is not a matrix with no zero dimension, or a bias
+    /// that is not `[out]`; [`Error::UnsupportedDType`] for an integer weight;
+    /// [`Error::DTypeMismatch`] and [`Error::DeviceMismatch`] for a bias unlike the weight.
+    pub fn from_tensors(
+        weight: Tensor<'m>,
+        bias: Option<Tensor<'m>>,
+        layout: WeightLayout,
+    ) -> Result<Linear<'m>> {
+        let &[rows, cols] = weight.shape() else {
+            return Err(Error::InvalidShape {
+                op: "Linear::from_tensors",
+                shape: weight.shape().to_vec(),
+                reason: "the weight must be a matrix: [out, in] (OutIn) or [in, out] (InOut)"
+                    .into(),
+            });
+        };
+        let shape = [rows, cols];
+        given::check("Linear::from_tensors", "weight", &weight, &shape, None)?;
+        let out_features = match layout {
+            WeightLayout::OutIn => rows,
+            WeightLayout::InOut => cols,
+        };
+        if let Some(b) = &bias {
+            given::check(
+                "Linear::from_tensors",
+                "bias",
+                b,
+                &[out_features],
+                Some(&weight),
+            )?;
+        }
+        Ok(Linear {
+            weight,
+            bias,
             layout,
         })
     }

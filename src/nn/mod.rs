@@ -29,6 +29,7 @@ mod batch_norm;
 mod checkpointed;
 mod conv;
 mod embedding;
+mod given;
 mod init;
 mod layers;
 mod linear;

@@ -1,5 +1,6 @@
 //! Normalisation layers: [`LayerNorm`] and [`RmsNorm`] over the last dimension.
 
+use super::given;
 use super::params::layer_parts;
 use super::{Mode, Module};
 use crate::autograd::Var;
@@ -90,9 +91,55 @@ impl<'m> LayerNorm<'m> {
         })
     }
 
+    /// A layer of tensors the caller holds: a scale `weight` (`[features]`), an optional shift
+    /// `bias` of the same shape, dtype and device, adding `eps` to the variance. The tensors are
+    /// taken as they are, so the layer lives in their scope.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a weight that is not a vector with at least one element, a bias
+    /// of another shape, or an `eps` that is not a finite number `>= 0`;
+    /// [`Error::UnsupportedDType`], [`Error::DTypeMismatch`], [`Error::DeviceMismatch`].
+    pub fn from_tensors(
+        weight: Tensor<'m>,
+        bias: Option<Tensor<'m>>,
+        eps: f64,
+    ) -> Result<LayerNorm<'m>> {
+        let features = vector_length("LayerNorm::from_tensors", &weight)?;
+        check("LayerNorm", features, eps)?;
+        given::check(
+            "LayerNorm::from_tensors",
+            "weight",
+            &weight,
+            &[features],
+            None,
+        )?;
+        if let Some(b) = &bias {
+            given::check(
+                "LayerNorm::from_tensors",
+                "bias",
+                b,
+                &[features],
+                Some(&weight),
+            )?;
+        }
+        Ok(LayerNorm { weight, bias, eps })
+    }
+
     /// What is added to the variance.
     pub fn eps(&self) -> f64 {
         self.eps
+    }
+}
+
+/// The length of `weight`, which must be a vector.
+fn vector_length(op: &'static str, weight: &Tensor<'_>) -> Result<usize> {
+    match *weight.shape() {
+        [n] => Ok(n),
+        _ => Err(Error::InvalidShape {
+            op,
+            shape: weight.shape().to_vec(),
+            reason: "the weight must be a vector [features]".into(),
+        }),
     }
 }
 
@@ -165,6 +212,25 @@ impl<'m> RmsNorm<'m> {
             weight: weights.parameter(scope, "weight", &[features], dtype)?,
             eps,
         })
+    }
+
+    /// A layer of a scale `weight` (`[features]`) the caller holds, adding `eps` to the mean
+    /// square. The tensor is taken as it is, so the layer lives in its scope.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for a weight that is not a vector with at least one element or an
+    /// `eps` that is not a finite number `>= 0`; [`Error::UnsupportedDType`] for an integer weight.
+    pub fn from_tensors(weight: Tensor<'m>, eps: f64) -> Result<RmsNorm<'m>> {
+        let features = vector_length("RmsNorm::from_tensors", &weight)?;
+        check("RmsNorm", features, eps)?;
+        given::check(
+            "RmsNorm::from_tensors",
+            "weight",
+            &weight,
+            &[features],
+            None,
+        )?;
+        Ok(RmsNorm { weight, eps })
     }
 
     /// What is added to the mean square.
