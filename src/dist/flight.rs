@@ -11,6 +11,7 @@ use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
+use std::panic::{self, AssertUnwindSafe};
 
 use std::panic::Location;
 
@@ -235,18 +236,39 @@ impl<'f, 'g: 'f> Flight<'f, 'g> {
         (entry.finish)()
     }
 
-    /// Completes every collective still in flight, in the order they started; the first error.
+    /// Completes every collective still in flight: first every transfer, in the order they
+    /// started, then their finishers in the same order; the first error. A finisher that panics
+    /// cannot leave a later transfer writing into buffers whose scopes the unwinding then closes:
+    /// the transfers have all ended before any finisher runs, and the other finishers still run
+    /// before the panic goes on.
     pub(crate) fn finish(&self) -> Result<()> {
+        for entry in self.entries.borrow_mut().iter_mut().flatten() {
+            self.group.complete(entry.op, &mut entry.started);
+        }
         let count = self.entries.borrow().len();
         let mut first = Ok(());
+        let mut panicked = None;
         for index in 0..count {
-            let done = self.complete(index);
-            if first.is_ok() {
-                first = done;
+            let entry = self.entries.borrow_mut()[index].take();
+            let Some(entry) = entry else {
+                continue;
+            };
+            match panic::catch_unwind(AssertUnwindSafe(entry.finish)) {
+                Ok(done) => {
+                    if first.is_ok() {
+                        first = done;
+                    }
+                }
+                Err(payload) => {
+                    panicked.get_or_insert(payload);
+                }
             }
         }
         // Every entry is complete; free the list now, while `'f` lasts.
         drop(std::mem::take(&mut **self.entries.borrow_mut()));
+        if let Some(payload) = panicked {
+            panic::resume_unwind(payload);
+        }
         first
     }
 }
@@ -285,5 +307,42 @@ impl<'s> Gathering<'_, '_, '_, 's> {
     pub(crate) fn into_output(self) -> Tensor<'s> {
         let _ = self.pending.flight.complete(self.pending.index);
         self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_finisher_lets_every_other_finisher_run_and_then_goes_on_unwinding() {
+        let group = ProcessGroup::single();
+        let flight = Flight::new(&group);
+        let ran = Cell::new(0);
+        flight.push(Entry {
+            op: "first",
+            started: Started::Done,
+            finish: Box::new(|| panic!("the first finisher fails")),
+        });
+        flight.push(Entry {
+            op: "second",
+            started: Started::Done,
+            finish: Box::new(|| {
+                ran.set(ran.get() + 1);
+                Ok(())
+            }),
+        });
+        let unwound = panic::catch_unwind(AssertUnwindSafe(|| flight.finish()));
+        let message = unwound.expect_err("the finisher's panic goes on");
+        assert_eq!(
+            message.downcast_ref::<&str>(),
+            Some(&"the first finisher fails")
+        );
+        assert_eq!(
+            ran.get(),
+            1,
+            "the later finisher ran before the panic went on"
+        );
+        assert!(flight.entries.borrow().is_empty(), "every entry is gone");
     }
 }

@@ -34,6 +34,36 @@ pub(crate) struct Mpi {
 /// Started collectives: one MPI request per chunk (MPI counts elements in `int`).
 pub(crate) struct Requests(Vec<ffi::MPI_Request>);
 
+impl Drop for Requests {
+    /// Every path completes its requests before dropping them (a flight completes its entries, a
+    /// group waits for the exchanges it abandoned). One still open here means MPI may still write
+    /// into a buffer that is about to be reused: ending the job is the only safe answer.
+    fn drop(&mut self) {
+        // SAFETY: reading an MPI constant.
+        let null = unsafe { ffi::RSMPI_REQUEST_NULL };
+        if self.0.iter().all(|r| *r == null) {
+            return; // completed: MPI set each to MPI_REQUEST_NULL (no MPI call is needed)
+        }
+        let mut open = 0;
+        for request in &mut self.0 {
+            let mut flag: c_int = 0;
+            // SAFETY: the request came from a non-blocking call on a communicator still alive (the
+            // group that made it outlives it); MPI_Test accepts completed (null) requests too.
+            unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+            open += usize::from(flag == 0);
+        }
+        if open > 0 {
+            eprintln!(
+                "ndscope: {open} MPI transfer(s) were dropped before they completed, so MPI may \
+                 still write into their buffers; aborting the MPI job"
+            );
+            // SAFETY: MPI is initialized (the requests are alive); MPI_Abort does not return.
+            unsafe { ffi::MPI_Abort(ffi::RSMPI_COMM_WORLD, 1) };
+            std::process::abort();
+        }
+    }
+}
+
 /// The largest element count one MPI call takes.
 const MAX_COUNT: usize = c_int::MAX as usize;
 
@@ -219,7 +249,9 @@ impl Mpi {
         reduce: Reduce,
     ) -> Result<Requests> {
         let (datatype, op) = self.reduction(dtype, reduce)?;
-        let mut requests = Vec::with_capacity(elements.div_ceil(MAX_COUNT).max(1));
+        // In `Requests` from the first chunk on: if a later chunk fails to start, dropping them
+        // ends the job unless the started ones have completed (their buffers go back on return).
+        let mut requests = Requests(Vec::with_capacity(elements.div_ceil(MAX_COUNT).max(1)));
         for (start, count) in chunks(elements) {
             let at = start * dtype.size();
             // SAFETY: by the caller's contract the chunk `at..at + count * size` is in both
@@ -237,9 +269,9 @@ impl Mpi {
                     )
                 })?
             };
-            requests.push(request);
+            requests.0.push(request);
         }
-        Ok(Requests(requests))
+        Ok(requests)
     }
 
     /// An all-reduce of `elements` values of `dtype` from `send` into `recv`, returning when it is
@@ -288,7 +320,8 @@ impl Mpi {
         bytes: usize,
         root: usize,
     ) -> Result<Requests> {
-        let mut requests = Vec::with_capacity(bytes.div_ceil(MAX_COUNT).max(1));
+        // As for `all_reduce`: started chunks are in `Requests` at once.
+        let mut requests = Requests(Vec::with_capacity(bytes.div_ceil(MAX_COUNT).max(1)));
         for (start, count) in chunks(bytes) {
             // SAFETY: by the caller's contract the chunk is valid until the request completes; the
             // root is a rank of the communicator (the caller checked it).
@@ -304,9 +337,9 @@ impl Mpi {
                     )
                 })?
             };
-            requests.push(request);
+            requests.0.push(request);
         }
-        Ok(Requests(requests))
+        Ok(requests)
     }
 
     /// Starts an all-gather of `bytes` bytes from every rank into `recv`, rank by rank.
