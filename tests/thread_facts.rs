@@ -1,5 +1,6 @@
 //! Which types may cross threads: scopes nest strictly in time on one thread, scoped tensors stay on
-//! it, and only detached tensors (`Tensor<'static>`) and workspaces may be sent.
+//! it, and only detached tensors (`Tensor<'static>`) and workspaces may be sent; process groups and
+//! flights of collectives stay on the thread that made them.
 
 use ndscope::{Child, Scope, Tensor, Workspace};
 use static_assertions::{assert_impl_all, assert_not_impl_any};
@@ -10,6 +11,9 @@ assert_impl_all!(Tensor<'static>: Send, Sync, Clone);
 assert_impl_all!(Workspace: Send);
 assert_not_impl_any!(Workspace: Sync, Clone);
 assert_impl_all!(ndscope::Error: Send, Sync, std::error::Error);
+// Collectives belong to the thread that started MPI (and a GPU's stream), with or without features.
+assert_not_impl_any!(ndscope::dist::ProcessGroup: Send, Sync);
+assert_not_impl_any!(ndscope::dist::Flight<'static, 'static>: Send, Sync);
 
 /// The compile-time facts above are checked when this file compiles; this test documents the one
 /// run-time consequence: a detached tensor used from several threads at once.

@@ -7,7 +7,7 @@
 //! leaking a [`Pending`] handle cannot end the borrow early: the flight, not the handle, holds the
 //! buffers.
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
@@ -19,18 +19,41 @@ use super::group::{ProcessGroup, Started};
 use super::{Reduce, operands};
 use crate::device::Device;
 use crate::error::Result;
+use crate::scope::StaysOnItsThread;
 use crate::tensor::Tensor;
 
 /// Collectives started and not yet waited for, inside [`ProcessGroup::in_flight`]. Collectives
 /// must be started in the same order on every rank; they may be waited for in any order.
 pub struct Flight<'f, 'g: 'f> {
-    group: &'g ProcessGroup,
+    /// Neither `Send` nor `Sync`: MPI's requests belong to the thread that started them. The
+    /// fields below are wrapped in [`OnItsThread`], so that this marker is all the compiler names
+    /// when a program shares a flight with another thread.
+    _thread: StaysOnItsThread,
+    group: OnItsThread<&'g ProcessGroup>,
     /// In `ManuallyDrop` so that dropping the flight needs nothing of `'f` (the borrow checker
     /// would otherwise refuse to let the flight be borrowed for `'f`): [`finish`](Self::finish),
     /// which `in_flight` always runs, empties it.
-    entries: RefCell<ManuallyDrop<Vec<Option<Entry<'f>>>>>,
+    entries: OnItsThread<RefCell<ManuallyDrop<Vec<Option<Entry<'f>>>>>>,
     /// `'f` is invariant, as `std::thread::Scope`'s is, so a borrow for the flight cannot shrink.
-    _invariant: PhantomData<Cell<&'f ()>>,
+    _invariant: PhantomData<fn(&'f ()) -> &'f ()>,
+}
+
+/// A field of [`Flight`], reached only through it.
+struct OnItsThread<T>(T);
+
+// SAFETY: an `OnItsThread` is only ever a private field of `Flight`, whose `StaysOnItsThread`
+// marker makes it neither `Send` nor `Sync`, so the value inside is never reached from a thread
+// other than the one that made the flight. These impls only keep the flight's internals out of
+// the compiler's message when a program tries to share a flight (the marker is then all it names).
+unsafe impl<T> Send for OnItsThread<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for OnItsThread<T> {}
+
+impl<T> std::ops::Deref for OnItsThread<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 /// One started collective: its transfer, and what completes it (keeping its buffers alive).
@@ -81,15 +104,16 @@ impl fmt::Debug for Gathering<'_, '_, '_, '_> {
 impl<'f, 'g: 'f> Flight<'f, 'g> {
     pub(crate) fn new(group: &'g ProcessGroup) -> Flight<'f, 'g> {
         Flight {
-            group,
-            entries: RefCell::new(ManuallyDrop::new(Vec::new())),
+            _thread: StaysOnItsThread::default(),
+            group: OnItsThread(group),
+            entries: OnItsThread(RefCell::new(ManuallyDrop::new(Vec::new()))),
             _invariant: PhantomData,
         }
     }
 
     /// The group the collectives run in.
     pub fn group(&self) -> &'g ProcessGroup {
-        self.group
+        self.group.0
     }
 
     fn push(&self, entry: Entry<'f>) -> Pending<'_, 'f, 'g> {
@@ -313,6 +337,7 @@ impl<'s> Gathering<'_, '_, '_, 's> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
 
     #[test]
     fn a_panicking_finisher_lets_every_other_finisher_run_and_then_goes_on_unwinding() {

@@ -14,6 +14,7 @@ use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
+use crate::scope::StaysOnItsThread;
 use crate::tensor::Tensor;
 
 #[cfg(feature = "mpi")]
@@ -32,7 +33,9 @@ use std::sync::{Arc, Mutex};
 /// [`ProcessGroup::single`] is a world of one, needing no MPI: the same program then trains on one
 /// process, and every collective is the identity.
 ///
-/// Collectives take host tensors of any float dtype. Each process keeps its own scope tree; a
+/// Collectives take host tensors (over MPI) and, with the `cuda` feature, GPU tensors (over NCCL, on
+/// the GPU's stream); the dtypes each reduction takes are listed on
+/// [`all_reduce`](Self::all_reduce). Each process keeps its own scope tree; a
 /// collective's result is a tensor of the operand's scope, so the scope rules hold on every rank.
 ///
 /// ```
@@ -51,6 +54,9 @@ use std::sync::{Arc, Mutex};
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 pub struct ProcessGroup {
+    /// Neither `Send` nor `Sync`, with or without features: MPI is initialised for the thread
+    /// that made the group (`MPI_THREAD_FUNNELED`), and a GPU's communicator for its stream.
+    _thread: StaysOnItsThread,
     /// The NCCL communicator for GPU tensors, made at the first collective on one (dropped before
     /// MPI is finalized).
     nccl: RefCell<Option<Nccl>>,
@@ -150,6 +156,7 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 impl ProcessGroup {
     fn with(transport: Transport) -> ProcessGroup {
         ProcessGroup {
+            _thread: StaysOnItsThread::default(),
             nccl: RefCell::new(None),
             transport,
             timeout: Cell::new(DEFAULT_TIMEOUT),

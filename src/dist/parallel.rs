@@ -21,10 +21,12 @@ use crate::tensor::Tensor;
 /// - [`backward`](Self::backward) runs the backward pass, agrees with the other ranks that every
 ///   one of them got this far ([`ProcessGroup::agree`]: an error on one rank reaches all), then
 ///   [`average`](Self::average)s the gradients.
-/// - [`average`](Self::average) flattens the gradients into buckets of at most
+/// - [`average`](Self::average) flattens host gradients into buckets of at most
 ///   [`bucket_bytes`](Self::bucket_bytes) (25 MiB unless set, as PyTorch's DDP; a bucket boundary
 ///   may fall inside a tensor), in the gradients' scope, and all-reduces them one after the other
-///   right after the backward pass (the tape has no per-bucket hooks). The averaged gradients are the
+///   right after the backward pass (the tape has no per-bucket hooks). GPU gradients are not
+///   bucketed: each is all-reduced by NCCL on the GPU's stream, and
+///   [`last_sync`](Self::last_sync)`().buckets` counts those all-reduces. The averaged gradients are the
 ///   same bits on every rank, so an optimizer (and a [`LossScaler`](crate::optim::LossScaler)'s
 ///   skip decision) takes the same step everywhere.
 /// - Gradient accumulation: accumulate micro-batches locally, then average the sums once

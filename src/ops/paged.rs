@@ -216,7 +216,7 @@ pub(crate) fn write_pages(
                 op: OP,
                 shape: vec![w.from, w.count],
                 reason: "a page to write is shared with another cache or belongs to another \
-                             pool; the cache unshares its pages before writing"
+                         pool; the cache unshares its pages before writing"
                     .into(),
             }
         })?);

@@ -41,10 +41,11 @@ pub struct Scope<'s> {
     _thread: StaysOnItsThread,
 }
 
-/// Makes [`Scope`] (and so [`Child`]) neither `Send` nor `Sync`. When a program tries to share a
-/// scope with another thread, the compiler names this marker instead of the scope's internals.
+/// Makes [`Scope`] (and so [`Child`]) neither `Send` nor `Sync`, and the types of other modules
+/// that must stay on their thread (`dist::Flight`, `dist::ProcessGroup`). When a program tries to
+/// share one with another thread, the compiler names this marker instead of the type's internals.
 #[derive(Default)]
-struct StaysOnItsThread(PhantomData<*const ()>);
+pub(crate) struct StaysOnItsThread(PhantomData<*const ()>);
 
 /// A scope opened inside a parent scope `'p`; it dereferences to its own [`Scope<'c>`].
 ///

@@ -1,7 +1,9 @@
 //! Generation and serving: a prompt's continuation with a KV cache of its own ([`generate`]), and many
 //! requests decoded together by a continuous-batching [`Engine`]. DJL's inference tree, with the
 //! scopes checked by the compiler: the model and its [`KvPool`](crate::kv::KvPool) live in the model's
-//! scope; each request's cache lives in the request's scope, each step's temporaries in the step's.
+//! scope; [`generate`]'s cache lives in the scope it is given, while the [`Engine`] keeps every
+//! running request's cache in one scope of its own (`engine`, all caches of one brand), each
+//! request's blocks going back to the pool when it ends; each step's temporaries live in the step's.
 //! What a request returns — token ids, log-probabilities, its cache's figures — is plain data.
 
 mod engine;
