@@ -28,7 +28,12 @@ use crate::memory::block::BlockRef;
 
 /// The bookkeeping of one slab's pages, shared by every table cut from it.
 pub(crate) struct Pages {
-    /// The slab's header, as an identity: a view is only made for the block the pages were cut from.
+    /// The slab's header address: a view is only made for the block the pages were cut from. An
+    /// address could in principle be reused by a later block, but it is never the only guard:
+    /// the block passed in is always the slab of the pool that holds this `Pages` (a `KvPool`
+    /// keeps its slab alive as long as itself), and every table is first checked to come from
+    /// that pool by the identity of this `Arc`, which cannot be reused while the table holds it
+    /// (`KvCache::check_pool`, run by `KvStep` for every cache).
     block: usize,
     page_bytes: usize,
     count: usize,
@@ -257,7 +262,10 @@ impl PageTable {
                 // SAFETY: the range is one page inside the slab (`Pages::new` checked the size),
                 // aligned to 64 (pages are multiples of 64 bytes from a 64-aligned block), and valid
                 // while `block` is borrowed. This table holds the page, so nothing writes it while
-                // `self` is borrowed: a write needs the page's only holder borrowed mutably.
+                // `self` is borrowed: a write needs the page's only holder borrowed mutably. On a
+                // GPU "while borrowed" is in stream order: every kernel and copy of a device runs on
+                // its one stream (backend/cuda), so work enqueued through this view runs before any
+                // later write to the page, and before the slab's block is reused after it is freed.
                 Some(unsafe { Buf::new(ptr, bytes, device) })
             })
             .collect()
