@@ -46,7 +46,9 @@ fn greedy_reference() -> Reference {
 
 /// Transformers' options: 24 greedy tokens, end-of-text (0) masked until then.
 fn as_transformers() -> GenerateOptions {
-    GenerateOptions::greedy(24).stopping_at(0).at_least(24)
+    GenerateOptions::greedy(24)
+        .stopping_at(0)
+        .with_min_new_tokens(24)
 }
 
 /// The largest difference between our raw logits and transformers' processed ones, over the tokens

@@ -79,12 +79,12 @@ pub struct Engine<'p, M> {
     model: &'p M,
     pool: &'p KvPool<'p>,
     config: EngineConfig,
-    waiting: VecDeque<Pending>,
+    waiting: VecDeque<Queued>,
     next_id: usize,
 }
 
 /// A submitted request, checked: its decoding state is made once, at `submit`.
-struct Pending {
+struct Queued {
     id: usize,
     arrival: usize,
     prompt_tokens: usize,
@@ -154,7 +154,7 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Pending {
+        self.waiting.push_back(Queued {
             id,
             arrival: request.arrival,
             prompt_tokens: request.prompt.len(),
@@ -182,15 +182,15 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
     {
         let (model, pool) = (self.model, self.pool);
         let max_positions = model.max_positions();
-        let mut arrivals: Vec<Pending> = self.waiting.drain(..).collect();
+        let mut arrivals: Vec<Queued> = self.waiting.drain(..).collect();
         arrivals.sort_by_key(|p| (p.arrival, p.id));
-        let mut arrivals: VecDeque<Pending> = arrivals.into();
+        let mut arrivals: VecDeque<Queued> = arrivals.into();
         let config = self.config;
         scope.named_scope("engine", |engine| {
             let mut done = Vec::new();
             let mut active: Vec<Active<'_>> = Vec::new();
             // Requests that have arrived, with the step and time they arrived at.
-            let mut queue: VecDeque<(Pending, usize, Instant)> = VecDeque::new();
+            let mut queue: VecDeque<(Queued, usize, Instant)> = VecDeque::new();
             let mut step = 0;
             while !(arrivals.is_empty() && queue.is_empty() && active.is_empty()) {
                 while arrivals.front().is_some_and(|p| p.arrival <= step) {

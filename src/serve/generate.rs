@@ -50,10 +50,18 @@ impl GenerateOptions {
         self
     }
 
-    /// The same, with no stop token before `min_new_tokens` new tokens.
-    pub fn at_least(mut self, min_new_tokens: usize) -> GenerateOptions {
+    /// The same, with no stop token before `min_new_tokens` new tokens (transformers'
+    /// `min_new_tokens`).
+    pub fn with_min_new_tokens(mut self, min_new_tokens: usize) -> GenerateOptions {
         self.min_new_tokens = min_new_tokens;
         self
+    }
+
+    /// The old name of [`with_min_new_tokens`](Self::with_min_new_tokens), which read as a bound
+    /// on something else.
+    #[deprecated(note = "use `with_min_new_tokens`, the same setting under transformers' name")]
+    pub fn at_least(self, min_new_tokens: usize) -> GenerateOptions {
+        self.with_min_new_tokens(min_new_tokens)
     }
 }
 
