@@ -106,6 +106,14 @@ pub enum Error {
         /// The library's error.
         reason: String,
     },
+    /// An argument that is not valid for the op and is not a shape: a negative temperature, a
+    /// cache used with a KV pool that did not make it.
+    InvalidArgument {
+        /// The operation.
+        op: &'static str,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
     /// A shape that is not valid for the op (wrong rank, wrong element count for a reshape, ...).
     InvalidShape {
         /// The operation.
@@ -386,6 +394,7 @@ impl fmt::Display for Error {
                  `.to_device(Device::Cpu)` (the README lists the ops that run on a GPU)"
             ),
             Error::Cuda { op, reason } => write!(f, "{op}: CUDA error: {reason}"),
+            Error::InvalidArgument { op, reason } => write!(f, "{op}: {reason}"),
             Error::InvalidShape { op, shape, reason } => {
                 write!(f, "{op}: shape {shape:?} is not valid here: {reason}")
             }

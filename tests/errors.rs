@@ -345,3 +345,26 @@ fn device_names_parse_and_bad_ones_say_what_to_write() {
         assert!(err.to_string().contains("`cuda:N`"), "{err}");
     }
 }
+
+#[test]
+fn arguments_that_are_not_shapes_are_invalid_arguments() {
+    use ndscope::serve::Sampling;
+    for t in [-1.0, f64::NAN, f64::INFINITY] {
+        let e = Sampling::with_temperature(t).check().unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument { op: "Sampling", .. }),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .starts_with("Sampling: the temperature must be a finite number >= 0"),
+            "the message names the setting, not a shape: {e}"
+        );
+    }
+    let top_p = Sampling {
+        top_p: 1.5,
+        ..Sampling::GREEDY
+    };
+    let e = top_p.check().unwrap_err();
+    assert!(e.to_string().contains("top_p must be in (0, 1]"), "{e}");
+}

@@ -181,9 +181,8 @@ impl<'r> KvCache<'r> {
         if self.table.same_pages(pool.pages()) {
             Ok(())
         } else {
-            Err(Error::InvalidShape {
+            Err(Error::InvalidArgument {
                 op: "KvCache",
-                shape: vec![self.tokens],
                 reason: "this cache's blocks come from another KV pool; decode with the pool \
                          that made the cache"
                     .into(),

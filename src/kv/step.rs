@@ -52,7 +52,8 @@ impl<'a, 'r> KvStep<'a, 'r> {
     /// block they land in private to its cache.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when the lists differ in length or a cache is another pool's;
+    /// [`Error::InvalidShape`] when the lists differ in length; [`Error::InvalidArgument`] when a
+    /// cache is another pool's;
     /// [`Error::KvCapacity`] when a cache cannot take the blocks it needs.
     pub fn new(
         pool: &'a KvPool<'a>,

@@ -18,9 +18,8 @@ use crate::tensor::Tensor;
 /// The error for a page table used with a slab it was not cut from (a bug above this module: the
 /// KV pool checks that a cache is its own before it gets here).
 fn foreign_table(op: &'static str) -> Error {
-    Error::InvalidShape {
+    Error::InvalidArgument {
         op,
-        shape: Vec::new(),
         reason: "the page table belongs to another KV pool; use a cache with the pool it was made \
                  from"
             .into(),

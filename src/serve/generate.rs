@@ -240,6 +240,7 @@ where
 ///
 /// # Errors
 /// [`Error::InvalidShape`] for an empty prompt or one longer than the model's positions;
+/// [`Error::InvalidArgument`] for sampling settings out of range ([`Sampling::check`]);
 /// [`Error::KvCapacity`] when the pool cannot promise the blocks of `prompt + max_new_tokens`
 /// tokens; as for the model's [`decode`](CausalLm::decode).
 pub fn generate<'m, 'a, M: CausalLm<'m>>(

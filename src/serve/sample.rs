@@ -36,7 +36,8 @@ impl Sampling {
     /// Checks the numbers.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for a negative or non-finite temperature, or `top_p` outside `(0, 1]`.
+    /// [`Error::InvalidArgument`] for a negative or non-finite temperature, or `top_p` outside
+    /// `(0, 1]`.
     pub fn check(&self) -> Result<()> {
         let problem = if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             Some(format!(
@@ -52,9 +53,8 @@ impl Sampling {
             None
         };
         match problem {
-            Some(reason) => Err(Error::InvalidShape {
+            Some(reason) => Err(Error::InvalidArgument {
                 op: "Sampling",
-                shape: Vec::new(),
                 reason,
             }),
             None => Ok(()),
