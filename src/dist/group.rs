@@ -74,9 +74,15 @@ pub struct ProcessGroup {
     watchdog: Option<Watchdog>,
 }
 
-/// A timed-out exchange and the buffers MPI may still write.
+/// A timed-out exchange, the buffers MPI may still write, and the error it returned.
 #[cfg(feature = "mpi")]
-type Abandoned = (Started, Vec<Box<[u8]>>);
+type Abandoned = (Started, Vec<Box<[u8]>>, String);
+
+/// How long a dropping group waits for the exchanges that timed out earlier, each of which has
+/// already waited a whole timeout: a peer that is still absent is not coming, and waiting a
+/// second timeout would only double the time the job takes to end.
+#[cfg(feature = "mpi")]
+const ABANDONED_GRACE: Duration = Duration::from_secs(1);
 
 enum Transport {
     Single,
@@ -149,6 +155,9 @@ impl fmt::Debug for ProcessGroup {
             .finish()
     }
 }
+
+/// How long [`ProcessGroup::wait_for`] polls back to back before it sleeps between polls.
+const SPIN_BEFORE_SLEEPING: Duration = Duration::from_millis(5);
 
 /// The timeout a new group starts with.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -618,12 +627,15 @@ impl ProcessGroup {
         if self.wait_for(&mut started) {
             return Ok(buffers.pop().expect("at least one buffer"));
         }
-        self.abandoned.borrow_mut().push((started, buffers));
-        Err(Error::CollectiveTimeout {
+        let error = Error::CollectiveTimeout {
             op,
             rank: self.rank(),
             seconds: self.timeout.get().as_secs_f64(),
-        })
+        };
+        self.abandoned
+            .borrow_mut()
+            .push((started, buffers, error.to_string()));
+        Err(error)
     }
 
     /// Starts an all-reduce of `send` into `recv` (for a [`Flight`], which keeps both borrowed
@@ -697,7 +709,14 @@ impl ProcessGroup {
         let deadline = begin + self.timeout.get();
         let mut done = self.poll(started);
         while !done && Instant::now() < deadline {
-            std::thread::yield_now();
+            // Polling drives MPI's progress, so a transfer under way is polled back to back; one
+            // still open after a few milliseconds is waiting for a peer, and is then polled every
+            // 100 µs instead of spinning a core for up to the whole timeout.
+            if begin.elapsed() < SPIN_BEFORE_SLEEPING {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
             done = self.poll(started);
         }
         self.waited
@@ -774,15 +793,25 @@ impl Drop for ProcessGroup {
         {
             let mut abandoned = std::mem::take(&mut *self.abandoned.borrow_mut());
             // A late peer may have completed a timed-out exchange; one still in MPI's hands would
-            // make MPI_Finalize wait for it.
-            if !abandoned
+            // make MPI_Finalize wait for it. Each already waited a whole timeout, so only a short
+            // grace now; the job then ends with the timeout's own message, which the program may
+            // not have printed yet (the group is often dropped on the way out of the error).
+            let deadline = Instant::now() + ABANDONED_GRACE.min(self.timeout.get());
+            let open = abandoned
                 .iter_mut()
-                .all(|(started, _)| self.wait_for(started))
-            {
-                self.abort(
-                    "an exchange timed out earlier and its peers never completed it, so MPI \
-                     cannot finish cleanly",
-                );
+                .position(|(started, ..)| !self.poll(started));
+            if let Some(open) = open {
+                let error = abandoned[open].2.clone();
+                let mut done = false;
+                while !done && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                    done = abandoned.iter_mut().all(|(started, ..)| self.poll(started));
+                }
+                if !done {
+                    self.abort(&format!(
+                        "{error}; that exchange never completed, so MPI cannot finish cleanly"
+                    ));
+                }
             }
         }
         #[cfg(not(feature = "mpi"))]
