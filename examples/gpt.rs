@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use ndscope::dist::DataParallel;
+use ndscope::dist::{DataParallel, Reduce};
 use ndscope::nn::{
     AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
     PositionalEmbedding, TransformerBlock,
@@ -48,7 +48,10 @@ OPTIONS:
   --checkpoint      recompute each block's activations in the backward pass instead of keeping them
   --workspace W     the batch scope: planned, bump, or none (the pool)  [default: planned]
   --distributed     data-parallel over the ranks of `mpirun -np N` (needs --features mpi):
-                    --batch-size sequences per rank, gradients averaged before each step
+                    --batch-size sequences per rank, gradients averaged before each step;
+                    the loss printed is the mean over every rank's sequences
+  --timeout SECONDS with --distributed: how long a rank waits for a peer before the job
+                    ends with an error naming it                     [default: 300]
   --help            this text";
 
 /// The command line, parsed.
@@ -69,6 +72,8 @@ struct Options {
     checkpoint: bool,
     workspace: String,
     distributed: bool,
+    /// How long a rank waits for a peer (`--timeout`); the group's default when `None`.
+    timeout: Option<f64>,
 }
 
 impl Options {
@@ -89,6 +94,7 @@ impl Options {
             checkpoint: false,
             workspace: "planned".into(),
             distributed: false,
+            timeout: None,
         };
         let mut args = args;
         while let Some(flag) = args.next() {
@@ -124,6 +130,16 @@ impl Options {
                 "--dropout" => o.dropout = number(&value)?,
                 "--context" => o.context = count(&value)?,
                 "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
+                "--timeout" => {
+                    let seconds: f64 = value
+                        .parse()
+                        .ok()
+                        .filter(|s: &f64| *s > 0.0 && s.is_finite())
+                        .ok_or_else(|| {
+                            format!("--timeout: `{value}` is not a positive number of seconds")
+                        })?;
+                    o.timeout = Some(seconds);
+                }
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 "--text" => o.text = Some(value),
@@ -479,6 +495,9 @@ fn sample<'m>(
 
 fn run(o: &Options) -> Result<()> {
     let group = common::process_group(o.distributed)?;
+    if let Some(seconds) = o.timeout {
+        group.set_timeout(std::time::Duration::from_secs_f64(seconds));
+    }
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job.
     macro_rules! say {
@@ -593,6 +612,15 @@ fn run(o: &Options) -> Result<()> {
                 loss_sum += f64::from(loss);
                 batch_peak = batch_peak.max(peak);
                 if (step + 1) % report_every == 0 {
+                    // Each rank saw its own sequences: the job's loss is the mean over the ranks.
+                    if o.distributed {
+                        loss_sum = m.scope(|e| {
+                            group
+                                .all_reduce(&e.from_slice(&[loss_sum], &[1])?, Reduce::Mean)?
+                                .to_vec::<f64>()
+                                .map(|v| v[0])
+                        })?;
+                    }
                     let after = m.stats();
                     let quality = match &job {
                         Job::Addition(add) => format!(

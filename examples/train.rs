@@ -18,7 +18,7 @@ use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use ndscope::data::{Batch, Dataset, Loader};
-use ndscope::dist::DataParallel;
+use ndscope::dist::{DataParallel, Reduce};
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, root};
@@ -50,7 +50,10 @@ OPTIONS:
                        to see what a leak looks like in the stats and the timeline
   --distributed        data-parallel over the ranks of `mpirun -np N` (needs --features
                        mpi): each rank trains on its shard, --batch-size per rank, and
-                       gradients are averaged before every step
+                       gradients are averaged before every step; the loss printed is
+                       the mean over every rank's shard
+  --timeout SECONDS    with --distributed: how long a rank waits for a peer before the
+                       job ends with an error naming it              [default: 300]
   --help               this text";
 
 /// The command line, parsed.
@@ -72,6 +75,8 @@ struct Options {
     timeline: Option<String>,
     leak: bool,
     distributed: bool,
+    /// How long a rank waits for a peer (`--timeout`); the group's default when `None`.
+    timeout: Option<f64>,
 }
 
 impl Options {
@@ -91,6 +96,7 @@ impl Options {
             timeline: None,
             leak: false,
             distributed: false,
+            timeout: None,
         };
         let mut args = args.peekable();
         while let Some(flag) = args.next() {
@@ -125,6 +131,13 @@ impl Options {
                     o.workspace = value;
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
+                "--timeout" => {
+                    let seconds: f64 = value.parse().map_err(|_| bad("a number of seconds"))?;
+                    if !(seconds > 0.0 && seconds.is_finite()) {
+                        return Err(bad("a positive number of seconds"));
+                    }
+                    o.timeout = Some(seconds);
+                }
                 "--device" => {
                     o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?
                 }
@@ -267,6 +280,9 @@ fn load_data(o: &Options) -> Result<(Dataset, Dataset, String)> {
 
 fn run(o: &Options) -> Result<()> {
     let group = common::process_group(o.distributed)?;
+    if let Some(seconds) = o.timeout {
+        group.set_timeout(std::time::Duration::from_secs_f64(seconds));
+    }
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job; every rank prints its own figures at the end.
     macro_rules! say {
@@ -376,6 +392,17 @@ fn run(o: &Options) -> Result<()> {
                     Ok(())
                 })?;
                 let epoch_seconds = epoch_started.elapsed().as_secs_f64();
+                // Each rank saw its own shard: the job's loss is the mean over the ranks, which
+                // take the same number of steps.
+                let mut mean_loss = loss_sum / steps_per_epoch as f64;
+                if o.distributed {
+                    mean_loss = m.scope(|e| {
+                        group
+                            .all_reduce(&e.from_slice(&[mean_loss], &[1])?, Reduce::Mean)?
+                            .to_vec::<f64>()
+                            .map(|v| v[0])
+                    })?;
+                }
                 let acc = accuracy(m, &model, &test, &trainer.precision)?;
                 progress.clear();
                 let after = m.stats();
@@ -391,7 +418,7 @@ fn run(o: &Options) -> Result<()> {
                 say!(
                     "epoch {epoch:>3}  loss {:.4}  test acc {:5.1}%  | model: {} tensors, {} B live | \
                      batch: peak {} B, {} allocs/step, {} from system this epoch{sync}",
-                    loss_sum / steps_per_epoch as f64,
+                    mean_loss,
                     acc * 100.0,
                     after.live_tensors,
                     after.live_bytes,
