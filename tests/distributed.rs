@@ -765,8 +765,18 @@ fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
 fn vanishing_peer(group: &ProcessGroup, fault: &str) {
     group.set_timeout(Duration::from_secs(if fault == "exchange" { 3 } else { 1 }));
     if group.rank() != 0 {
+        if fault == "panic" {
+            group.set_timeout(Duration::from_secs(60));
+            let _ = group.barrier(); // waits for rank 0, which panics
+        }
         std::thread::sleep(Duration::from_secs(60)); // never joins; mpirun ends it
         return;
+    }
+    if fault == "panic" {
+        // A rank that panics while its peer waits in a barrier with a long timeout: the job must
+        // end at once, not after the peer's timeout.
+        group.set_timeout(Duration::from_secs(60));
+        panic!("rank 0 fails on purpose");
     }
     if fault == "exchange" {
         // A library-owned exchange: a typed timeout, which the program returns (as the examples

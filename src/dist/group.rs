@@ -790,6 +790,13 @@ impl ProcessGroup {
 impl Drop for ProcessGroup {
     fn drop(&mut self) {
         #[cfg(feature = "mpi")]
+        if std::thread::panicking() && self.world_size() > 1 {
+            // Finalizing here would leave the other ranks waiting in their next collective for a
+            // whole timeout (and Open MPI may then crash or hang between one rank's finalize and
+            // another's abort): end the job now. The panic's message is already printed above.
+            self.abort("this rank panicked (its message is above), so its peers would wait for it");
+        }
+        #[cfg(feature = "mpi")]
         {
             let mut abandoned = std::mem::take(&mut *self.abandoned.borrow_mut());
             // A late peer may have completed a timed-out exchange; one still in MPI's hands would
