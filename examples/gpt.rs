@@ -16,7 +16,7 @@
 
 use std::time::Instant;
 
-use ndscope::dist::{DataParallel, Reduce};
+use ndscope::dist::DataParallel;
 use ndscope::nn::{
     AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
     PositionalEmbedding, TransformerBlock,
@@ -613,14 +613,7 @@ fn run(o: &Options) -> Result<()> {
                 batch_peak = batch_peak.max(peak);
                 if (step + 1) % report_every == 0 {
                     // Each rank saw its own sequences: the job's loss is the mean over the ranks.
-                    if o.distributed {
-                        loss_sum = m.scope(|e| {
-                            group
-                                .all_reduce(&e.from_slice(&[loss_sum], &[1])?, Reduce::Mean)?
-                                .to_vec::<f64>()
-                                .map(|v| v[0])
-                        })?;
-                    }
+                    loss_sum = common::mean_over_ranks(&group, m, loss_sum)?;
                     let after = m.stats();
                     let quality = match &job {
                         Job::Addition(add) => format!(

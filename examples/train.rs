@@ -18,7 +18,7 @@ use std::io::{IsTerminal, Write};
 use std::time::Instant;
 
 use ndscope::data::{Batch, Dataset, Loader};
-use ndscope::dist::{DataParallel, Reduce};
+use ndscope::dist::DataParallel;
 use ndscope::nn::{self, Activation, Init, Mode, Module, Parameters, Sequential};
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Workspace, root};
@@ -394,15 +394,8 @@ fn run(o: &Options) -> Result<()> {
                 let epoch_seconds = epoch_started.elapsed().as_secs_f64();
                 // Each rank saw its own shard: the job's loss is the mean over the ranks, which
                 // take the same number of steps.
-                let mut mean_loss = loss_sum / steps_per_epoch as f64;
-                if o.distributed {
-                    mean_loss = m.scope(|e| {
-                        group
-                            .all_reduce(&e.from_slice(&[mean_loss], &[1])?, Reduce::Mean)?
-                            .to_vec::<f64>()
-                            .map(|v| v[0])
-                    })?;
-                }
+                let mean_loss =
+                    common::mean_over_ranks(&group, m, loss_sum / steps_per_epoch as f64)?;
                 let acc = accuracy(m, &model, &test, &trainer.precision)?;
                 progress.clear();
                 let after = m.stats();

@@ -182,6 +182,23 @@ pub fn status_bytes(field: &str) -> Option<usize> {
 }
 
 #[allow(dead_code)] // only the examples that train data-parallel call it
+/// The mean of each rank's `value` (every rank calls it at the same point), computed in a child of
+/// `scope`; `value` itself in a world of one.
+pub fn mean_over_ranks(
+    group: &ndscope::dist::ProcessGroup,
+    scope: &ndscope::Scope<'_>,
+    value: f64,
+) -> ndscope::Result<f64> {
+    if group.world_size() == 1 {
+        return Ok(value);
+    }
+    scope.scope(|s| {
+        let mean = group.all_reduce(&s.from_slice(&[value], &[1])?, ndscope::dist::Reduce::Mean)?;
+        Ok(mean.to_vec::<f64>()?[0])
+    })
+}
+
+#[allow(dead_code)] // only the examples that train data-parallel call it
 /// The examples' `--distributed`: the MPI job `mpirun` launched (with the `mpi` feature), else a
 /// world of one.
 pub fn process_group(distributed: bool) -> ndscope::Result<ndscope::dist::ProcessGroup> {
