@@ -763,7 +763,7 @@ fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
 /// ranks never join: the process group must end the job with a message naming rank 0 and the
 /// collective, not hang. Returning from here is the failure.
 fn vanishing_peer(group: &ProcessGroup, fault: &str) {
-    group.set_timeout(Duration::from_secs(if fault == "exchange" { 3 } else { 1 }));
+    group.set_timeout(Duration::from_secs(if fault == "exchange" { 5 } else { 1 }));
     if group.rank() != 0 {
         if fault == "panic" {
             group.set_timeout(Duration::from_secs(60));
