@@ -3,6 +3,7 @@
 //! refused where the layer is made, naming the parameter, rather than at its first forward pass.
 
 use crate::error::{Error, Result};
+use crate::ops::{same_device, same_dtype};
 use crate::tensor::Tensor;
 
 /// Checks that `t`, the `what` of a layer made by `op`, has `shape` (no zero dimension), a float
@@ -29,20 +30,8 @@ pub(super) fn check(
         });
     }
     if let Some(like) = like {
-        if t.dtype() != like.dtype() {
-            return Err(Error::DTypeMismatch {
-                op,
-                lhs: like.dtype(),
-                rhs: t.dtype(),
-            });
-        }
-        if t.device() != like.device() {
-            return Err(Error::DeviceMismatch {
-                op,
-                lhs: like.device().to_string(),
-                rhs: t.device().to_string(),
-            });
-        }
+        same_dtype(op, like, t)?;
+        same_device(op, like, t)?;
     }
     Ok(())
 }
