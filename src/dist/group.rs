@@ -706,7 +706,15 @@ impl ProcessGroup {
     /// Waits for `started` until the timeout; whether it completed.
     pub(crate) fn wait_for(&self, started: &mut Started) -> bool {
         let begin = Instant::now();
-        let deadline = begin + self.timeout.get();
+        let done = self.poll_until(started, begin + self.timeout.get());
+        self.waited
+            .set(self.waited.get() + begin.elapsed().as_secs_f64());
+        done
+    }
+
+    /// Polls `started` until it completes or `deadline` passes; whether it completed.
+    fn poll_until(&self, started: &mut Started, deadline: Instant) -> bool {
+        let begin = Instant::now();
         let mut done = self.poll(started);
         while !done && Instant::now() < deadline {
             // Polling drives MPI's progress, so a transfer under way is polled back to back; one
@@ -719,8 +727,6 @@ impl ProcessGroup {
             }
             done = self.poll(started);
         }
-        self.waited
-            .set(self.waited.get() + begin.elapsed().as_secs_f64());
         done
     }
 
@@ -804,17 +810,8 @@ impl Drop for ProcessGroup {
             // grace now; the job then ends with the timeout's own message, which the program may
             // not have printed yet (the group is often dropped on the way out of the error).
             let deadline = Instant::now() + ABANDONED_GRACE.min(self.timeout.get());
-            let open = abandoned
-                .iter_mut()
-                .position(|(started, ..)| !self.poll(started));
-            if let Some(open) = open {
-                let error = abandoned[open].2.clone();
-                let mut done = false;
-                while !done && Instant::now() < deadline {
-                    std::thread::sleep(Duration::from_millis(1));
-                    done = abandoned.iter_mut().all(|(started, ..)| self.poll(started));
-                }
-                if !done {
+            for (started, _, error) in &mut abandoned {
+                if !self.poll_until(started, deadline) {
                     self.abort(&format!(
                         "{error}; that exchange never completed, so MPI cannot finish cleanly"
                     ));
