@@ -130,16 +130,7 @@ impl Options {
                 "--dropout" => o.dropout = number(&value)?,
                 "--context" => o.context = count(&value)?,
                 "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
-                "--timeout" => {
-                    let seconds: f64 = value
-                        .parse()
-                        .ok()
-                        .filter(|s: &f64| *s > 0.0 && s.is_finite())
-                        .ok_or_else(|| {
-                            format!("--timeout: `{value}` is not a positive number of seconds")
-                        })?;
-                    o.timeout = Some(seconds);
-                }
+                "--timeout" => o.timeout = Some(common::timeout_seconds(&value)?),
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 "--dtype" => o.dtype = common::parse_dtype(&value)?,
                 "--text" => o.text = Some(value),
@@ -494,10 +485,7 @@ fn sample<'m>(
 }
 
 fn run(o: &Options) -> Result<()> {
-    let group = common::process_group(o.distributed)?;
-    if let Some(seconds) = o.timeout {
-        group.set_timeout(std::time::Duration::from_secs_f64(seconds));
-    }
+    let group = common::process_group(o.distributed, o.timeout)?;
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job.
     macro_rules! say {

@@ -131,13 +131,7 @@ impl Options {
                     o.workspace = value;
                 }
                 "--seed" => o.seed = value.parse().map_err(|_| bad("an integer"))?,
-                "--timeout" => {
-                    let seconds: f64 = value.parse().map_err(|_| bad("a number of seconds"))?;
-                    if !(seconds > 0.0 && seconds.is_finite()) {
-                        return Err(bad("a positive number of seconds"));
-                    }
-                    o.timeout = Some(seconds);
-                }
+                "--timeout" => o.timeout = Some(common::timeout_seconds(&value)?),
                 "--device" => {
                     o.device = value.parse().map_err(|e: ndscope::Error| e.to_string())?
                 }
@@ -279,10 +273,7 @@ fn load_data(o: &Options) -> Result<(Dataset, Dataset, String)> {
 }
 
 fn run(o: &Options) -> Result<()> {
-    let group = common::process_group(o.distributed)?;
-    if let Some(seconds) = o.timeout {
-        group.set_timeout(std::time::Duration::from_secs_f64(seconds));
-    }
+    let group = common::process_group(o.distributed, o.timeout)?;
     let (rank, world) = (group.rank(), group.world_size());
     // Rank 0 speaks for the job; every rank prints its own figures at the end.
     macro_rules! say {

@@ -200,11 +200,28 @@ pub fn mean_over_ranks(
 
 #[allow(dead_code)] // only the examples that train data-parallel call it
 /// The examples' `--distributed`: the MPI job `mpirun` launched (with the `mpi` feature), else a
-/// world of one.
-pub fn process_group(distributed: bool) -> ndscope::Result<ndscope::dist::ProcessGroup> {
-    if distributed {
-        ndscope::dist::ProcessGroup::mpi()
+/// world of one; `--timeout`'s seconds, if given, are how long a rank waits for a peer.
+pub fn process_group(
+    distributed: bool,
+    timeout: Option<f64>,
+) -> ndscope::Result<ndscope::dist::ProcessGroup> {
+    let group = if distributed {
+        ndscope::dist::ProcessGroup::mpi()?
     } else {
-        Ok(ndscope::dist::ProcessGroup::single())
+        ndscope::dist::ProcessGroup::single()
+    };
+    if let Some(seconds) = timeout {
+        group.set_timeout(std::time::Duration::from_secs_f64(seconds));
     }
+    Ok(group)
+}
+
+#[allow(dead_code)] // only the examples that train data-parallel call it
+/// `--timeout`'s value: a positive, finite number of seconds.
+pub fn timeout_seconds(value: &str) -> Result<f64, String> {
+    value
+        .parse()
+        .ok()
+        .filter(|s: &f64| *s > 0.0 && s.is_finite())
+        .ok_or_else(|| format!("--timeout: {value:?} is not a positive number of seconds"))
 }
