@@ -104,15 +104,7 @@ impl<'m> LayerNorm<'m> {
         bias: Option<Tensor<'m>>,
         eps: f64,
     ) -> Result<LayerNorm<'m>> {
-        let features = vector_length("LayerNorm::from_tensors", &weight)?;
-        check("LayerNorm", features, eps)?;
-        given::check(
-            "LayerNorm::from_tensors",
-            "weight",
-            &weight,
-            &[features],
-            None,
-        )?;
+        let features = given_scale("LayerNorm", "LayerNorm::from_tensors", &weight, eps)?;
         if let Some(b) = &bias {
             given::check(
                 "LayerNorm::from_tensors",
@@ -131,16 +123,24 @@ impl<'m> LayerNorm<'m> {
     }
 }
 
-/// The length of `weight`, which must be a vector.
-fn vector_length(op: &'static str, weight: &Tensor<'_>) -> Result<usize> {
-    match *weight.shape() {
-        [n] => Ok(n),
-        _ => Err(Error::InvalidShape {
+/// Checks a norm's given scale `weight` (a float vector `[features]`) and `eps` as the layer's
+/// constructors check theirs (`layer`'s `check`); the number of features.
+fn given_scale(
+    layer: &'static str,
+    op: &'static str,
+    weight: &Tensor<'_>,
+    eps: f64,
+) -> Result<usize> {
+    let &[features] = weight.shape() else {
+        return Err(Error::InvalidShape {
             op,
             shape: weight.shape().to_vec(),
             reason: "the weight must be a vector [features]".into(),
-        }),
-    }
+        });
+    };
+    check(layer, features, eps)?;
+    given::check(op, "weight", weight, &[features], None)?;
+    Ok(features)
 }
 
 impl<'m> Module<'m> for LayerNorm<'m> {
@@ -221,15 +221,7 @@ impl<'m> RmsNorm<'m> {
     /// [`Error::InvalidShape`] for a weight that is not a vector with at least one element or an
     /// `eps` that is not a finite number `>= 0`; [`Error::UnsupportedDType`] for an integer weight.
     pub fn from_tensors(weight: Tensor<'m>, eps: f64) -> Result<RmsNorm<'m>> {
-        let features = vector_length("RmsNorm::from_tensors", &weight)?;
-        check("RmsNorm", features, eps)?;
-        given::check(
-            "RmsNorm::from_tensors",
-            "weight",
-            &weight,
-            &[features],
-            None,
-        )?;
+        given_scale("RmsNorm", "RmsNorm::from_tensors", &weight, eps)?;
         Ok(RmsNorm { weight, eps })
     }
 
