@@ -122,13 +122,15 @@ fn graph_step(c: &mut Criterion) -> Result<()> {
                 run()?;
             }
             let label = if capture { "CUDA graph" } else { "eager" };
+            let optimizer = if adam { "AdamW" } else { "SGD momentum" };
             println!(
-                "graph_step 784-256-10 b128 SGD momentum {label} on {GPU}: {:.0} steps/s over {steps} \
+                "graph_step 784-256-10 b128 {optimizer} {label} on {GPU}: {:.0} steps/s over {steps} \
                  steps (host inputs copied in, loss read every step)",
                 steps as f64 / start.elapsed().as_secs_f64(),
             );
             let name = format!(
-                "graph_step_784_256_10_b128_sgd_{}",
+                "graph_step_784_256_10_b128_{}_{}",
+                if adam { "adamw" } else { "sgd" },
                 if capture { "captured" } else { "eager" }
             );
             group.bench_function(name, |bench| bench.iter(|| run().expect("a step runs")));

@@ -70,6 +70,55 @@ REDUCE(i64, i64, i64)
 REDUCE(bf16, float, bf16)
 REDUCE(f16, float, f16)
 
+// Few long rows (a whole-tensor sum, a gradient norm): one block per row would read at the speed of
+// one multiprocessor (a 16M-element sum took milliseconds on an H200). The backend splits each row
+// into `parts` equal chunks (`reduce_parts` in ops.rs): reduce_part folds chunk p of row r into
+// partial[r * parts + p] (in C; a mean as a sum), then reduce_join folds each row's parts in order
+// and writes the row's result. Both passes combine in an order fixed by the shape alone, so a result
+// does not depend on timing. `partial` is the GPU's scratch block (REDUCE_PARTIALS in ops.rs).
+#define REDUCE_SPLIT(T, C, S)                                                                      \
+    extern "C" __global__ void reduce_part_##S(int op, i64 rows, i64 len, i64 parts, C* partial,   \
+                                               const T* in) {                                      \
+        __shared__ C buf[ROW_THREADS];                                                             \
+        for (i64 b = blockIdx.x; b < rows * parts; b += gridDim.x) {                               \
+            const i64 r = b / parts, p = b % parts;                                                \
+            const T* row = in + r * len;                                                           \
+            const i64 end = (p + 1) * len / parts;                                                 \
+            C acc = reduce_identity<C>(op);                                                        \
+            for (i64 j = p * len / parts + threadIdx.x; j < end; j += ROW_THREADS) {               \
+                acc = reduce_combine(op, acc, ld(row[j]));                                         \
+            }                                                                                      \
+            buf[threadIdx.x] = acc;                                                                \
+            block_combine(op, buf);                                                                \
+            if (threadIdx.x == 0) {                                                                \
+                partial[b] = buf[0];                                                               \
+            }                                                                                      \
+            __syncthreads();                                                                       \
+        }                                                                                          \
+    }                                                                                              \
+    extern "C" __global__ void reduce_join_##S(int op, i64 rows, i64 len, i64 parts, T* out,       \
+                                               const C* partial) {                                 \
+        __shared__ C buf[ROW_THREADS];                                                             \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
+            C acc = reduce_identity<C>(op);                                                        \
+            for (i64 p = threadIdx.x; p < parts; p += ROW_THREADS) {                               \
+                acc = reduce_combine(op, acc, partial[r * parts + p]);                             \
+            }                                                                                      \
+            buf[threadIdx.x] = acc;                                                                \
+            block_combine(op, buf);                                                                \
+            if (threadIdx.x == 0) {                                                                \
+                put(&out[r], op == R_MEAN ? buf[0] / (C)len : buf[0]);                            \
+            }                                                                                      \
+            __syncthreads();                                                                       \
+        }                                                                                          \
+    }
+
+REDUCE_SPLIT(float, float, f32)
+REDUCE_SPLIT(double, double, f64)
+REDUCE_SPLIT(i64, i64, i64)
+REDUCE_SPLIT(bf16, float, bf16)
+REDUCE_SPLIT(f16, float, f16)
+
 // Running sums of contiguous rows, one thread per row, added in order (from the end when reverse)
 // as the host adds them.
 #define CUMSUM(T, C, S)                                                                            \

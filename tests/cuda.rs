@@ -291,6 +291,30 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
             x.transpose(-1, -2)?.sum(&[0], false)?,
         ])
     });
+    // Few long rows: the GPU splits each row over many blocks (reduce_part and reduce_join); 50,001
+    // elements into 6 uneven parts, a whole-tensor sum of 2M into 244.
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 1e-2)] {
+        agree(&format!("long-row reductions in {dtype}"), tol, &move |s| {
+            let x = s.randn(&[3, 50_001])?.to_dtype(dtype)?;
+            let flat = s.randn(&[2000, 1000])?.to_dtype(dtype)?;
+            Ok(vec![
+                x.sum(&[1], false)?,
+                x.mean(&[1], true)?,
+                x.max(&[1], false)?,
+                x.min(&[1], false)?,
+                x.t()?.sum(&[0], false)?,
+                flat.sum_all()?,
+                flat.mean_all()?,
+            ])
+        });
+    }
+    agree("long-row reductions in i64", 0.0, &|s| {
+        let x = s
+            .randn(&[2, 70_000])?
+            .mul_scalar(100.0)?
+            .to_dtype(DType::I64)?;
+        Ok(vec![x.sum(&[1], false)?, x.max(&[1], false)?, x.sum_all()?])
+    });
     agree("softmax", 1e-5, &|s| {
         let x = s.randn(&[9, 1000])?.mul_scalar(5.0)?;
         Ok(vec![

@@ -48,6 +48,10 @@ pub(crate) struct Gpu {
     pub(crate) counters: Counters,
     /// Whether the stream is being captured into a CUDA graph (`graph.rs`).
     pub(crate) capturing: AtomicBool,
+    /// Device address of a scratch block of `ops::REDUCE_PARTIALS` 8-byte values, for the partial
+    /// results of split reductions. Allocated when the GPU is opened (so a captured step never
+    /// allocates it) and never freed: the GPU lives as long as the process.
+    pub(crate) partials: u64,
 }
 
 /// Allocator traffic of one GPU, over the whole process.
@@ -136,6 +140,12 @@ impl Gpu {
             .load_module(ptx)
             .map_err(|e| format!("cannot load ndscope's kernels: {e}"))?;
         let async_alloc = ctx.has_async_alloc();
+        ctx.bind_to_thread()
+            .map_err(|e| format!("cannot make the CUDA context current: {e}"))?;
+        // SAFETY: the GPU's context is current; the block is only ever written by `reduce_part`
+        // kernels before `reduce_join` kernels read it, on this GPU's one stream.
+        let partials = unsafe { cudarc::driver::result::malloc_sync(ops::REDUCE_PARTIALS * 8) }
+            .map_err(|e| format!("the GPU refused 32 KiB for reduction partials: {e}"))?;
         Ok(Gpu {
             ordinal,
             ctx,
@@ -146,6 +156,7 @@ impl Gpu {
             async_alloc,
             counters: Counters::default(),
             capturing: AtomicBool::new(false),
+            partials,
         })
     }
 

@@ -52,6 +52,23 @@ impl WindowArg {
     }
 }
 
+/// Partial results the GPU's scratch block holds for a split reduction (8 bytes each: 32 KiB).
+pub(super) const REDUCE_PARTIALS: usize = 4096;
+
+/// Elements each block of a split reduction folds, about: enough to hide the launch, small enough
+/// that a whole-tensor sum of a few million elements spreads over every multiprocessor.
+const ELEMENTS_PER_PART: usize = 8192;
+
+/// Into how many parts the `reduce` kernels split each of `rows` rows of `len` elements: 1 (one
+/// block per row) when there are enough rows to fill the GPU or the rows are short, else as many
+/// parts of about [`ELEMENTS_PER_PART`] as the partials block holds.
+fn reduce_parts(rows: usize, len: usize) -> usize {
+    if rows >= 128 {
+        return 1;
+    }
+    (len / ELEMENTS_PER_PART).min(REDUCE_PARTIALS / rows).max(1)
+}
+
 /// The device address of the first element an operand's layout names (for kernels that read packed
 /// rows rather than a geometry).
 pub(super) fn first(address: u64, layout: &Layout, dtype: DType) -> u64 {
@@ -229,9 +246,40 @@ impl Backend for Gpu {
             return Ok(());
         }
         let len: usize = axes.iter().map(|&a| x.layout.shape()[a]).product();
-        let f = self.function(kernel(family!("reduce"), dtype))?;
         let (code, r, n) = (op.code(), rows as i64, len as i64);
         let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let parts = reduce_parts(rows, len);
+        if parts > 1 {
+            let p = parts as i64;
+            let f = self.function(kernel(family!("reduce_part"), dtype))?;
+            let mut l = self.stream.launch_builder(&f);
+            l.arg(&code)
+                .arg(&r)
+                .arg(&n)
+                .arg(&p)
+                .arg(&self.partials)
+                .arg(&i);
+            // SAFETY: the arguments match `reduce_part_<dtype>` (int, i64, i64, i64, C*, const T*);
+            // the input is contiguous, `rows * len` elements from its first; `rows * parts` partial
+            // values of at most 8 bytes fit the GPU's partials block (`reduce_parts`), which only
+            // this stream uses, one reduction after another.
+            unsafe { l.launch(rows_launch(rows * parts)) }
+                .map_err(|e| cuda_error("reduce kernel", e))?;
+            let f = self.function(kernel(family!("reduce_join"), dtype))?;
+            let mut l = self.stream.launch_builder(&f);
+            l.arg(&code)
+                .arg(&r)
+                .arg(&n)
+                .arg(&p)
+                .arg(&o)
+                .arg(&self.partials);
+            // SAFETY: the arguments match `reduce_join_<dtype>` (int, i64, i64, i64, T*, const C*);
+            // the partials were all written by the launch before on the same stream, and `out` is a
+            // fresh block of `rows`.
+            unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("reduce kernel", e))?;
+            return Ok(());
+        }
+        let f = self.function(kernel(family!("reduce"), dtype))?;
         let mut l = self.stream.launch_builder(&f);
         l.arg(&code).arg(&r).arg(&n).arg(&o).arg(&i);
         // SAFETY: the arguments match `reduce_<dtype>` (int, i64, i64, T*, const T*); the input is
