@@ -384,19 +384,27 @@ fn train_step<'m: 'b, 'b>(
     let counted = context - first;
     let targets = b.from_slice(&batch.1, &[size * counted])?;
     let tape = Tape::new(b);
-    let logits = model.logits(&tape, &ids, Mode::Train, o.checkpoint)?;
-    let loss = logits
-        .narrow(1, first, counted)?
-        .reshape(&[size * counted, task.vocab()])?
-        .cross_entropy(&targets)?;
-    let scaled = precision.scale(&loss)?;
+    let mut loss = None;
+    let mut forward = || {
+        let logits = model.logits(&tape, &ids, Mode::Train, o.checkpoint)?;
+        let unscaled = logits
+            .narrow(1, first, counted)?
+            .reshape(&[size * counted, task.vocab()])?
+            .cross_entropy(&targets)?;
+        let scaled = precision.scale(&unscaled)?;
+        loss = Some(unscaled);
+        Ok(scaled)
+    };
     let mut grads = match ddp {
-        Some(ddp) => ddp.backward(&*model, &tape, Ok(scaled))?, // averaged over the ranks
-        None => tape.backward(&scaled)?,
+        // The forward pass runs inside, so an error on one rank stops every rank; the gradients
+        // come back averaged over the ranks.
+        Some(ddp) => ddp.backward(&*model, &tape, size, forward)?,
+        None => tape.backward(&forward()?)?,
     };
     if precision.unscale(&mut grads)? {
         opt.step(model, &grads)?;
     }
+    let loss = loss.expect("the forward pass ran");
     Ok((loss.value().to_scalar::<f32>()?, b.stats().peak_bytes))
 }
 

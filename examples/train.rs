@@ -191,15 +191,22 @@ fn train_step<'m: 'b, 'b>(
         .to_dtype(precision.dtype())?;
     let labels = b.from_slice(batch.labels(), &[batch.rows()])?;
     let tape = Tape::new(b);
-    let logits = model.forward(&tape.constant(&x), Mode::Train)?;
-    let loss = logits.cross_entropy(&labels)?;
-    let scaled = precision.scale(&loss)?;
-    let mut grads = match &trainer.ddp {
-        // Every rank learns whether every rank got here, then the gradients are averaged: the
-        // same bits everywhere, so every rank takes (or, on overflow, skips) the same step.
-        Some(ddp) => ddp.backward(&*model, &tape, Ok(scaled))?,
-        None => tape.backward(&scaled)?,
+    let mut outputs = None;
+    let mut forward = || {
+        let logits = model.forward(&tape.constant(&x), Mode::Train)?;
+        let unscaled = logits.cross_entropy(&labels)?;
+        let scaled = precision.scale(&unscaled)?;
+        outputs = Some((logits, unscaled));
+        Ok(scaled)
     };
+    let mut grads = match &trainer.ddp {
+        // Every rank learns whether every rank's forward and backward pass succeeded on as many
+        // examples, then the gradients are averaged: the same bits everywhere, so every rank
+        // takes (or, on overflow, skips) the same step.
+        Some(ddp) => ddp.backward(&*model, &tape, batch.rows(), forward)?,
+        None => tape.backward(&forward()?)?,
+    };
+    let (logits, loss) = outputs.expect("the forward pass ran");
     if precision.unscale(&mut grads)? {
         trainer.opt.step(model, &grads)?;
     }

@@ -313,6 +313,22 @@ pub enum Error {
         /// The timeout, in seconds.
         seconds: f64,
     },
+    /// Ranks at different points of the program met in one of the library's exchanges: a rank
+    /// skipped or repeated a step, took another branch, or left while the others went on.
+    CollectiveMismatch {
+        /// What this rank was doing.
+        op: &'static str,
+        /// This process's rank.
+        rank: usize,
+        /// This rank's count of the library's exchanges so far (`op` is number `exchange`).
+        exchange: u64,
+        /// The lowest rank that was elsewhere.
+        peer: usize,
+        /// What that rank was doing.
+        peer_op: String,
+        /// That rank's count of exchanges.
+        peer_exchange: u64,
+    },
     /// Ranks whose models differ where data parallelism needs them equal.
     ParameterMismatch {
         /// The lowest rank whose parameters differ from rank 0's.
@@ -545,6 +561,20 @@ impl fmt::Display for Error {
                 "{op}: rank {rank} waited {seconds} s and a peer did not join; it may have died, hung \
                  or be running another step. Look at the other ranks' output, or raise the timeout \
                  with ProcessGroup::set_timeout when steps are that slow"
+            ),
+            Error::CollectiveMismatch {
+                op,
+                rank,
+                exchange,
+                peer,
+                peer_op,
+                peer_exchange,
+            } => write!(
+                f,
+                "{op}: rank {rank} was here (its exchange #{exchange}) while rank {peer} was at \
+                 {peer_op} (its exchange #{peer_exchange}): the ranks are not making the same \
+                 collective calls in the same order (a rank skipped or repeated a step, took \
+                 another branch, or finished early); every rank must run the same steps"
             ),
             Error::ParameterMismatch { rank, difference } => write!(
                 f,

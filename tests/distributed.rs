@@ -77,6 +77,14 @@ fn main() {
             never_joins_times_out,
         ),
         (
+            "ranks_in_different_exchanges_name_each_other",
+            different_exchanges_named,
+        ),
+        (
+            "ranks_with_different_batch_sizes_are_refused",
+            different_batch_sizes_refused,
+        ),
+        (
             "rank_zero_writes_the_checkpoint_every_rank_loads_it",
             checkpoint_on_root,
         ),
@@ -373,7 +381,9 @@ fn gradients_equal_full_batch(group: &ProcessGroup) -> Result<()> {
             let tape = Tape::new(b);
             let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
             let labels = b.from_slice(&y, &[y.len()])?;
-            let grads = ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))?;
+            let grads = ddp.backward(&params, &tape, y.len(), || {
+                loss(&tape, &params, &xs, &labels)
+            })?;
             grads_of(&grads, &params)
         })?;
         let (x, y) = whole_batch(&data, world, 0)?;
@@ -408,7 +418,9 @@ fn averaged_bits(group: &ProcessGroup, bucket_bytes: usize) -> Result<(Vec<u64>,
             let tape = Tape::new(b);
             let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
             let labels = b.from_slice(&y, &[y.len()])?;
-            let grads = ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))?;
+            let grads = ddp.backward(&params, &tape, y.len(), || {
+                loss(&tape, &params, &xs, &labels)
+            })?;
             Ok::<_, Error>(
                 grads_of(&grads, &params)?
                     .into_iter()
@@ -453,7 +465,9 @@ fn adamw_identical(group: &ProcessGroup) -> Result<()> {
                 let tape = Tape::new(b);
                 let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
                 let labels = b.from_slice(&y, &[y.len()])?;
-                let grads = ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))?;
+                let grads = ddp.backward(&params, &tape, y.len(), || {
+                    loss(&tape, &params, &xs, &labels)
+                })?;
                 opt.step(&mut params, &grads)
             })?;
             let (x, y) = whole_batch(&data, world, step % 2)?;
@@ -597,8 +611,9 @@ fn overflow_skips_everywhere(group: &ProcessGroup) -> Result<()> {
             let x: Vec<f32> = x.iter().map(|v| v * scale).collect();
             let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
             let labels = b.from_slice(&y, &[y.len()])?;
-            let scaled = loss(&tape, &params, &xs, &labels).and_then(|l| scaler.scale_loss(&l));
-            let mut grads = ddp.backward(&params, &tape, scaled)?;
+            let mut grads = ddp.backward(&params, &tape, y.len(), || {
+                scaler.scale_loss(&loss(&tape, &params, &xs, &labels)?)
+            })?;
             scaler.step(&mut opt, &mut params, &mut grads)
         })?;
         check(!stepped, || format!("rank {rank} stepped"))?;
@@ -629,8 +644,10 @@ fn error_reaches_every_rank(group: &ProcessGroup) -> Result<()> {
                 y.len()
             };
             let labels = b.from_slice(&y[..n], &[n])?;
-            ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))
-                .map(drop)
+            ddp.backward(&params, &tape, y.len(), || {
+                loss(&tape, &params, &xs, &labels)
+            })
+            .map(drop)
         });
         match outcome {
             Err(Error::PeerFailed {
@@ -709,12 +726,104 @@ fn never_joins_times_out(group: &ProcessGroup) -> Result<()> {
             }),
         }
     } else {
-        // Late: after rank 0 gave up. Joining completes the exchange rank 0 left behind.
+        // Late: after rank 0 gave up. Joining completes the exchange rank 0 left behind, and the
+        // deadline rank 0 sent in it tells this rank that rank 0 has stopped waiting.
         std::thread::sleep(timeout * 4);
-        group.agree("step", Ok(()))
+        match group.agree("step", Ok(())) {
+            Err(Error::PeerFailed {
+                rank: 0, message, ..
+            }) => check(message.contains("its timeout passed"), || {
+                format!("the late rank was told {message:?}")
+            }),
+            other => Err(Error::Distributed {
+                op: "assertion",
+                reason: format!("the late rank got {other:?} instead of rank 0's timeout"),
+            }),
+        }
     };
     group.set_timeout(before);
     outcome
+}
+
+/// Rank 0 in a barrier while the others agree on a step: on the wire both are one small
+/// all-reduce, and before the tags a barrier returned `Ok` against a step's agreement. Now every
+/// rank gets `CollectiveMismatch` naming what the other side was doing; the next exchange works.
+fn different_exchanges_named(group: &ProcessGroup) -> Result<()> {
+    let (rank, world) = (group.rank(), group.world_size());
+    if world == 1 {
+        return Ok(()); // nobody to disagree with
+    }
+    let outcome = if rank == 0 {
+        group.barrier()
+    } else {
+        group.agree("step", Ok(()))
+    };
+    let (mine, theirs, peer) = if rank == 0 {
+        ("barrier", "step", 1)
+    } else {
+        ("step", "barrier", 0)
+    };
+    match outcome {
+        Err(Error::CollectiveMismatch {
+            op,
+            rank: r,
+            peer: p,
+            peer_op,
+            exchange,
+            peer_exchange,
+        }) => check(
+            op == mine && r == rank && p == peer && peer_op == theirs && exchange == peer_exchange,
+            || {
+                format!(
+                    "rank {rank}: {op} #{exchange} against rank {p}'s {peer_op} #{peer_exchange}"
+                )
+            },
+        )?,
+        other => {
+            return Err(Error::Distributed {
+                op: "assertion",
+                reason: format!("rank {rank} got {other:?} instead of a mismatch"),
+            });
+        }
+    }
+    group.barrier()
+}
+
+/// Every rank's slice a different size: the averaged gradients would weight them unequally, so
+/// `DataParallel::backward` refuses on every rank, listing each rank's count; equal sizes pass.
+fn different_batch_sizes_refused(group: &ProcessGroup) -> Result<()> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let data = dataset();
+    root(Device::Cpu, |m| {
+        let mut params = model(m, 8, DType::F64)?;
+        let ddp = DataParallel::new(group, &mut params)?;
+        let (x, y) = shard_batch(&data, rank, world, 0)?;
+        let n = y.len() - rank.min(1); // rank 0 has one example more than the others
+        let outcome = m.scope(|b| {
+            let tape = Tape::new(b);
+            let xs = b.from_slice(&x[..n * FEATURES], &[n, FEATURES])?;
+            let labels = b.from_slice(&y[..n], &[n])?;
+            ddp.backward(&params, &tape, n, || loss(&tape, &params, &xs, &labels))
+                .map(drop)
+        });
+        if world == 1 {
+            return outcome;
+        }
+        match outcome {
+            Err(Error::Distributed { reason, .. }) => check(
+                reason.contains(&format!(
+                    "rank 0: {}, rank 1: {}",
+                    n + rank.min(1),
+                    y.len() - 1
+                )),
+                || format!("rank {rank} was told {reason:?}"),
+            ),
+            other => Err(Error::Distributed {
+                op: "assertion",
+                reason: format!("rank {rank} got {other:?} instead of the batch sizes"),
+            }),
+        }
+    })
 }
 
 fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
@@ -764,6 +873,34 @@ fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
 /// collective, not hang. Returning from here is the failure.
 fn vanishing_peer(group: &ProcessGroup, fault: &str) {
     group.set_timeout(Duration::from_secs(if fault == "exchange" { 5 } else { 1 }));
+    if fault == "stopped" {
+        // A rank that stops (SIGSTOP: a hung node, a debugger) while its peer is in a step's
+        // agreement with a 5 s timeout: the peer prints the typed timeout and the job ends about
+        // a second later, not after a second timeout.
+        group.set_timeout(Duration::from_secs(5));
+        if group.rank() != 0 {
+            let me = std::process::id().to_string();
+            let _ = std::process::Command::new("kill")
+                .args(["-STOP", &me])
+                .status();
+            return;
+        }
+        if let Err(e) = group.agree("step", Ok(())) {
+            eprintln!("rank 0: {e}");
+        }
+        return;
+    }
+    if fault == "early" {
+        // A rank that finishes (drops its group) while its peer goes on to a step, 60 s timeout:
+        // both learn it at once from the tags, and the job ends.
+        group.set_timeout(Duration::from_secs(60));
+        if group.rank() == 0
+            && let Err(e) = group.agree("step", Ok(()))
+        {
+            eprintln!("rank 0: {e}");
+        }
+        return;
+    }
     if group.rank() != 0 {
         if fault == "panic" {
             group.set_timeout(Duration::from_secs(60));
@@ -861,7 +998,9 @@ fn gpu_like_host(group: &ProcessGroup) -> Result<()> {
                     let tape = Tape::new(b);
                     let xs = b.from_slice(&x, &[y.len(), FEATURES])?;
                     let labels = b.from_slice(&y, &[y.len()])?;
-                    let grads = ddp.backward(&params, &tape, loss(&tape, &params, &xs, &labels))?;
+                    let grads = ddp.backward(&params, &tape, y.len(), || {
+                        loss(&tape, &params, &xs, &labels)
+                    })?;
                     grads_of(&grads, &params)
                 })
             };

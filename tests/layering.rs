@@ -27,9 +27,9 @@ const LAYERS: &[&[&str]] = &[
     &["serve"],
 ];
 
-/// Modules that may name the backend.
-/// `dist` hands GPU buffers to NCCL as `ops` hands them to kernels (docs/design.md, issue 25).
-const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops", "replay", "dist"];
+/// Modules that may name the backend. `dist` reaches NCCL through `tensor::GpuCommunicator`, which
+/// hands a tensor's device memory to the backend as `ops` hands buffers to kernels (issue 36).
+const BACKEND_USERS: &[&str] = &["memory", "tensor", "ops", "replay"];
 
 fn layer(module: &str) -> Option<usize> {
     LAYERS.iter().position(|l| l.contains(&module))

@@ -8,14 +8,13 @@ use std::time::{Duration, Instant};
 
 use super::flight::Flight;
 use super::{Reduce, operands};
-use crate::backend::{Nccl, NcclReduce, nccl_unique_id};
 use crate::checkpoint;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Parameters;
 use crate::scope::StaysOnItsThread;
-use crate::tensor::Tensor;
+use crate::tensor::{GpuCommunicator, GpuReduce, Tensor};
 
 #[cfg(feature = "mpi")]
 use super::mpi::{Mpi, Requests};
@@ -59,11 +58,13 @@ pub struct ProcessGroup {
     _thread: StaysOnItsThread,
     /// The NCCL communicator for GPU tensors, made at the first collective on one (dropped before
     /// MPI is finalized).
-    nccl: RefCell<Option<Nccl>>,
+    nccl: RefCell<Option<GpuCommunicator>>,
     transport: Transport,
     timeout: Cell<Duration>,
     /// Seconds spent waiting for collectives to complete, since the group started.
     waited: Cell<f64>,
+    /// The library's exchanges (`exchange_max`) made so far: each is tagged with its number.
+    exchanges: Cell<u64>,
     /// Library-owned exchanges that timed out: MPI may still write their buffers, so they stay
     /// here until a late peer completes them or the job ends.
     #[cfg(feature = "mpi")]
@@ -156,6 +157,45 @@ impl fmt::Debug for ProcessGroup {
     }
 }
 
+/// Slots of a library exchange's tag on the wire: what it is and this rank's count, each twice
+/// (as `x` and `i64::MAX - x`, so that one max-reduction shows whether every rank sent the same),
+/// and when this rank gives up waiting (with its rank in the low [`RANK_BITS`]), negated.
+const TAG_SLOTS: usize = 5;
+
+/// Low bits of a deadline slot that hold the rank.
+const RANK_BITS: u32 = 20;
+
+/// How far past a peer's deadline an exchange must complete before this rank concludes that the
+/// peer gave up on it: more than the clocks of one job's machines disagree.
+const CLOCK_SKEW_MS: i64 = 250;
+
+/// Milliseconds since the Unix epoch: ranks on different machines compare deadlines in it.
+fn unix_millis() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Value slots of every library exchange (unused ones travel as 0): one size for all, so ranks in
+/// different exchanges meet in one MPI call instead of failing inside MPI on a size mismatch.
+const VALUE_SLOTS: usize = 4;
+
+/// 8-byte slots of an operation's name in a mismatch report (longer names are cut).
+const NAME_SLOTS: usize = 6;
+
+/// The exchange every rank makes when its group is dropped, before MPI is finalized.
+#[cfg(feature = "mpi")]
+const FINISHING: &str = "the end of its ProcessGroup";
+
+/// A non-negative number for an operation's name (FNV-1a): ranks compare them, not the names.
+fn op_code(op: &str) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in op.as_bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h >> 1) as i64
+}
+
 /// How long [`ProcessGroup::wait_for`] polls back to back before it sleeps between polls.
 const SPIN_BEFORE_SLEEPING: Duration = Duration::from_millis(5);
 
@@ -170,6 +210,7 @@ impl ProcessGroup {
             transport,
             timeout: Cell::new(DEFAULT_TIMEOUT),
             waited: Cell::new(0.0),
+            exchanges: Cell::new(0),
             abandoned: RefCell::new(Vec::new()),
             #[cfg(feature = "mpi")]
             watchdog: None,
@@ -293,16 +334,13 @@ impl ProcessGroup {
         reduce.check(t.dtype())?;
         let (src, mut out) = operands(t, t.shape(), Location::caller())?;
         if let Device::Cuda(ordinal) = t.device() {
-            let ((_, send), (_, recv)) = (src.device_address(op)?, out.device_address_mut(op)?);
-            let nccl = self.nccl(op, ordinal)?;
             let reduce = match reduce {
-                Reduce::Sum | Reduce::Mean => NcclReduce::Sum,
-                Reduce::Max => NcclReduce::Max,
-                Reduce::Min => NcclReduce::Min,
+                Reduce::Sum | Reduce::Mean => GpuReduce::Sum,
+                Reduce::Max => GpuReduce::Max,
+                Reduce::Min => GpuReduce::Min,
             };
-            // SAFETY: both are live blocks of this GPU; `src` and `out` free them stream-ordered,
-            // after the collective, and nothing else holds `out` yet.
-            unsafe { nccl.all_reduce(send, recv, src.numel(), src.dtype(), reduce)? };
+            self.nccl(op, ordinal)?
+                .all_reduce(op, &src, &mut out, reduce)?;
             drop(src);
         } else {
             self.host_all_reduce(op, &src, &mut out, reduce)?;
@@ -347,13 +385,13 @@ impl ProcessGroup {
 
     /// This rank's NCCL communicator, on GPU `ordinal`: made at the first collective on a GPU
     /// tensor (every rank makes it at the same collective, rank 0's unique id sent over MPI).
-    fn nccl(&self, op: &'static str, ordinal: usize) -> Result<Ref<'_, Nccl>> {
+    fn nccl(&self, op: &'static str, ordinal: usize) -> Result<Ref<'_, GpuCommunicator>> {
         if self.nccl.borrow().is_none() {
             // Every rank checks its GPU and rank 0 makes the id before anyone waits in NCCL's
             // start, so a rank without a GPU or NCCL stops them all with its reason.
             let ready = Device::Cuda(ordinal).check_available().and_then(|()| {
                 if self.is_root() {
-                    nccl_unique_id(ordinal).map(|id| id.to_vec())
+                    GpuCommunicator::unique_id(ordinal).map(|id| id.to_vec())
                 } else {
                     Ok(vec![0; 128])
                 }
@@ -361,7 +399,7 @@ impl ProcessGroup {
             let id = self.agree(op, ready)?;
             let id = self.exchange_bytes(op, id, 0)?;
             let id: [u8; 128] = id.try_into().expect("128 bytes from every rank");
-            let comm = Nccl::new(ordinal, self.rank(), self.world_size(), &id)?;
+            let comm = GpuCommunicator::join(ordinal, self.rank(), self.world_size(), &id)?;
             *self.nccl.borrow_mut() = Some(comm);
         }
         let nccl = Ref::map(self.nccl.borrow(), |n| n.as_ref().expect("made above"));
@@ -397,12 +435,9 @@ impl ProcessGroup {
     pub fn broadcast_(&self, t: &mut Tensor<'_>, root: usize) -> Result<()> {
         if let Device::Cuda(ordinal) = t.device() {
             self.check_root("broadcast", root)?;
-            let (_, buf) = t.device_address_mut("broadcast")?;
-            let nccl = self.nccl("broadcast", ordinal)?;
-            let bytes = t.numel() * t.dtype().size();
-            // SAFETY: `t`'s block is live and frees stream-ordered, after the collective; `t` is
-            // borrowed mutably for this call and unique after the copy-on-write step.
-            return unsafe { nccl.broadcast(buf, bytes, root) };
+            return self
+                .nccl("broadcast", ordinal)?
+                .broadcast_("broadcast", t, root);
         }
         self.in_flight(|flight| flight.broadcast(t, root).map(drop))
     }
@@ -432,10 +467,8 @@ impl ProcessGroup {
             let mut shape = vec![self.world_size()];
             shape.extend_from_slice(t.shape());
             let (src, mut out) = operands(t, &shape, Location::caller())?;
-            let ((_, send), (_, recv)) = (src.device_address(op)?, out.device_address_mut(op)?);
-            let nccl = self.nccl(op, ordinal)?;
-            // SAFETY: as in `all_reduce`.
-            unsafe { nccl.all_gather(send, recv, src.numel() * src.dtype().size())? };
+            self.nccl(op, ordinal)?
+                .all_gather(op, &src, &mut out, self.world_size())?;
             return Ok(out);
         }
         let mut out = None;
@@ -507,15 +540,72 @@ impl ProcessGroup {
         op: &'static str,
         failure: Option<String>,
     ) -> Result<Option<(usize, String)>> {
+        self.first_failure_counting(op, failure, 0)
+            .map(|(first, _)| first)
+    }
+
+    /// As [`agree`](Self::agree), and every rank must also pass the same `count` (the examples in
+    /// its slice of a batch): ranks that succeeded with different counts get
+    /// [`Error::Distributed`] listing each rank's.
+    pub(crate) fn agree_counting<T>(
+        &self,
+        op: &'static str,
+        local: Result<T>,
+        count: usize,
+        what: &str,
+    ) -> Result<T> {
+        let failure = local.as_ref().err().map(ToString::to_string);
+        let count = i64::try_from(count).unwrap_or(i64::MAX);
+        match self.first_failure_counting(op, failure, count)? {
+            (Some((rank, _)), _) if rank == self.rank() => local,
+            (Some((rank, message)), _) => Err(Error::PeerFailed { op, rank, message }),
+            (None, true) => local,
+            (None, false) => {
+                let counts = self.each_rank(op, count)?;
+                let list: Vec<String> = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, n)| format!("rank {rank}: {n}"))
+                    .collect();
+                Err(Error::Distributed {
+                    op,
+                    reason: format!(
+                        "the ranks have different numbers of {what} in this step ({}): the mean \
+                         over the ranks would weight them unequally; give every rank the same \
+                         number (drop or pad the last batch)",
+                        list.join(", ")
+                    ),
+                })
+            }
+        }
+    }
+
+    /// The lowest failing rank and its message (as [`first_failure`](Self::first_failure)), and
+    /// whether every rank passed the same `count`.
+    fn first_failure_counting(
+        &self,
+        op: &'static str,
+        failure: Option<String>,
+        count: i64,
+    ) -> Result<(Option<(usize, String)>, bool)> {
         let world = self.world_size() as i64;
         let mine = failure.as_ref().map_or(0, |_| world - self.rank() as i64);
-        let [highest] = self.exchange_max(op, &mut [mine])?;
+        let [highest, high, high_not] =
+            self.exchange_max(op, &mut [mine, count, i64::MAX - count])?;
+        let same = high == i64::MAX - high_not;
         if highest == 0 {
-            return Ok(None);
+            return Ok((None, same));
         }
         let rank = (world - highest) as usize;
         let message = self.broadcast_text(op, failure.unwrap_or_default(), rank)?;
-        Ok(Some((rank, message)))
+        Ok((Some((rank, message)), same))
+    }
+
+    /// Every rank's `value`, in rank order (after a tagged exchange that brought every rank here).
+    fn each_rank(&self, op: &'static str, value: i64) -> Result<Vec<i64>> {
+        let mut slots = vec![i64::MIN; self.world_size()];
+        slots[self.rank()] = value;
+        self.exchange_slots(op, &slots)
     }
 
     /// Rank `root`'s `text`, on every rank: a path, a run name, anything rank 0 decides for all.
@@ -551,15 +641,119 @@ impl ProcessGroup {
 
     /// The element-wise max of `values` over every rank, through buffers the library owns: a
     /// timeout is an [`Error::CollectiveTimeout`].
+    ///
+    /// Every such exchange is tagged with what it is (`op`) and this rank's count of exchanges,
+    /// and all have one size on the wire, so ranks at different points of the program (one in a
+    /// `barrier`, another in a step's agreement; one finishing while another steps) meet in the
+    /// same MPI call and learn it: [`Error::CollectiveMismatch`] on every rank, naming each side's
+    /// operation, instead of one value matched against another silently.
     pub(crate) fn exchange_max<const N: usize>(
         &self,
         op: &'static str,
         values: &mut [i64; N],
     ) -> Result<[i64; N]> {
+        const {
+            assert!(
+                N <= VALUE_SLOTS,
+                "an exchange carries at most VALUE_SLOTS values"
+            )
+        };
+        if self.world_size() == 1 {
+            return Ok(*values);
+        }
+        let count = self.exchanges.get();
+        self.exchanges.set(count + 1);
+        let (what, which) = (op_code(op), count as i64);
+        // When this rank gives up waiting, with its rank: the max of the negation is the earliest.
+        let gives_up = unix_millis() + self.timeout.get().as_millis() as i64;
+        let deadline = -((gives_up << RANK_BITS) | self.rank() as i64);
+        // The max of x and of MAX - x over the ranks agree only when every rank sent the same x.
+        let mut wire = [0i64; TAG_SLOTS + VALUE_SLOTS];
+        wire[..TAG_SLOTS].copy_from_slice(&[
+            what,
+            i64::MAX - what,
+            which,
+            i64::MAX - which,
+            deadline,
+        ]);
+        wire[TAG_SLOTS..TAG_SLOTS + N].copy_from_slice(values);
+        let got = self.exchange_slots(op, &wire)?;
+        let same = |at: usize| got[at] == i64::MAX - got[at + 1];
+        if !(same(0) && same(2)) {
+            return Err(self.mismatch(op, count));
+        }
+        // A rank that arrives after a peer's timeout passed completes the exchange that peer
+        // abandoned: every value looks fine, but that peer has returned a timeout and stopped.
+        let earliest = -got[4];
+        let (rank, gave_up) = (
+            (earliest & ((1 << RANK_BITS) - 1)) as usize,
+            earliest >> RANK_BITS,
+        );
+        let late = unix_millis() - gave_up;
+        if rank != self.rank() && late > CLOCK_SKEW_MS {
+            return Err(Error::PeerFailed {
+                op,
+                rank,
+                message: format!(
+                    "it stopped waiting for this rank in {op}: its timeout passed {:.1} s before \
+                     this rank arrived (it returned Error::CollectiveTimeout)",
+                    late as f64 / 1000.0
+                ),
+            });
+        }
+        let mut out = [0i64; N];
+        out.copy_from_slice(&got[TAG_SLOTS..TAG_SLOTS + N]);
+        Ok(out)
+    }
+
+    /// After an exchange whose tags differed (every rank saw the same maxima, so every rank is
+    /// here): each rank's exchange count and operation name, and the error naming the lowest rank
+    /// that was elsewhere.
+    fn mismatch(&self, op: &'static str, count: u64) -> Error {
+        let world = self.world_size();
+        let row = 1 + NAME_SLOTS;
+        // Each rank writes its own row; the max with every other rank's i64::MIN is that row.
+        let mut rows = vec![i64::MIN; world * row];
+        let mine = &mut rows[self.rank() * row..(self.rank() + 1) * row];
+        mine[0] = count as i64;
+        let mut name = [0u8; NAME_SLOTS * 8];
+        let len = op.len().min(name.len());
+        name[..len].copy_from_slice(&op.as_bytes()[..len]);
+        for (slot, bytes) in mine[1..].iter_mut().zip(name.chunks_exact(8)) {
+            *slot = i64::from_le_bytes(bytes.try_into().expect("8 bytes"));
+        }
+        let rows = match self.exchange_slots(op, &rows) {
+            Ok(rows) => rows,
+            Err(e) => return e,
+        };
+        let name_of = |r: &[i64]| {
+            let bytes: Vec<u8> = r[1..].iter().flat_map(|v| v.to_le_bytes()).collect();
+            String::from_utf8_lossy(&bytes)
+                .trim_end_matches('\0')
+                .to_string()
+        };
+        let (peer, theirs) = rows
+            .chunks_exact(row)
+            .enumerate()
+            .find(|(_, r)| r[0] != count as i64 || name_of(r) != op)
+            .unwrap_or((self.rank(), &rows[..row]));
+        Error::CollectiveMismatch {
+            op,
+            rank: self.rank(),
+            exchange: count,
+            peer,
+            peer_op: name_of(theirs),
+            peer_exchange: theirs[0] as u64,
+        }
+    }
+
+    /// The element-wise max of `values` over every rank (each rank passes as many), waited for
+    /// under the timeout.
+    fn exchange_slots(&self, op: &'static str, values: &[i64]) -> Result<Vec<i64>> {
         match &self.transport {
             Transport::Single => {
                 let _ = op; // nothing to wait for
-                Ok(*values)
+                Ok(values.to_vec())
             }
             #[cfg(feature = "mpi")]
             Transport::Mpi(m) => {
@@ -568,14 +762,19 @@ impl ProcessGroup {
                 // SAFETY: both boxes live until the requests complete: `finish_owned` waits for
                 // them, or keeps them in `abandoned` for as long as MPI may use them.
                 let requests = unsafe {
-                    m.all_reduce(send.as_ptr(), recv.as_mut_ptr(), N, DType::I64, Reduce::Max)?
+                    m.all_reduce(
+                        send.as_ptr(),
+                        recv.as_mut_ptr(),
+                        values.len(),
+                        DType::I64,
+                        Reduce::Max,
+                    )?
                 };
                 let recv = self.finish_owned(op, requests, vec![send, recv])?;
-                let mut out = [0i64; N];
-                for (o, chunk) in out.iter_mut().zip(recv.chunks_exact(8)) {
-                    *o = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
-                }
-                Ok(out)
+                Ok(recv
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                    .collect())
             }
         }
     }
@@ -816,6 +1015,15 @@ impl Drop for ProcessGroup {
                         "{error}; that exchange never completed, so MPI cannot finish cleanly"
                     ));
                 }
+            }
+            // Finalize only when every rank is finishing too: a rank that leaves while another
+            // still steps meets that rank's next exchange here, and both learn it (the other
+            // rank as an `Error::CollectiveMismatch` naming this one); one that never comes is a
+            // timeout. Either way the job must end now, not hang in MPI_Finalize.
+            if self.world_size() > 1
+                && let Err(e) = self.exchange_max(FINISHING, &mut [])
+            {
+                self.abort(&e.to_string());
             }
         }
         #[cfg(not(feature = "mpi"))]

@@ -48,8 +48,10 @@ use crate::tensor::Tensor;
 ///         let tape = Tape::new(batch);
 ///         let x = tape.constant(&batch.randn(&[4, 2])?); // this rank's slice of the batch
 ///         let labels = batch.from_slice(&[0i64, 1, 1, 0], &[4])?;
-///         let loss = model.forward(&x, Mode::Train).and_then(|y| y.cross_entropy(&labels));
-///         let grads = ddp.backward(&model, &tape, loss)?; // averaged over the ranks
+///         // The forward pass runs inside, so an error there reaches every rank.
+///         let grads = ddp.backward(&model, &tape, 4, || {
+///             model.forward(&x, Mode::Train)?.cross_entropy(&labels)
+///         })?; // averaged over the ranks
 ///         opt.step(&mut model, &grads)
 ///     })?;
 ///     assert_eq!(ddp.last_sync().buckets, 1);
@@ -156,22 +158,30 @@ impl<'g> DataParallel<'g> {
         self.last.get()
     }
 
-    /// The gradients of `loss` (this rank's forward pass, or its error), averaged over every rank.
-    /// Every rank first learns whether every rank's forward and backward pass succeeded: if one
-    /// failed, each rank returns an error (its own, or [`Error::PeerFailed`]) instead of waiting
-    /// for it in the all-reduce.
+    /// Runs `forward` (this rank's forward pass over its slice of the batch, `examples` of them,
+    /// returning the loss) and the backward pass, and returns the gradients averaged over every
+    /// rank. Before anything is averaged, every rank learns whether every rank's forward and
+    /// backward pass succeeded, and whether every rank had the same number of examples: if not,
+    /// each rank returns an error (its own, [`Error::PeerFailed`], or [`Error::Distributed`]
+    /// listing each rank's examples) instead of waiting for the failed rank in the all-reduce or
+    /// averaging unequal slices as equals. Taking the forward pass as a closure means its errors
+    /// cannot bypass that agreement.
     ///
     /// # Errors
-    /// This rank's error, [`Error::PeerFailed`], [`Error::CollectiveTimeout`]; as for
-    /// [`average`](Self::average).
-    pub fn backward<'m, 's, P: Parameters<'m> + ?Sized>(
+    /// This rank's error, [`Error::PeerFailed`], [`Error::CollectiveTimeout`],
+    /// [`Error::CollectiveMismatch`]; [`Error::Distributed`] when the ranks' `examples` differ; as
+    /// for [`average`](Self::average).
+    pub fn backward<'m, 't, 's, P: Parameters<'m> + ?Sized>(
         &self,
         params: &P,
-        tape: &Tape<'s>,
-        loss: Result<Var<'_, 's>>,
+        tape: &'t Tape<'s>,
+        examples: usize,
+        forward: impl FnOnce() -> Result<Var<'t, 's>>,
     ) -> Result<Gradients<'s>> {
-        let grads = loss.and_then(|loss| tape.backward(&loss));
-        let mut grads = self.group.agree("DataParallel::backward", grads)?;
+        let grads = forward().and_then(|loss| tape.backward(&loss));
+        let mut grads =
+            self.group
+                .agree_counting("DataParallel::backward", grads, examples, "examples")?;
         self.average(params, &mut grads)?;
         Ok(grads)
     }

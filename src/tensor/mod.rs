@@ -1,7 +1,10 @@
 //! `Tensor<'s>`: a counted handle to a storage block owned by a live scope, plus a layout and dtype.
 
+mod collective;
 mod create;
 mod display;
+
+pub(crate) use collective::{GpuCommunicator, GpuReduce};
 
 use std::marker::PhantomData;
 use std::panic::Location;
@@ -416,7 +419,7 @@ impl<'s> Tensor<'s> {
     /// # Errors
     /// [`Error::UnsupportedOnDevice`] for a host tensor, [`Error::NotContiguous`], and
     /// [`Error::InsideCapture`] while the GPU is captured.
-    pub(crate) fn device_address(&self, op: &'static str) -> Result<(usize, u64)> {
+    fn device_address(&self, op: &'static str) -> Result<(usize, u64)> {
         let Device::Cuda(ordinal) = self.device() else {
             return Err(Error::UnsupportedOnDevice {
                 op,
@@ -440,7 +443,7 @@ impl<'s> Tensor<'s> {
     ///
     /// # Errors
     /// As for [`device_address`](Self::device_address); allocation errors of the copy.
-    pub(crate) fn device_address_mut(&mut self, op: &'static str) -> Result<(usize, u64)> {
+    fn device_address_mut(&mut self, op: &'static str) -> Result<(usize, u64)> {
         if self.device() != Device::Cpu {
             self.make_unique_contiguous()?;
         }
