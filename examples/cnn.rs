@@ -242,6 +242,7 @@ fn run(o: &Options) -> Result<()> {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
             let mut model = Cnn::new(m, o.channels, train.classes(), o.dropout)?;
+            model.name_by_path(""); // dumps list each parameter by its path
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(o.lr, 1e-4))?;
             // From here on a tensor made in the model scope while a step runs is an error, not a leak.
             m.set_strict(true);

@@ -549,6 +549,7 @@ fn run(o: &Options) -> Result<()> {
         s.set_seed(o.seed);
         s.named_scope("model", |m| {
             let mut model = Gpt::new(m, task.vocab(), task.context(), o)?;
+            model.name_by_path(""); // dumps list each parameter by its path
             // Every rank built the same model; rank 0's initial values become everyone's.
             let ddp = if o.distributed {
                 Some(DataParallel::new(&group, &mut model)?)

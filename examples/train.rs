@@ -326,6 +326,7 @@ fn run(o: &Options) -> Result<()> {
         s.named_scope("model", |m| {
             let sizes = [train.dim(), o.hidden, train.classes()];
             let mut model = nn::mlp(m, &sizes, Activation::Relu, Init::KaimingUniform)?;
+            model.name_by_path(""); // dumps list each parameter by its path
             // Every rank built the same model; rank 0's initial values become everyone's.
             let ddp = if o.distributed {
                 Some(DataParallel::new(&group, &mut model)?)

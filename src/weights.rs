@@ -32,6 +32,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::panic::Location;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
@@ -50,6 +51,9 @@ pub struct Weights {
     source: Rc<Source>,
     /// Name transformations from a lookup's name to the checkpoint's, applied last to first.
     steps: Vec<Step>,
+    /// Where tensors loaded through this view say they were created (a model loader's caller);
+    /// `None`: the line that asked for them.
+    site: Option<&'static Location<'static>>,
 }
 
 #[derive(Clone)]
@@ -211,6 +215,7 @@ impl Weights {
         Ok(Weights {
             source: Rc::new(source),
             steps: Vec::new(),
+            site: None,
         })
     }
 
@@ -227,6 +232,7 @@ impl Weights {
         Ok(Weights {
             source: Rc::new(source),
             steps: Vec::new(),
+            site: None,
         })
     }
 
@@ -246,6 +252,16 @@ impl Weights {
     pub fn renamed(&self, rename: impl Fn(&str) -> String + 'static) -> Weights {
         let mut w = self.clone();
         w.steps.push(Step::Rename(Rc::new(rename)));
+        w
+    }
+
+    /// The same checkpoint, its tensors recorded in dumps as created at `site`: a model's loader
+    /// passes its caller's location (`Location::caller()` under `#[track_caller]`), so that
+    /// `dump()` points at the user's `from_pretrained` line rather than at the layer code inside
+    /// the library that asked for each tensor.
+    pub fn loaded_from(&self, site: &'static Location<'static>) -> Weights {
+        let mut w = self.clone();
+        w.site = Some(site);
         w
     }
 
@@ -310,7 +326,9 @@ impl Weights {
         self.load(scope, name, shape, dtype, false)
     }
 
-    /// As [`tensor`](Self::tensor), named `name` in dumps: a layer's parameter.
+    /// As [`tensor`](Self::tensor): a layer's parameter. Every tensor loaded through a view is
+    /// named in dumps by its checkpoint name (`"h.0.attn.c_attn.weight"`, as PyTorch's
+    /// `named_parameters` would list it).
     ///
     /// # Errors
     /// As for [`tensor`](Self::tensor).
@@ -322,7 +340,7 @@ impl Weights {
         shape: &[usize],
         dtype: DType,
     ) -> Result<Tensor<'s>> {
-        Ok(self.tensor(scope, name, shape, dtype)?.named(name))
+        self.tensor(scope, name, shape, dtype)
     }
 
     /// The matrix `name`, stored as the transpose of `shape` (`[in, out]` for a `[out, in]`
@@ -347,9 +365,20 @@ impl Weights {
                 reason: "only a matrix can be stored transposed".into(),
             });
         };
-        self.load(scope, name, &[cols, rows], dtype, true)?
+        let t = self
+            .load(scope, name, &[cols, rows], dtype, true)?
             .t()?
-            .contiguous()
+            .contiguous()?;
+        Ok(self.mark(t, &self.full_name(name)))
+    }
+
+    /// `t` named `full` in dumps, and created at this view's site when it has one.
+    fn mark<'s>(&self, t: Tensor<'s>, full: &str) -> Tensor<'s> {
+        let t = t.named_path(full);
+        match self.site {
+            Some(site) => t.created_at(site),
+            None => t,
+        }
     }
 
     /// Overwrites `param` with the tensor `name`, which must have `param`'s shape (a float is
@@ -388,7 +417,7 @@ impl Weights {
             with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?)
         };
         self.release(entry);
-        Ok(t)
+        Ok(self.mark(t, &full))
     }
 
     /// The checkpoint's entry for `name`, with its full name.
@@ -589,6 +618,7 @@ mod tests {
                 tensors: BTreeMap::new(),
             }),
             steps: Vec::new(),
+            site: None,
         };
         let block = w
             .prefix("transformer")

@@ -227,6 +227,38 @@ fn temp_dir(tag: &str) -> PathBuf {
     dir
 }
 
+/// A loaded model's dump names each parameter by its checkpoint name and places it at the line
+/// that loaded the model, not at the layer code inside the library.
+#[test]
+fn a_loaded_models_dump_names_parameters_by_path_at_the_load_call() {
+    root(Device::Cpu, |s| {
+        let line = line!() + 1;
+        let model = Gpt2::from_pretrained(s, DIR, DType::F32)?;
+        let dump = s.dump();
+        let site = format!("created at {}:{line}:", file!());
+        // The names in the file (this one has transformers' "transformer." prefix); the dump
+        // shows the 16 newest tensors.
+        for name in [
+            "transformer.ln_f.bias",
+            "transformer.h.1.attn.c_attn.weight",
+            "transformer.h.1.mlp.c_proj.bias",
+        ] {
+            let entry = dump
+                .lines()
+                .find(|l| l.contains(&format!("tensor \"{name}\" ")))
+                .unwrap_or_else(|| panic!("no \"{name}\" in the dump:\n{dump}"));
+            assert!(entry.contains(&site), "{entry} (wanted {site})");
+        }
+        assert!(
+            !dump.contains("src/nn/"),
+            "a tensor placed in the library:\n{dump}"
+        );
+        drop(model);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn a_saved_model_loads_back_bit_identically_under_hugging_faces_names() {
     let dir = temp_dir("saved");

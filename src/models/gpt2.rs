@@ -378,6 +378,8 @@ impl<'m> Gpt2<'m> {
         dtype: DType,
     ) -> Result<Gpt2<'m>> {
         let c = &config;
+        // Dumps list the parameters at the caller's line, each under its checkpoint name.
+        let weights = &weights.loaded_from(std::panic::Location::caller());
         // Some exporters write the names without the "transformer." prefix.
         let body = if weights.contains("transformer.wte.weight") || !weights.contains("wte.weight")
         {
@@ -406,11 +408,7 @@ impl<'m> Gpt2<'m> {
         let lm_head = if c.tie_word_embeddings {
             None
         } else {
-            Some(
-                weights
-                    .tensor(scope, "lm_head.weight", &[c.vocab_size, c.n_embd], dtype)?
-                    .named("lm_head"),
-            )
+            Some(weights.tensor(scope, "lm_head.weight", &[c.vocab_size, c.n_embd], dtype)?)
         };
         Ok(Gpt2 {
             wte,

@@ -31,6 +31,29 @@ pub trait Parameters<'m> {
         self.visit("", &mut |_, t| n += t.numel());
         n
     }
+
+    /// Names every parameter in dumps by its path, as [`visit`](Self::visit) gives it with
+    /// `prefix` (PyTorch's `named_parameters`): `"0.weight"`, `"encoder.blocks.3.mlp.up.weight"`,
+    /// instead of the layer's own `"weight"`. Each distinct path is kept once for the process, so
+    /// call it on a model, not on per-step tensors. A model loaded from a checkpoint is already
+    /// named by the checkpoint's names.
+    ///
+    /// ```
+    /// use ndscope::nn::{self, Activation, Init, Parameters};
+    /// # ndscope::root(ndscope::Device::Cpu, |m| {
+    /// let model = nn::mlp(m, &[4, 8, 2], Activation::Relu, Init::KaimingUniform)?;
+    /// model.name_by_path("classifier.");
+    /// let mut names = Vec::new();
+    /// model.visit("", &mut |_, p| names.push(p.name()));
+    /// assert_eq!(names[0], Some("classifier.0.weight"));
+    /// assert!(m.dump().contains("tensor \"classifier.2.bias\""));
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    fn name_by_path(&self, prefix: &str) {
+        self.visit(prefix, &mut |name, p| {
+            let _ = p.clone().named_path(name);
+        });
+    }
 }
 
 /// A bare tensor is one parameter named by its prefix: a field `w` of a [`model!`](crate::model)

@@ -121,11 +121,20 @@ pub(crate) fn zeros_like_each<'m>(
     name: &'static str,
 ) -> Result<Vec<Tensor<'m>>> {
     let mut shapes = Vec::new();
-    params.visit("", &mut |_, p| shapes.push((p.shape().to_vec(), p.dtype())));
+    params.visit("", &mut |path, p| {
+        shapes.push((p.shape().to_vec(), p.dtype(), path.to_string()))
+    });
     let mut state = Vec::with_capacity(shapes.len());
     // A loop, not a closure, so the creation site recorded for dumps is the optimizer's caller.
-    for (shape, dtype) in &shapes {
-        state.push(scope.full_dtype(shape, 0.0, *dtype)?.named(name));
+    for (shape, dtype, path) in &shapes {
+        // "adam.m of 0.weight": which parameter a state tensor serves (a path per parameter, kept
+        // once for the process); a nameless parameter leaves the optimizer's own name.
+        let t = scope.full_dtype(shape, 0.0, *dtype)?;
+        state.push(if path.is_empty() {
+            t.named(name)
+        } else {
+            t.named_path(&format!("{name} of {path}"))
+        });
     }
     Ok(state)
 }

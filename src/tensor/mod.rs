@@ -232,6 +232,25 @@ impl<'s> Tensor<'s> {
         self
     }
 
+    /// Names the block by a path built at run time (a checkpoint's tensor name, a parameter's path
+    /// in its model). Each distinct name is stored once for the process ([`interned`]): paths come
+    /// from a model's structure, so they are bounded; per-step names must stay `&'static str`
+    /// ([`named`](Self::named)).
+    pub(crate) fn named_path(self, name: &str) -> Tensor<'s> {
+        self.named(interned(name))
+    }
+
+    /// Records `site` as where the block was created, as `dump()` shows it: a loader's caller
+    /// rather than the library line that allocated the block. Like [`named`](Self::named), it
+    /// leaves a shared moved-out block alone.
+    pub(crate) fn created_at(self, site: &'static Location<'static>) -> Tensor<'s> {
+        let h = self.block.header();
+        if !h.is_system() || h.is_unique() {
+            h.created_at.set(site);
+        }
+        self
+    }
+
     /// Whether two tensors share a storage block (views and clones do).
     pub fn shares_storage(&self, other: &Tensor<'_>) -> bool {
         self.block.as_ptr() == other.block.as_ptr()
@@ -770,4 +789,20 @@ impl<'s> crate::scope::MoveOut<'s> for Tensor<'s> {
     fn move_out(self) -> Result<Tensor<'static>> {
         Tensor::move_out(self)
     }
+}
+
+/// `name` as a `&'static str`, stored once per distinct name for the life of the process (block
+/// headers hold names as `&'static str`, so that naming costs no allocation per block).
+pub(crate) fn interned(name: &str) -> &'static str {
+    static NAMES: std::sync::Mutex<std::collections::BTreeSet<&'static str>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut names = NAMES
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Some(&known) = names.get(name) {
+        return known;
+    }
+    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(leaked);
+    leaked
 }
