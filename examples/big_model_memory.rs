@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo run --release --example big_model_memory -- --workspace none
-//! cargo run --release --example big_model_memory -- --workspace none --checkpoint
+//! cargo run --release --example big_model_memory -- --workspace none --recompute
 //! cargo run --release --example big_model_memory -- --workspace planned
 //! ```
 //!
@@ -30,7 +30,8 @@ Peak memory and time of a GPT-2-small-shaped training step (random weights, batc
 USAGE: cargo run --release --example big_model_memory -- [OPTIONS]
 
 OPTIONS:
-  --checkpoint        checkpoint every block (recompute its activations in the backward pass)
+  --recompute         recompute every block's activations in the backward pass (activation
+                      checkpointing; --checkpoint is the old spelling)
   --workspace W       none (a plain batch scope), bump or planned       [default: none]
   --steps N           training steps; the first is not timed            [default: 4]
   --len N             tokens                                            [default: 1024]
@@ -50,7 +51,7 @@ enum Arena {
 
 #[derive(Debug)]
 struct Options {
-    checkpoint: bool,
+    recompute: bool,
     arena: Arena,
     steps: usize,
     len: usize,
@@ -64,7 +65,7 @@ struct Options {
 impl Options {
     fn parse(mut args: impl Iterator<Item = String>) -> std::result::Result<Options, String> {
         let mut o = Options {
-            checkpoint: false,
+            recompute: false,
             arena: Arena::None,
             steps: 4,
             len: 1024,
@@ -84,7 +85,7 @@ impl Options {
             };
             match arg.as_str() {
                 "--help" | "-h" => return Err(String::new()),
-                "--checkpoint" => o.checkpoint = true,
+                "--recompute" | "--checkpoint" => o.recompute = true,
                 "--workspace" => {
                     o.arena = match value("--workspace")?.as_str() {
                         "none" => Arena::None,
@@ -166,7 +167,7 @@ fn run(o: &Options) -> Result<()> {
         s.set_seed(7);
         s.named_scope("model", |m| {
             let mut model = Gpt2::new(m, config)?;
-            model.set_checkpointing(o.checkpoint);
+            model.set_recompute(o.recompute);
             let mut opt = Adam::new(m, &model, AdamConfig::adamw(1e-4, 0.01))?;
             m.set_strict(true);
             let built = common::status_bytes("VmRSS:").unwrap_or(0);
@@ -179,8 +180,8 @@ fn run(o: &Options) -> Result<()> {
                 o.vocab,
                 o.len,
                 model.parameter_elements(),
-                if o.checkpoint {
-                    "every block checkpointed"
+                if o.recompute {
+                    "every block recomputed"
                 } else {
                     "no checkpointing"
                 },

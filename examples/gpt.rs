@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use ndscope::dist::DataParallel;
 use ndscope::nn::{
-    AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
-    PositionalEmbedding, TransformerBlock,
+    AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
+    PositionalEmbedding, Recomputed, TransformerBlock,
 };
 use ndscope::optim::{Adam, AdamConfig, Optimizer, Schedule, WarmupCosine};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, Var, Workspace, root};
@@ -45,7 +45,8 @@ OPTIONS:
   --device D        cpu, or cuda:N (needs --features cuda)   [default: cpu]
   --dtype T         f32, or bf16 / f16 autocast (f16 with loss scaling) [default: f32]
   --text FILE       train on the characters of FILE and sample from it
-  --checkpoint      recompute each block's activations in the backward pass instead of keeping them
+  --recompute       recompute each block's activations in the backward pass instead of keeping them
+                    (activation checkpointing; --checkpoint is the old spelling)
   --workspace W     the batch scope: planned, bump, or none (the pool)  [default: planned]
   --distributed     data-parallel over the ranks of `mpirun -np N` (needs --features mpi):
                     --batch-size sequences per rank, gradients averaged before each step;
@@ -69,7 +70,7 @@ struct Options {
     device: Device,
     dtype: DType,
     text: Option<String>,
-    checkpoint: bool,
+    recompute: bool,
     workspace: String,
     distributed: bool,
     /// How long a rank waits for a peer (`--timeout`); the group's default when `None`.
@@ -91,7 +92,7 @@ impl Options {
             device: Device::Cpu,
             dtype: DType::F32,
             text: None,
-            checkpoint: false,
+            recompute: false,
             workspace: "planned".into(),
             distributed: false,
             timeout: None,
@@ -101,8 +102,8 @@ impl Options {
             if flag == "--help" || flag == "-h" {
                 return Err(String::new());
             }
-            if flag == "--checkpoint" {
-                o.checkpoint = true;
+            if flag == "--recompute" || flag == "--checkpoint" {
+                o.recompute = true;
                 continue;
             }
             if flag == "--distributed" {
@@ -179,22 +180,22 @@ impl<'m> Gpt<'m> {
         })
     }
 
-    /// Next-token logits `[batch, len, vocab]` for `ids` (`[batch, len]`); with `checkpoint`, each
+    /// Next-token logits `[batch, len, vocab]` for `ids` (`[batch, len]`); with `recompute`, each
     /// block's activations are recomputed in the backward pass instead of kept.
     fn logits<'t, 's>(
         &self,
         tape: &'t Tape<'s>,
         ids: &Tensor<'s>,
         mode: Mode,
-        checkpoint: bool,
+        recompute: bool,
     ) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
         let mut x = self.positions.forward(&self.tokens.forward(tape, ids)?)?;
         for block in &self.blocks {
-            x = if checkpoint {
-                Checkpointed::new(block.clone()).forward(&x, mode)?
+            x = if recompute {
+                Recomputed::new(block.clone()).forward(&x, mode)?
             } else {
                 block.forward(&x, mode)?
             };
@@ -386,7 +387,7 @@ fn train_step<'m: 'b, 'b>(
     let tape = Tape::new(b);
     let mut loss = None;
     let mut forward = || {
-        let logits = model.logits(&tape, &ids, Mode::Train, o.checkpoint)?;
+        let logits = model.logits(&tape, &ids, Mode::Train, o.recompute)?;
         let unscaled = logits
             .narrow(1, first, counted)?
             .reshape(&[size * counted, task.vocab()])?
@@ -575,7 +576,7 @@ fn run(o: &Options) -> Result<()> {
                 steps,
                 precision.describe(),
                 o.seed,
-                if o.checkpoint { ", blocks checkpointed" } else { "" },
+                if o.recompute { ", blocks recomputed" } else { "" },
                 match o.workspace.as_str() {
                     "none" => "the pool",
                     kind => kind,

@@ -628,8 +628,8 @@ macro_rules! check_layer {
 #[test]
 fn transformer_layers() {
     use ndscope::nn::{
-        AttentionOptions, Checkpointed, Init, LayerNorm, Mode, Module, MultiHeadAttention,
-        PositionalEmbedding, RmsNorm, TransformerBlock,
+        AttentionOptions, Init, LayerNorm, Mode, Module, MultiHeadAttention, PositionalEmbedding,
+        Recomputed, RmsNorm, TransformerBlock,
     };
     let opts = AttentionOptions {
         causal: true,
@@ -659,9 +659,9 @@ fn transformer_layers() {
     );
     // The recomputing backward pass of a checkpointed block.
     check_layer!(
-        Checkpointed,
+        Recomputed,
         [1, 3, 4],
-        |s| Checkpointed::new(TransformerBlock::new(s, 4, 2, opts, Init::XavierUniform)?),
+        |s| Recomputed::new(TransformerBlock::new(s, 4, 2, opts, Init::XavierUniform)?),
         |m, x| m.forward(&x, Mode::Train)
     );
 }

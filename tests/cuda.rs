@@ -561,7 +561,7 @@ fn train_transformer<'m>(m: &Scope<'m>, checkpoint: bool) -> Result<Vec<Tensor<'
             let mut x = model.positions.forward(&tokens)?;
             for block in &model.blocks {
                 x = if checkpoint {
-                    nn::Checkpointed::new(block.clone()).forward(&x, Mode::Train)?
+                    nn::Recomputed::new(block.clone()).forward(&x, Mode::Train)?
                 } else {
                     block.forward(&x, Mode::Train)?
                 };
@@ -600,7 +600,7 @@ fn a_transformer_training_step_agrees_with_the_host() {
     );
 }
 
-/// Checkpointed blocks recompute on the device what the host recomputes; on the host the
+/// Recomputed blocks recompute on the device what the host recomputes; on the host the
 /// checkpointed step equals the plain one bit for bit (`tests/checkpoint.rs`).
 #[test]
 fn a_checkpointed_transformer_training_step_agrees_with_the_host() {
@@ -900,7 +900,7 @@ fn train_graph_with(
                 let tape = Tape::new(b);
                 let x = tape.constant(&inputs[0]);
                 let logits = if checkpoint {
-                    nn::Checkpointed::new(model.clone()).forward(&x, Mode::Train)?
+                    nn::Recomputed::new(model.clone()).forward(&x, Mode::Train)?
                 } else {
                     model.forward(&x, Mode::Train)?
                 };

@@ -25,11 +25,11 @@
 
 mod attention;
 mod autocast;
-mod checkpoint;
 mod conv;
 mod loss;
 mod norm;
 mod ops;
+mod recompute;
 mod reduce_to;
 
 use std::cell::{Cell, RefCell};
@@ -37,8 +37,8 @@ use std::fmt;
 
 use smallvec::SmallVec;
 
-pub use checkpoint::Segment;
 pub use loss::{CrossEntropy, Reduction};
+pub use recompute::Segment;
 
 use crate::error::{Error, Result};
 use crate::layout::Layout;

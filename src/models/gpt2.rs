@@ -12,8 +12,8 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep};
 use crate::nn::{
-    Activation, Checkpointed, Embedding, Init, LayerNorm, Mode, Module, Parameters,
-    PositionalEmbedding, TransformerBlock, TransformerConfig,
+    Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
+    Recomputed, TransformerBlock, TransformerConfig,
 };
 use crate::scope::{Child, Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
@@ -311,8 +311,8 @@ pub struct Gpt2<'m> {
     /// The head `[vocab, width]` when it is not tied to `wte`.
     pub lm_head: Option<Tensor<'m>>,
     config: Gpt2Config,
-    /// Whether [`forward`](Gpt2::forward) checkpoints each block on a recording tape.
-    checkpointing: bool,
+    /// Whether [`forward`](Gpt2::forward) recomputes each block on a recording tape.
+    recompute: bool,
 }
 
 impl<'m> Gpt2<'m> {
@@ -342,7 +342,7 @@ impl<'m> Gpt2<'m> {
                 )
             },
             config,
-            checkpointing: false,
+            recompute: false,
         })
     }
 
@@ -417,7 +417,7 @@ impl<'m> Gpt2<'m> {
             ln_f,
             lm_head,
             config,
-            checkpointing: false,
+            recompute: false,
         })
     }
 
@@ -445,18 +445,30 @@ impl<'m> Gpt2<'m> {
         &self.config
     }
 
-    /// Checkpoints every block in [`forward`](Self::forward) on a recording tape (off by default):
-    /// a block's activations are freed when it returns and recomputed during the backward pass
-    /// (see [`Var::checkpoint`]), so a training step keeps one block's activations at a time plus
+    /// Recomputes every block in [`forward`](Self::forward) on a recording tape (off by default;
+    /// activation checkpointing, in PyTorch's words): a block's activations are freed when it
+    /// returns and recomputed during the backward pass (see [`Var::recompute`]), so a training step keeps one block's activations at a time plus
     /// the blocks' inputs, for about one more forward pass of compute. The loss and gradients are
     /// the same bit for bit on the host.
-    pub fn set_checkpointing(&mut self, on: bool) {
-        self.checkpointing = on;
+    pub fn set_recompute(&mut self, on: bool) {
+        self.recompute = on;
     }
 
-    /// Whether [`set_checkpointing`](Self::set_checkpointing) is on.
+    /// Whether [`set_recompute`](Self::set_recompute) is on.
+    pub fn recomputes(&self) -> bool {
+        self.recompute
+    }
+
+    /// The former name of [`set_recompute`](Self::set_recompute).
+    #[deprecated(note = "renamed `set_recompute`: \"checkpoint\" names checkpoint files")]
+    pub fn set_checkpointing(&mut self, on: bool) {
+        self.set_recompute(on);
+    }
+
+    /// The former name of [`recomputes`](Self::recomputes).
+    #[deprecated(note = "renamed `recomputes`: \"checkpoint\" names checkpoint files")]
     pub fn checkpointing(&self) -> bool {
-        self.checkpointing
+        self.recomputes()
     }
 
     /// The logits `[batch, len, vocab]` of token ids `[batch, len]` (`i64`, `len <=
@@ -485,8 +497,8 @@ impl<'m> Gpt2<'m> {
         };
         let mut x = self.wpe.forward(&self.wte.forward(tape, ids)?)?;
         for block in &self.blocks {
-            x = if self.checkpointing {
-                Checkpointed::new(block.clone()).forward(&x, mode)?
+            x = if self.recompute {
+                Recomputed::new(block.clone()).forward(&x, mode)?
             } else {
                 block.forward(&x, mode)?
             };
@@ -732,7 +744,7 @@ impl<'m> Movable<'m> for Gpt2<'m> {
             ln_f: self.ln_f.move_into(target)?,
             lm_head: self.lm_head.move_into(target)?,
             config: self.config,
-            checkpointing: self.checkpointing,
+            recompute: self.recompute,
         })
     }
 }
@@ -747,7 +759,7 @@ impl<'m> MoveOut<'m> for Gpt2<'m> {
             ln_f: self.ln_f.move_out()?,
             lm_head: self.lm_head.move_out()?,
             config: self.config,
-            checkpointing: self.checkpointing,
+            recompute: self.recompute,
         })
     }
 }

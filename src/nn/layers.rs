@@ -51,12 +51,11 @@ impl Dropout {
     /// Dropout with drop probability `p`.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] unless `0 <= p < 1`.
+    /// [`Error::InvalidArgument`] unless `0 <= p < 1`.
     pub fn new(p: f64) -> Result<Dropout> {
         if !(0.0..1.0).contains(&p) {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "Dropout::new",
-                shape: Vec::new(),
                 reason: format!("the drop probability must be in [0, 1), got {p}"),
             });
         }

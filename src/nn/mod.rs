@@ -26,7 +26,6 @@
 
 mod attention;
 mod batch_norm;
-mod checkpointed;
 mod conv;
 mod embedding;
 mod given;
@@ -36,11 +35,11 @@ mod linear;
 mod model;
 mod norm;
 mod params;
+mod recomputed;
 mod transformer;
 
 pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_product_attention};
 pub use batch_norm::BatchNorm2d;
-pub use checkpointed::Checkpointed;
 pub use conv::{Conv2d, Pool2d, PoolKind};
 pub use embedding::{Embedding, PositionalEmbedding};
 pub use init::Init;
@@ -48,6 +47,8 @@ pub use layers::{Activation, Dropout, Layer, Sequential, mlp};
 pub use linear::{Linear, WeightLayout};
 pub use norm::{LayerNorm, RmsNorm};
 pub use params::Parameters;
+#[allow(deprecated)]
+pub use recomputed::{Checkpointed, Recomputed};
 pub use transformer::{TransformerBlock, TransformerConfig};
 
 pub use crate::autograd::{CrossEntropy, Reduction};

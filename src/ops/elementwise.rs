@@ -195,13 +195,12 @@ impl<'s> Tensor<'s> {
     /// Limits every element to `[min, max]` (NaN stays NaN).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when `min > max` or either bound is NaN.
+    /// [`Error::InvalidArgument`] when `min > max` or either bound is NaN.
     #[track_caller]
     pub fn clamp(&self, min: f64, max: f64) -> Result<Tensor<'s>> {
         if min.is_nan() || max.is_nan() || min > max {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "clamp",
-                shape: self.shape().to_vec(),
                 reason: format!("the bounds [{min}, {max}] must be ordered numbers"),
             });
         }

@@ -17,9 +17,8 @@ fn reduced_axes(op: &'static str, axes: &[isize], rank: usize) -> Result<SmallVe
     for &a in axes {
         let a = resolve_axis(op, a, rank)?;
         if out.contains(&a) {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op,
-                shape: vec![],
                 reason: format!("axis {a} is named twice in {axes:?}"),
             });
         }
@@ -104,7 +103,7 @@ impl<'s> Tensor<'s> {
     /// ```
     ///
     /// # Errors
-    /// [`Error::AxisOutOfRange`] for an axis outside the rank, [`Error::InvalidShape`] for a repeated
+    /// [`Error::AxisOutOfRange`] for an axis outside the rank, [`Error::InvalidArgument`] for a repeated
     /// axis.
     #[track_caller]
     pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Tensor<'s>> {

@@ -92,16 +92,15 @@ impl<'m> GradientAccumulator<'m> {
     /// zeroes the sums for the next accumulation.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when no micro-batch was added; the optimizer's errors.
+    /// [`Error::InvalidArgument`] when no micro-batch was added; the optimizer's errors.
     pub fn step<P: Parameters<'m> + ?Sized>(
         &mut self,
         opt: &mut impl Optimizer<'m>,
         params: &mut P,
     ) -> Result<()> {
         if self.micro_batches == 0 {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "GradientAccumulator::step",
-                shape: Vec::new(),
                 reason: "no micro-batch was added since the last step; call `add` first".into(),
             });
         }

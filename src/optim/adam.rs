@@ -66,7 +66,7 @@ impl<'m> Adam<'m> {
     /// An optimizer for `params`, with its state allocated in `scope` (the model scope).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for a negative learning rate, weight decay or eps, or betas outside
+    /// [`Error::InvalidArgument`] for a negative learning rate, weight decay or eps, or betas outside
     /// `[0, 1)`; allocation errors.
     #[track_caller]
     pub fn new(
@@ -81,9 +81,8 @@ impl<'m> Adam<'m> {
             && (0.0..1.0).contains(&b1)
             && (0.0..1.0).contains(&b2);
         if !valid {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "Adam::new",
-                shape: Vec::new(),
                 reason: format!(
                     "needs lr, weight decay and eps >= 0 and betas in [0, 1), got {config:?}"
                 ),

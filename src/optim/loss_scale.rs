@@ -72,7 +72,7 @@ impl LossScaler {
     /// Sets the starting scale, the growth and backoff factors, and the good steps between raises.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] (with an empty shape: an argument is wrong) unless `scale` is positive
+    /// [`Error::InvalidArgument`] unless `scale` is positive
     /// and finite, `growth > 1`, `0 < backoff < 1` and `growth_interval > 0`.
     pub fn with(
         scale: f64,
@@ -88,9 +88,8 @@ impl LossScaler {
             && backoff < 1.0
             && growth_interval > 0;
         if !valid {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "LossScaler::with",
-                shape: Vec::new(),
                 reason: format!(
                     "got scale {scale}, growth {growth}, backoff {backoff}, growth interval \
                      {growth_interval}; the scale must be positive and finite, growth above 1, \

@@ -56,7 +56,7 @@ pub trait Optimizer<'m> {
     /// leave alone with [`freeze`](Self::freeze).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when `params` is not the set the optimizer was created for;
+    /// [`Error::InvalidArgument`] when `params` is not the set the optimizer was created for;
     /// [`Error::MissingGradient`] naming the first parameter without a gradient; shape or dtype
     /// mismatches between a parameter and its gradient.
     fn step<P: Parameters<'m> + ?Sized>(
@@ -98,7 +98,7 @@ pub trait Optimizer<'m> {
     /// ```
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when `params` has no parameter of that name.
+    /// [`Error::InvalidArgument`] when `params` has no parameter of that name.
     fn freeze<P: Parameters<'m> + ?Sized>(
         &mut self,
         params: &P,
@@ -156,9 +156,8 @@ pub(crate) fn check_param_set<'m, P: Parameters<'m> + ?Sized>(
         Ok(())
     })?;
     if !matching || count != states.len() {
-        return Err(Error::InvalidShape {
+        return Err(Error::InvalidArgument {
             op,
-            shape: Vec::new(),
             reason: format!(
                 "the optimizer was created for {} parameters and got a different set ({count} \
                  parameters, or other shapes); step it with the model it was created for",
@@ -189,9 +188,8 @@ impl Frozen {
             }
             count += 1;
         });
-        let index = found.ok_or_else(|| Error::InvalidShape {
+        let index = found.ok_or_else(|| Error::InvalidArgument {
             op,
-            shape: Vec::new(),
             reason: format!(
                 "the model has no parameter named `{name}`; names are `Parameters::visit` paths \
                  such as `0.weight`"

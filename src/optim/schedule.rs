@@ -45,12 +45,11 @@ impl WarmupCosine {
     /// Warm up for `warmup` steps to `peak`, decay to 0 by step `total`.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for a peak that is not positive and finite, or `warmup > total`.
+    /// [`Error::InvalidArgument`] for a peak that is not positive and finite, or `warmup > total`.
     pub fn new(peak: f64, warmup: u64, total: u64) -> Result<WarmupCosine> {
         if !(peak.is_finite() && peak > 0.0) || warmup > total {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "WarmupCosine::new",
-                shape: Vec::new(),
                 reason: format!(
                     "needs a positive finite peak and warmup <= total, got peak {peak}, warmup {warmup}, total {total}"
                 ),

@@ -51,7 +51,7 @@ impl<'m> Sgd<'m> {
     /// An optimizer for `params`, with its velocity allocated in `scope` (the model scope).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for a negative learning rate or momentum; allocation errors.
+    /// [`Error::InvalidArgument`] for a negative learning rate or momentum; allocation errors.
     #[track_caller]
     pub fn new(
         scope: &Scope<'m>,
@@ -59,9 +59,8 @@ impl<'m> Sgd<'m> {
         config: SgdConfig,
     ) -> Result<Sgd<'m>> {
         if config.lr < 0.0 || config.momentum < 0.0 || config.weight_decay < 0.0 {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "Sgd::new",
-                shape: Vec::new(),
                 reason: format!(
                     "learning rate, momentum and weight decay must be >= 0, got {config:?}"
                 ),

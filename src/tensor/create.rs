@@ -177,14 +177,13 @@ impl<'s> Scope<'s> {
     /// A 1-D tensor `start, start + step, ...` up to `end` (exclusive), of `T`'s dtype.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when `step` is zero or not finite or the range is not finite.
+    /// [`Error::InvalidArgument`] when `step` is zero or not finite or the range is not finite.
     #[track_caller]
     pub fn arange<T: Element>(&self, start: T, end: T, step: T) -> Result<Tensor<'s>> {
         let (a, b, d) = (start.to_f64(), end.to_f64(), step.to_f64());
         if d == 0.0 || !(a.is_finite() && b.is_finite() && d.is_finite()) {
-            return Err(Error::InvalidShape {
+            return Err(Error::InvalidArgument {
                 op: "arange",
-                shape: vec![],
                 reason: format!(
                     "start {a}, end {b} and step {d} must be finite with a non-zero step"
                 ),

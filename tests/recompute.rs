@@ -1,4 +1,5 @@
-//! Activation checkpointing (`Var::checkpoint`, `nn::Checkpointed`): a checkpointed step computes
+//! Recomputation, PyTorch's activation checkpointing (`Var::recompute`, `nn::Recomputed`): a
+//! recomputed step computes
 //! the plain step's loss and gradients bit for bit on the host — with dropout, autocast and nested
 //! segments — in less memory, and a segment that panics gives every byte back.
 
@@ -7,8 +8,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::rc::Rc;
 
 use ndscope::nn::{
-    AttentionOptions, Checkpointed, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
-    PositionalEmbedding, TransformerBlock,
+    AttentionOptions, Embedding, Init, LayerNorm, Linear, Mode, Module, Parameters,
+    PositionalEmbedding, Recomputed, TransformerBlock,
 };
 use ndscope::{DType, Device, Error, Result, Scope, Segment, Tape, Tensor, Var, root};
 
@@ -32,14 +33,14 @@ const LEN: usize = 12;
 enum Blocks {
     Plain,
     /// Each block a segment.
-    Checkpointed,
+    Recomputed,
     /// Pairs of blocks a segment, the first of each pair a segment inside it.
     Nested,
 }
 
 /// Two blocks, the first checkpointed inside the segment the pair makes.
 struct Pair<'m> {
-    first: Checkpointed<TransformerBlock<'m>>,
+    first: Recomputed<TransformerBlock<'m>>,
     second: TransformerBlock<'m>,
 }
 
@@ -115,15 +116,15 @@ fn loss_and_gradients<'m: 'b, 'b>(
                 x = block.forward(&x, Mode::Train)?;
             }
         }
-        Blocks::Checkpointed => {
+        Blocks::Recomputed => {
             for block in &model.blocks {
-                x = Checkpointed::new(block.clone()).forward(&x, Mode::Train)?;
+                x = Recomputed::new(block.clone()).forward(&x, Mode::Train)?;
             }
         }
         Blocks::Nested => {
             for pair in model.blocks.chunks(2) {
-                x = x.checkpoint(Pair {
-                    first: Checkpointed::new(pair[0].clone()),
+                x = x.recompute(Pair {
+                    first: Recomputed::new(pair[0].clone()),
                     second: pair[1].clone(),
                 })?;
             }
@@ -164,7 +165,7 @@ fn checkpointed_blocks_give_the_plain_step_bit_for_bit_with_dropout_in_less_memo
     root(Device::Cpu, |s| {
         let model = decoder(s, DType::F64, 0.2)?;
         let plain = step(s, &model, Blocks::Plain, None)?;
-        let checkpointed = step(s, &model, Blocks::Checkpointed, None)?;
+        let checkpointed = step(s, &model, Blocks::Recomputed, None)?;
         let nested = step(s, &model, Blocks::Nested, None)?;
         assert_same("checkpointed", &plain, &checkpointed);
         assert_same("nested", &plain, &nested);
@@ -204,7 +205,7 @@ fn checkpointed_blocks_under_autocast_give_the_plain_step_bit_for_bit() -> Resul
         let model = decoder(s, DType::F32, 0.1)?;
         for dtype in [DType::BF16, DType::F16] {
             let plain = step(s, &model, Blocks::Plain, Some(dtype))?;
-            let checkpointed = step(s, &model, Blocks::Checkpointed, Some(dtype))?;
+            let checkpointed = step(s, &model, Blocks::Recomputed, Some(dtype))?;
             assert_same(&format!("autocast {dtype}"), &plain, &checkpointed);
         }
         Ok(())
@@ -223,7 +224,7 @@ fn a_checkpoint_on_an_inference_tape_is_the_plain_forward() -> Result<()> {
                 .forward(&x, Mode::Eval)?
                 .into_value()
                 .to_vec::<f32>()?;
-            let checkpointed = Checkpointed::new(block.clone())
+            let checkpointed = Recomputed::new(block.clone())
                 .forward(&x, Mode::Eval)?
                 .into_value()
                 .to_vec::<f32>()?;
@@ -278,7 +279,7 @@ fn flaky_step<'m>(
             fail_on: 2,
             panics,
         };
-        let loss = x.checkpoint(segment)?.sum_all()?;
+        let loss = x.recompute(segment)?.sum_all()?;
         tape.backward(&loss).map(|_| ())
     })
 }
@@ -315,7 +316,7 @@ fn a_segment_that_watches_other_parameters_when_recomputed_is_an_error() -> Resu
         let Error::Autograd { op, reason } = &err else {
             panic!("expected an autograd error, got {err}");
         };
-        assert_eq!(*op, "checkpoint");
+        assert_eq!(*op, "recompute");
         assert!(reason.contains("must run the same ops"), "{reason}");
         Ok(())
     })
@@ -341,7 +342,7 @@ fn segment_scopes_show_in_the_dump_while_they_run() -> Result<()> {
         let w = s.ones(&[3])?;
         s.named_scope("batch", |batch| -> Result<()> {
             let tape = Tape::new(batch);
-            let y = tape.param(&w).checkpoint(Dumping {
+            let y = tape.param(&w).recompute(Dumping {
                 seen: Rc::clone(&seen),
             })?;
             let grads = tape.backward(&y.sum_all()?)?;
@@ -351,10 +352,10 @@ fn segment_scopes_show_in_the_dump_while_they_run() -> Result<()> {
     })?;
     let seen = seen.borrow();
     assert_eq!(seen.len(), 2);
-    // The first pass runs in "checkpoint" under the batch, the recomputation in its own scope.
-    assert!(seen[0].contains("    scope \"checkpoint\""), "{}", seen[0]);
+    // The first pass runs in "recompute" under the batch, the recomputation in its own scope.
+    assert!(seen[0].contains("    scope \"recompute\""), "{}", seen[0]);
     assert!(
-        seen[1].contains("    scope \"checkpoint (recompute)\""),
+        seen[1].contains("    scope \"recompute (backward)\""),
         "{}",
         seen[1]
     );
@@ -367,12 +368,12 @@ fn a_checkpointed_step_replays_its_planned_workspace_from_the_arena_alone() -> R
     use ndscope::Workspace;
     root(Device::Cpu, |s| {
         let model = decoder(s, DType::F32, 0.1)?;
-        let plain = step(s, &model, Blocks::Checkpointed, None)?;
+        let plain = step(s, &model, Blocks::Recomputed, None)?;
         let mut ws = Workspace::planned("batch");
         for cycle in 0..4 {
             s.set_seed(99);
             let (loss, grads) = s.workspace(&mut ws, |batch| {
-                loss_and_gradients(batch, &model, Blocks::Checkpointed)
+                loss_and_gradients(batch, &model, Blocks::Recomputed)
             })?;
             assert_same(&format!("cycle {cycle}"), &plain, &(loss, grads, 0));
             if cycle > 0 {
@@ -400,7 +401,7 @@ fn a_step_graph_runs_a_checkpointed_step_as_the_plain_one() -> Result<()> {
                 let tape = Tape::new(b);
                 let x = tape.constant(&inputs[0]);
                 let logits = if checkpoint {
-                    Checkpointed::new(model.clone()).forward(&x, Mode::Train)?
+                    Recomputed::new(model.clone()).forward(&x, Mode::Train)?
                 } else {
                     model.forward(&x, Mode::Train)?
                 };

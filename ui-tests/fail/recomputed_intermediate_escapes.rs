@@ -1,4 +1,4 @@
-// A checkpointed segment keeps one of its intermediates in a list the model owns. The segment's
+// A recomputed segment keeps one of its intermediates in a list the model owns. The segment's
 // tensors live in the segment's own scope (freed when it returns, made again in the backward pass),
 // whose lifetime `'s` is shorter than the model's `'m`: the list cannot hold them.
 use std::cell::RefCell;
@@ -30,7 +30,7 @@ fn main() -> Result<()> {
         model.scope(|batch| {
             let tape = Tape::new(batch);
             let x = tape.constant(&batch.ones(&[4])?);
-            let y = x.checkpoint(Leaky { w: w.clone(), kept: Rc::clone(&kept) })?;
+            let y = x.recompute(Leaky { w: w.clone(), kept: Rc::clone(&kept) })?;
             tape.backward(&y.sum_all()?).map(|_| ())
         })
     })

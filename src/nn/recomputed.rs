@@ -1,5 +1,5 @@
-//! [`Checkpointed`]: any layer, with its intermediates recomputed during the backward pass instead
-//! of kept (see [`Var::checkpoint`]).
+//! [`Recomputed`]: any layer, with its intermediates recomputed during the backward pass instead
+//! of kept (see [`Var::recompute`]).
 
 use super::{Mode, Module, Parameters};
 use crate::autograd::{Segment, Var};
@@ -7,19 +7,19 @@ use crate::error::Result;
 use crate::scope::{Movable, Scope};
 use crate::tensor::Tensor;
 
-/// A layer whose forward pass is checkpointed: what it computes is the layer's, but the tape keeps
+/// A layer whose forward pass is recomputed (activation checkpointing, in PyTorch's words): what it computes is the layer's, but the tape keeps
 /// only its input, and the backward pass runs it again (one more forward pass of the layer) to get
 /// the gradients. Wrap the blocks of a deep model to trade that compute for the memory of their
 /// activations. Parameters are the layer's own, under the same names, so optimizers and checkpoint
 /// files see no difference.
 ///
 /// ```
-/// use ndscope::nn::{AttentionOptions, Checkpointed, Init, Mode, Module, TransformerBlock};
+/// use ndscope::nn::{AttentionOptions, Recomputed, Init, Mode, Module, TransformerBlock};
 /// use ndscope::{Device, Tape, root};
 ///
 /// root(Device::Cpu, |model| {
 ///     let opts = AttentionOptions { causal: true, dropout: 0.1 };
-///     let block = Checkpointed::new(TransformerBlock::new(model, 16, 2, opts, Init::Normal(0.02))?);
+///     let block = Recomputed::new(TransformerBlock::new(model, 16, 2, opts, Init::Normal(0.02))?);
 ///     model.scope(|batch| {
 ///         let tape = Tape::new(batch);
 ///         let x = tape.constant(&batch.randn(&[1, 8, 16])?);
@@ -32,14 +32,18 @@ use crate::tensor::Tensor;
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 #[derive(Debug, Clone)]
-pub struct Checkpointed<L> {
+pub struct Recomputed<L> {
     layer: L,
 }
 
-impl<L> Checkpointed<L> {
-    /// `layer`, checkpointed.
-    pub fn new(layer: L) -> Checkpointed<L> {
-        Checkpointed { layer }
+/// The former name of [`Recomputed`].
+#[deprecated(note = "renamed `Recomputed`: \"checkpoint\" names checkpoint files")]
+pub type Checkpointed<L> = Recomputed<L>;
+
+impl<L> Recomputed<L> {
+    /// `layer`, recomputed in the backward pass.
+    pub fn new(layer: L) -> Recomputed<L> {
+        Recomputed { layer }
     }
 
     /// The layer.
@@ -52,13 +56,13 @@ impl<L> Checkpointed<L> {
         &mut self.layer
     }
 
-    /// The layer, no longer checkpointed.
+    /// The layer, no longer recomputed.
     pub fn into_inner(self) -> L {
         self.layer
     }
 }
 
-/// A layer and the mode it runs in: the segment a checkpointed layer recomputes.
+/// A layer and the mode it runs in: the segment a `Recomputed` layer runs again.
 struct InMode<L> {
     layer: L,
     mode: Mode,
@@ -73,21 +77,21 @@ impl<'m, L: Module<'m>> Segment<'m> for InMode<L> {
     }
 }
 
-impl<'m, L: Module<'m> + Clone + 'm> Module<'m> for Checkpointed<L> {
+impl<'m, L: Module<'m> + Clone + 'm> Module<'m> for Recomputed<L> {
     fn forward<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
         // A clone of a layer is a set of counted handles to the same parameters: the backward pass
         // owns one until it has recomputed the layer.
-        x.checkpoint(InMode {
+        x.recompute(InMode {
             layer: self.layer.clone(),
             mode,
         })
     }
 }
 
-impl<'m, L: Parameters<'m>> Parameters<'m> for Checkpointed<L> {
+impl<'m, L: Parameters<'m>> Parameters<'m> for Recomputed<L> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
         self.layer.visit(prefix, f);
     }
@@ -97,10 +101,10 @@ impl<'m, L: Parameters<'m>> Parameters<'m> for Checkpointed<L> {
     }
 }
 
-impl<'m, L: Movable<'m>> Movable<'m> for Checkpointed<L> {
-    type Moved<'b> = Checkpointed<L::Moved<'b>>;
-    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Checkpointed<L::Moved<'b>>> {
-        Ok(Checkpointed {
+impl<'m, L: Movable<'m>> Movable<'m> for Recomputed<L> {
+    type Moved<'b> = Recomputed<L::Moved<'b>>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Recomputed<L::Moved<'b>>> {
+        Ok(Recomputed {
             layer: self.layer.move_into(target)?,
         })
     }
