@@ -387,6 +387,36 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
     });
 }
 
+/// Rotary embedding and its derivative in every float dtype, positions out of order and repeated,
+/// tables with Llama 3 scaling.
+#[test]
+fn rotary_embedding_agrees_with_the_host() {
+    for (dtype, tol) in [
+        (DType::F64, 1e-12),
+        (DType::F32, 1e-5),
+        (DType::BF16, 1e-2),
+        (DType::F16, 2e-3),
+    ] {
+        agree(&format!("rotary in {dtype}"), tol, &move |s| {
+            let scaling = nn::RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 64,
+            };
+            let rope = nn::RotaryEmbedding::new(s, 32, 300, 500_000.0, &scaling, dtype)?;
+            let x = s.randn(&[9, 4, 32])?.to_dtype(dtype)?;
+            let positions = s.from_slice(&[0i64, 299, 3, 3, 150, 64, 1, 0, 200], &[9])?;
+            let tape = Tape::new(s);
+            let v = tape.param(&x);
+            let y = rope.apply(&v, &positions)?;
+            let w = s.randn(&[9, 4, 32])?.to_dtype(dtype)?;
+            let grads = tape.backward(&y.mul(&tape.constant(&w))?.sum_all()?)?;
+            Ok(vec![y.value().clone(), grads.get(&x).expect("watched")])
+        });
+    }
+}
+
 #[test]
 fn transformer_ops_agree_with_the_host() {
     agree(

@@ -637,6 +637,28 @@ impl<'t, 's> Var<'t, 's> {
         })
     }
 
+    /// Rotary position embedding of `[tokens, heads, head_dim]` queries or keys (see
+    /// [`Tensor::rotary`]); the tables and positions are constants. Its derivative turns the
+    /// gradient back by the same angles (the rotation is orthogonal). Under autocast it runs in the
+    /// input's dtype, as transformers' does.
+    ///
+    /// # Errors
+    /// As for [`Tensor::rotary`].
+    #[track_caller]
+    pub fn rotary(
+        &self,
+        cos: &Tensor<'s>,
+        sin: &Tensor<'s>,
+        positions: &Tensor<'s>,
+    ) -> Result<Var<'t, 's>> {
+        let _placed = self.placing();
+        let out = self.value.rotary(cos, sin, positions)?;
+        let (cos, sin, positions) = (cos.clone(), sin.clone(), positions.clone());
+        Var::record(&[self], "rotary", out, move |g, _| {
+            Ok(smallvec![Some(g.rotary_by(&cos, &sin, &positions, true)?)])
+        })
+    }
+
     /// Log-softmax along `axis`.
     ///
     /// # Errors

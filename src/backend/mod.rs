@@ -325,6 +325,24 @@ pub(crate) trait Backend: Sync {
     /// `reverse`), added in order, into the contiguous `out`.
     fn cumsum(&self, dtype: DType, x: Src, reverse: bool, out: Dst) -> Result<()>;
 
+    /// Rotary position embedding of float `x` `[tokens, heads, dim]` (contiguous, `dim` even) into
+    /// `out` (the same shape, fresh): each row's planes `(i, i + dim/2)` rotated by the angle whose
+    /// cosine and sine `cos` and `sin` (`[positions, dim/2]`, contiguous, in the compute type: `f64`
+    /// for `f64`, else `f32`) hold at row `positions[token]` (`i64 [tokens]`, in range on the host;
+    /// a GPU kernel writes NaN for one out of range, which only a captured step can pass). By the
+    /// opposite angle when `inverse` (the derivative).
+    #[allow(clippy::too_many_arguments)] // the op's operands, each a buffer
+    fn rotary(
+        &self,
+        dtype: DType,
+        x: Src,
+        cos: Src,
+        sin: Src,
+        positions: Src,
+        inverse: bool,
+        out: Dst,
+    ) -> Result<()>;
+
     /// Softmax (or log-softmax) of the rows of the contiguous `x` along its last axis.
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()>;
 

@@ -36,6 +36,7 @@ mod model;
 mod norm;
 mod params;
 mod recomputed;
+mod rotary;
 mod transformer;
 
 pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_product_attention};
@@ -49,6 +50,7 @@ pub use norm::{LayerNorm, RmsNorm};
 pub use params::Parameters;
 #[allow(deprecated)]
 pub use recomputed::{Checkpointed, Recomputed};
+pub use rotary::{RopeScaling, RotaryEmbedding, inverse_frequencies};
 pub use transformer::{TransformerBlock, TransformerConfig};
 
 pub use crate::autograd::{CrossEntropy, Reduction};

@@ -14,7 +14,7 @@ use crate::tensor::{Owner, Tensor};
 
 /// What an op's kernel does through its indices.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Access {
+pub(super) enum Access {
     /// Reads (a gather): its kernel guards against an index out of range by itself.
     Read,
     /// Writes (a scatter): every index must be checked on the host before the kernel runs.
@@ -22,7 +22,12 @@ enum Access {
 }
 
 /// Checks that `index` holds `i64` values in `0..size` (host indices are read in place).
-fn check_indices(op: &'static str, index: &Tensor<'_>, size: usize, access: Access) -> Result<()> {
+pub(super) fn check_indices(
+    op: &'static str,
+    index: &Tensor<'_>,
+    size: usize,
+    access: Access,
+) -> Result<()> {
     if index.dtype() != DType::I64 {
         return Err(Error::UnsupportedDType {
             op,

@@ -13,6 +13,7 @@ mod mask;
 mod matmul;
 pub(crate) mod paged;
 mod reduce;
+mod rotary;
 mod scan;
 mod softmax;
 mod view;

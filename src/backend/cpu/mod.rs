@@ -12,6 +12,7 @@ mod index;
 mod matmul;
 mod paged;
 mod reduce;
+mod rotary;
 mod rows;
 mod window;
 
@@ -184,6 +185,20 @@ impl Backend for Cpu {
 
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()> {
         reduce::softmax(dtype, x, log, out);
+        Ok(())
+    }
+
+    fn rotary(
+        &self,
+        dtype: DType,
+        x: Src,
+        cos: Src,
+        sin: Src,
+        positions: Src,
+        inverse: bool,
+        out: Dst,
+    ) -> Result<()> {
+        rotary::rotary(dtype, x, [cos, sin, positions], inverse, out);
         Ok(())
     }
 

@@ -371,6 +371,53 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn rotary(
+        &self,
+        dtype: DType,
+        x: Src,
+        cos: Src,
+        sin: Src,
+        positions: Src,
+        inverse: bool,
+        out: Dst,
+    ) -> Result<()> {
+        let shape = x.layout.shape();
+        let (tokens, heads, half) = (shape[0], shape[1], shape[2] / 2);
+        let planes = tokens * heads * half;
+        if planes == 0 {
+            return Ok(());
+        }
+        let f = self.function(float_kernel("rotary", float_family!("rotary"), dtype)?)?;
+        let (t, h, n, p) = (
+            tokens as i64,
+            heads as i64,
+            half as i64,
+            cos.layout.shape()[0] as i64,
+        );
+        let table = if dtype == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        let (c, s) = (
+            first(cos.buf.address(), cos.layout, table),
+            first(sin.buf.address(), sin.layout, table),
+        );
+        let at = first(positions.buf.address(), positions.layout, DType::I64);
+        let flag = i32::from(inverse);
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&t).arg(&h).arg(&n).arg(&p).arg(&o).arg(&i);
+        l.arg(&c).arg(&s).arg(&at).arg(&flag);
+        // SAFETY: the arguments match `rotary_<dtype>` (i64 x4, T*, const T*, const C* x2, const
+        // i64*, int) for a float dtype; x and out are contiguous `[tokens, heads, 2 * half]`, the
+        // tables contiguous `[p, half]` in C (checked by the op), `positions` `tokens` i64 values,
+        // and a position out of range is not read through.
+        unsafe { l.launch(elementwise_launch(planes)) }
+            .map_err(|e| cuda_error("rotary kernel", e))?;
+        Ok(())
+    }
+
     fn logsumexp(&self, dtype: DType, x: Src, out: Dst) -> Result<()> {
         let rows = out.layout.numel();
         if rows == 0 {

@@ -1,0 +1,241 @@
+//! The tables of a model's rotary position embedding: the frequencies `θ_i` of its planes, scaled
+//! for long contexts the way the checkpoint's `rope_parameters` say, and `cos`/`sin` of every
+//! position's angles, kept in the model scope for [`Tensor::rotary`].
+
+use crate::autograd::Var;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::scope::Scope;
+use crate::tensor::Tensor;
+
+/// How a model's rotary frequencies are scaled (transformers' `rope_type`s).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// `"default"`: `θ_i = theta^(-2i / dim)`.
+    None,
+    /// `"linear"`: every frequency divided by `factor` (positions interpolated).
+    Linear {
+        /// The context's growth factor.
+        factor: f64,
+    },
+    /// `"llama3"` (Llama 3.1 and later): wavelengths longer than `original_max_positions /
+    /// low_freq_factor` are divided by `factor`, those shorter than `original_max_positions /
+    /// high_freq_factor` kept, and the ones between interpolated smoothly.
+    Llama3 {
+        /// The context's growth factor.
+        factor: f64,
+        /// Where the low frequencies start (in wavelengths of the original context).
+        low_freq_factor: f64,
+        /// Where the high frequencies start.
+        high_freq_factor: f64,
+        /// The context the model was trained on before scaling.
+        original_max_positions: usize,
+    },
+}
+
+/// A model's rotary position embedding: `cos` and `sin` tables `[max_positions, head_dim / 2]`
+/// in the compute dtype, made once in the model scope.
+///
+/// ```
+/// use ndscope::nn::{RopeScaling, RotaryEmbedding};
+/// use ndscope::{DType, Device, Tape, root};
+///
+/// root(Device::Cpu, |m| {
+///     let rope = RotaryEmbedding::new(m, 8, 64, 10_000.0, &RopeScaling::None, DType::F32)?;
+///     m.scope(|b| {
+///         let tape = Tape::new(b);
+///         let q = tape.constant(&b.randn(&[3, 2, 8])?); // [tokens, heads, head_dim]
+///         let positions = b.from_slice(&[0i64, 1, 2], &[3])?;
+///         let turned = rope.apply(&q, &positions)?;
+///         assert_eq!(turned.value().shape(), &[3, 2, 8]);
+///         Ok::<_, ndscope::Error>(())
+///     })
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RotaryEmbedding<'m> {
+    cos: Tensor<'m>,
+    sin: Tensor<'m>,
+}
+
+impl<'m> RotaryEmbedding<'m> {
+    /// The tables of positions `0..max_positions` for heads of `head_dim` with base `theta` and
+    /// `scaling`, for values of `dtype` (the tables are in its compute dtype: `f64` for `f64`,
+    /// `f32` otherwise), in `scope`. Angles and their cosines are computed in `f64`, then rounded.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an odd or zero `head_dim`, a `theta` that is not above 1, or a
+    /// scaling factor that is not positive and finite; allocation errors.
+    #[track_caller]
+    pub fn new(
+        scope: &Scope<'m>,
+        head_dim: usize,
+        max_positions: usize,
+        theta: f64,
+        scaling: &RopeScaling,
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
+        let frequencies = inverse_frequencies(head_dim, theta, scaling)?;
+        RotaryEmbedding::from_frequencies(scope, &frequencies, max_positions, 1.0, dtype)
+    }
+
+    /// The tables for given inverse frequencies `θ_i` (`head_dim / 2` of them), each entry times
+    /// `attention_scaling` (YaRN scales the embedded values; 1 otherwise).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for no frequencies or a non-finite one or scaling; allocation
+    /// errors.
+    #[track_caller]
+    pub fn from_frequencies(
+        scope: &Scope<'m>,
+        frequencies: &[f64],
+        max_positions: usize,
+        attention_scaling: f64,
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
+        const OP: &str = "RotaryEmbedding::from_frequencies";
+        if frequencies.is_empty()
+            || !frequencies.iter().all(|f| f.is_finite())
+            || !attention_scaling.is_finite()
+        {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "needs at least one frequency, all finite, and a finite attention scaling; got \
+                     {} frequencies and scaling {attention_scaling}",
+                    frequencies.len()
+                ),
+            });
+        }
+        let half = frequencies.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(max_positions * half),
+            Vec::with_capacity(max_positions * half),
+        );
+        for p in 0..max_positions {
+            for &f in frequencies {
+                let angle = p as f64 * f;
+                cos.push(angle.cos() * attention_scaling);
+                sin.push(angle.sin() * attention_scaling);
+            }
+        }
+        let shape = [max_positions, half];
+        let (cos, sin) = if dtype == DType::F64 {
+            (
+                scope.from_slice(&cos, &shape)?,
+                scope.from_slice(&sin, &shape)?,
+            )
+        } else {
+            let narrow = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
+            (
+                scope.from_slice(&narrow(cos), &shape)?,
+                scope.from_slice(&narrow(sin), &shape)?,
+            )
+        };
+        Ok(RotaryEmbedding {
+            cos: cos.named("rotary.cos"),
+            sin: sin.named("rotary.sin"),
+        })
+    }
+
+    /// `[max_positions, head_dim / 2]` cosines.
+    pub fn cos(&self) -> &Tensor<'m> {
+        &self.cos
+    }
+
+    /// `[max_positions, head_dim / 2]` sines.
+    pub fn sin(&self) -> &Tensor<'m> {
+        &self.sin
+    }
+
+    /// The positions the tables cover.
+    pub fn max_positions(&self) -> usize {
+        self.cos.shape()[0]
+    }
+
+    /// `x` `[tokens, heads, head_dim]` rotated for each token's position (`i64 [tokens]`): see
+    /// [`Tensor::rotary`].
+    ///
+    /// # Errors
+    /// As for [`Tensor::rotary`].
+    #[track_caller]
+    pub fn apply<'t, 's>(&self, x: &Var<'t, 's>, positions: &Tensor<'s>) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        x.rotary(&self.cos, &self.sin, positions)
+    }
+}
+
+/// The inverse frequencies `θ_i`, `i < head_dim / 2`, of `theta` under `scaling`, in `f64` (as
+/// transformers' `ROPE_INIT_FUNCTIONS` compute them, in `f64` rather than `f32`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an odd or zero `head_dim`, `theta <= 1`, or factors that are not
+/// positive and finite (for `Llama3`: `low_freq_factor < high_freq_factor` and a non-zero original
+/// context).
+pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Result<Vec<f64>> {
+    const OP: &str = "rotary inverse_frequencies";
+    let bad = |reason: String| Err(Error::InvalidArgument { op: OP, reason });
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return bad(format!(
+            "head_dim must be even and positive, not {head_dim}"
+        ));
+    }
+    if !(theta.is_finite() && theta > 1.0) {
+        return bad(format!(
+            "rope_theta must be a finite number above 1, not {theta}"
+        ));
+    }
+    let base: Vec<f64> = (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+        .collect();
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    match *scaling {
+        RopeScaling::None => Ok(base),
+        RopeScaling::Linear { factor } => {
+            if !positive(factor) {
+                return bad(format!("the linear factor must be positive, not {factor}"));
+            }
+            Ok(base.into_iter().map(|f| f / factor).collect())
+        }
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_positions,
+        } => {
+            if !(positive(factor)
+                && positive(low_freq_factor)
+                && positive(high_freq_factor)
+                && low_freq_factor < high_freq_factor
+                && original_max_positions > 0)
+            {
+                return bad(format!(
+                    "llama3 scaling needs positive factors with low_freq_factor < \
+                     high_freq_factor and a positive original context; got factor {factor}, \
+                     low_freq_factor {low_freq_factor}, high_freq_factor {high_freq_factor}, \
+                     original_max_position_embeddings {original_max_positions}"
+                ));
+            }
+            let old = original_max_positions as f64;
+            let (low_wavelen, high_wavelen) = (old / low_freq_factor, old / high_freq_factor);
+            Ok(base
+                .into_iter()
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect())
+        }
+    }
+}
