@@ -247,6 +247,19 @@ pub enum Error {
         /// The operating system's reason.
         reason: String,
     },
+    /// A model configuration that asks for something ndscope does not compute (another attention
+    /// variant, an activation or a rotary scaling it lacks): loading it would give a silently
+    /// different model, so it is refused, naming the key.
+    UnsupportedConfig {
+        /// The file (`config.json` and its path, when read from one).
+        file: String,
+        /// The key.
+        key: String,
+        /// Its value in the file.
+        value: String,
+        /// What ndscope computes instead, or why the value is refused.
+        reason: String,
+    },
     /// Bytes that are not valid in the format they claim (a corrupt or truncated safetensors, IDX or
     /// CSV file).
     Format {
@@ -499,6 +512,12 @@ impl fmt::Display for Error {
                  captured closure"
             ),
             Error::Io { path, reason } => write!(f, "cannot access {path}: {reason}"),
+            Error::UnsupportedConfig {
+                file,
+                key,
+                value,
+                reason,
+            } => write!(f, "{file}: unsupported: {key} = {value}; {reason}"),
             Error::Format { format, reason } => write!(
                 f,
                 "not a valid {format} file: {reason}; the file may be truncated or of another format"

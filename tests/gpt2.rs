@@ -259,6 +259,104 @@ fn a_loaded_models_dump_names_parameters_by_path_at_the_load_call() {
     .unwrap();
 }
 
+/// A model loaded from a bf16 config as f32 and saved says `"dtype": "float32"` (transformers
+/// loads a model in the dtype its config names; keeping "bfloat16" reloaded it rounded).
+#[test]
+fn a_saved_config_names_the_dtype_the_weights_are_stored_in() {
+    let dir = temp_dir("dtype-source");
+    let config = std::fs::read_to_string(format!("{DIR}/config.json")).unwrap();
+    let mut raw: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(&config).unwrap();
+    raw.insert("dtype".into(), "bfloat16".into());
+    raw.insert("torch_dtype".into(), "bfloat16".into());
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string(&raw).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(
+        format!("{DIR}/model.safetensors"),
+        dir.join("model.safetensors"),
+    )
+    .unwrap();
+    let saved = temp_dir("dtype-saved");
+    root(Device::Cpu, |s| {
+        Gpt2::from_pretrained(s, &dir, DType::F32)?.save_pretrained(&saved)?;
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(written["dtype"], "float32");
+        assert_eq!(written["torch_dtype"], "float32");
+        let (stored, _) = Weights::open(&saved)?
+            .info("transformer.wte.weight")
+            .map(|(d, s)| (d, s.to_vec()))?;
+        assert_eq!(stored, DType::F32);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    std::fs::remove_dir_all(&saved).ok();
+}
+
+/// The logits of a fixed prompt, in evaluation mode.
+fn eval_logits<'m>(s: &Scope<'m>, model: &Gpt2<'m>) -> Result<Vec<f64>> {
+    s.scope(|b| {
+        let ids = b.from_slice(&[3i64, 14, 15, 92], &[1, 4])?;
+        let tape = Tape::no_grad(b);
+        model.forward(&tape, &ids, Mode::Eval)?.value().to_vec_f64()
+    })
+}
+
+/// A config that ties the head while the file holds a different `lm_head.weight`: transformers
+/// computes with the file's head, and so does ndscope (saying so); an identical copy stays tied.
+#[test]
+fn a_tied_config_with_a_different_head_in_the_file_uses_the_files_head() {
+    let different = altered("head-different", |s, tensors| {
+        let wte = tensors
+            .iter()
+            .find(|(n, _)| n == "transformer.wte.weight")
+            .unwrap()
+            .1
+            .clone();
+        tensors.push(("lm_head.weight".into(), wte.mul_scalar(2.0)?));
+        let _ = s;
+        Ok(())
+    });
+    let same = altered("head-same", |_, tensors| {
+        let wte = tensors
+            .iter()
+            .find(|(n, _)| n == "transformer.wte.weight")
+            .unwrap()
+            .1
+            .clone();
+        tensors.push(("lm_head.weight".into(), wte));
+        Ok(())
+    });
+    root(Device::Cpu, |s| {
+        let tied = Gpt2::from_pretrained(s, DIR, DType::F32)?;
+        let plain = eval_logits(s, &tied)?;
+        let untied = Gpt2::from_pretrained(s, &different, DType::F32)?;
+        assert!(
+            !untied.config().tie_word_embeddings,
+            "the head is the file's, so untied"
+        );
+        // The head is twice the embedding: every logit doubles.
+        for (u, p) in eval_logits(s, &untied)?.iter().zip(&plain) {
+            assert!(
+                (u - 2.0 * p).abs() <= 1e-5 * (1.0 + p.abs()),
+                "{u} vs 2 x {p}"
+            );
+        }
+        let still_tied = Gpt2::from_pretrained(s, &same, DType::F32)?;
+        assert!(still_tied.config().tie_word_embeddings);
+        assert_eq!(eval_logits(s, &still_tied)?, plain);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    std::fs::remove_dir_all(&different).ok();
+    std::fs::remove_dir_all(&same).ok();
+}
+
 #[test]
 fn a_saved_model_loads_back_bit_identically_under_hugging_faces_names() {
     let dir = temp_dir("saved");
@@ -454,13 +552,33 @@ fn a_wrong_config_or_a_truncated_checkpoint_is_a_typed_error() {
         config.replace("\"gpt2\"", "\"bert\""),
     )
     .unwrap();
-    assert!(matches!(
-        load_error(&dir),
-        Error::Format {
-            format: "config.json",
-            ..
-        }
-    ));
+    let err = load_error(&dir);
+    assert!(
+        matches!(&err, Error::UnsupportedConfig { file, key, value, .. }
+            if file.ends_with("config.json") && key == "model_type" && value == "\"bert\""),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("unsupported: model_type = \"bert\""),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("truncated"), "{err}");
+    // A GPT-2 variant ndscope does not compute names its key, not a broken file.
+    std::fs::write(
+        dir.join("config.json"),
+        config.replace(
+            "\"scale_attn_by_inverse_layer_idx\": false",
+            "\"scale_attn_by_inverse_layer_idx\": true",
+        ),
+    )
+    .unwrap();
+    let err = load_error(&dir);
+    assert!(
+        err.to_string()
+            .contains("unsupported: scale_attn_by_inverse_layer_idx = true; attention scaled by the layer index"),
+        "{err}"
+    );
     std::fs::write(dir.join("config.json"), &config[..100]).unwrap();
     let err = load_error(&dir);
     assert!(

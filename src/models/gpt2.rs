@@ -44,6 +44,16 @@ pub struct Gpt2Config {
     raw: Map<String, Value>,
 }
 
+/// A key whose value ndscope's GPT-2 does not compute.
+fn unsupported(key: &str, value: &Value, reason: impl Into<String>) -> Error {
+    Error::UnsupportedConfig {
+        file: "config.json".into(),
+        key: key.into(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
 fn config_error(reason: impl Into<String>) -> Error {
     Error::Format {
         format: "config.json",
@@ -104,13 +114,16 @@ impl Gpt2Config {
                 }),
             }
         };
-        match raw.get("model_type").and_then(Value::as_str) {
-            Some("gpt2") => {}
-            other => {
-                return Err(config_error(format!(
-                    "\"model_type\" is {other:?}; this loader reads GPT-2 (\"gpt2\") directories"
-                )));
+        match raw.get("model_type") {
+            Some(Value::String(t)) if t == "gpt2" => {}
+            Some(other) => {
+                return Err(unsupported(
+                    "model_type",
+                    other,
+                    "this loader reads GPT-2 (\"gpt2\") directories",
+                ));
             }
+            None => return Err(config_error("\"model_type\" is missing")),
         }
         let n_embd = size("n_embd")?;
         let n_inner = match raw.get("n_inner") {
@@ -124,10 +137,12 @@ impl Gpt2Config {
             Some("silu" | "swish") => Activation::Silu,
             Some("tanh") => Activation::Tanh,
             Some("sigmoid") => Activation::Sigmoid,
-            Some(other) => {
-                return Err(config_error(format!(
-                    "\"activation_function\" \"{other}\" is not one ndscope computes (gelu_new, gelu, relu, silu, tanh, sigmoid)"
-                )));
+            Some(_) => {
+                return Err(unsupported(
+                    "activation_function",
+                    &raw["activation_function"],
+                    "ndscope computes gelu_new, gelu, relu, silu, tanh and sigmoid",
+                ));
             }
         };
         let layer_norm_epsilon = match raw.get("layer_norm_epsilon") {
@@ -156,9 +171,11 @@ impl Gpt2Config {
             ("scale_attn_weights", false, "unscaled attention scores"),
         ] {
             if flag(key, !unsupported_when)? == unsupported_when {
-                return Err(config_error(format!(
-                    "\"{key}\" is {unsupported_when}: {what} is a GPT-2 variant ndscope does not compute"
-                )));
+                return Err(unsupported(
+                    key,
+                    &Value::from(unsupported_when),
+                    format!("{what} is a GPT-2 variant ndscope does not compute"),
+                ));
             }
         }
         let config = Gpt2Config {
@@ -193,6 +210,14 @@ impl Gpt2Config {
             Error::Format { format, reason } => Error::Format {
                 format,
                 reason: format!("{}: {reason}", path.display()),
+            },
+            Error::UnsupportedConfig {
+                key, value, reason, ..
+            } => Error::UnsupportedConfig {
+                file: path.display().to_string(),
+                key,
+                value,
+                reason,
             },
             other => other,
         })
@@ -235,6 +260,25 @@ impl Gpt2Config {
             raw.insert(key.to_string(), value);
         }
         serde_json::to_string_pretty(&Value::Object(raw)).expect("a JSON map serialises")
+    }
+
+    /// [`to_json`](Self::to_json) saying that the weights are stored as `stored` (`"dtype"`, and
+    /// `"torch_dtype"` when the file had that older key): transformers loads a model in the dtype
+    /// its config names, so a model loaded from bf16 and saved in f32 must not keep `"bfloat16"`.
+    fn to_json_stored_as(&self, stored: DType) -> String {
+        let name = match stored {
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            DType::I64 => "int64",
+        };
+        let mut config = self.clone();
+        config.raw.insert("dtype".into(), Value::from(name));
+        if config.raw.contains_key("torch_dtype") {
+            config.raw.insert("torch_dtype".into(), Value::from(name));
+        }
+        config.to_json()
     }
 
     /// The configuration of each block.
@@ -405,10 +449,27 @@ impl<'m> Gpt2<'m> {
             true,
             dtype,
         )?;
-        let lm_head = if c.tie_word_embeddings {
-            None
+        let (vocab, width) = (c.vocab_size, c.n_embd);
+        let mut config = config;
+        let lm_head = if !config.tie_word_embeddings {
+            Some(weights.tensor(scope, "lm_head.weight", &[vocab, width], dtype)?)
+        } else if weights.contains("lm_head.weight") {
+            // A tied config with a head of its own in the file: transformers computes with the
+            // file's head (and warns), so ndscope does too, unless the two are the same values.
+            let head = weights.tensor(scope, "lm_head.weight", &[vocab, width], dtype)?;
+            if head.to_vec_f64()? == wte.weight.to_vec_f64()? {
+                None
+            } else {
+                eprintln!(
+                    "ndscope: config.json ties the output head to the token embedding, but the \
+                     checkpoint holds a different lm_head.weight; using the checkpoint's head (as \
+                     transformers does), and the model saves untied"
+                );
+                config.tie_word_embeddings = false;
+                Some(head)
+            }
         } else {
-            Some(weights.tensor(scope, "lm_head.weight", &[c.vocab_size, c.n_embd], dtype)?)
+            None
         };
         Ok(Gpt2 {
             wte,
@@ -437,7 +498,8 @@ impl<'m> Gpt2<'m> {
         // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
         // checks every tensor's shape against the config, so a mismatch is an error, not a mix.
         checkpoint::save(self, dir.join("model.safetensors"))?;
-        checkpoint::write_atomically(dir.join("config.json"), self.config.to_json().as_bytes())
+        let stored = self.config.to_json_stored_as(self.wte.weight.dtype());
+        checkpoint::write_atomically(dir.join("config.json"), stored.as_bytes())
     }
 
     /// The configuration.
@@ -447,7 +509,8 @@ impl<'m> Gpt2<'m> {
 
     /// Recomputes every block in [`forward`](Self::forward) on a recording tape (off by default;
     /// activation checkpointing, in PyTorch's words): a block's activations are freed when it
-    /// returns and recomputed during the backward pass (see [`Var::recompute`]), so a training step keeps one block's activations at a time plus
+    /// returns and recomputed during the backward pass (see [`Var::recompute`]), so a training
+    /// step keeps one block's activations at a time plus
     /// the blocks' inputs, for about one more forward pass of compute. The loss and gradients are
     /// the same bit for bit on the host.
     pub fn set_recompute(&mut self, on: bool) {
