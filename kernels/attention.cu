@@ -22,6 +22,7 @@
 struct AttnGeo {
     i64 batch, heads, queries, keys, width, vwidth;
     i64 causal, offset;  // with causal != 0, query i sees keys j <= i + offset
+    i64 group;           // query heads per key and value head (grouped-query attention)
     i64 s[8][3];
 };
 
@@ -39,7 +40,10 @@ __device__ __forceinline__ i64 attn_keys(const AttnGeo& g, const i64* lengths, i
     return n < 0 ? 0 : (n > g.keys ? g.keys : n);
 }
 
+// Keys and values are read from head h / group (grouped-query attention); every other operand,
+// the key and value gradients included (one per query head, summed by the op), at head h.
 __device__ __forceinline__ i64 attn_at(const AttnGeo& g, int which, i64 b, i64 h, i64 row) {
+    if (which == A_K || which == A_V) h /= g.group;
     return b * g.s[which][0] + h * g.s[which][1] + row * g.s[which][2];
 }
 

@@ -298,6 +298,60 @@ fn a_query_that_sees_no_key_gets_zeros_and_zero_gradients() {
     .unwrap();
 }
 
+/// Grouped-query attention: 6 query heads over 2 key and value heads (3 each) give what the same
+/// queries give over keys and values repeated per query head, in value and in every gradient (the
+/// repeat's gradient sums each group), for every mask, key lengths and strided heads.
+#[test]
+fn grouped_query_attention_equals_attention_over_repeated_heads() {
+    let (b, h, kh, len, w) = (2, 6, 2, 37, 8);
+    root(Device::Cpu, |s| {
+        let x = s.from_slice(&values(b * h * len * w, 11), &[b, h, len, w])?;
+        // Keys and values as one projection's halves: strided heads.
+        let kv = s.from_slice(&values(b * len * 2 * kh * w, 12), &[b, len, 2, kh, w])?;
+        let y = kv.narrow(2, 0, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3])?;
+        let z = kv.narrow(2, 1, 1)?.squeeze(2)?.permute(&[0, 2, 1, 3])?;
+        let wt = s.from_slice(&values(b * h * len * w, 13), &[b, h, len, w])?;
+        let lengths = s.from_slice(&[37i64, 20], &[2])?;
+        let repeat = s.from_slice(&[0i64, 0, 0, 1, 1, 1], &[6])?;
+        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            for key_lengths in [None, Some(&lengths)] {
+                let run = |grouped: bool| {
+                    s.scope(|batch| {
+                        let tape = Tape::new(batch);
+                        let (q, k, v) = (tape.param(&x), tape.param(&y), tape.param(&z));
+                        let spec = AttentionSpec {
+                            causal,
+                            scale: None,
+                        };
+                        let out = if grouped {
+                            q.attention(&k, &v, spec, key_lengths)?
+                        } else {
+                            let (k, v) = (k.index_select(1, &repeat)?, v.index_select(1, &repeat)?);
+                            q.attention(&k, &v, spec, key_lengths)?
+                        };
+                        let loss = out.mul(&tape.constant(&wt))?.sum_all()?;
+                        let grads = tape.backward(&loss)?;
+                        let mut all = out.value().to_vec::<f64>()?;
+                        for p in [&x, &kv] {
+                            all.extend(grads.get(p).expect("a gradient").to_vec::<f64>()?);
+                        }
+                        Ok::<_, Error>(all)
+                    })
+                };
+                assert_close(&run(true)?, &run(false)?, 1e-12);
+            }
+        }
+        // A key head count that does not divide the query heads is refused.
+        let four = s.zeros(&[b, 4, len, w])?.to_dtype(DType::F64)?;
+        let err = x
+            .attention(&four, &four, AttentionSpec::default(), None)
+            .unwrap_err();
+        assert!(err.to_string().contains("grouped-query"), "{err}");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn bad_attention_operands_are_typed_errors() {
     root(Device::Cpu, |s| {

@@ -387,6 +387,40 @@ fn reductions_softmax_and_indexing_agree_with_the_host() {
     });
 }
 
+/// Grouped-query attention (8 query heads over 2 key and value heads), value and gradients, with
+/// and without a causal mask, in f64, f32 and bf16.
+#[test]
+fn grouped_query_attention_agrees_with_the_host() {
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+        for causal in [Causal::None, Causal::BottomRight] {
+            agree(
+                &format!("grouped-query attention in {dtype}, {causal:?}"),
+                tol,
+                &move |s| {
+                    let q = s.randn(&[2, 8, 40, 16])?.to_dtype(dtype)?;
+                    let k = s.randn(&[2, 2, 70, 16])?.to_dtype(dtype)?;
+                    let v = s.randn(&[2, 2, 70, 16])?.to_dtype(dtype)?;
+                    let w = s.randn(&[2, 8, 40, 16])?.to_dtype(dtype)?;
+                    let tape = Tape::new(s);
+                    let (vq, vk, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                    let spec = AttentionSpec {
+                        causal,
+                        scale: None,
+                    };
+                    let out = vq.attention(&vk, &vv, spec, None)?;
+                    let grads = tape.backward(&out.mul(&tape.constant(&w))?.sum_all()?)?;
+                    Ok(vec![
+                        out.value().clone(),
+                        grads.get(&q).expect("watched"),
+                        grads.get(&k).expect("watched"),
+                        grads.get(&v).expect("watched"),
+                    ])
+                },
+            );
+        }
+    }
+}
+
 /// Rotary embedding and its derivative in every float dtype, positions out of order and repeated,
 /// tables with Llama 3 scaling.
 #[test]

@@ -751,6 +751,10 @@ pub(crate) struct Attention {
     /// Query `i` sees keys `j <= i + offset` (`Some(0)`: causal aligned at the top left; `Some(keys -
     /// queries)`: the queries are the last positions, as when decoding against a cache).
     pub(crate) causal: Option<i64>,
+    /// Query heads per key and value head (grouped-query attention; 1: one each): query head `h`
+    /// reads key and value head `h / group`. The backward pass writes key and value gradients per
+    /// query head (`[batch, heads, keys, width]`), which the op sums over each group.
+    pub(crate) group: usize,
 }
 
 impl Attention {

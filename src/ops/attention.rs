@@ -148,15 +148,17 @@ fn check<'s>(
     let (q4, k4, v4) = (as_heads(OP, q)?, as_heads(OP, k)?, as_heads(OP, v)?);
     let ([b, h, queries, d], [kb, kh, keys, kd], [vb, vh, values, _]) =
         (dims(&q4), dims(&k4), dims(&v4));
-    if [kb, kh, kd] != [b, h, d] {
+    // Grouped-query attention: `kh` key heads, each shared by `h / kh` consecutive query heads.
+    if [kb, kd] != [b, d] || kh == 0 || !h.is_multiple_of(kh) {
         return Err(Error::ShapeMismatch {
             op: OP,
             lhs: q.shape().to_vec(),
             rhs: k.shape().to_vec(),
-            hint: "keys need the queries' batch and head dimensions and width",
+            hint: "keys need the queries' batch dimension and width, and a head count that \
+                   divides the queries' (grouped-query attention)",
         });
     }
-    if [vb, vh, values] != [b, h, keys] {
+    if [vb, vh, values] != [b, kh, keys] {
         return Err(Error::ShapeMismatch {
             op: OP,
             lhs: k.shape().to_vec(),
@@ -201,7 +203,11 @@ fn check<'s>(
         k: k4,
         v: v4,
         key_lengths,
-        math: Attention { scale, causal },
+        math: Attention {
+            scale,
+            causal,
+            group: h / kh,
+        },
         rank,
     })
 }
@@ -304,8 +310,15 @@ impl<'s> Tensor<'s> {
         let dtype = self.dtype();
         let operands = [&ops.q, &ops.k, &ops.v];
         let (mut dq, dq_layout) = heads_output(&operands, dtype, dims(&ops.q), at)?;
-        let (mut dk, dk_layout) = heads_output(&operands, dtype, dims(&ops.k), at)?;
-        let (mut dv, dv_layout) = heads_output(&operands, dtype, dims(&ops.v), at)?;
+        // With grouped heads every query head gets its own key and value gradients first (the
+        // kernels write each once, without atomics); the group's are summed below.
+        let group = ops.math.group;
+        let per_query_head = |x: &Tensor<'s>| {
+            let [b, kh, len, w] = dims(x);
+            [b, kh * group, len, w]
+        };
+        let (mut dk, dk_layout) = heads_output(&operands, dtype, per_query_head(&ops.k), at)?;
+        let (mut dv, dv_layout) = heads_output(&operands, dtype, per_query_head(&ops.v), at)?;
         let lse = lse.contiguous()?;
         let mut scratch = Tensor::output_of(&operands, lse.dtype(), lse.shape(), at)?;
         self.backend()?.attention_backward(
@@ -322,10 +335,20 @@ impl<'s> Tensor<'s> {
                 dv.dst_as(&dv_layout),
             ],
         )?;
+        let (dk, dv) = (dk.with_layout(dk_layout), dv.with_layout(dv_layout));
+        let (dk, dv) = if group == 1 {
+            (dk, dv)
+        } else {
+            let sum_groups = |g: Tensor<'s>| -> Result<Tensor<'s>> {
+                let [b, h, len, w] = dims(&g);
+                g.reshape(&[b, h / group, group, len, w])?.sum(&[2], false)
+            };
+            (sum_groups(dk)?, sum_groups(dv)?)
+        };
         Ok([
             with_rank(dq.with_layout(dq_layout), ops.rank)?,
-            with_rank(dk.with_layout(dk_layout), ops.rank)?,
-            with_rank(dv.with_layout(dv_layout), ops.rank)?,
+            with_rank(dk, ops.rank)?,
+            with_rank(dv, ops.rank)?,
         ])
     }
 }

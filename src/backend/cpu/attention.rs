@@ -178,7 +178,12 @@ where
         let keys = keys_of(key_lengths, b, keys);
         forward_tile(
             math,
-            [q.head(b, h), k.head(b, h), v.head(b, h)],
+            // Grouped-query attention: query head h reads key and value head h / group.
+            [
+                q.head(b, h),
+                k.head(b, h / math.group),
+                v.head(b, h / math.group),
+            ],
             keys,
             from,
             rows,
@@ -310,7 +315,11 @@ fn backward_as<T: Math>(
         let (b, h) = (bh / heads, bh % heads);
         backward_head(
             math,
-            [q.head(b, h), k.head(b, h), v.head(b, h)],
+            [
+                q.head(b, h),
+                k.head(b, h / math.group),
+                v.head(b, h / math.group),
+            ],
             [out.head(b, h), dout.head(b, h)],
             &lse[bh * queries..(bh + 1) * queries],
             (keys_of(key_lengths, b, keys), keys),

@@ -32,17 +32,19 @@ enum Slot {
 }
 
 /// The kernels' `struct AttnGeo`: `[batch, heads, queries, keys, width, value width]`, the causal
-/// flag and offset, and the batch, head and row strides of every operand.
+/// flag and offset, the query heads per key head, and the batch, head and row strides of every
+/// operand.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct AttnGeo {
     dims: [i64; 6],
     causal: i64,
     offset: i64,
+    group: i64,
     strides: [[i64; 3]; 8],
 }
 
-// SAFETY: `AttnGeo` is `repr(C)` plain data, 32 eight-byte integers in the field order of the
+// SAFETY: `AttnGeo` is `repr(C)` plain data, 33 eight-byte integers in the field order of the
 // kernels' `struct AttnGeo`, so it can be passed by value as a kernel argument.
 unsafe impl DeviceRepr for AttnGeo {}
 
@@ -67,6 +69,7 @@ impl AttnGeo {
             dims: [q[0], q[1], q[2], k[2], q[3], v[3]].map(|d| d as i64),
             causal: i64::from(math.causal.is_some()),
             offset: math.causal.unwrap_or(0),
+            group: math.group as i64,
             strides: [[0; 3]; 8],
         };
         geo.set(Slot::Q, inputs.q.layout);
