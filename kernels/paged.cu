@@ -11,8 +11,9 @@
 #define PAGED_PER_LANE (PAGED_MAX_WIDTH / 32)
 
 struct PagedGeo {
-    i64 rows, heads, tokens, width, layer;
+    i64 rows, heads, tokens, width, layer;  // heads: the pages' key and value heads
     i64 q_row, q_head;  // the queries' row and head strides (the width's is 1)
+    i64 q_heads;        // query heads, a multiple of heads (grouped-query attention)
 };
 
 // Keys (which = 0) or values (1) of `layer`, head h, slot t, in the page at `page`.
@@ -26,10 +27,10 @@ template <typename T, typename C>
 __device__ void paged_attention(const PagedGeo& g, T* out, const T* q, const i64* table, C scale) {
     __shared__ C qrow[PAGED_WARPS][PAGED_MAX_WIDTH];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const i64 h = blockIdx.y;
+    const i64 qh = blockIdx.y, h = qh / (g.q_heads / g.heads);  // query head, its key head
     const i64 r = (i64)blockIdx.x * PAGED_WARPS + warp;
     if (r >= g.rows) return;  // the whole warp leaves; the block never synchronises
-    const T* qr = q + r * g.q_row + h * g.q_head;
+    const T* qr = q + r * g.q_row + qh * g.q_head;
     for (i64 c = lane; c < g.width; c += 32) qrow[warp][c] = ld(qr[c]);
     __syncwarp();
     const i64 first = table[2 * r], seen = table[2 * r + 1];
@@ -64,7 +65,7 @@ __device__ void paged_attention(const PagedGeo& g, T* out, const T* q, const i64
         }
         m = new_m;
     }
-    T* o = out + (r * g.heads + h) * g.width;
+    T* o = out + (r * g.q_heads + qh) * g.width;
     const C inv = l > (C)0 ? (C)1 / l : (C)0;  // no token seen: zeros
     for (int t = 0; t < PAGED_PER_LANE; t++) {
         const i64 c = lane + 32 * t;

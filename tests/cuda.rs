@@ -1278,6 +1278,39 @@ fn paged_attention_agrees_with_the_host() {
     }
 }
 
+/// Grouped-query attention through the pages (6 query heads over 2 cached heads) on the GPU gives
+/// the host's outputs.
+#[test]
+fn grouped_paged_attention_agrees_with_the_host() {
+    use ndscope::kv::{KvPool, KvShape, KvStep};
+    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+        agree(
+            &format!("grouped paged attention in {dtype}"),
+            tol,
+            &move |s| {
+                let shape = KvShape {
+                    layers: 1,
+                    heads: 2,
+                    head_width: 40,
+                    dtype,
+                };
+                let pool = KvPool::new(s, shape, 4, 32)?;
+                let mut caches = [pool.cache(s, 40)?, pool.cache(s, 40)?];
+                let mut outs = Vec::new();
+                for counts in [[9usize, 1], [1, 1], [2, 7]] {
+                    let rows: usize = counts.iter().sum();
+                    let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
+                    let q = s.randn(&[rows, 6, 40])?.to_dtype(dtype)?;
+                    let kv = s.randn(&[rows, 2, 2, 40])?.to_dtype(dtype)?;
+                    outs.push(step.attend_grouped(0, &q, &kv, 0.2)?);
+                    step.finish();
+                }
+                Ok(outs)
+            },
+        );
+    }
+}
+
 /// The tiny GPT-2 decoding against its cache on the GPU gives the host's logits.
 #[test]
 fn gpt2_decoding_agrees_with_the_host() {

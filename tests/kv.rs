@@ -107,6 +107,93 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
     .unwrap();
 }
 
+/// Grouped-query attention through the pages: 6 query heads over the cache's 2 key and value
+/// heads (query head `h` reads `h / 3`), against the f64 reference over each key head's history.
+#[test]
+fn grouped_paged_attention_matches_the_reference() {
+    let (q_heads, kv_heads, w) = (6, 2, 8);
+    let group = q_heads / kv_heads;
+    for (dtype, tolerance) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        let shape = KvShape {
+            layers: 1,
+            heads: kv_heads,
+            head_width: w,
+            dtype,
+        };
+        root(Device::Cpu, |m| {
+            let pool = KvPool::new(m, shape, 4, 32)?;
+            let mut caches = [pool.cache(m, 30)?, pool.cache(m, 30)?];
+            let mut history = vec![(Vec::new(), Vec::new()); 2];
+            for counts in [[7usize, 2], [1, 1], [3, 5]] {
+                let rows: usize = counts.iter().sum();
+                m.scope(|s| {
+                    let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
+                    let q = s.randn(&[rows, q_heads, w])?.to_dtype(dtype)?;
+                    let kv = s.randn(&[rows, 2, kv_heads, w])?.to_dtype(dtype)?;
+                    let got = step
+                        .attend_grouped(0, &q, &kv, 1.0 / (w as f64).sqrt())?
+                        .to_vec_f64()?;
+                    let (q, kv) = (q.to_vec_f64()?, kv.to_vec_f64()?);
+                    let mut row = 0;
+                    for (seq, &n) in counts.iter().enumerate() {
+                        let (keys, values) = &mut history[seq];
+                        for r in row..row + n {
+                            keys.extend_from_slice(&kv[(r * 2) * kv_heads * w..][..kv_heads * w]);
+                            values.extend_from_slice(
+                                &kv[(r * 2 + 1) * kv_heads * w..][..kv_heads * w],
+                            );
+                        }
+                        // Each query head against its key head's history, as one-head references.
+                        for h in 0..q_heads {
+                            let pick = |x: &[f64], heads: usize, head: usize| -> Vec<f64> {
+                                x.chunks(w)
+                                    .skip(head)
+                                    .step_by(heads)
+                                    .flatten()
+                                    .copied()
+                                    .collect()
+                            };
+                            let qh =
+                                pick(&q[row * q_heads * w..(row + n) * q_heads * w], q_heads, h);
+                            let want = reference(
+                                &qh,
+                                &pick(keys, kv_heads, h / group),
+                                &pick(values, kv_heads, h / group),
+                                1,
+                                w,
+                            );
+                            let got =
+                                pick(&got[row * q_heads * w..(row + n) * q_heads * w], q_heads, h);
+                            for (g, x) in got.iter().zip(&want) {
+                                assert!(
+                                    (g - x).abs() <= tolerance * (1.0 + x.abs()),
+                                    "{dtype}: sequence {seq} head {h}: {g} vs {x}"
+                                );
+                            }
+                        }
+                        row += n;
+                    }
+                    step.finish();
+                    Ok::<_, Error>(())
+                })?;
+            }
+            // Query heads that are not a multiple of the cache's are refused.
+            let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &[1, 0])?;
+            let err = step
+                .attend_grouped(
+                    0,
+                    &m.randn(&[1, 5, w])?.to_dtype(dtype)?,
+                    &m.randn(&[1, 2, kv_heads, w])?.to_dtype(dtype)?,
+                    1.0,
+                )
+                .unwrap_err();
+            assert!(err.to_string().contains("a multiple of 2 heads"), "{err}");
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }
+}
+
 #[test]
 fn paged_attention_f32_matches_the_f64_reference() {
     paged_attention_matches_reference(DType::F32, 4, 1e-5);

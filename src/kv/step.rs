@@ -111,8 +111,49 @@ impl<'a, 'r> KvStep<'a, 'r> {
                 ),
             });
         }
+        let q = qkv.narrow(1, 0, 1)?.squeeze(1)?;
+        self.attend_grouped(layer, &q, &qkv.narrow(1, 1, 2)?, scale)
+    }
+
+    /// As [`attend`](Self::attend), with the queries apart from the keys and values: `q` is
+    /// `[rows, query heads, head width]` and `kv` `[rows, 2, heads, head width]` (the pool's heads),
+    /// the query heads a multiple of the pool's: grouped-query attention, where query head `h`
+    /// attends with key and value head `h / (query heads / heads)` and the cache holds only the
+    /// key and value heads (Llama 3, Qwen2, Mistral).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] for other shapes; dtype and device mismatches with the pool.
+    #[track_caller]
+    pub fn attend_grouped<'s>(
+        &mut self,
+        layer: usize,
+        q: &Tensor<'s>,
+        kv: &Tensor<'s>,
+        scale: f64,
+    ) -> Result<Tensor<'s>> {
+        let shape = self.pool.shape();
+        let rows: usize = self.new.iter().sum();
+        let fits = kv.shape() == [rows, 2, shape.heads, shape.head_width]
+            && q.rank() == 3
+            && q.shape()[0] == rows
+            && q.shape()[1] > 0
+            && q.shape()[1].is_multiple_of(shape.heads)
+            && q.shape()[2] == shape.head_width;
+        if !fits {
+            return Err(Error::InvalidShape {
+                op: "KvStep::attend_grouped",
+                shape: q.shape().to_vec(),
+                reason: format!(
+                    "needs queries [{rows}, query heads, {w}] (a multiple of {h} heads) and keys and \
+                     values [{rows}, 2, {h}, {w}]; got {:?} and {:?}",
+                    q.shape(),
+                    kv.shape(),
+                    h = shape.heads,
+                    w = shape.head_width
+                ),
+            });
+        }
         let geometry = self.pool.geometry();
-        let kv = qkv.narrow(1, 1, 2)?;
         let mut writes: Vec<PagedWrite<'_>> = self
             .caches
             .iter_mut()
@@ -123,9 +164,8 @@ impl<'a, 'r> KvStep<'a, 'r> {
                 table: &mut c.table,
             })
             .collect();
-        write_pages(self.pool.slab(), geometry, layer, &kv, &mut writes)?;
+        write_pages(self.pool.slab(), geometry, layer, kv, &mut writes)?;
         drop(writes);
-        let q = qkv.narrow(1, 0, 1)?.squeeze(1)?;
         let tables: Vec<_> = self.caches.iter().map(|c| &c.table).collect();
         let lengths: Vec<usize> = self
             .caches
@@ -134,7 +174,7 @@ impl<'a, 'r> KvStep<'a, 'r> {
             .map(|(c, n)| c.tokens + n)
             .collect();
         paged_attention(
-            &q,
+            q,
             self.pool.slab(),
             geometry,
             PagedAttention { scale, layer },

@@ -68,7 +68,7 @@ pub(crate) fn paged_attention<'s>(
         unreachable!("rank checked")
     };
     let n = tables.len();
-    if heads != geometry.heads
+    if !heads.is_multiple_of(geometry.heads)
         || width != geometry.width
         || lengths.len() != n
         || queries.len() != n
@@ -79,9 +79,10 @@ pub(crate) fn paged_attention<'s>(
             op: OP,
             shape: q.shape().to_vec(),
             reason: format!(
-                "needs queries [rows, {}, {}] with one table, length and query count per sequence                  ({n} tables, {} lengths, {} counts summing to the rows) and a layer below {} (got {})",
-                geometry.heads,
+                "needs queries [rows, heads, {}] (heads a multiple of the cache's {} key and value \
+                 heads) with one table, length and query count per sequence ({n} tables, {} lengths, {} counts summing to the rows) and a layer below {} (got {})",
                 geometry.width,
+                geometry.heads,
                 lengths.len(),
                 queries.len(),
                 geometry.layers,

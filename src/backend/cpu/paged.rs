@@ -87,7 +87,17 @@ fn attention_as<T: Math>(
         let count = seqs.queries[s + 1] - seqs.queries[s];
         let visible = math.visible(r - seqs.queries[s], count, seqs.lengths[s]);
         let table = &pages[seqs.first[s]..seqs.first[s + 1]];
-        attend::<T>(math.layer, geometry, &query, scale, table, visible, h)
+        // Grouped-query attention: query head h reads the pages' key and value head h / group.
+        let group = heads / geometry.heads;
+        attend::<T>(
+            math.layer,
+            geometry,
+            &query,
+            scale,
+            table,
+            visible,
+            h / group,
+        )
     };
     let work = seq_of.iter().map(|&s| seqs.lengths[s]).sum::<usize>() * heads * width;
     let results: Vec<Vec<T::Compute>> = if work < PARALLEL_WORK {

@@ -30,14 +30,23 @@ struct PagedGeo {
     layer: i64,
     q_row: i64,
     q_head: i64,
+    q_heads: i64,
 }
 
-// SAFETY: `PagedGeo` is `repr(C)` plain data, seven eight-byte integers in the field order of the
+// SAFETY: `PagedGeo` is `repr(C)` plain data, eight eight-byte integers in the field order of the
 // kernels' `struct PagedGeo`, so it can be passed by value as a kernel argument.
 unsafe impl DeviceRepr for PagedGeo {}
 
-fn geometry(rows: usize, g: PageGeometry, layer: usize, strides: [usize; 2]) -> Result<PagedGeo> {
-    if g.width > MAX_WIDTH || g.heads > MAX_GRID_Y {
+/// The kernels' geometry for `rows` rows of `q_heads` query heads (a multiple of the pages'
+/// `g.heads`) whose row and head strides are `strides`.
+fn geometry(
+    rows: usize,
+    g: PageGeometry,
+    layer: usize,
+    strides: [usize; 2],
+    q_heads: usize,
+) -> Result<PagedGeo> {
+    if g.width > MAX_WIDTH || q_heads > MAX_GRID_Y {
         return Err(Error::InvalidShape {
             op: "paged attention",
             shape: vec![rows, g.heads, g.width],
@@ -55,6 +64,7 @@ fn geometry(rows: usize, g: PageGeometry, layer: usize, strides: [usize; 2]) -> 
         layer: layer as i64,
         q_row: strides[0] as i64,
         q_head: strides[1] as i64,
+        q_heads: q_heads as i64,
     })
 }
 
@@ -79,8 +89,8 @@ impl Gpu {
         if rows == 0 || g.width == 0 {
             return Ok(());
         }
-        let s = q.layout.strides();
-        let geo = geometry(rows, g, math.layer, [s[0], s[1]])?;
+        let (s, q_heads) = (q.layout.strides(), q.layout.shape()[1]);
+        let geo = geometry(rows, g, math.layer, [s[0], s[1]], q_heads)?;
         let table = seqs.table.ok_or_else(missing_table)?;
         let f = self.function(float_kernel(
             "paged attention",
@@ -93,7 +103,7 @@ impl Gpu {
             first(table.buf.address(), table.layout, DType::I64),
         );
         let launch = LaunchConfig {
-            grid_dim: (rows.div_ceil(WARPS) as u32, g.heads as u32, 1),
+            grid_dim: (rows.div_ceil(WARPS) as u32, q_heads as u32, 1),
             block_dim: ((32 * WARPS) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -103,7 +113,8 @@ impl Gpu {
             b.arg(&geo).arg(&o).arg(&qa).arg(&t).arg(&scale);
             // SAFETY: the arguments match `paged_attention_<dtype>` (PagedGeo, T*, const T*, const
             // i64*, C). The queries' strides and rows are those of `q`'s layout; `out` is a fresh
-            // contiguous [rows, heads, width] block; the table holds each row's first page and
+            // contiguous [rows, q_heads, width] block (query head h reads key head h / (q_heads /
+            // heads)); the table holds each row's first page and
             // visible tokens, then the addresses of pages of the slab that the sequences' page
             // tables hold (each `layers × 2 × heads × tokens × width` elements), and a row sees no
             // more tokens than its pages hold (checked by the op).
@@ -124,7 +135,7 @@ impl Gpu {
         if n == 0 || g.width == 0 {
             return Ok(());
         }
-        let geo = geometry(n, g, layer, [0, 0])?;
+        let geo = geometry(n, g, layer, [0, 0], g.heads)?;
         let table = rows.table.ok_or_else(missing_table)?;
         let f = self.function(float_kernel(
             "paged write",
