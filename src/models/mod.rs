@@ -2,5 +2,7 @@
 //! trained, check it, fine-tune it, save it back for that library.
 
 mod gpt2;
+mod llama_config;
 
 pub use gpt2::{Gpt2, Gpt2Config};
+pub use llama_config::LlamaConfig;

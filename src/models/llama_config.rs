@@ -1,0 +1,344 @@
+//! The configuration of the Llama family's checkpoints (`LlamaForCausalLM`, `MistralForCausalLM`,
+//! `Qwen2ForCausalLM`): what a loader needs from `config.json`, read from both forms published
+//! checkpoints use, and every key whose value ndscope does not compute refused by name.
+
+use std::path::Path;
+
+use serde_json::{Map, Value};
+
+use crate::error::{Error, Result};
+use crate::nn::RopeScaling;
+
+/// A Llama-family model's hyper-parameters, as `config.json` names them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// `"llama"`, `"mistral"` or `"qwen2"` (`model_type`).
+    pub model_type: String,
+    /// Tokens in the vocabulary (`vocab_size`).
+    pub vocab_size: usize,
+    /// The model width (`hidden_size`).
+    pub hidden_size: usize,
+    /// The SwiGLU MLP's inner width (`intermediate_size`).
+    pub intermediate_size: usize,
+    /// Transformer blocks (`num_hidden_layers`).
+    pub num_hidden_layers: usize,
+    /// Query heads (`num_attention_heads`).
+    pub num_attention_heads: usize,
+    /// Key and value heads (`num_key_value_heads`; the query heads when absent): fewer is
+    /// grouped-query attention.
+    pub num_key_value_heads: usize,
+    /// Each head's width (`head_dim`; `hidden_size / num_attention_heads` when absent).
+    pub head_dim: usize,
+    /// The longest sequence (`max_position_embeddings`).
+    pub max_position_embeddings: usize,
+    /// What RMSNorm adds to the mean square (`rms_norm_eps`).
+    pub rms_norm_eps: f64,
+    /// RoPE's base (`rope_theta`, in `rope_parameters` or at the top level).
+    pub rope_theta: f64,
+    /// RoPE's frequency scaling (`rope_parameters` or `rope_scaling`).
+    pub rope_scaling: RopeScaling,
+    /// Whether q, k and v projections have biases (`attention_bias`; always for Qwen2).
+    pub attention_bias: bool,
+    /// Keys beyond this many positions back are not attended (Mistral's `sliding_window`, Qwen2's
+    /// with `use_sliding_window`); `None`: every earlier position.
+    pub sliding_window: Option<usize>,
+    /// Whether the output head is the token embedding (`tie_word_embeddings`; false when absent).
+    pub tie_word_embeddings: bool,
+    /// The token a sequence starts with (`bos_token_id`), if any.
+    pub bos_token_id: Option<i64>,
+    /// The tokens that end generation (`eos_token_id`, one or a list).
+    pub eos_token_ids: Vec<i64>,
+}
+
+/// A key whose value this implementation does not compute.
+fn unsupported(key: &str, value: &Value, reason: impl Into<String>) -> Error {
+    Error::UnsupportedConfig {
+        file: "config.json".into(),
+        key: key.into(),
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn malformed(reason: impl Into<String>) -> Error {
+    Error::Format {
+        format: "config.json",
+        reason: reason.into(),
+    }
+}
+
+/// The fields of one JSON object, read with typed errors naming the key.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.0.get(key).filter(|v| !v.is_null())
+    }
+
+    fn size(&self, key: &str) -> Result<usize> {
+        self.size_or(key, None)
+    }
+
+    fn size_or(&self, key: &str, default: Option<usize>) -> Result<usize> {
+        match (self.get(key), default) {
+            (None, Some(d)) => Ok(d),
+            (v, _) => v
+                .and_then(Value::as_u64)
+                .and_then(|v| usize::try_from(v).ok())
+                .filter(|&v| v > 0)
+                .ok_or_else(|| {
+                    malformed(format!("\"{key}\" must be a positive integer, found {v:?}"))
+                }),
+        }
+    }
+
+    fn number_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .ok_or_else(|| malformed(format!("\"{key}\" must be a finite number, found {v}"))),
+        }
+    }
+
+    fn flag_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| malformed(format!("\"{key}\" must be true or false, found {v}"))),
+        }
+    }
+
+    fn token_ids(&self, key: &str) -> Result<Vec<i64>> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(ids)) => ids
+                .iter()
+                .map(|v| {
+                    v.as_i64().ok_or_else(|| {
+                        malformed(format!("\"{key}\" must hold token ids, found {v}"))
+                    })
+                })
+                .collect(),
+            Some(v) => v.as_i64().map(|id| vec![id]).ok_or_else(|| {
+                malformed(format!("\"{key}\" must be a token id or a list, found {v}"))
+            }),
+        }
+    }
+}
+
+impl LlamaConfig {
+    /// Reads a `config.json` of `model_type` `llama`, `mistral` or `qwen2`. RoPE settings are read
+    /// from transformers 5's `rope_parameters` or from the top-level `rope_theta` and
+    /// `rope_scaling` of checkpoints published earlier.
+    ///
+    /// ```
+    /// let config = ndscope::models::LlamaConfig::from_file("data/llama-tiny/config.json")?;
+    /// assert_eq!((config.num_attention_heads, config.num_key_value_heads), (4, 2));
+    /// assert_eq!(config.eos_token_ids, vec![1, 4]);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Format`] for text that is not JSON or a missing or mistyped field;
+    /// [`Error::UnsupportedConfig`] naming the key for what ndscope does not compute: another
+    /// model type, an activation other than `silu`, `rope_type`s other than `default`, `linear`
+    /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions.
+    pub fn from_json(text: &str) -> Result<LlamaConfig> {
+        let raw: Map<String, Value> =
+            serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+        let f = Fields(&raw);
+        let model_type = match f.get("model_type") {
+            Some(Value::String(t)) if ["llama", "mistral", "qwen2"].contains(&t.as_str()) => {
+                t.clone()
+            }
+            Some(other) => {
+                return Err(unsupported(
+                    "model_type",
+                    other,
+                    "this reads the Llama family: llama, mistral and qwen2",
+                ));
+            }
+            None => return Err(malformed("\"model_type\" is missing")),
+        };
+        if let Some(act) = f.get("hidden_act").filter(|a| a.as_str() != Some("silu")) {
+            return Err(unsupported(
+                "hidden_act",
+                act,
+                "the Llama family's MLP is SwiGLU, with silu",
+            ));
+        }
+        if let Some(tp) = f.get("pretraining_tp").filter(|v| v.as_u64() != Some(1)) {
+            return Err(unsupported(
+                "pretraining_tp",
+                tp,
+                "only 1 (the plain projections) is computed",
+            ));
+        }
+        if f.flag_or("mlp_bias", false)? {
+            return Err(unsupported(
+                "mlp_bias",
+                &Value::from(true),
+                "the MLP's projections have no biases here",
+            ));
+        }
+        let hidden_size = f.size("hidden_size")?;
+        let num_attention_heads = f.size("num_attention_heads")?;
+        let num_key_value_heads = f.size_or("num_key_value_heads", Some(num_attention_heads))?;
+        if !num_attention_heads.is_multiple_of(num_key_value_heads) {
+            return Err(malformed(format!(
+                "\"num_attention_heads\" ({num_attention_heads}) must be a multiple of \
+                 \"num_key_value_heads\" ({num_key_value_heads})"
+            )));
+        }
+        let head_dim = match f.get("head_dim") {
+            Some(_) => f.size("head_dim")?,
+            None if hidden_size.is_multiple_of(num_attention_heads) => {
+                hidden_size / num_attention_heads
+            }
+            None => {
+                return Err(malformed(format!(
+                    "\"hidden_size\" ({hidden_size}) is not a multiple of \"num_attention_heads\" \
+                     ({num_attention_heads}) and no \"head_dim\" is given"
+                )));
+            }
+        };
+        if !head_dim.is_multiple_of(2) {
+            return Err(malformed(format!(
+                "\"head_dim\" ({head_dim}) must be even for RoPE"
+            )));
+        }
+        let (rope_theta, rope_scaling) = rope(&raw)?;
+        let sliding_window = match model_type.as_str() {
+            "qwen2" if !f.flag_or("use_sliding_window", false)? => None,
+            _ => match f.get("sliding_window") {
+                None => None,
+                Some(_) => Some(f.size("sliding_window")?),
+            },
+        };
+        Ok(LlamaConfig {
+            vocab_size: f.size("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.size("intermediate_size")?,
+            num_hidden_layers: f.size("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            max_position_embeddings: f.size("max_position_embeddings")?,
+            rms_norm_eps: f.number_or("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            rope_scaling,
+            attention_bias: model_type == "qwen2" || f.flag_or("attention_bias", false)?,
+            sliding_window,
+            tie_word_embeddings: f.flag_or("tie_word_embeddings", false)?,
+            bos_token_id: f.token_ids("bos_token_id")?.first().copied(),
+            eos_token_ids: f.token_ids("eos_token_id")?,
+            model_type,
+        })
+    }
+
+    /// Reads `path`, a `config.json`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json), with
+    /// the path in the message.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<LlamaConfig> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        LlamaConfig::from_json(&text).map_err(|e| match e {
+            Error::Format { format, reason } => Error::Format {
+                format,
+                reason: format!("{}: {reason}", path.display()),
+            },
+            Error::UnsupportedConfig {
+                key, value, reason, ..
+            } => Error::UnsupportedConfig {
+                file: path.display().to_string(),
+                key,
+                value,
+                reason,
+            },
+            other => other,
+        })
+    }
+}
+
+/// RoPE's base and scaling from `rope_parameters` (transformers 5) or from the top-level
+/// `rope_theta` and `rope_scaling` (earlier checkpoints; `type` is the older name of
+/// `rope_type`).
+fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
+    let empty = Map::new();
+    let (params, theta_from, where_) = match raw.get("rope_parameters").and_then(Value::as_object) {
+        Some(p) => (p, p, "rope_parameters"),
+        None => (
+            raw.get("rope_scaling")
+                .and_then(Value::as_object)
+                .unwrap_or(&empty),
+            raw,
+            "rope_scaling",
+        ),
+    };
+    let p = Fields(params);
+    let theta = Fields(theta_from).number_or("rope_theta", 10_000.0)?;
+    if theta <= 1.0 {
+        return Err(malformed(format!(
+            "\"rope_theta\" must be above 1, found {theta}"
+        )));
+    }
+    if let Some(partial) = p
+        .get("partial_rotary_factor")
+        .or_else(|| raw.get("partial_rotary_factor"))
+        .filter(|v| v.as_f64() != Some(1.0))
+    {
+        return Err(unsupported(
+            "partial_rotary_factor",
+            partial,
+            "RoPE turns the whole head here",
+        ));
+    }
+    let kind = p
+        .get("rope_type")
+        .or_else(|| p.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let factor = || {
+        p.number_or("factor", f64::NAN).and_then(|x| {
+            if x.is_finite() && x > 0.0 {
+                Ok(x)
+            } else {
+                Err(malformed(format!(
+                    "\"{where_}\" needs a positive \"factor\""
+                )))
+            }
+        })
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: factor()? },
+        "llama3" => {
+            // No defaults: transformers requires each, and a guessed one would be another model.
+            let required = |key: &str| {
+                p.get(key).and_then(Value::as_f64).ok_or_else(|| {
+                    malformed(format!("llama3 scaling in \"{where_}\" needs \"{key}\""))
+                })
+            };
+            RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: required("low_freq_factor")?,
+                high_freq_factor: required("high_freq_factor")?,
+                original_max_positions: p.size("original_max_position_embeddings")?,
+            }
+        }
+        other => {
+            return Err(unsupported(
+                "rope_type",
+                &Value::from(other),
+                "ndscope computes the default, linear and llama3 RoPE scalings (dynamic and yarn \
+                 are not implemented yet)",
+            ));
+        }
+    };
+    Ok((theta, scaling))
+}
