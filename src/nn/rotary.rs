@@ -120,7 +120,49 @@ impl<'m> RotaryEmbedding<'m> {
                 sin.push(angle.sin() * attention_scaling);
             }
         }
-        let shape = [max_positions, half];
+        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, half], dtype)
+    }
+
+    /// The tables as transformers' `float32` rotary forward computes them, for matching its
+    /// logits to the last bits (a `float64` transformers model computes its tables so too): each
+    /// angle `p · θ_i` is the `f32` product of `p` and `θ_i` (given as `f32` values), and its
+    /// cosine and sine are rounded to `f32` once (then widened for `f64` values).
+    ///
+    /// # Errors
+    /// As for [`from_frequencies`](Self::from_frequencies).
+    #[track_caller]
+    pub fn from_f32_angles(
+        scope: &Scope<'m>,
+        frequencies: &[f64],
+        max_positions: usize,
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
+        // The same checks as the exact tables, on an empty table.
+        RotaryEmbedding::from_frequencies(scope, frequencies, 0, 1.0, dtype)?;
+        let half = frequencies.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(max_positions * half),
+            Vec::with_capacity(max_positions * half),
+        );
+        for p in 0..max_positions {
+            for &f in frequencies {
+                let angle = f64::from(p as f32 * f as f32);
+                cos.push(f64::from(angle.cos() as f32));
+                sin.push(f64::from(angle.sin() as f32));
+            }
+        }
+        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, half], dtype)
+    }
+
+    /// Tables from their values (rounded to `f32` unless `dtype` is `f64`).
+    #[track_caller]
+    fn from_tables(
+        scope: &Scope<'m>,
+        cos: Vec<f64>,
+        sin: Vec<f64>,
+        shape: [usize; 2],
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
         let (cos, sin) = if dtype == DType::F64 {
             (
                 scope.from_slice(&cos, &shape)?,
