@@ -1333,6 +1333,36 @@ fn gpt2_decoding_agrees_with_the_host() {
     });
 }
 
+/// The tiny Llama (grouped heads, rotary positions) on the GPU: a training step's logits and
+/// gradients and cached decoding give the host's.
+#[test]
+fn llama_agrees_with_the_host() {
+    use ndscope::kv::{CausalLm, KvPool};
+    use ndscope::models::Llama;
+    use ndscope::nn::Parameters;
+    agree("Llama", 1e-4, &|s| {
+        let llama = Llama::from_pretrained(s, "data/llama-tiny", DType::F32)?;
+        let ids: Vec<i64> = (0..24).map(|i| (i * 37 % 1000) as i64).collect();
+        let input = s.from_slice(&ids, &[2, 12])?;
+        let tape = Tape::new(s);
+        let logits = llama.forward(&tape, &input, Mode::Train)?;
+        let grads = tape.backward(&logits.square()?.mean_all()?)?;
+        let mut outs = vec![logits.value().clone()];
+        llama.visit("", &mut |_, p| outs.push(grads.get(p).expect("a gradient")));
+        let pool = KvPool::new(s, llama.kv_shape(), 4, 16)?;
+        let (mut a, mut b) = (pool.cache(s, 30)?, pool.cache(s, 30)?);
+        let mut caches = [&mut a, &mut b];
+        s.scope(|step| -> Result<()> {
+            let first = llama.decode(step, &pool, &mut caches, &[&ids[..9], &ids[9..12]])?;
+            outs.push(s.from_slice(&first.to_vec::<f32>()?, &[2, 1000])?);
+            let next = llama.decode(step, &pool, &mut caches, &[&[7], &[8]])?;
+            outs.push(s.from_slice(&next.to_vec::<f32>()?, &[2, 1000])?);
+            Ok(())
+        })?;
+        Ok(outs)
+    });
+}
+
 /// Collectives on GPU tensors go through NCCL, here as a world of one (no MPI needed, and NCCL
 /// refuses two ranks on one GPU): an all-reduce gives the tensor back, a mean of one rank too, a
 /// gather stacks it once, and a data-parallel step gives the plain step's gradients. Without a GPU

@@ -112,3 +112,73 @@ fn f64_logits_loss_and_gradients_match_transformers() {
 fn f32_logits_loss_and_gradients_match_transformers() {
     matches_transformers(DType::F32, 1e-5, 1e-4);
 }
+
+/// Greedy generation through the KV pages (`serve::generate`, the same driver GPT-2 uses) gives
+/// transformers' `generate` tokens for both prompts: 24 new tokens with the end tokens suppressed
+/// until then (`min_new_tokens` 24, as the reference was made).
+#[test]
+fn cached_greedy_generation_matches_transformers_generate() {
+    use ndscope::kv::{CausalLm, KvPool};
+    use ndscope::serve::{GenerateOptions, generate};
+    let reference = reference();
+    let as_ids = |name: &str| -> Vec<i64> { reference[name].1.iter().map(|&v| v as i64).collect() };
+    root(Device::Cpu, |s| {
+        let model = Llama::from_pretrained(s, DIR, DType::F32)?;
+        assert_eq!(model.config().eos_token_ids, vec![1, 4]);
+        let pool = KvPool::new(s, model.kv_shape(), 8, 32)?;
+        for i in 0..2 {
+            let prompt = as_ids(&format!("prompt{i}_ids"));
+            let want = as_ids(&format!("generated{i}_ids"));
+            let mut options = GenerateOptions::greedy(24).with_min_new_tokens(24);
+            for &eos in &model.config().eos_token_ids {
+                options = options.stopping_at(eos);
+            }
+            let out = generate(&model, s, &pool, &prompt, &options)?;
+            assert_eq!(out.tokens, want[prompt.len()..], "prompt {i}");
+        }
+        assert_eq!(pool.stats().blocks_free, 32, "every block back");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
+/// The cached path's logits for a prompt fed in pieces equal the full forward pass's last-position
+/// logits (f64, so that the comparison is tight).
+#[test]
+fn decoding_in_pieces_equals_the_full_forward_pass() {
+    use ndscope::kv::{CausalLm, KvPool};
+    let reference = reference();
+    let prompt: Vec<i64> = reference["input_ids"].1[..20]
+        .iter()
+        .map(|&v| v as i64)
+        .collect();
+    root(Device::Cpu, |s| {
+        let model = Llama::from_pretrained(s, DIR, DType::F64)?;
+        let full = s.scope(|b| {
+            let tape = Tape::no_grad(b);
+            let ids = b.from_slice(&prompt, &[1, prompt.len()])?;
+            let all = model
+                .forward(&tape, &ids, Mode::Eval)?
+                .value()
+                .to_vec::<f64>()?;
+            Ok::<_, Error>(all[all.len() - 1000..].to_vec())
+        })?;
+        let pool = KvPool::new(s, model.kv_shape(), 4, 16)?;
+        let pieces = s.scope(|request| {
+            let mut cache = pool.cache(request, 20)?;
+            let mut last = Vec::new();
+            for piece in [&prompt[..7], &prompt[7..8], &prompt[8..20]] {
+                last = request.scope(|step| {
+                    model
+                        .decode(step, &pool, &mut [&mut cache], &[piece])?
+                        .to_vec::<f64>()
+                })?;
+            }
+            Ok::<_, Error>(last)
+        })?;
+        let err = relative_error(&pieces, &full);
+        assert!(err <= 1e-12, "relative error {err:e}");
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

@@ -37,6 +37,62 @@ pub trait CausalLm<'m> {
         'm: 's;
 }
 
+/// What every model's [`CausalLm::decode`] checks first, in one place: one non-empty token list per
+/// cache, no sequence past `max_positions`, every id in the vocabulary. Returns the ids packed
+/// sequence after sequence, the count of each, and the packed row of each sequence's last token.
+///
+/// # Errors
+/// As for [`CausalLm::decode`].
+pub(crate) fn decode_inputs(
+    op: &'static str,
+    caches: &[&mut KvCache<'_>],
+    tokens: &[&[i64]],
+    max_positions: usize,
+    vocab: usize,
+) -> Result<(Vec<i64>, Vec<usize>, Vec<i64>)> {
+    if tokens.len() != caches.len() || tokens.iter().any(|t| t.is_empty()) {
+        return Err(Error::InvalidShape {
+            op,
+            shape: tokens.iter().map(|t| t.len()).collect(),
+            reason: format!(
+                "needs one non-empty list of new tokens per cache ({} caches)",
+                caches.len()
+            ),
+        });
+    }
+    for (cache, t) in caches.iter().zip(tokens) {
+        if cache.len() + t.len() > max_positions {
+            return Err(Error::InvalidShape {
+                op,
+                shape: vec![cache.len(), t.len()],
+                reason: format!(
+                    "{} cached and {} new tokens pass the model's {max_positions} positions; end \
+                     the sequence or start again from its last {max_positions} tokens",
+                    cache.len(),
+                    t.len(),
+                ),
+            });
+        }
+    }
+    let ids: Vec<i64> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+    if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= vocab) {
+        return Err(Error::IndexOutOfRange {
+            op,
+            index: bad,
+            size: vocab,
+        });
+    }
+    let counts: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+    let last = counts
+        .iter()
+        .scan(0usize, |end, &n| {
+            *end += n;
+            Some(*end as i64 - 1)
+        })
+        .collect();
+    Ok((ids, counts, last))
+}
+
 /// The caches of one forward pass, grown for its new tokens. A model's `decode` makes one, calls
 /// [`attend`](Self::attend) once per layer, then [`finish`](Self::finish); until then the caches
 /// count none of the new tokens, so an error leaves them as they were (save for blocks taken).

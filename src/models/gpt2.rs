@@ -10,7 +10,7 @@ use crate::autograd::{CrossEntropy, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep};
+use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep, decode_inputs};
 use crate::nn::{
     Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
     Recomputed, TransformerBlock, TransformerConfig,
@@ -690,41 +690,7 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
     {
         const OP: &str = "Gpt2::decode";
         let c = &self.config;
-        if tokens.len() != caches.len() || tokens.iter().any(|t| t.is_empty()) {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: tokens.iter().map(|t| t.len()).collect(),
-                reason: format!(
-                    "needs one non-empty list of new tokens per cache ({} caches)",
-                    caches.len()
-                ),
-            });
-        }
-        for (cache, t) in caches.iter().zip(tokens) {
-            if cache.len() + t.len() > c.n_positions {
-                return Err(Error::InvalidShape {
-                    op: OP,
-                    shape: vec![cache.len(), t.len()],
-                    reason: format!(
-                        "{} cached and {} new tokens pass the {} positions GPT-2 has; end the \
-                         sequence or start again from its last {} tokens",
-                        cache.len(),
-                        t.len(),
-                        c.n_positions,
-                        c.n_positions
-                    ),
-                });
-            }
-        }
-        let ids: Vec<i64> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
-        if let Some(&bad) = ids.iter().find(|&&i| i < 0 || i as usize >= c.vocab_size) {
-            return Err(Error::IndexOutOfRange {
-                op: OP,
-                index: bad,
-                size: c.vocab_size,
-            });
-        }
-        let counts: Vec<usize> = tokens.iter().map(|t| t.len()).collect();
+        let (ids, counts, last) = decode_inputs(OP, caches, tokens, c.n_positions, c.vocab_size)?;
         let rows: usize = counts.iter().sum();
         let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
         let positions: Vec<i64> = kv
@@ -758,13 +724,6 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
         }
         kv.finish();
         // Only each sequence's last new token is scored.
-        let last: Vec<i64> = counts
-            .iter()
-            .scan(0usize, |end, &n| {
-                *end += n;
-                Some(*end as i64 - 1)
-            })
-            .collect();
         let last = step.from_slice(&last, &[last.len()])?;
         let x = tape.constant(&x.value().index_select(0, &last)?);
         let x = self.ln_f.forward(&x, Mode::Eval)?;

@@ -1,8 +1,8 @@
 //! The Llama family's decoder (Llama 2/3, and the Mistral and Qwen2 variants' shared shape):
 //! token embedding, blocks of pre-norm grouped-query attention with rotary positions and a SwiGLU
 //! MLP, a final RMSNorm and the output head, loaded from a Hugging Face directory under
-//! transformers' names. This is the training forward pass (issue 33's first model step); cached
-//! decoding through the KV pages is the next.
+//! transformers' names: the training forward pass, and cached decoding through the KV pages
+//! (`CausalLm`), so `serve::generate` and the engine run it as they run GPT-2.
 
 use std::panic::Location;
 use std::path::Path;
@@ -10,13 +10,14 @@ use std::path::Path;
 use crate::autograd::{Tape, Var};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep, decode_inputs};
 use crate::models::LlamaConfig;
 use crate::nn::{
     Embedding, Linear, Mode, Module, Parameters, RmsNorm, RotaryEmbedding, WeightLayout,
     inverse_frequencies,
 };
 use crate::ops::{AttentionSpec, Causal};
-use crate::scope::Scope;
+use crate::scope::{Child, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
@@ -270,6 +271,91 @@ fn rotary_tables<'m>(
         .map(|f| f as f32 as f64)
         .collect();
     RotaryEmbedding::from_f32_angles(scope, &frequencies, c.max_position_embeddings, dtype)
+}
+
+/// Cached decoding: each layer's keys and values go to the KV pages (the key and value heads
+/// only), and attention reads them back through `KvStep::attend_grouped`.
+impl<'m> CausalLm<'m> for Llama<'m> {
+    fn kv_shape(&self) -> KvShape {
+        let c = &self.config;
+        KvShape {
+            layers: c.num_hidden_layers,
+            heads: c.num_key_value_heads,
+            head_width: c.head_dim,
+            dtype: self.embed.weight.dtype(),
+        }
+    }
+
+    fn max_positions(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    #[track_caller]
+    fn decode<'s, 'r>(
+        &self,
+        step: &'s Child<'s, 'r>,
+        pool: &KvPool<'_>,
+        caches: &mut [&mut KvCache<'r>],
+        tokens: &[&[i64]],
+    ) -> Result<Tensor<'s>>
+    where
+        'm: 's,
+    {
+        let c = &self.config;
+        let (ids, counts, last) = decode_inputs(
+            "Llama::decode",
+            caches,
+            tokens,
+            c.max_position_embeddings,
+            c.vocab_size,
+        )?;
+        let rows: usize = counts.iter().sum();
+        let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
+        let positions: Vec<i64> = kv
+            .starts()
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&s, &n)| (s..s + n).map(|p| p as i64))
+            .collect();
+        let tape = Tape::no_grad(step);
+        let ids = step.from_slice(&ids, &[rows])?;
+        let positions = step.from_slice(&positions, &[rows])?;
+        let mut x = tape.constant(&self.embed.weight.index_select(0, &ids)?);
+        let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        let scale = 1.0 / (d as f64).sqrt();
+        let (cos, sin) = (self.rope.cos(), self.rope.sin());
+        for (layer, b) in self.blocks.iter().enumerate() {
+            let h = b.input_norm.forward(&x, Mode::Eval)?;
+            let project = |l: &Linear<'m>, n: usize| -> Result<Tensor<'s>> {
+                l.forward(&h, Mode::Eval)?.value().reshape(&[rows, n, d])
+            };
+            let q = project(&b.q, heads)?.rotary(cos, sin, &positions)?;
+            let k = project(&b.k, kv_heads)?.rotary(cos, sin, &positions)?;
+            let v = project(&b.v, kv_heads)?;
+            let kv_rows = Tensor::concat(&[&k.unsqueeze(1)?, &v.unsqueeze(1)?], 1)?;
+            let attended = kv
+                .attend_grouped(layer, &q, &kv_rows, scale)?
+                .reshape(&[rows, heads * d])?;
+            x = x.add(&b.o.forward(&tape.constant(&attended), Mode::Eval)?)?;
+            let h = b.post_norm.forward(&x, Mode::Eval)?;
+            let mlp = b
+                .gate
+                .forward(&h, Mode::Eval)?
+                .silu()?
+                .mul(&b.up.forward(&h, Mode::Eval)?)?;
+            x = x.add(&b.down.forward(&mlp, Mode::Eval)?)?;
+        }
+        kv.finish();
+        // Only each sequence's last new token is scored.
+        let last = step.from_slice(&last, &[last.len()])?;
+        let x = tape.constant(&x.value().index_select(0, &last)?);
+        let x = self.norm.forward(&x, Mode::Eval)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x, Mode::Eval)?,
+            None => x.matmul(&tape.param(&self.embed.weight).t()?)?,
+        };
+        Ok(logits.value().clone())
+    }
 }
 
 impl<'m> Parameters<'m> for Llama<'m> {
