@@ -22,11 +22,13 @@
 //! # Ok::<(), ndscope::Error>(())
 //! ```
 
+mod chat;
 mod csv;
 mod idx;
 mod loader;
 mod tokenizer;
 
+pub use chat::{ChatMessage, ChatTemplate};
 pub use loader::{Batch, Loader};
 pub use tokenizer::Tokenizer;
 

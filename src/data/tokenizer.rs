@@ -52,6 +52,17 @@ impl Tokenizer {
         Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
     }
 
+    /// The ids of `text`'s tokens with the special tokens the tokenizer's post-processor adds
+    /// (Llama 3's `<|begin_of_text|>` first, for example): what transformers' `tokenizer(text)`
+    /// gives, and what a model expects of a prompt.
+    ///
+    /// # Errors
+    /// [`Error::Format`] when the tokenizer fails on the text.
+    pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<i64>> {
+        let encoding = self.inner.encode(text, true).map_err(format_error)?;
+        Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
+    }
+
     /// The text of `ids` (special tokens included as their text).
     ///
     /// # Errors
