@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example generate                          # the bundled tiny GPT-2
+//! cargo run --release --example generate -- --model data/llama-tiny  # the bundled tiny Llama
 //! cargo run --release --example generate -- --prompt "def main():" --temperature 0.8 --top-p 0.9
 //! cargo run --release --example generate -- --serve 64            # 64 requests of mixed lengths
 //! ```
@@ -20,16 +21,17 @@ use std::time::{Duration, Instant};
 
 use ndscope::data::Tokenizer;
 use ndscope::kv::{CausalLm, KvPool};
-use ndscope::models::Gpt2;
+use ndscope::models::{Gpt2, Llama};
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, generate};
-use ndscope::{DType, Device, Error, Result, root};
+use ndscope::{DType, Device, Error, Result, Scope, root};
 
 const USAGE: &str = "\
-generate: text from a Hugging Face GPT-2 directory, one prompt or a served load
+generate: text from a Hugging Face GPT-2 or Llama-family directory, one prompt or a served load
 
 usage: cargo run --release --example generate -- [options]
 
-  --model DIR       a GPT-2 directory (config.json, model.safetensors, tokenizer.json) [default: data/gpt2-tiny]
+  --model DIR       a GPT-2 or Llama/Mistral/Qwen2 directory (config.json, model.safetensors,
+                    tokenizer.json)                                    [default: data/gpt2-tiny]
   --prompt TEXT     what to continue                                   [default: \"A scope owns every tensor\"]
   --max-new N       tokens to generate at most                         [default: 48]
   --temperature T   0 is greedy                                        [default: 0]
@@ -117,15 +119,51 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 
 fn run(o: &Options) -> Result<()> {
     let tokenizer = Tokenizer::from_file(o.model.join("tokenizer.json"))?;
-    root(o.device, |m| {
-        let gpt2 = Gpt2::from_pretrained(m, &o.model, DType::F32)?;
-        let positions = gpt2.max_positions();
+    let config_path = o.model.join("config.json");
+    let config: serde_json::Value = std::fs::read_to_string(&config_path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default();
+    root(o.device, |m| match config["model_type"].as_str() {
+        Some("llama" | "mistral" | "qwen2") => {
+            let llama = Llama::from_pretrained(m, &o.model, DType::F32)?;
+            let stops = llama.config().eos_token_ids.clone();
+            serve(o, m, &tokenizer, &llama, &stops)
+        }
+        // GPT-2, or whatever the GPT-2 loader then names as unsupported.
+        _ => serve(
+            o,
+            m,
+            &tokenizer,
+            &Gpt2::from_pretrained(m, &o.model, DType::F32)?,
+            &[],
+        ),
+    })
+}
+
+/// One prompt, or a served load, with `model`; generation ends at any of `stops`.
+fn serve<'m, M: CausalLm<'m>>(
+    o: &Options,
+    m: &Scope<'m>,
+    tokenizer: &Tokenizer,
+    model: &M,
+    stops: &[i64],
+) -> Result<()> {
+    let with_stops = |mut options: GenerateOptions| {
+        for &stop in stops {
+            options = options.stopping_at(stop);
+        }
+        options
+    };
+    {
+        let positions = model.max_positions();
         let Some(n) = o.serve else {
-            let pool = KvPool::for_tokens(m, gpt2.kv_shape(), o.block, positions)?;
-            let prompt = tokenizer.encode(&o.prompt)?;
-            let options = GenerateOptions::sampled(o.max_new, o.sampling, o.seed);
+            let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, positions)?;
+            // With the special tokens the tokenizer adds (Llama's <|begin_of_text|>; none for GPT-2).
+            let prompt = tokenizer.encode_with_special_tokens(&o.prompt)?;
+            let options = with_stops(GenerateOptions::sampled(o.max_new, o.sampling, o.seed));
             let started = Instant::now();
-            let out = generate(&gpt2, m, &pool, &prompt, &options)?;
+            let out = generate(model, m, &pool, &prompt, &options)?;
             let elapsed = started.elapsed().as_secs_f64();
             println!("{}{}", o.prompt, tokenizer.decode(&out.tokens)?);
             println!(
@@ -148,15 +186,15 @@ fn run(o: &Options) -> Result<()> {
         })?;
         let corpus = tokenizer.encode(&text)?;
         let mut rng = Rng(o.seed);
-        let pool = KvPool::for_tokens(m, gpt2.kv_shape(), o.block, o.batch * positions)?;
-        let mut engine = Engine::new(&gpt2, &pool, EngineConfig { max_batch: o.batch });
+        let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, o.batch * positions)?;
+        let mut engine = Engine::new(model, &pool, EngineConfig { max_batch: o.batch });
         let mut generated_max = 0;
         for i in 0..n {
             let len = 4 + rng.below(positions / 2 - 3);
             let at = rng.below(corpus.len() - len + 1);
             let new = 8 + rng.below(positions / 4 - 7);
             generated_max += new;
-            let options = GenerateOptions::sampled(new, o.sampling, o.seed + i as u64);
+            let options = with_stops(GenerateOptions::sampled(new, o.sampling, o.seed + i as u64));
             engine.submit(Request {
                 prompt: corpus[at..at + len].to_vec(),
                 options,
@@ -214,7 +252,7 @@ fn run(o: &Options) -> Result<()> {
         }
         println!("scope tree after the run:\n{}", m.dump());
         Ok(())
-    })
+    }
 }
 
 fn main() {
