@@ -872,12 +872,12 @@ fn checkpoint_on_root(group: &ProcessGroup) -> Result<()> {
 /// ranks never join: the process group must end the job with a message naming rank 0 and the
 /// collective, not hang. Returning from here is the failure.
 fn vanishing_peer(group: &ProcessGroup, fault: &str) {
-    group.set_timeout(Duration::from_secs(if fault == "exchange" { 5 } else { 1 }));
+    group.set_timeout(Duration::from_secs(if fault == "exchange" { 8 } else { 1 }));
     if fault == "stopped" {
         // A rank that stops (SIGSTOP: a hung node, a debugger) while its peer is in a step's
-        // agreement with a 5 s timeout: the peer prints the typed timeout and the job ends about
+        // agreement with an 8 s timeout: the peer prints the typed timeout and the job ends about
         // a second later, not after a second timeout.
-        group.set_timeout(Duration::from_secs(5));
+        group.set_timeout(Duration::from_secs(8));
         if group.rank() != 0 {
             let me = std::process::id().to_string();
             let _ = std::process::Command::new("kill")
