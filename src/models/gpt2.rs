@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::{config_error, read_config, unsupported};
 use crate::autograd::{CrossEntropy, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
@@ -45,22 +46,6 @@ pub struct Gpt2Config {
 }
 
 /// A key whose value ndscope's GPT-2 does not compute.
-fn unsupported(key: &str, value: &Value, reason: impl Into<String>) -> Error {
-    Error::UnsupportedConfig {
-        file: "config.json".into(),
-        key: key.into(),
-        value: value.to_string(),
-        reason: reason.into(),
-    }
-}
-
-fn config_error(reason: impl Into<String>) -> Error {
-    Error::Format {
-        format: "config.json",
-        reason: reason.into(),
-    }
-}
-
 impl Gpt2Config {
     /// A configuration with Hugging Face's GPT-2 defaults for everything but the sizes.
     pub fn new(
@@ -204,23 +189,7 @@ impl Gpt2Config {
     /// # Errors
     /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Gpt2Config> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Gpt2Config::from_json(&text).map_err(|e| match e {
-            Error::Format { format, reason } => Error::Format {
-                format,
-                reason: format!("{}: {reason}", path.display()),
-            },
-            Error::UnsupportedConfig {
-                key, value, reason, ..
-            } => Error::UnsupportedConfig {
-                file: path.display().to_string(),
-                key,
-                value,
-                reason,
-            },
-            other => other,
-        })
+        read_config(path.as_ref(), Gpt2Config::from_json)
     }
 
     /// The configuration as `config.json` text: every field the file it was read from held, with

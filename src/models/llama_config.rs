@@ -6,7 +6,8 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use crate::error::{Error, Result};
+use super::{config_error, read_config, unsupported};
+use crate::error::Result;
 use crate::nn::RopeScaling;
 
 /// A Llama-family model's hyper-parameters, as `config.json` names them.
@@ -51,22 +52,6 @@ pub struct LlamaConfig {
 }
 
 /// A key whose value this implementation does not compute.
-fn unsupported(key: &str, value: &Value, reason: impl Into<String>) -> Error {
-    Error::UnsupportedConfig {
-        file: "config.json".into(),
-        key: key.into(),
-        value: value.to_string(),
-        reason: reason.into(),
-    }
-}
-
-fn malformed(reason: impl Into<String>) -> Error {
-    Error::Format {
-        format: "config.json",
-        reason: reason.into(),
-    }
-}
-
 /// The fields of one JSON object, read with typed errors naming the key.
 struct Fields<'a>(&'a Map<String, Value>);
 
@@ -87,7 +72,7 @@ impl Fields<'_> {
                 .and_then(|v| usize::try_from(v).ok())
                 .filter(|&v| v > 0)
                 .ok_or_else(|| {
-                    malformed(format!("\"{key}\" must be a positive integer, found {v:?}"))
+                    config_error(format!("\"{key}\" must be a positive integer, found {v:?}"))
                 }),
         }
     }
@@ -95,10 +80,9 @@ impl Fields<'_> {
     fn number_or(&self, key: &str, default: f64) -> Result<f64> {
         match self.get(key) {
             None => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .filter(|x| x.is_finite())
-                .ok_or_else(|| malformed(format!("\"{key}\" must be a finite number, found {v}"))),
+            Some(v) => v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| {
+                config_error(format!("\"{key}\" must be a finite number, found {v}"))
+            }),
         }
     }
 
@@ -107,7 +91,7 @@ impl Fields<'_> {
             None => Ok(default),
             Some(v) => v
                 .as_bool()
-                .ok_or_else(|| malformed(format!("\"{key}\" must be true or false, found {v}"))),
+                .ok_or_else(|| config_error(format!("\"{key}\" must be true or false, found {v}"))),
         }
     }
 
@@ -118,12 +102,12 @@ impl Fields<'_> {
                 .iter()
                 .map(|v| {
                     v.as_i64().ok_or_else(|| {
-                        malformed(format!("\"{key}\" must hold token ids, found {v}"))
+                        config_error(format!("\"{key}\" must hold token ids, found {v}"))
                     })
                 })
                 .collect(),
             Some(v) => v.as_i64().map(|id| vec![id]).ok_or_else(|| {
-                malformed(format!("\"{key}\" must be a token id or a list, found {v}"))
+                config_error(format!("\"{key}\" must be a token id or a list, found {v}"))
             }),
         }
     }
@@ -148,7 +132,7 @@ impl LlamaConfig {
     /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions.
     pub fn from_json(text: &str) -> Result<LlamaConfig> {
         let raw: Map<String, Value> =
-            serde_json::from_str(text).map_err(|e| malformed(e.to_string()))?;
+            serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
         let f = Fields(&raw);
         let model_type = match f.get("model_type") {
             Some(Value::String(t)) if ["llama", "mistral", "qwen2"].contains(&t.as_str()) => {
@@ -161,7 +145,7 @@ impl LlamaConfig {
                     "this reads the Llama family: llama, mistral and qwen2",
                 ));
             }
-            None => return Err(malformed("\"model_type\" is missing")),
+            None => return Err(config_error("\"model_type\" is missing")),
         };
         if let Some(act) = f.get("hidden_act").filter(|a| a.as_str() != Some("silu")) {
             return Err(unsupported(
@@ -188,7 +172,7 @@ impl LlamaConfig {
         let num_attention_heads = f.size("num_attention_heads")?;
         let num_key_value_heads = f.size_or("num_key_value_heads", Some(num_attention_heads))?;
         if !num_attention_heads.is_multiple_of(num_key_value_heads) {
-            return Err(malformed(format!(
+            return Err(config_error(format!(
                 "\"num_attention_heads\" ({num_attention_heads}) must be a multiple of \
                  \"num_key_value_heads\" ({num_key_value_heads})"
             )));
@@ -199,14 +183,14 @@ impl LlamaConfig {
                 hidden_size / num_attention_heads
             }
             None => {
-                return Err(malformed(format!(
+                return Err(config_error(format!(
                     "\"hidden_size\" ({hidden_size}) is not a multiple of \"num_attention_heads\" \
                      ({num_attention_heads}) and no \"head_dim\" is given"
                 )));
             }
         };
         if !head_dim.is_multiple_of(2) {
-            return Err(malformed(format!(
+            return Err(config_error(format!(
                 "\"head_dim\" ({head_dim}) must be even for RoPE"
             )));
         }
@@ -245,23 +229,7 @@ impl LlamaConfig {
     /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json), with
     /// the path in the message.
     pub fn from_file(path: impl AsRef<Path>) -> Result<LlamaConfig> {
-        let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        LlamaConfig::from_json(&text).map_err(|e| match e {
-            Error::Format { format, reason } => Error::Format {
-                format,
-                reason: format!("{}: {reason}", path.display()),
-            },
-            Error::UnsupportedConfig {
-                key, value, reason, ..
-            } => Error::UnsupportedConfig {
-                file: path.display().to_string(),
-                key,
-                value,
-                reason,
-            },
-            other => other,
-        })
+        read_config(path.as_ref(), LlamaConfig::from_json)
     }
 }
 
@@ -283,7 +251,7 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
     let p = Fields(params);
     let theta = Fields(theta_from).number_or("rope_theta", 10_000.0)?;
     if theta <= 1.0 {
-        return Err(malformed(format!(
+        return Err(config_error(format!(
             "\"rope_theta\" must be above 1, found {theta}"
         )));
     }
@@ -308,7 +276,7 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
             if x.is_finite() && x > 0.0 {
                 Ok(x)
             } else {
-                Err(malformed(format!(
+                Err(config_error(format!(
                     "\"{where_}\" needs a positive \"factor\""
                 )))
             }
@@ -321,7 +289,7 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
             // No defaults: transformers requires each, and a guessed one would be another model.
             let required = |key: &str| {
                 p.get(key).and_then(Value::as_f64).ok_or_else(|| {
-                    malformed(format!("llama3 scaling in \"{where_}\" needs \"{key}\""))
+                    config_error(format!("llama3 scaling in \"{where_}\" needs \"{key}\""))
                 })
             };
             RopeScaling::Llama3 {
