@@ -5,25 +5,17 @@
 
 use std::collections::BTreeMap;
 
+mod common;
+use common::reference::reference_of;
+
 use ndscope::models::Llama;
 use ndscope::nn::{Mode, Parameters};
-use ndscope::weights::Weights;
 use ndscope::{DType, Device, Error, Result, Tape, root};
 
 const DIR: &str = "data/llama-tiny";
 
 fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
-    root(Device::Cpu, |s| {
-        let mut out = BTreeMap::new();
-        for name in weights.names() {
-            let (dtype, shape) = weights.info(name)?;
-            let t = weights.tensor(s, name, shape, dtype)?;
-            out.insert(name.to_string(), (shape.to_vec(), t.to_vec_f64()?));
-        }
-        Ok::<_, Error>(out)
-    })
-    .unwrap()
+    reference_of(DIR)
 }
 
 /// The largest difference relative to the reference's largest magnitude.

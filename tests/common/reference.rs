@@ -1,4 +1,4 @@
-//! What transformers computed from the bundled tiny GPT-2 (`data/gpt2-tiny/reference.safetensors`).
+//! What transformers computed from the bundled tiny models (`data/*/reference.safetensors`).
 
 use std::collections::BTreeMap;
 
@@ -8,9 +8,15 @@ use ndscope::{Device, Error, root};
 /// The model directory the reference was computed from.
 pub const DIR: &str = "data/gpt2-tiny";
 
-/// Every reference tensor, as f64 values with its shape.
+/// Every reference tensor of the tiny GPT-2, as f64 values with its shape.
 pub fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
-    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
+    reference_of(DIR)
+}
+
+/// Every tensor of `dir/reference.safetensors` (a bundled model's transformers reference), as
+/// f64 values with its shape.
+pub fn reference_of(dir: &str) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
+    let weights = Weights::open(format!("{dir}/reference.safetensors")).unwrap();
     root(Device::Cpu, |s| {
         let mut out = BTreeMap::new();
         for name in weights.names() {
