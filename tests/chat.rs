@@ -2,23 +2,21 @@
 //! `apply_chat_template(conversation, add_generation_prompt=True)` rendered, `chat_ids` its tokens,
 //! and the prompts' ids start with the `<|begin_of_text|>` its post-processor adds.
 
+mod common;
+use common::reference::reference_of;
+
+use ndscope::Error;
 use ndscope::data::{ChatMessage, ChatTemplate, Tokenizer};
-use ndscope::weights::Weights;
-use ndscope::{Device, Error, root};
 use serde_json::Value;
 
 const DIR: &str = "data/llama-tiny";
 
 fn reference_ids(name: &str) -> Vec<i64> {
-    let weights = Weights::open(format!("{DIR}/reference.safetensors")).unwrap();
-    root(Device::Cpu, |s| {
-        let (dtype, shape) = weights.info(name)?;
-        weights.tensor(s, name, shape, dtype)?.to_vec_f64()
-    })
-    .unwrap()
-    .into_iter()
-    .map(|v| v as i64)
-    .collect()
+    reference_of(DIR)[name]
+        .1
+        .iter()
+        .map(|&v| v as i64)
+        .collect()
 }
 
 fn reference_json() -> Value {
