@@ -35,5 +35,4 @@ mod step;
 
 pub use cache::{KvCache, KvUsage};
 pub use pool::{KvPool, KvPoolStats, KvShape};
-pub(crate) use step::decode_inputs;
 pub use step::{CausalLm, KvStep};

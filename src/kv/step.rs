@@ -3,12 +3,20 @@
 
 use super::cache::KvCache;
 use super::pool::KvPool;
+use crate::autograd::{Tape, Var};
 use crate::error::{Error, Result};
 use crate::ops::paged::{PagedAttention, PagedWrite, paged_attention, write_pages};
 use crate::scope::Child;
 use crate::tensor::Tensor;
 
 /// A causal language model that decodes against [`KvCache`]s: what `ndscope::serve` needs.
+///
+/// A model says only what is its own: the shape of its caches, its position table and vocabulary,
+/// its forward pass over packed rows (the new tokens of every sequence one after the other, each
+/// with its position, every layer's attention going through the [`KvStep`]) and its head. The
+/// library drives it: [`decode`](Self::decode) checks the requests, packs them, grows the caches,
+/// runs the forward pass, and scores only each sequence's last token (vLLM's model interface, where
+/// a model writes `forward(ids, positions, caches)` and the engine does the rest).
 pub trait CausalLm<'m> {
     /// What each token's cache holds for this model.
     fn kv_shape(&self) -> super::KvShape;
@@ -16,16 +24,53 @@ pub trait CausalLm<'m> {
     /// The longest sequence the model computes (its position table).
     fn max_positions(&self) -> usize;
 
+    /// The number of token ids the model reads and scores.
+    fn vocab_size(&self) -> usize;
+
+    /// The hidden states `[rows, width]` (before the final norm) of the packed new tokens `ids`
+    /// (`[rows]`, `i64`) at `positions` (`[rows]`, `i64`), layer `l`'s attention reading and filling
+    /// the caches through [`KvStep::attend`] or [`KvStep::attend_grouped`] with `layer = l`, every
+    /// layer once. Rows are sequence after sequence, as [`KvStep::new_tokens`] counts them. The ids
+    /// are checked against the vocabulary and the positions against the position table before the
+    /// call.
+    ///
+    /// # Errors
+    /// As for the model's ops and [`KvStep`]'s.
+    fn forward_packed<'t, 's>(
+        &self,
+        tape: &'t Tape<'s>,
+        ids: &Tensor<'s>,
+        positions: &Tensor<'s>,
+        kv: &mut KvStep<'_, '_>,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's;
+
+    /// The logits `[rows, vocab]` of hidden states `[rows, width]` from
+    /// [`forward_packed`](Self::forward_packed): the final norm and the output head.
+    ///
+    /// # Errors
+    /// As for the model's ops.
+    fn logits<'t, 's>(&self, hidden: &Var<'t, 's>) -> Result<Var<'t, 's>>
+    where
+        'm: 's;
+
     /// Runs `tokens[s]`, the new tokens of sequence `s`, through the model against `caches[s]`
     /// (which holds the sequence's earlier tokens and gains these), all sequences in one forward
     /// pass, and returns the logits `[sequences, vocab]` of each sequence's last new token, in
     /// `step`'s scope. `step` is a scope opened inside the requests' scope `'r`: the caches must
     /// belong to that very scope, so one request's cache cannot be used in another's forward.
     ///
+    /// Models do not write this: it is the one driver every model shares (checks, packing, the
+    /// caches' growth, the last rows' gather).
+    ///
     /// # Errors
     /// [`Error::InvalidShape`] for mismatched lists, an empty token list, or a sequence past
-    /// [`max_positions`](Self::max_positions); [`Error::KvCapacity`] when a cache cannot grow; as for
-    /// the model's ops.
+    /// [`max_positions`](Self::max_positions); [`Error::IndexOutOfRange`] for an id outside the
+    /// vocabulary; [`Error::KvCapacity`] when a cache cannot grow; [`Error::InvalidArgument`] when
+    /// the model's forward pass skipped a layer's cache or returned other rows; as for the model's
+    /// ops. On an error the caches count none of the new tokens.
+    #[track_caller]
     fn decode<'s, 'r>(
         &self,
         step: &'s Child<'s, 'r>,
@@ -34,16 +79,58 @@ pub trait CausalLm<'m> {
         tokens: &[&[i64]],
     ) -> Result<Tensor<'s>>
     where
-        'm: 's;
+        'm: 's,
+    {
+        const OP: &str = "CausalLm::decode";
+        let (ids, counts, last) =
+            decode_inputs(OP, caches, tokens, self.max_positions(), self.vocab_size())?;
+        let rows: usize = counts.iter().sum();
+        let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
+        let positions: Vec<i64> = kv
+            .starts()
+            .iter()
+            .zip(&counts)
+            .flat_map(|(&s, &n)| (s..s + n).map(|p| p as i64))
+            .collect();
+        let tape = Tape::no_grad(step);
+        let ids = step.from_slice(&ids, &[rows])?;
+        let positions = step.from_slice(&positions, &[rows])?;
+        let hidden = self.forward_packed(&tape, &ids, &positions, &mut kv)?;
+        if hidden.shape().len() != 2 || hidden.shape()[0] != rows {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "the model's forward_packed returned hidden states {:?} for {rows} packed \
+                     tokens; it must return [{rows}, width]",
+                    hidden.shape()
+                ),
+            });
+        }
+        if let Some(layer) = kv.unwritten_layer() {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "the model's forward_packed never attended through the cache of layer {layer} \
+                     (of {}); call KvStep::attend or attend_grouped once per layer",
+                    self.kv_shape().layers
+                ),
+            });
+        }
+        kv.finish();
+        // Only each sequence's last new token is scored.
+        let last = step.from_slice(&last, &[last.len()])?;
+        let last_rows = tape.constant(&hidden.value().index_select(0, &last)?);
+        Ok(self.logits(&last_rows)?.value().clone())
+    }
 }
 
-/// What every model's [`CausalLm::decode`] checks first, in one place: one non-empty token list per
+/// What [`CausalLm::decode`] checks before the model runs: one non-empty token list per
 /// cache, no sequence past `max_positions`, every id in the vocabulary. Returns the ids packed
 /// sequence after sequence, the count of each, and the packed row of each sequence's last token.
 ///
 /// # Errors
 /// As for [`CausalLm::decode`].
-pub(crate) fn decode_inputs(
+fn decode_inputs(
     op: &'static str,
     caches: &[&mut KvCache<'_>],
     tokens: &[&[i64]],
@@ -101,6 +188,8 @@ pub struct KvStep<'a, 'r> {
     pool: &'a KvPool<'a>,
     caches: Vec<&'a mut KvCache<'r>>,
     new: Vec<usize>,
+    /// Which layers' caches this step has written.
+    written: Vec<bool>,
 }
 
 impl<'a, 'r> KvStep<'a, 'r> {
@@ -132,6 +221,7 @@ impl<'a, 'r> KvStep<'a, 'r> {
             pool,
             caches,
             new: new.to_vec(),
+            written: vec![false; pool.shape().layers],
         })
     }
 
@@ -222,6 +312,9 @@ impl<'a, 'r> KvStep<'a, 'r> {
             .collect();
         write_pages(self.pool.slab(), geometry, layer, kv, &mut writes)?;
         drop(writes);
+        if let Some(w) = self.written.get_mut(layer) {
+            *w = true;
+        }
         let tables: Vec<_> = self.caches.iter().map(|c| &c.table).collect();
         let lengths: Vec<usize> = self
             .caches
@@ -238,6 +331,11 @@ impl<'a, 'r> KvStep<'a, 'r> {
             &lengths,
             &self.new,
         )
+    }
+
+    /// The first layer whose cache this step has not written, if any.
+    pub(crate) fn unwritten_layer(&self) -> Option<usize> {
+        self.written.iter().position(|w| !w)
     }
 
     /// Counts the new tokens as cached in every cache.

@@ -11,12 +11,12 @@ use crate::autograd::{CrossEntropy, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep, decode_inputs};
+use crate::kv::{CausalLm, KvShape, KvStep};
 use crate::nn::{
     Activation, Embedding, Init, LayerNorm, Mode, Module, Parameters, PositionalEmbedding,
     Recomputed, TransformerBlock, TransformerConfig,
 };
-use crate::scope::{Child, Movable, MoveOut, Scope};
+use crate::scope::{Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
@@ -646,58 +646,41 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
         self.config.n_positions
     }
 
-    #[track_caller]
-    fn decode<'s, 'r>(
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn forward_packed<'t, 's>(
         &self,
-        step: &'s Child<'s, 'r>,
-        pool: &KvPool<'_>,
-        caches: &mut [&mut KvCache<'r>],
-        tokens: &[&[i64]],
-    ) -> Result<Tensor<'s>>
+        tape: &'t Tape<'s>,
+        ids: &Tensor<'s>,
+        positions: &Tensor<'s>,
+        kv: &mut KvStep<'_, '_>,
+    ) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
-        const OP: &str = "Gpt2::decode";
-        let c = &self.config;
-        let (ids, counts, last) = decode_inputs(OP, caches, tokens, c.n_positions, c.vocab_size)?;
-        let rows: usize = counts.iter().sum();
-        let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
-        let positions: Vec<i64> = kv
-            .starts()
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&s, &n)| (s..s + n).map(|p| p as i64))
-            .collect();
-        let tape = Tape::no_grad(step);
-        let ids = step.from_slice(&ids, &[rows])?;
-        let positions = step.from_slice(&positions, &[rows])?;
         let embedded = self
             .wte
             .weight
-            .index_select(0, &ids)?
-            .add(&self.wpe.weight.index_select(0, &positions)?)?;
+            .index_select(0, ids)?
+            .add(&self.wpe.weight.index_select(0, positions)?)?;
         let mut x = tape.constant(&embedded);
-        let (heads, head) = (c.n_head, c.n_embd / c.n_head);
-        let scale = 1.0 / (head as f64).sqrt();
         for (layer, block) in self.blocks.iter().enumerate() {
-            // The block as it is, its attention reading and filling the caches.
-            x = block.forward_with(&x, Mode::Eval, |normed| {
-                let qkv = block.attn.qkv.forward(normed, Mode::Eval)?;
-                let qkv = qkv.value().reshape(&[rows, 3, heads, head])?;
-                let attended = kv.attend(layer, &qkv, scale)?.reshape(&[rows, c.n_embd])?;
-                block
-                    .attn
-                    .proj
-                    .forward(&tape.constant(&attended), Mode::Eval)
-            })?;
+            x = block.forward_paged(&x, kv, layer)?;
         }
-        kv.finish();
-        // Only each sequence's last new token is scored.
-        let last = step.from_slice(&last, &[last.len()])?;
-        let x = tape.constant(&x.value().index_select(0, &last)?);
-        let x = self.ln_f.forward(&x, Mode::Eval)?;
-        let head_weight = tape.param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
-        Ok(x.matmul(&head_weight.t()?)?.value().clone())
+        Ok(x)
+    }
+
+    fn logits<'t, 's>(&self, hidden: &Var<'t, 's>) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let x = self.ln_f.forward(hidden, Mode::Eval)?;
+        let head_weight = hidden
+            .tape()
+            .param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
+        x.matmul(&head_weight.t()?)
     }
 }
 

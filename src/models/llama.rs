@@ -10,30 +10,47 @@ use std::path::Path;
 use crate::autograd::{Tape, Var};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kv::{CausalLm, KvCache, KvPool, KvShape, KvStep, decode_inputs};
+use crate::kv::{CausalLm, KvShape, KvStep};
 use crate::models::LlamaConfig;
 use crate::nn::{
-    Embedding, Linear, Mode, Module, Parameters, RmsNorm, RotaryEmbedding, WeightLayout,
-    inverse_frequencies,
+    Embedding, GatedMlp, GroupedQueryAttention, Linear, Mode, Module, Parameters, RmsNorm,
+    RotaryEmbedding, WeightLayout, inverse_frequencies, layer_parts,
 };
-use crate::ops::{AttentionSpec, Causal};
-use crate::scope::{Child, Scope};
+use crate::scope::Scope;
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
-/// One decoder block: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+/// One decoder block: `h = x + attn(norm(x))`, then `h + mlp(norm(h))`.
 #[derive(Debug, Clone)]
 struct Block<'m> {
-    input_norm: RmsNorm<'m>,
-    q: Linear<'m>,
-    k: Linear<'m>,
-    v: Linear<'m>,
-    o: Linear<'m>,
-    post_norm: RmsNorm<'m>,
-    gate: Linear<'m>,
-    up: Linear<'m>,
-    down: Linear<'m>,
+    input_layernorm: RmsNorm<'m>,
+    self_attn: GroupedQueryAttention<'m>,
+    post_attention_layernorm: RmsNorm<'m>,
+    mlp: GatedMlp<'m>,
 }
+
+impl<'m> Block<'m> {
+    /// The block with its attention computed by `attend` from the normalised input.
+    fn forward_with<'t, 's>(
+        &self,
+        x: &Var<'t, 's>,
+        mode: Mode,
+        attend: impl FnOnce(&Var<'t, 's>) -> Result<Var<'t, 's>>,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let x = x.add(&attend(&self.input_layernorm.forward(x, mode)?)?)?;
+        let h = self.post_attention_layernorm.forward(&x, mode)?;
+        x.add(&self.mlp.forward(&h, mode)?)
+    }
+}
+
+layer_parts!(Block {
+    tensors: [],
+    layers: [input_layernorm, self_attn, post_attention_layernorm, mlp],
+    plain: []
+});
 
 /// A Llama-family causal language model with its parameters in the model scope `'m`.
 #[derive(Debug, Clone)]
@@ -125,15 +142,21 @@ impl<'m> Llama<'m> {
             let attn = b.prefix("self_attn");
             let mlp = b.prefix("mlp");
             blocks.push(Block {
-                input_norm: norm(&b, "input_layernorm")?,
-                q: linear(&attn, "q_proj", hidden, heads * d, c.attention_bias)?,
-                k: linear(&attn, "k_proj", hidden, kv_heads * d, c.attention_bias)?,
-                v: linear(&attn, "v_proj", hidden, kv_heads * d, c.attention_bias)?,
-                o: linear(&attn, "o_proj", heads * d, hidden, false)?,
-                post_norm: norm(&b, "post_attention_layernorm")?,
-                gate: linear(&mlp, "gate_proj", hidden, c.intermediate_size, false)?,
-                up: linear(&mlp, "up_proj", hidden, c.intermediate_size, false)?,
-                down: linear(&mlp, "down_proj", c.intermediate_size, hidden, false)?,
+                input_layernorm: norm(&b, "input_layernorm")?,
+                self_attn: GroupedQueryAttention::from_parts(
+                    linear(&attn, "q_proj", hidden, heads * d, c.attention_bias)?,
+                    linear(&attn, "k_proj", hidden, kv_heads * d, c.attention_bias)?,
+                    linear(&attn, "v_proj", hidden, kv_heads * d, c.attention_bias)?,
+                    linear(&attn, "o_proj", heads * d, hidden, false)?,
+                    heads,
+                    kv_heads,
+                )?,
+                post_attention_layernorm: norm(&b, "post_attention_layernorm")?,
+                mlp: GatedMlp::from_parts(
+                    linear(&mlp, "gate_proj", hidden, c.intermediate_size, false)?,
+                    linear(&mlp, "up_proj", hidden, c.intermediate_size, false)?,
+                    linear(&mlp, "down_proj", c.intermediate_size, hidden, false)?,
+                )?,
             });
         }
         let final_norm = norm(&body, "norm")?;
@@ -196,63 +219,25 @@ impl<'m> Llama<'m> {
         let positions = scope.from_slice(&positions, &[batch * len])?;
         let mut x = self.embed.forward(tape, ids)?;
         for block in &self.blocks {
-            x = self.block(block, &x, &positions, [batch, len], mode)?;
+            x = block.forward_with(&x, mode, |h| {
+                block.self_attn.forward(h, &self.rope, &positions, mode)
+            })?;
         }
         let x = self.norm.forward(&x, mode)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&x, mode),
-            None => {
-                let w = tape.param(&self.embed.weight);
-                let rows = x.reshape(&[batch * len, self.config.hidden_size])?;
-                rows.matmul(&w.t()?)?
-                    .reshape(&[batch, len, self.config.vocab_size])
-            }
-        }
+        let rows = x.reshape(&[batch * len, self.config.hidden_size])?;
+        self.head(&rows, mode)?
+            .reshape(&[batch, len, self.config.vocab_size])
     }
 
-    fn block<'t, 's>(
-        &self,
-        b: &Block<'m>,
-        x: &Var<'t, 's>,
-        positions: &Tensor<'s>,
-        [batch, len]: [usize; 2],
-        mode: Mode,
-    ) -> Result<Var<'t, 's>>
+    /// The output head over rows `[n, hidden]` (normalised): the untied head, or the embedding.
+    fn head<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
-        let c = &self.config;
-        let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let h = b.input_norm.forward(x, mode)?;
-        // [batch, len, heads * d] -> rotated [batch * len, heads, d] -> [batch, heads, len, d].
-        let heads_of = |y: Var<'t, 's>, n: usize, rotate: bool| -> Result<Var<'t, 's>> {
-            let y = y.reshape(&[batch * len, n, d])?;
-            let y = if rotate {
-                self.rope.apply(&y, positions)?
-            } else {
-                y
-            };
-            y.reshape(&[batch, len, n, d])?.permute(&[0, 2, 1, 3])
-        };
-        let q = heads_of(b.q.forward(&h, mode)?, heads, true)?;
-        let k = heads_of(b.k.forward(&h, mode)?, kv_heads, true)?;
-        let v = heads_of(b.v.forward(&h, mode)?, kv_heads, false)?;
-        let spec = AttentionSpec {
-            causal: Causal::TopLeft,
-            scale: None,
-        };
-        let attended = q
-            .attention(&k, &v, spec, None)?
-            .permute(&[0, 2, 1, 3])?
-            .reshape(&[batch, len, heads * d])?;
-        let x = x.add(&b.o.forward(&attended, mode)?)?;
-        let h = b.post_norm.forward(&x, mode)?;
-        let mlp = b
-            .gate
-            .forward(&h, mode)?
-            .silu()?
-            .mul(&b.up.forward(&h, mode)?)?;
-        x.add(&b.down.forward(&mlp, mode)?)
+        match &self.lm_head {
+            Some(head) => head.forward(x, mode),
+            None => x.matmul(&x.tape().param(&self.embed.weight).t()?),
+        }
     }
 }
 
@@ -290,89 +275,45 @@ impl<'m> CausalLm<'m> for Llama<'m> {
         self.config.max_position_embeddings
     }
 
-    #[track_caller]
-    fn decode<'s, 'r>(
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn forward_packed<'t, 's>(
         &self,
-        step: &'s Child<'s, 'r>,
-        pool: &KvPool<'_>,
-        caches: &mut [&mut KvCache<'r>],
-        tokens: &[&[i64]],
-    ) -> Result<Tensor<'s>>
+        tape: &'t Tape<'s>,
+        ids: &Tensor<'s>,
+        positions: &Tensor<'s>,
+        kv: &mut KvStep<'_, '_>,
+    ) -> Result<Var<'t, 's>>
     where
         'm: 's,
     {
-        let c = &self.config;
-        let (ids, counts, last) = decode_inputs(
-            "Llama::decode",
-            caches,
-            tokens,
-            c.max_position_embeddings,
-            c.vocab_size,
-        )?;
-        let rows: usize = counts.iter().sum();
-        let mut kv = KvStep::new(pool, caches.iter_mut().map(|c| &mut **c).collect(), &counts)?;
-        let positions: Vec<i64> = kv
-            .starts()
-            .iter()
-            .zip(&counts)
-            .flat_map(|(&s, &n)| (s..s + n).map(|p| p as i64))
-            .collect();
-        let tape = Tape::no_grad(step);
-        let ids = step.from_slice(&ids, &[rows])?;
-        let positions = step.from_slice(&positions, &[rows])?;
-        let mut x = tape.constant(&self.embed.weight.index_select(0, &ids)?);
-        let (heads, kv_heads, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let scale = 1.0 / (d as f64).sqrt();
-        let (cos, sin) = (self.rope.cos(), self.rope.sin());
-        for (layer, b) in self.blocks.iter().enumerate() {
-            let h = b.input_norm.forward(&x, Mode::Eval)?;
-            let project = |l: &Linear<'m>, n: usize| -> Result<Tensor<'s>> {
-                l.forward(&h, Mode::Eval)?.value().reshape(&[rows, n, d])
-            };
-            let q = project(&b.q, heads)?.rotary(cos, sin, &positions)?;
-            let k = project(&b.k, kv_heads)?.rotary(cos, sin, &positions)?;
-            let v = project(&b.v, kv_heads)?;
-            let kv_rows = Tensor::concat(&[&k.unsqueeze(1)?, &v.unsqueeze(1)?], 1)?;
-            let attended = kv
-                .attend_grouped(layer, &q, &kv_rows, scale)?
-                .reshape(&[rows, heads * d])?;
-            x = x.add(&b.o.forward(&tape.constant(&attended), Mode::Eval)?)?;
-            let h = b.post_norm.forward(&x, Mode::Eval)?;
-            let mlp = b
-                .gate
-                .forward(&h, Mode::Eval)?
-                .silu()?
-                .mul(&b.up.forward(&h, Mode::Eval)?)?;
-            x = x.add(&b.down.forward(&mlp, Mode::Eval)?)?;
+        let mut x = self.embed.forward(tape, ids)?;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            x = block.forward_with(&x, Mode::Eval, |h| {
+                block
+                    .self_attn
+                    .forward_paged(h, &self.rope, positions, kv, layer)
+            })?;
         }
-        kv.finish();
-        // Only each sequence's last new token is scored.
-        let last = step.from_slice(&last, &[last.len()])?;
-        let x = tape.constant(&x.value().index_select(0, &last)?);
-        let x = self.norm.forward(&x, Mode::Eval)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&x, Mode::Eval)?,
-            None => x.matmul(&tape.param(&self.embed.weight).t()?)?,
-        };
-        Ok(logits.value().clone())
+        Ok(x)
+    }
+
+    fn logits<'t, 's>(&self, hidden: &Var<'t, 's>) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        self.head(&self.norm.forward(hidden, Mode::Eval)?, Mode::Eval)
     }
 }
 
+/// transformers' names: `model.{embed_tokens,layers.N,norm}...` and, untied, `lm_head.weight`.
 impl<'m> Parameters<'m> for Llama<'m> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
         self.embed.visit(&format!("{prefix}model.embed_tokens."), f);
         for (i, b) in self.blocks.iter().enumerate() {
-            let p = format!("{prefix}model.layers.{i}.");
-            b.input_norm.visit(&format!("{p}input_layernorm."), f);
-            b.q.visit(&format!("{p}self_attn.q_proj."), f);
-            b.k.visit(&format!("{p}self_attn.k_proj."), f);
-            b.v.visit(&format!("{p}self_attn.v_proj."), f);
-            b.o.visit(&format!("{p}self_attn.o_proj."), f);
-            b.post_norm
-                .visit(&format!("{p}post_attention_layernorm."), f);
-            b.gate.visit(&format!("{p}mlp.gate_proj."), f);
-            b.up.visit(&format!("{p}mlp.up_proj."), f);
-            b.down.visit(&format!("{p}mlp.down_proj."), f);
+            b.visit(&format!("{prefix}model.layers.{i}."), f);
         }
         self.norm.visit(&format!("{prefix}model.norm."), f);
         if let Some(head) = &self.lm_head {
@@ -383,14 +324,7 @@ impl<'m> Parameters<'m> for Llama<'m> {
     fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
         self.embed.visit_mut(f)?;
         for b in &mut self.blocks {
-            b.input_norm.visit_mut(f)?;
-            for linear in [&mut b.q, &mut b.k, &mut b.v, &mut b.o] {
-                linear.visit_mut(f)?;
-            }
-            b.post_norm.visit_mut(f)?;
-            for linear in [&mut b.gate, &mut b.up, &mut b.down] {
-                linear.visit_mut(f)?;
-            }
+            b.visit_mut(f)?;
         }
         self.norm.visit_mut(f)?;
         if let Some(head) = &mut self.lm_head {

@@ -7,6 +7,7 @@ use super::{Dropout, Init, Linear, Mode, Module};
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kv::KvStep;
 use crate::ops::{AttentionSpec, Causal, Triangle};
 use crate::scope::Scope;
 
@@ -215,6 +216,60 @@ impl<'m> MultiHeadAttention<'m> {
             output: self.merge_heads(&attended.output, mode)?,
             weights: attended.weights,
         })
+    }
+
+    /// The cached path: attention of packed new tokens `x` (`[rows, width]`, sequence after
+    /// sequence as `kv` counts them) to their sequences' cached tokens and to themselves, storing
+    /// their keys and values as layer `layer` of `kv`'s caches. Equal to [`forward`](Module::forward)
+    /// on each whole sequence, at the new rows. Always evaluation: no dropout, no gradient.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a non-causal attention (a cached token cannot see later
+    /// ones); [`Error::InvalidShape`] unless `x` is `[rows, width]` with the rows `kv` expects;
+    /// as for [`KvStep::attend`].
+    #[track_caller]
+    pub fn forward_paged<'t, 's>(
+        &self,
+        x: &Var<'t, 's>,
+        kv: &mut KvStep<'_, '_>,
+        layer: usize,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        if !self.options.causal {
+            return Err(Error::InvalidArgument {
+                op: "MultiHeadAttention::forward_paged",
+                reason: "this attention is not causal, and a token decoded against a cache sees \
+                         only the tokens before it; build the layer with causal: true"
+                    .into(),
+            });
+        }
+        let width = self.proj.out_features();
+        let &[rows, w] = x.shape() else {
+            return Err(self.wrong_rows(x));
+        };
+        if w != width {
+            return Err(self.wrong_rows(x));
+        }
+        let head = width / self.heads;
+        let qkv = self
+            .qkv
+            .forward(x, Mode::Eval)?
+            .value()
+            .reshape(&[rows, 3, self.heads, head])?;
+        let attended = kv
+            .attend(layer, &qkv, 1.0 / (head as f64).sqrt())?
+            .reshape(&[rows, width])?;
+        self.proj.forward(&x.tape().constant(&attended), Mode::Eval)
+    }
+
+    fn wrong_rows(&self, x: &Var<'_, '_>) -> Error {
+        Error::InvalidShape {
+            op: "MultiHeadAttention::forward_paged",
+            shape: x.shape().to_vec(),
+            reason: format!("needs packed rows [rows, {}]", self.proj.out_features()),
+        }
     }
 
     /// Queries, keys and values of every head, `[batch, heads, len, head width]` each: views of one

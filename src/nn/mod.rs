@@ -29,6 +29,7 @@ mod batch_norm;
 mod conv;
 mod embedding;
 mod given;
+mod grouped;
 mod init;
 mod layers;
 mod linear;
@@ -43,11 +44,13 @@ pub use attention::{Attended, AttentionOptions, MultiHeadAttention, scaled_dot_p
 pub use batch_norm::BatchNorm2d;
 pub use conv::{Conv2d, Pool2d, PoolKind};
 pub use embedding::{Embedding, PositionalEmbedding};
+pub use grouped::{GatedMlp, GroupedQueryAttention};
 pub use init::Init;
 pub use layers::{Activation, Dropout, Layer, Sequential, mlp};
 pub use linear::{Linear, WeightLayout};
 pub use norm::{LayerNorm, RmsNorm};
 pub use params::Parameters;
+pub(crate) use params::layer_parts;
 #[allow(deprecated)]
 pub use recomputed::{Checkpointed, Recomputed};
 pub use rotary::{RopeScaling, RotaryEmbedding, inverse_frequencies};

@@ -8,6 +8,7 @@ use super::{
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kv::KvStep;
 use crate::scope::Scope;
 use crate::weights::Weights;
 
@@ -234,6 +235,29 @@ impl<'m> TransformerBlock<'m> {
         let hidden = self.fc1.forward(&self.ln2.forward(&x, mode)?, mode)?;
         let hidden = <Activation as Module<'m>>::forward(&self.activation, &hidden, mode)?;
         x.add(&drop(self.fc2.forward(&hidden, mode)?)?)
+    }
+}
+
+impl<'m> TransformerBlock<'m> {
+    /// The cached path: the block over packed new tokens `x` (`[rows, width]`), its attention
+    /// reading and filling layer `layer` of `kv`'s caches
+    /// ([`MultiHeadAttention::forward_paged`]). Always evaluation.
+    ///
+    /// # Errors
+    /// As for [`MultiHeadAttention::forward_paged`].
+    #[track_caller]
+    pub fn forward_paged<'t, 's>(
+        &self,
+        x: &Var<'t, 's>,
+        kv: &mut KvStep<'_, '_>,
+        layer: usize,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        self.forward_with(x, Mode::Eval, |normed| {
+            self.attn.forward_paged(normed, kv, layer)
+        })
     }
 }
 
