@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{config_error, read_config, unsupported};
+use super::{config_error, output_head, read_config, torch_dtype_name, unsupported};
 use crate::autograd::{CrossEntropy, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
@@ -235,13 +235,7 @@ impl Gpt2Config {
     /// `"torch_dtype"` when the file had that older key): transformers loads a model in the dtype
     /// its config names, so a model loaded from bf16 and saved in f32 must not keep `"bfloat16"`.
     fn to_json_stored_as(&self, stored: DType) -> String {
-        let name = match stored {
-            DType::F32 => "float32",
-            DType::F64 => "float64",
-            DType::BF16 => "bfloat16",
-            DType::F16 => "float16",
-            DType::I64 => "int64",
-        };
+        let name = torch_dtype_name(stored);
         let mut config = self.clone();
         config.raw.insert("dtype".into(), Value::from(name));
         if config.raw.contains_key("torch_dtype") {
@@ -418,28 +412,15 @@ impl<'m> Gpt2<'m> {
             true,
             dtype,
         )?;
-        let (vocab, width) = (c.vocab_size, c.n_embd);
         let mut config = config;
-        let lm_head = if !config.tie_word_embeddings {
-            Some(weights.tensor(scope, "lm_head.weight", &[vocab, width], dtype)?)
-        } else if weights.contains("lm_head.weight") {
-            // A tied config with a head of its own in the file: transformers computes with the
-            // file's head (and warns), so ndscope does too, unless the two are the same values.
-            let head = weights.tensor(scope, "lm_head.weight", &[vocab, width], dtype)?;
-            if head.to_vec_f64()? == wte.weight.to_vec_f64()? {
-                None
-            } else {
-                eprintln!(
-                    "ndscope: config.json ties the output head to the token embedding, but the \
-                     checkpoint holds a different lm_head.weight; using the checkpoint's head (as \
-                     transformers does), and the model saves untied"
-                );
-                config.tie_word_embeddings = false;
-                Some(head)
-            }
-        } else {
-            None
-        };
+        let lm_head = output_head(
+            scope,
+            weights,
+            "lm_head.weight",
+            &wte.weight,
+            &mut config.tie_word_embeddings,
+            dtype,
+        )?;
         Ok(Gpt2 {
             wte,
             wpe,

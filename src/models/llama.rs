@@ -7,7 +7,9 @@
 use std::panic::Location;
 use std::path::Path;
 
+use super::output_head;
 use crate::autograd::{Tape, Var};
+use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvShape, KvStep};
@@ -160,12 +162,18 @@ impl<'m> Llama<'m> {
             });
         }
         let final_norm = norm(&body, "norm")?;
-        let lm_head = if c.tie_word_embeddings {
-            None
-        } else {
-            Some(linear(weights, "lm_head", hidden, c.vocab_size, false)?)
-        };
         let rope = rotary_tables(scope, c, dtype)?;
+        let mut config = config;
+        let lm_head = output_head(
+            scope,
+            weights,
+            "lm_head.weight",
+            &embed.weight,
+            &mut config.tie_word_embeddings,
+            dtype,
+        )?
+        .map(|w| Linear::from_tensors(w, None, WeightLayout::OutIn))
+        .transpose()?;
         Ok(Llama {
             embed,
             blocks,
@@ -174,6 +182,27 @@ impl<'m> Llama<'m> {
             rope,
             config,
         })
+    }
+
+    /// Writes the model as a Hugging Face directory: `model.safetensors` (transformers' names, a
+    /// tied head not stored) and `config.json` ([`LlamaConfig::to_json`], with `dtype` the dtype
+    /// the weights are stored in). transformers' `AutoModelForCausalLM.from_pretrained(dir)` loads
+    /// it; so does [`from_pretrained`](Self::from_pretrained). Tokenizer files are not the model's:
+    /// copy them beside it.
+    ///
+    /// Each file is replaced atomically ([`checkpoint::write_atomically`]): a crash or a full disk
+    /// during the save leaves each file whole, old or new.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the directory or its files cannot be written.
+    pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
+        // checks every tensor's shape against the config, so a mismatch is an error, not a mix.
+        checkpoint::save(self, dir.join("model.safetensors"))?;
+        let config = self.config.to_json_stored_as(self.embed.weight.dtype());
+        checkpoint::write_atomically(dir.join("config.json"), config.as_bytes())
     }
 
     /// The configuration.

@@ -4,9 +4,10 @@
 
 use std::path::Path;
 
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
-use super::{config_error, read_config, unsupported};
+use super::{config_error, read_config, torch_dtype_name, unsupported};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::nn::RopeScaling;
 
@@ -221,6 +222,89 @@ impl LlamaConfig {
             eos_token_ids: f.token_ids("eos_token_id")?,
             model_type,
         })
+    }
+
+    /// The configuration as a `config.json` transformers reads: the keys [`from_json`](Self::from_json)
+    /// reads, `architectures` from `model_type`, and RoPE in both forms (transformers 5's
+    /// `rope_parameters`, and the top-level `rope_theta` and `rope_scaling` that earlier versions
+    /// and other tools read). Keys a loaded file had that change nothing computed (`use_cache`,
+    /// `initializer_range`, ...) are not kept.
+    ///
+    /// ```
+    /// use ndscope::models::LlamaConfig;
+    ///
+    /// let config = LlamaConfig::from_file("data/llama-tiny/config.json")?;
+    /// assert_eq!(LlamaConfig::from_json(&config.to_json())?, config);
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    pub fn to_json(&self) -> String {
+        let architecture = match self.model_type.as_str() {
+            "mistral" => "MistralForCausalLM",
+            "qwen2" => "Qwen2ForCausalLM",
+            _ => "LlamaForCausalLM",
+        };
+        let mut scaling = match &self.rope_scaling {
+            RopeScaling::None => json!({ "rope_type": "default" }),
+            RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => json!({
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low_freq_factor,
+                "high_freq_factor": high_freq_factor,
+                "original_max_position_embeddings": original_max_positions,
+            }),
+        };
+        let legacy_scaling = match self.rope_scaling {
+            RopeScaling::None => Value::Null,
+            _ => scaling.clone(),
+        };
+        scaling["rope_theta"] = json!(self.rope_theta);
+        let eos = match self.eos_token_ids.as_slice() {
+            [one] => json!(one),
+            many => json!(many),
+        };
+        let mut config = json!({
+            "architectures": [architecture],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "mlp_bias": false,
+            "rope_parameters": scaling,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": legacy_scaling,
+            "sliding_window": self.sliding_window,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+        });
+        if self.model_type == "qwen2" {
+            config["use_sliding_window"] = json!(self.sliding_window.is_some());
+        }
+        serde_json::to_string_pretty(&config).expect("a JSON value always serialises")
+    }
+
+    /// [`to_json`](Self::to_json) with `dtype` (and the older `torch_dtype`) naming `stored`, the
+    /// dtype the weights are written in.
+    pub(crate) fn to_json_stored_as(&self, stored: DType) -> String {
+        let mut config: Value =
+            serde_json::from_str(&self.to_json()).expect("to_json writes valid JSON");
+        config["dtype"] = json!(torch_dtype_name(stored));
+        config["torch_dtype"] = json!(torch_dtype_name(stored));
+        serde_json::to_string_pretty(&config).expect("a JSON value always serialises")
     }
 
     /// Reads `path`, a `config.json`.

@@ -11,7 +11,11 @@ pub use llama_config::LlamaConfig;
 
 use std::path::Path;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::scope::Scope;
+use crate::tensor::Tensor;
+use crate::weights::Weights;
 
 /// A `config.json` key whose value the model does not compute.
 fn unsupported(key: &str, value: &serde_json::Value, reason: impl Into<String>) -> Error {
@@ -49,4 +53,48 @@ fn read_config<C>(path: &Path, parse: impl FnOnce(&str) -> Result<C>) -> Result<
         },
         other => other,
     })
+}
+
+/// transformers' name of a dtype (`config.json`'s `dtype` and `torch_dtype`).
+fn torch_dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F64 => "float64",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::I64 => "int64",
+    }
+}
+
+/// The output head `[vocab, width]` stored as `name`, for a model whose token embedding is
+/// `embedding` and whose config says `tied`: `None` when the head is the embedding. A tied config
+/// with a *different* head in the file computes with the file's head, as transformers does (it
+/// warns); ndscope says so on stderr and unties `tied`, so that `save_pretrained` writes the head.
+/// A copy equal to the embedding stays tied.
+fn output_head<'m>(
+    scope: &Scope<'m>,
+    weights: &Weights,
+    name: &str,
+    embedding: &Tensor<'m>,
+    tied: &mut bool,
+    dtype: DType,
+) -> Result<Option<Tensor<'m>>> {
+    let shape = embedding.shape().to_vec();
+    if !*tied {
+        return Ok(Some(weights.tensor(scope, name, &shape, dtype)?));
+    }
+    if !weights.contains(name) {
+        return Ok(None);
+    }
+    let head = weights.tensor(scope, name, &shape, dtype)?;
+    if head.to_vec_f64()? == embedding.to_vec_f64()? {
+        return Ok(None);
+    }
+    eprintln!(
+        "ndscope: config.json ties the output head to the token embedding, but the checkpoint \
+         holds a different {name}; using the checkpoint's head (as transformers does), and the \
+         model saves untied"
+    );
+    *tied = false;
+    Ok(Some(head))
 }
