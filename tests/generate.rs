@@ -251,3 +251,63 @@ fn forks_share_the_prompt_blocks_copy_on_write() {
     })
     .unwrap();
 }
+
+/// `KvCache::truncate` rolls a cache back: decoding on from the cut equals decoding the kept prefix
+/// and the new tokens in a fresh cache, the blocks past the cut go back to the pool, and a fork
+/// that shares the cut blocks keeps its own tokens (the shared block is copied before the rolled
+/// back cache writes into it).
+#[test]
+fn a_truncated_cache_decodes_as_a_fresh_one() {
+    root(Device::Cpu, |m| {
+        let gpt2 = Gpt2::from_pretrained(m, DIR, DType::F32)?;
+        let pool = KvPool::new(m, gpt2.kv_shape(), 4, 32)?;
+        let seq: Vec<i64> = (0..16).map(|i| (i * 37 + 5) % 1000).collect();
+        let other: Vec<i64> = vec![11, 22, 33, 44, 55];
+        let fresh = |tokens: &[i64]| {
+            m.scope(|request| {
+                let mut cache = pool.cache(request, tokens.len())?;
+                request.scope(|s| {
+                    gpt2.decode(s, &pool, &mut [&mut cache], &[tokens])?
+                        .to_vec::<f32>()
+                })
+            })
+        };
+        let max_difference = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max)
+        };
+        m.scope(|request| {
+            let mut cache = pool.cache(request, 0)?;
+            request.scope(|s| {
+                gpt2.decode(s, &pool, &mut [&mut cache], &[&seq[..15]])
+                    .map(drop)
+            })?;
+            assert_eq!(pool.stats().blocks_free, 32 - 4);
+            let mut fork = cache.fork(request, &pool, 16)?;
+            let err = cache.truncate(16).unwrap_err();
+            assert!(err.to_string().contains("holds 15 tokens"), "{err}");
+            cache.truncate(6)?;
+            assert_eq!((cache.len(), cache.blocks().len()), (6, 2));
+            let rolled_back = request.scope(|s| {
+                gpt2.decode(s, &pool, &mut [&mut cache], &[&other])?
+                    .to_vec::<f32>()
+            })?;
+            let mut kept = seq[..6].to_vec();
+            kept.extend(&other);
+            let d = max_difference(&rolled_back, &fresh(&kept)?);
+            assert!(d < 1e-4, "decoding after the cut differs by {d}");
+            let forked = request.scope(|s| {
+                gpt2.decode(s, &pool, &mut [&mut fork], &[&seq[15..16]])?
+                    .to_vec::<f32>()
+            })?;
+            let d = max_difference(&forked, &fresh(&seq)?);
+            assert!(d < 1e-4, "the fork lost its tokens: {d}");
+            Ok::<_, Error>(())
+        })?;
+        assert_eq!(pool.stats().blocks_free, 32);
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}

@@ -171,6 +171,35 @@ impl<'r> KvCache<'r> {
         ))
     }
 
+    /// Forgets every token from position `tokens` on, giving back the blocks past the last one
+    /// still used: the cache then holds the sequence's first `tokens` tokens, and decoding goes on
+    /// from there (a conversation whose re-rendered text differs from what the model generated
+    /// keeps the longest common prefix; a rejected draft is rolled back). The blocks' bytes are not
+    /// touched: past `tokens` they are never read, and the next tokens overwrite them — in a block
+    /// of this cache's own, since one shared with a fork is copied before it is written.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when `tokens` is more than the cache holds.
+    pub fn truncate(&mut self, tokens: usize) -> Result<()> {
+        if tokens > self.tokens {
+            return Err(Error::InvalidArgument {
+                op: "KvCache::truncate",
+                reason: format!(
+                    "the cache holds {} tokens and cannot be cut to {tokens}; keep at most {}",
+                    self.tokens, self.tokens
+                ),
+            });
+        }
+        let keep = tokens.div_ceil(self.block_tokens);
+        self.table.truncate(keep);
+        if !tokens.is_multiple_of(self.block_tokens) {
+            self.table.unfill(keep - 1, tokens % self.block_tokens);
+        }
+        self.tokens = tokens;
+        self.update_figures();
+        Ok(())
+    }
+
     /// Gives back the blocks promised and not taken (a request that finished early).
     pub fn release_promised(&mut self) {
         self.table.release_reservation();

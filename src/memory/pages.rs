@@ -345,6 +345,30 @@ impl PageTable {
         }
     }
 
+    /// Gives back every page from `keep` on (a page other tables hold stays theirs).
+    pub(crate) fn truncate(&mut self, keep: usize) {
+        if keep >= self.held.len() {
+            return;
+        }
+        let mut s = self.pages.lock();
+        for p in self.held.drain(keep..) {
+            Pages::release(&mut s, p);
+        }
+    }
+
+    /// Records that only the first `slots` token slots of page `i` hold tokens now, when this table
+    /// alone holds it (a page other tables hold keeps their tokens).
+    pub(crate) fn unfill(&mut self, i: usize, slots: usize) {
+        let mut s = self.pages.lock();
+        let page = self.held[i] as usize;
+        if s.holders[page] == 1 {
+            let f = &mut s.filled[page];
+            let shrunk = f.saturating_sub(slots as u32);
+            *f -= shrunk;
+            s.filled_total -= shrunk as usize;
+        }
+    }
+
     /// Records that the first `slots` token slots of page `i` hold tokens (for the waste figures).
     pub(crate) fn fill(&mut self, i: usize, slots: usize) {
         let mut s = self.pages.lock();

@@ -5,7 +5,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvCache, KvPool, KvUsage};
 use crate::rng::DEFAULT_SEED;
-use crate::scope::{Child, Scope};
+use crate::scope::Scope;
 
 /// What to generate.
 #[derive(Debug, Clone, PartialEq)]
@@ -203,7 +203,7 @@ pub(crate) fn host_rows(logits: &crate::tensor::Tensor<'_>) -> Result<Vec<f32>> 
 /// returns, so a request's memory is its cache plus one step's.
 fn step<'m, 'r, M: CausalLm<'m>>(
     model: &M,
-    request: &Child<'r, '_>,
+    request: &Scope<'r>,
     pool: &KvPool<'_>,
     cache: &mut KvCache<'r>,
     tokens: &[i64],
@@ -254,18 +254,104 @@ where
     'm: 'a,
 {
     let max_positions = model.max_positions();
-    let mut decoding = Decoding::new(prompt, options, max_positions)?;
+    let decoding = Decoding::new(prompt, options, max_positions)?;
     scope.scope(|request| {
         let mut cache = pool.cache(request, decoding.cache_tokens())?;
-        if decoding.is_done_at_start() {
-            return Ok(decoding.finish(Finish::Length, cache.usage()));
-        }
-        loop {
-            let next = std::mem::take(&mut decoding.next);
-            let logits = step(model, request, pool, &mut cache, &next)?;
-            if let Some(finish) = decoding.choose(&logits, cache.len(), max_positions) {
-                return Ok(decoding.finish(finish, cache.usage()));
-            }
-        }
+        decode_all(model, request, pool, &mut cache, decoding)
     })
+}
+
+/// Continues the sequence `cache` holds: `prompt`, the tokens that follow the cached ones, runs
+/// through the model once, then each new token alone, each step in a scope of its own under `scope`
+/// (whose brand the cache carries). The cache keeps every token the model ran: afterwards it holds
+/// its earlier tokens, the prompt, and every new token but the last, which is not run (the next
+/// call's prompt starts with it). A conversation keeps one cache across its turns this way, so
+/// each turn runs only its new tokens (DJL's predictor keeps its context so); a cache can also be
+/// [`fork`](KvCache::fork)ed first, to try two continuations of one context.
+///
+/// ```
+/// use ndscope::models::Gpt2;
+/// use ndscope::kv::{CausalLm, KvPool};
+/// use ndscope::serve::{GenerateOptions, generate, generate_in};
+/// use ndscope::{DType, Device, root};
+///
+/// root(Device::Cpu, |model_scope| {
+///     let gpt2 = Gpt2::from_pretrained(model_scope, "data/gpt2-tiny", DType::F32)?;
+///     let pool = KvPool::new(model_scope, gpt2.kv_shape(), 16, 32)?;
+///     let options = GenerateOptions::greedy(4);
+///     model_scope.scope(|conversation| {
+///         let mut cache = pool.cache(conversation, 64)?;
+///         let first = generate_in(&gpt2, conversation, &pool, &mut cache, &[33, 292], &options)?;
+///         assert_eq!(cache.len(), 2 + 3);
+///         // The next turn: the last token chosen, then new tokens; only these run.
+///         let turn = [*first.tokens.last().unwrap(), 482, 308];
+///         let second = generate_in(&gpt2, conversation, &pool, &mut cache, &turn, &options)?;
+///         // The same as generating from the whole sequence at once.
+///         let mut whole = vec![33, 292];
+///         whole.extend(&first.tokens[..3]);
+///         whole.extend(turn);
+///         let again = generate(&gpt2, conversation, &pool, &whole, &options)?;
+///         assert_eq!(second.tokens, again.tokens);
+///         Ok::<_, ndscope::Error>(())
+///     })
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::InvalidShape`] for an empty prompt, or when the cached and new tokens pass the model's
+/// positions; [`Error::InvalidArgument`] for sampling settings out of range and a cache of another
+/// pool; [`Error::KvCapacity`] when the cache cannot grow; as for the model's
+/// [`decode`](CausalLm::decode). A failed step leaves the cache with the tokens run before it.
+pub fn generate_in<'m, 'r, M: CausalLm<'m>>(
+    model: &M,
+    scope: &Scope<'r>,
+    pool: &KvPool<'_>,
+    cache: &mut KvCache<'r>,
+    prompt: &[i64],
+    options: &GenerateOptions,
+) -> Result<Generation>
+where
+    'm: 'r,
+{
+    let max_positions = model.max_positions();
+    let room = max_positions.saturating_sub(cache.len());
+    if prompt.len() > room {
+        return Err(Error::InvalidShape {
+            op: "generate_in",
+            shape: vec![cache.len(), prompt.len()],
+            reason: format!(
+                "{} cached and {} new tokens pass the model's {max_positions} positions; start a \
+                 new cache from the sequence's last tokens",
+                cache.len(),
+                prompt.len()
+            ),
+        });
+    }
+    let decoding = Decoding::new(prompt, options, max_positions)?;
+    decode_all(model, scope, pool, cache, decoding)
+}
+
+/// Runs `decoding` against `cache` until it finishes.
+fn decode_all<'m, 'r, M: CausalLm<'m>>(
+    model: &M,
+    request: &Scope<'r>,
+    pool: &KvPool<'_>,
+    cache: &mut KvCache<'r>,
+    mut decoding: Decoding,
+) -> Result<Generation>
+where
+    'm: 'r,
+{
+    let max_positions = model.max_positions();
+    if decoding.is_done_at_start() {
+        return Ok(decoding.finish(Finish::Length, cache.usage()));
+    }
+    loop {
+        let next = std::mem::take(&mut decoding.next);
+        let logits = step(model, request, pool, cache, &next)?;
+        if let Some(finish) = decoding.choose(&logits, cache.len(), max_positions) {
+            return Ok(decoding.finish(finish, cache.usage()));
+        }
+    }
 }

@@ -11,5 +11,5 @@ mod generate;
 mod sample;
 
 pub use engine::{Completion, Engine, EngineConfig, Request, StepReport};
-pub use generate::{Finish, GenerateOptions, Generation, generate};
+pub use generate::{Finish, GenerateOptions, Generation, generate, generate_in};
 pub use sample::Sampling;
