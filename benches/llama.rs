@@ -1,0 +1,176 @@
+//! A Llama-3.2-1B-shaped model on the CPU (hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP
+//! 8192, vocabulary 128,256, a tied head; random weights in bf16, written once by
+//! `benches/llama_reference.py make` to `target/llama-1b-random/`): loading, the forward pass of 512
+//! tokens and the forward+backward pass of 256 (f32 and bf16 weights), batch-1 decoding against the
+//! machine's read bandwidth, and eight requests decoded together by the engine.
+//! `benches/llama_reference.py step` measures transformers and PyTorch on the same directory.
+//!
+//! ```text
+//! python3 benches/llama_reference.py make     # the checkpoint (2.5 GB), once
+//! RAYON_NUM_THREADS=2 cargo bench --bench llama
+//! python3 benches/llama_reference.py step
+//! ```
+//!
+//! Each pass takes seconds, so this bench times medians of a few runs itself (after a warm-up run)
+//! rather than through criterion's sampling.
+
+use std::hint::black_box;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ndscope::kv::{CausalLm, KvPool};
+use ndscope::models::Llama;
+use ndscope::nn::{Mode, Parameters};
+use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
+use ndscope::{DType, Device, Result, Scope, Tape, root};
+
+const DIR: &str = "target/llama-1b-random";
+const RUNS: usize = 3;
+
+/// The median of `runs` timings of `work`, after one untimed run.
+fn median(runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Duration> {
+    work()?;
+    let mut times = Vec::with_capacity(runs);
+    for _ in 0..runs {
+        let start = Instant::now();
+        work()?;
+        times.push(start.elapsed());
+    }
+    times.sort();
+    Ok(times[runs / 2])
+}
+
+/// The token ids of `benches/llama_reference.py`.
+fn ids(len: usize) -> Vec<i64> {
+    (0..len as i64).map(|i| (i * 7919 + 13) % 128_256).collect()
+}
+
+/// Bytes per second summing 1 GiB of f32 with two threads, each its own half: the bytes one decode
+/// step streams, at the rate the machine reads them.
+fn read_bandwidth() -> f64 {
+    let data = vec![1.0f32; 256 << 20];
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = Instant::now();
+        let total: f32 = std::thread::scope(|s| {
+            let halves: Vec<_> = data
+                .chunks(data.len() / 2)
+                .map(|half| s.spawn(move || half.iter().sum::<f32>()))
+                .collect();
+            halves.into_iter().map(|h| h.join().unwrap()).sum()
+        });
+        black_box(total);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    (data.len() * 4) as f64 / best
+}
+
+fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
+    let forward = ids(512);
+    let t = median(RUNS, || {
+        m.scope(|b| {
+            let x = b.from_slice(&forward, &[1, 512])?;
+            let tape = Tape::no_grad(b);
+            let logits = model.forward(&tape, &x, Mode::Eval)?;
+            black_box(logits.value().narrow(1, 511, 1)?.to_dtype(DType::F32)?.sum_all()?);
+            Ok(())
+        })
+    })?;
+    println!("llama_1b/forward_512/{label}: {:.3} s", t.as_secs_f64());
+    let train = ids(257);
+    let t = median(RUNS, || {
+        m.scope(|b| {
+            let x = b.from_slice(&train[..256], &[1, 256])?;
+            let labels = b.from_slice(&train[1..], &[256])?;
+            let tape = Tape::new(b);
+            let logits = model.forward(&tape, &x, Mode::Train)?;
+            let loss = logits.reshape(&[256, 128_256])?.cross_entropy(&labels)?;
+            let grads = tape.backward(&loss)?;
+            black_box(grads.len());
+            Ok(())
+        })
+    })?;
+    println!("llama_1b/forward_backward_256/{label}: {:.3} s", t.as_secs_f64());
+    Ok(())
+}
+
+fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64) -> Result<()> {
+    let pool = KvPool::for_tokens(m, model.kv_shape(), 16, 8 * 64)?;
+    let prompt = ids(16);
+    let options = GenerateOptions::greedy(32).with_min_new_tokens(32);
+    // One request: the prompt's pass, then 31 single-token steps. The prompt's pass is timed
+    // apart, so that the step rate counts the steps alone.
+    let mut prefills = Vec::new();
+    let mut wholes = Vec::new();
+    for run in 0..=RUNS {
+        let start = Instant::now();
+        m.scope(|s| {
+            let mut cache = pool.cache(s, 16)?;
+            s.scope(|step| model.decode(step, &pool, &mut [&mut cache], &[&prompt]).map(drop))
+        })?;
+        let prefill = start.elapsed();
+        let start = Instant::now();
+        black_box(generate(model, m, &pool, &prompt, &options)?.tokens);
+        if run > 0 {
+            prefills.push(prefill);
+            wholes.push(start.elapsed());
+        }
+    }
+    prefills.sort();
+    wholes.sort();
+    let (prefill, t) = (prefills[RUNS / 2], wholes[RUNS / 2]);
+    let step_rate = 31.0 / (t - prefill).as_secs_f64();
+    let bound = read_bandwidth() / weight_bytes;
+    println!(
+        "llama_1b/decode_batch1/{label}: 32 tokens in {:.3} s; {step_rate:.2} tokens/s after the \
+         prompt; the read bandwidth bounds it at {bound:.2} tokens/s ({:.0} % of the bound)",
+        t.as_secs_f64(),
+        100.0 * step_rate / bound
+    );
+    let t8 = median(RUNS, || {
+        let mut engine = Engine::new(model, &pool, EngineConfig { max_batch: 8 });
+        for r in 0..8 {
+            let mut p = prompt.clone();
+            p[0] = r;
+            engine.submit(Request {
+                prompt: p,
+                options: options.clone(),
+                arrival: 0,
+            })?;
+        }
+        black_box(engine.run(m, |_| ())?);
+        Ok(())
+    })?;
+    println!(
+        "llama_1b/engine_8_requests/{label}: 8 x 32 tokens in {:.3} s: {:.2} tokens/s, {:.2}x one \
+         request's {:.2}",
+        t8.as_secs_f64(),
+        256.0 / t8.as_secs_f64(),
+        (256.0 / t8.as_secs_f64()) / (32.0 / t.as_secs_f64()),
+        32.0 / t.as_secs_f64()
+    );
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    if !Path::new(DIR).join("config.json").is_file() {
+        eprintln!("llama bench: no checkpoint at {DIR}; make it with `python3 benches/llama_reference.py make`");
+        return Ok(());
+    }
+    // Criterion-style arguments (`--bench`, filters) are accepted and ignored.
+    for (dtype, label) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+        root(Device::Cpu, |m| {
+            let start = Instant::now();
+            let model = Llama::from_pretrained(m, DIR, dtype)?;
+            let weight_bytes = model.parameter_elements() as f64 * dtype.size() as f64;
+            println!(
+                "llama_1b/load/{label}: {:.3} s, {:.2} GB of weights",
+                start.elapsed().as_secs_f64(),
+                weight_bytes / 1e9
+            );
+            passes(m, &model, label)?;
+            decoding(m, &model, label, weight_bytes)
+        })?;
+    }
+    Ok(())
+}
