@@ -80,6 +80,7 @@ fn attention(c: &mut Criterion) {
         let decode = AttentionSpec {
             causal: Causal::BottomRight,
             scale: None,
+            window: None,
         };
         group.bench_function("decode_1_query_1024_keys", |bench| {
             bench.iter(|| {

@@ -72,7 +72,13 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
             let x = b.from_slice(&forward, &[1, 512])?;
             let tape = Tape::no_grad(b);
             let logits = model.forward(&tape, &x, Mode::Eval)?;
-            black_box(logits.value().narrow(1, 511, 1)?.to_dtype(DType::F32)?.sum_all()?);
+            black_box(
+                logits
+                    .value()
+                    .narrow(1, 511, 1)?
+                    .to_dtype(DType::F32)?
+                    .sum_all()?,
+            );
             Ok(())
         })
     })?;
@@ -90,7 +96,10 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
             Ok(())
         })
     })?;
-    println!("llama_1b/forward_backward_256/{label}: {:.3} s", t.as_secs_f64());
+    println!(
+        "llama_1b/forward_backward_256/{label}: {:.3} s",
+        t.as_secs_f64()
+    );
     Ok(())
 }
 
@@ -106,7 +115,11 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
         let start = Instant::now();
         m.scope(|s| {
             let mut cache = pool.cache(s, 16)?;
-            s.scope(|step| model.decode(step, &pool, &mut [&mut cache], &[&prompt]).map(drop))
+            s.scope(|step| {
+                model
+                    .decode(step, &pool, &mut [&mut cache], &[&prompt])
+                    .map(drop)
+            })
         })?;
         let prefill = start.elapsed();
         let start = Instant::now();
@@ -154,7 +167,9 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
 
 fn main() -> Result<()> {
     if !Path::new(DIR).join("config.json").is_file() {
-        eprintln!("llama bench: no checkpoint at {DIR}; make it with `python3 benches/llama_reference.py make`");
+        eprintln!(
+            "llama bench: no checkpoint at {DIR}; make it with `python3 benches/llama_reference.py make`"
+        );
         return Ok(());
     }
     // Criterion-style arguments (`--bench`, filters) are accepted and ignored.

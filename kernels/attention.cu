@@ -23,8 +23,16 @@ struct AttnGeo {
     i64 batch, heads, queries, keys, width, vwidth;
     i64 causal, offset;  // with causal != 0, query i sees keys j <= i + offset
     i64 group;           // query heads per key and value head (grouped-query attention)
+    i64 window;          // with causal != 0 and window > 0, query i sees keys j > i + offset - window
     i64 s[8][3];
 };
+
+// The first key query i sees: past the sliding window's start, or 0.
+__device__ __forceinline__ i64 attn_first(const AttnGeo& g, i64 i) {
+    if (!g.causal || g.window <= 0) return 0;
+    i64 n = i + g.offset + 1 - g.window;
+    return n < 0 ? 0 : n;
+}
 
 // How many keys, from the first, query i sees when its batch holds `keys`.
 __device__ __forceinline__ i64 attn_visible(const AttnGeo& g, i64 i, i64 keys) {
@@ -69,10 +77,11 @@ __device__ void attention_forward(const AttnGeo& g, T* out, C* lse, const T* q, 
     if (i >= g.queries) return;  // the whole warp leaves; the block never synchronises
     attn_load_row(qrow[warp], q + attn_at(g, A_Q, b, h, i), g.width, lane);
     const i64 seen = attn_visible(g, i, attn_keys(g, lengths, b));
+    const i64 from = attn_first(g, i);
     C acc[ATTN_PER_LANE];
     for (int t = 0; t < ATTN_PER_LANE; t++) acc[t] = (C)0;
     C m = Limits<C>::lowest(), l = (C)0;
-    for (i64 j0 = 0; j0 < seen; j0 += 32) {
+    for (i64 j0 = from; j0 < seen; j0 += 32) {
         const i64 j = j0 + lane;
         C s = Limits<C>::lowest();
         if (j < seen) s = scale * attn_dot(qrow[warp], k + attn_at(g, A_K, b, h, j), g.width);
@@ -122,7 +131,7 @@ __device__ void attention_backward_dq(const AttnGeo& g, T* dq, C* delta, const T
     const i64 seen = li == Limits<C>::lowest() ? 0 : attn_visible(g, i, attn_keys(g, lengths, b));
     C acc[ATTN_PER_LANE];
     for (int t = 0; t < ATTN_PER_LANE; t++) acc[t] = (C)0;
-    for (i64 j0 = 0; j0 < seen; j0 += 32) {
+    for (i64 j0 = attn_first(g, i); j0 < seen; j0 += 32) {
         const i64 j = j0 + lane;
         C ds = (C)0;
         if (j < seen) {
@@ -159,15 +168,20 @@ __device__ void attention_backward_dkv(const AttnGeo& g, T* dk, T* dv, const T* 
     if (j >= g.keys) return;
     attn_load_row(krow[warp], k + attn_at(g, A_K, b, h, j), g.width, lane);
     attn_load_row(vrow[warp], v + attn_at(g, A_V, b, h, j), g.vwidth, lane);
-    // The queries that see key j: from the first whose causal bound passes j, if the batch holds j.
-    i64 first = g.queries;
+    // The queries that see key j: from the first whose causal bound passes j, if the batch holds j,
+    // to the last whose sliding window still holds it.
+    i64 first = g.queries, end = g.queries;
     if (j < attn_keys(g, lengths, b)) first = g.causal ? (j - g.offset > 0 ? j - g.offset : 0) : 0;
+    if (g.causal && g.window > 0) {
+        const i64 last = j - g.offset + g.window;  // one past the last query whose window holds j
+        end = last < 0 ? 0 : (last < g.queries ? last : g.queries);
+    }
     C acc_k[ATTN_PER_LANE], acc_v[ATTN_PER_LANE];
     for (int t = 0; t < ATTN_PER_LANE; t++) acc_k[t] = acc_v[t] = (C)0;
-    for (i64 i0 = first; i0 < g.queries; i0 += 32) {
+    for (i64 i0 = first; i0 < end; i0 += 32) {
         const i64 i = i0 + lane;
         C p = (C)0, ds = (C)0;
-        if (i < g.queries) {
+        if (i < end) {
             const C li = lse[bh * g.queries + i];
             if (li != Limits<C>::lowest()) {
                 p = k_exp(scale * attn_dot(krow[warp], q + attn_at(g, A_Q, b, h, i), g.width) - li);
@@ -175,7 +189,7 @@ __device__ void attention_backward_dkv(const AttnGeo& g, T* dk, T* dv, const T* 
                 ds = p * (dp - delta[bh * g.queries + i]) * scale;
             }
         }
-        const i64 n = g.queries - i0 < 32 ? g.queries - i0 : 32;
+        const i64 n = end - i0 < 32 ? end - i0 : 32;
         for (int u = 0; u < n; u++) {
             const C pu = __shfl_sync(FULL_WARP, p, u);
             const C du = __shfl_sync(FULL_WARP, ds, u);

@@ -14,6 +14,7 @@ struct PagedGeo {
     i64 rows, heads, tokens, width, layer;  // heads: the pages' key and value heads
     i64 q_row, q_head;  // the queries' row and head strides (the width's is 1)
     i64 q_heads;        // query heads, a multiple of heads (grouped-query attention)
+    i64 window;         // a query sees only its last `window` tokens (0: all)
 };
 
 // Keys (which = 0) or values (1) of `layer`, head h, slot t, in the page at `page`.
@@ -38,7 +39,8 @@ __device__ void paged_attention(const PagedGeo& g, T* out, const T* q, const i64
     C acc[PAGED_PER_LANE];
     for (int t = 0; t < PAGED_PER_LANE; t++) acc[t] = (C)0;
     C m = Limits<C>::lowest(), l = (C)0;
-    for (i64 j0 = 0; j0 < seen; j0 += 32) {
+    const i64 from = g.window > 0 && seen > g.window ? seen - g.window : 0;  // the sliding window
+    for (i64 j0 = from; j0 < seen; j0 += 32) {
         const i64 j = j0 + lane;
         C s = Limits<C>::lowest();
         if (j < seen) {

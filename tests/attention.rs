@@ -9,29 +9,31 @@ use common::{assert_close, values};
 use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
 use ndscope::{AttentionSpec, Causal, DType, Device, Error, Tape, Tensor, root};
 
-/// One head's attention in f64: `q` `[tq, d]`, `k` `[tk, d]`, `v` `[tk, dv]`, query `i` seeing keys
-/// `j < seen(i)`; a query that sees none gets zeros.
+/// One head's attention in f64: `q` `[tq, d]`, `k` `[tk, d]`, `v` `[tk, dv]`, query `i` seeing the
+/// keys `seen(i)`; a query that sees none gets zeros.
 fn reference_head(
     q: &[f64],
     k: &[f64],
     v: &[f64],
     (tq, tk, d, dv): (usize, usize, usize, usize),
     scale: f64,
-    seen: impl Fn(usize) -> usize,
+    seen: impl Fn(usize) -> std::ops::Range<usize>,
 ) -> Vec<f64> {
     let mut out = vec![0.0; tq * dv];
     for i in 0..tq {
-        let n = seen(i).min(tk);
-        if n == 0 {
+        let keys = seen(i);
+        let keys = keys.start..keys.end.min(tk);
+        if keys.is_empty() {
             continue;
         }
-        let s: Vec<f64> = (0..n)
+        let s: Vec<f64> = keys
+            .clone()
             .map(|j| scale * (0..d).map(|c| q[i * d + c] * k[j * d + c]).sum::<f64>())
             .collect();
         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
         let total: f64 = e.iter().sum();
-        for (j, w) in e.iter().enumerate() {
+        for (j, w) in keys.zip(&e) {
             for c in 0..dv {
                 out[i * dv + c] += w / total * v[j * dv + c];
             }
@@ -48,6 +50,7 @@ fn reference(
     v: &[f64],
     [b, h, tq, tk, d, dv]: [usize; 6],
     causal: Causal,
+    window: Option<usize>,
     lengths: Option<&[i64]>,
 ) -> Vec<f64> {
     let scale = 1.0 / (d as f64).sqrt();
@@ -62,7 +65,9 @@ fn reference(
                     Causal::TopLeft => i + 1,
                     Causal::BottomRight => (i + tk + 1).saturating_sub(tq),
                 };
-                limit.min(keys)
+                // A sliding window: the last `window` positions up to the causal limit.
+                let first = window.map_or(0, |w| limit.saturating_sub(w));
+                first..limit.min(keys)
             };
             out.extend(reference_head(
                 &q[head * tq * d..][..tq * d],
@@ -100,11 +105,22 @@ fn fused_attention_matches_an_f64_loop_for_every_mask_and_tile_edge() {
             );
             let lengths: Vec<i64> = (0..b).map(|i| (tk as i64) - 3 * i as i64).collect();
             let lt = s.from_slice(&lengths, &[b])?;
-            for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+            let masks = [
+                (Causal::None, None),
+                (Causal::TopLeft, None),
+                (Causal::BottomRight, None),
+                // Sliding windows: one key, a few, and more than a key tile.
+                (Causal::TopLeft, Some(1)),
+                (Causal::TopLeft, Some(7)),
+                (Causal::BottomRight, Some(7)),
+                (Causal::BottomRight, Some(150)),
+            ];
+            for (causal, window) in masks {
                 for with_lengths in [false, true] {
                     let spec = AttentionSpec {
                         causal,
                         scale: None,
+                        window,
                     };
                     let l = with_lengths.then_some(&lt);
                     let got = qt.attention(&kt, &vt, spec, l)?;
@@ -115,6 +131,7 @@ fn fused_attention_matches_an_f64_loop_for_every_mask_and_tile_edge() {
                         &v,
                         dims,
                         causal,
+                        window,
                         with_lengths.then_some(&lengths[..]),
                     );
                     assert_close(&got.to_vec::<f64>()?, &want, 1e-12);
@@ -154,6 +171,7 @@ fn fused_attention_equals_the_unfused_composition_in_value_and_gradient() {
                                 Causal::None
                             },
                             scale: None,
+                            window: None,
                         };
                         q.attention(&k, &v, spec, None)?
                     } else {
@@ -246,10 +264,12 @@ fn sixteen_bit_attention_computes_in_f32_and_rounds_once() {
                 dims,
                 Causal::BottomRight,
                 None,
+                None,
             );
             let spec = AttentionSpec {
                 causal: Causal::BottomRight,
                 scale: None,
+                window: None,
             };
             let got = q16.attention(&k16, &v16, spec, None)?;
             assert_eq!(got.dtype(), dtype);
@@ -322,6 +342,7 @@ fn grouped_query_attention_equals_attention_over_repeated_heads() {
                         let spec = AttentionSpec {
                             causal,
                             scale: None,
+                            window: None,
                         };
                         let out = if grouped {
                             q.attention(&k, &v, spec, key_lengths)?
@@ -387,6 +408,7 @@ fn bad_attention_operands_are_typed_errors() {
         let nan_scale = AttentionSpec {
             causal: Causal::None,
             scale: Some(f64::NAN),
+            window: None,
         };
         assert!(is_shape(q.attention(&k, &k, nan_scale, None)));
         let ints = s.from_slice(&[1i64; 8], &[2, 4])?;
@@ -398,6 +420,20 @@ fn bad_attention_operands_are_typed_errors() {
             q.attention(&k.to_dtype(DType::F64)?, &k, spec, None),
             Err(Error::DTypeMismatch { .. })
         ));
+        // A sliding window counts back from a causal position, and must hold a key.
+        for (causal, window, says) in [
+            (Causal::None, Some(4), "only a causal mask"),
+            (Causal::TopLeft, Some(0), "window of 0"),
+        ] {
+            let spec = AttentionSpec {
+                causal,
+                scale: None,
+                window,
+            };
+            let err = q.attention(&k, &k, spec, None).unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+            assert!(err.to_string().contains(says), "{err}");
+        }
         Ok::<_, Error>(())
     })
     .unwrap();

@@ -510,8 +510,33 @@ fn transformer_ops() {
             let spec = AttentionSpec {
                 causal: Causal::BottomRight,
                 scale: Some(0.7),
+                window: None,
             };
             v[0].attention(&v[1], &v[2], spec, None)
+        },
+    );
+    check(
+        "fused attention in a sliding window of 3, bottom right",
+        heads(),
+        |v| {
+            let spec = AttentionSpec {
+                causal: Causal::BottomRight,
+                scale: None,
+                window: Some(3),
+            };
+            v[0].attention(&v[1], &v[2], spec, None)
+        },
+    );
+    check(
+        "fused attention in a window of 2, with key lengths",
+        heads(),
+        |v| {
+            let lengths = v[0].tape().scope().from_slice(&[7i64, 4], &[2])?;
+            let spec = AttentionSpec {
+                window: Some(2),
+                ..AttentionSpec::CAUSAL
+            };
+            v[0].attention(&v[1], &v[2], spec, Some(&lengths))
         },
     );
     check("fused attention with key lengths", heads(), |v| {

@@ -112,16 +112,27 @@ fn agree(name: &str, tol: f64, case: &Case) {
 /// against a long cache, and every float dtype.
 #[test]
 fn fused_attention_agrees_with_the_host() {
+    let masks = [
+        (Causal::None, None),
+        (Causal::TopLeft, None),
+        (Causal::BottomRight, None),
+        (Causal::TopLeft, Some(37)),
+        (Causal::BottomRight, Some(5)),
+    ];
     for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
-        for causal in [Causal::None, Causal::TopLeft, Causal::BottomRight] {
+        for (causal, window) in masks {
             for (queries, keys) in [(70, 150), (1, 300), (65, 65)] {
                 agree(
-                    &format!("fused attention in {dtype}, {causal:?}, {queries} over {keys}"),
+                    &format!(
+                        "fused attention in {dtype}, {causal:?}, window {window:?}, {queries} over \
+                         {keys}"
+                    ),
                     tol,
                     &move |s| {
                         let spec = AttentionSpec {
                             causal,
                             scale: None,
+                            window,
                         };
                         let qkv = s
                             .randn(&[2, queries.max(keys), 3, 3, 16])?
@@ -406,6 +417,7 @@ fn grouped_query_attention_agrees_with_the_host() {
                     let spec = AttentionSpec {
                         causal,
                         scale: None,
+                        window: None,
                     };
                     let out = vq.attention(&vk, &vv, spec, None)?;
                     let grads = tape.backward(&out.mul(&tape.constant(&w))?.sum_all()?)?;
@@ -1283,9 +1295,12 @@ fn paged_attention_agrees_with_the_host() {
 #[test]
 fn grouped_paged_attention_agrees_with_the_host() {
     use ndscope::kv::{KvPool, KvShape, KvStep};
-    for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)] {
+    let cases = [None, Some(3)].into_iter().flat_map(|window| {
+        [(DType::F64, 1e-12), (DType::F32, 1e-4), (DType::BF16, 2e-2)].map(|(d, t)| (d, t, window))
+    });
+    for (dtype, tol, window) in cases {
         agree(
-            &format!("grouped paged attention in {dtype}"),
+            &format!("grouped paged attention in {dtype}, window {window:?}"),
             tol,
             &move |s| {
                 let shape = KvShape {
@@ -1302,7 +1317,7 @@ fn grouped_paged_attention_agrees_with_the_host() {
                     let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;
                     let q = s.randn(&[rows, 6, 40])?.to_dtype(dtype)?;
                     let kv = s.randn(&[rows, 2, 2, 40])?.to_dtype(dtype)?;
-                    outs.push(step.attend_grouped(0, &q, &kv, 0.2)?);
+                    outs.push(step.attend_in_window(0, &q, &kv, 0.2, window)?);
                     step.finish();
                 }
                 Ok(outs)
@@ -1340,27 +1355,30 @@ fn llama_agrees_with_the_host() {
     use ndscope::kv::{CausalLm, KvPool};
     use ndscope::models::Llama;
     use ndscope::nn::Parameters;
-    agree("Llama", 1e-4, &|s| {
-        let llama = Llama::from_pretrained(s, "data/llama-tiny", DType::F32)?;
-        let ids: Vec<i64> = (0..24).map(|i| (i * 37 % 1000) as i64).collect();
-        let input = s.from_slice(&ids, &[2, 12])?;
-        let tape = Tape::new(s);
-        let logits = llama.forward(&tape, &input, Mode::Train)?;
-        let grads = tape.backward(&logits.square()?.mean_all()?)?;
-        let mut outs = vec![logits.value().clone()];
-        llama.visit("", &mut |_, p| outs.push(grads.get(p).expect("a gradient")));
-        let pool = KvPool::new(s, llama.kv_shape(), 4, 16)?;
-        let (mut a, mut b) = (pool.cache(s, 30)?, pool.cache(s, 30)?);
-        let mut caches = [&mut a, &mut b];
-        s.scope(|step| -> Result<()> {
-            let first = llama.decode(step, &pool, &mut caches, &[&ids[..9], &ids[9..12]])?;
-            outs.push(s.from_slice(&first.to_vec::<f32>()?, &[2, 1000])?);
-            let next = llama.decode(step, &pool, &mut caches, &[&[7], &[8]])?;
-            outs.push(s.from_slice(&next.to_vec::<f32>()?, &[2, 1000])?);
-            Ok(())
-        })?;
-        Ok(outs)
-    });
+    // Mistral's window (16) is shorter than its 24-token rows and the 20-token prompt.
+    for (dir, rows) in [("data/llama-tiny", [2, 12]), ("data/mistral-tiny", [1, 24])] {
+        agree(dir, 1e-4, &move |s| {
+            let llama = Llama::from_pretrained(s, dir, DType::F32)?;
+            let ids: Vec<i64> = (0..24).map(|i| (i * 37 % 1000) as i64).collect();
+            let input = s.from_slice(&ids, &rows)?;
+            let tape = Tape::new(s);
+            let logits = llama.forward(&tape, &input, Mode::Train)?;
+            let grads = tape.backward(&logits.square()?.mean_all()?)?;
+            let mut outs = vec![logits.value().clone()];
+            llama.visit("", &mut |_, p| outs.push(grads.get(p).expect("a gradient")));
+            let pool = KvPool::new(s, llama.kv_shape(), 4, 16)?;
+            let (mut a, mut b) = (pool.cache(s, 24)?, pool.cache(s, 24)?);
+            let mut caches = [&mut a, &mut b];
+            s.scope(|step| -> Result<()> {
+                let first = llama.decode(step, &pool, &mut caches, &[&ids[..20], &ids[20..]])?;
+                outs.push(s.from_slice(&first.to_vec::<f32>()?, &[2, 1000])?);
+                let next = llama.decode(step, &pool, &mut caches, &[&[7], &[8]])?;
+                outs.push(s.from_slice(&next.to_vec::<f32>()?, &[2, 1000])?);
+                Ok(())
+            })?;
+            Ok(outs)
+        });
+    }
 }
 
 /// Collectives on GPU tensors go through NCCL, here as a world of one (no MPI needed, and NCCL

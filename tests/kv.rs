@@ -11,19 +11,27 @@ const SHAPE: KvShape = KvShape {
     dtype: DType::F32,
 };
 
-/// `softmax(q kᵀ · scale) v` per head for each query, which sees the tokens up to its own position:
-/// `q` `[queries, heads, w]` at the last `queries` of `keys.len()` positions; keys and values
-/// `[tokens][heads][w]`.
-fn reference(q: &[f64], keys: &[f64], values: &[f64], heads: usize, w: usize) -> Vec<f64> {
+/// `softmax(q kᵀ · scale) v` per head for each query, which sees the tokens up to its own position
+/// (the last `window` of them, with a sliding window): `q` `[queries, heads, w]` at the last
+/// `queries` of `keys.len()` positions; keys and values `[tokens][heads][w]`.
+fn reference(
+    q: &[f64],
+    keys: &[f64],
+    values: &[f64],
+    heads: usize,
+    w: usize,
+    window: Option<usize>,
+) -> Vec<f64> {
     let queries = q.len() / (heads * w);
     let tokens = keys.len() / (heads * w);
     let scale = 1.0 / (w as f64).sqrt();
     let mut out = vec![0.0; q.len()];
     for i in 0..queries {
         let visible = tokens - queries + i + 1;
+        let first = window.map_or(0, |n| visible.saturating_sub(n));
         for h in 0..heads {
             let qi = &q[(i * heads + h) * w..][..w];
-            let scores: Vec<f64> = (0..visible)
+            let scores: Vec<f64> = (first..visible)
                 .map(|j| {
                     let k = &keys[(j * heads + h) * w..][..w];
                     scale * qi.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
@@ -32,7 +40,7 @@ fn reference(q: &[f64], keys: &[f64], values: &[f64], heads: usize, w: usize) ->
             let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
             let total: f64 = weights.iter().sum();
-            for (j, wt) in weights.iter().enumerate() {
+            for (j, wt) in (first..visible).zip(&weights) {
                 let v = &values[(j * heads + h) * w..][..w];
                 for d in 0..w {
                     out[(i * heads + h) * w + d] += wt / total * v[d];
@@ -80,7 +88,7 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
                                 keys.extend_from_slice(part(1));
                                 values.extend_from_slice(part(2));
                             }
-                            let want = reference(&q, keys, values, heads, w);
+                            let want = reference(&q, keys, values, heads, w, None);
                             let got = &got[row * heads * w..(row + n) * heads * w];
                             for (g, w) in got.iter().zip(&want) {
                                 assert!(
@@ -108,12 +116,16 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
 }
 
 /// Grouped-query attention through the pages: 6 query heads over the cache's 2 key and value
-/// heads (query head `h` reads `h / 3`), against the f64 reference over each key head's history.
+/// heads (query head `h` reads `h / 3`), against the f64 reference over each key head's history;
+/// with no window, and with sliding windows shorter and longer than a block of 4.
 #[test]
 fn grouped_paged_attention_matches_the_reference() {
     let (q_heads, kv_heads, w) = (6, 2, 8);
     let group = q_heads / kv_heads;
-    for (dtype, tolerance) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+    let cases = [None, Some(3), Some(6)]
+        .into_iter()
+        .flat_map(|window| [(DType::F64, 1e-12), (DType::F32, 1e-5)].map(|(d, t)| (d, t, window)));
+    for (dtype, tolerance, window) in cases {
         let shape = KvShape {
             layers: 1,
             heads: kv_heads,
@@ -131,7 +143,7 @@ fn grouped_paged_attention_matches_the_reference() {
                     let q = s.randn(&[rows, q_heads, w])?.to_dtype(dtype)?;
                     let kv = s.randn(&[rows, 2, kv_heads, w])?.to_dtype(dtype)?;
                     let got = step
-                        .attend_grouped(0, &q, &kv, 1.0 / (w as f64).sqrt())?
+                        .attend_in_window(0, &q, &kv, 1.0 / (w as f64).sqrt(), window)?
                         .to_vec_f64()?;
                     let (q, kv) = (q.to_vec_f64()?, kv.to_vec_f64()?);
                     let mut row = 0;
@@ -161,13 +173,14 @@ fn grouped_paged_attention_matches_the_reference() {
                                 &pick(values, kv_heads, h / group),
                                 1,
                                 w,
+                                window,
                             );
                             let got =
                                 pick(&got[row * q_heads * w..(row + n) * q_heads * w], q_heads, h);
                             for (g, x) in got.iter().zip(&want) {
                                 assert!(
                                     (g - x).abs() <= tolerance * (1.0 + x.abs()),
-                                    "{dtype}: sequence {seq} head {h}: {g} vs {x}"
+                                    "{dtype} window {window:?}: sequence {seq} head {h}: {g} vs {x}"
                                 );
                             }
                         }

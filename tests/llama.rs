@@ -16,7 +16,7 @@ use ndscope::{DType, Device, Error, Result, Scope, Tape, root};
 const DIR: &str = "data/llama-tiny";
 /// `Qwen2ForCausalLM`: q/k/v biases, a tied head, RoPE theta 1e6 in the top-level config form.
 const QWEN2: &str = "data/qwen2-tiny";
-/// `MistralForCausalLM` with a sliding window of 16 positions (of 64).
+/// `MistralForCausalLM` with a sliding window of 16 positions (of 64) and linear RoPE scaling.
 const MISTRAL: &str = "data/mistral-tiny";
 
 fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
@@ -106,31 +106,16 @@ fn matches_transformers(dir: &str, dtype: DType, logits_tol: f64, grad_tol: f64)
 /// the RoPE tables, 9.5e-7 for qwen2-tiny, whose weights are drawn ten times larger).
 #[test]
 fn f64_logits_loss_and_gradients_match_transformers() {
-    for dir in [DIR, QWEN2] {
+    for dir in [DIR, QWEN2, MISTRAL] {
         matches_transformers(dir, DType::F64, 2e-6, 1e-5);
     }
 }
 
 #[test]
 fn f32_logits_loss_and_gradients_match_transformers() {
-    for dir in [DIR, QWEN2] {
+    for dir in [DIR, QWEN2, MISTRAL] {
         matches_transformers(dir, DType::F32, 1e-5, 1e-4);
     }
-}
-
-/// The Mistral variant's window is shorter than its context; until sliding-window attention is
-/// computed, loading it is a typed error naming the key, never a silently different model.
-#[test]
-fn a_sliding_window_shorter_than_the_context_is_refused_by_name() {
-    root(Device::Cpu, |s| {
-        let err = Llama::from_pretrained(s, MISTRAL, DType::F32).unwrap_err();
-        assert!(
-            matches!(&err, Error::UnsupportedConfig { key, value, .. } if key == "sliding_window" && value == "16"),
-            "{err}"
-        );
-        Ok::<_, Error>(())
-    })
-    .unwrap();
 }
 
 /// Greedy generation through the KV pages (`serve::generate`, the same driver GPT-2 uses) gives
@@ -140,7 +125,7 @@ fn a_sliding_window_shorter_than_the_context_is_refused_by_name() {
 fn cached_greedy_generation_matches_transformers_generate() {
     use ndscope::kv::{CausalLm, KvPool};
     use ndscope::serve::{GenerateOptions, generate};
-    for dir in [DIR, QWEN2] {
+    for dir in [DIR, QWEN2, MISTRAL] {
         let reference = reference_of(dir);
         let as_ids =
             |name: &str| -> Vec<i64> { reference[name].1.iter().map(|&v| v as i64).collect() };
@@ -169,14 +154,22 @@ fn cached_greedy_generation_matches_transformers_generate() {
 /// logits (f64, so that the comparison is tight).
 #[test]
 fn decoding_in_pieces_equals_the_full_forward_pass() {
+    for dir in [DIR, MISTRAL] {
+        decoding_in_pieces(dir);
+    }
+}
+
+/// Mistral's window (16) is shorter than the 20-token prompt: the paged path must look back no
+/// further than the fused one.
+fn decoding_in_pieces(dir: &str) {
     use ndscope::kv::{CausalLm, KvPool};
-    let reference = reference();
+    let reference = reference_of(dir);
     let prompt: Vec<i64> = reference["input_ids"].1[..20]
         .iter()
         .map(|&v| v as i64)
         .collect();
     root(Device::Cpu, |s| {
-        let model = Llama::from_pretrained(s, DIR, DType::F64)?;
+        let model = Llama::from_pretrained(s, dir, DType::F64)?;
         let full = s.scope(|b| {
             let tape = Tape::no_grad(b);
             let ids = b.from_slice(&prompt, &[1, prompt.len()])?;
@@ -200,7 +193,7 @@ fn decoding_in_pieces_equals_the_full_forward_pass() {
             Ok::<_, Error>(last)
         })?;
         let err = relative_error(&pieces, &full);
-        assert!(err <= 1e-12, "relative error {err:e}");
+        assert!(err <= 1e-12, "{dir}: relative error {err:e}");
         Ok::<_, Error>(())
     })
     .unwrap();

@@ -93,7 +93,14 @@ fn mistral_and_qwen2_variants_read_their_own_keys() {
         c.sliding_window, None,
         "Qwen2 slides only with use_sliding_window"
     );
+    // Qwen2 windows the layers from max_window_layers on (transformers' default: 28).
     qwen["use_sliding_window"] = json!(true);
+    assert_eq!(
+        parse(&qwen).unwrap().sliding_window,
+        None,
+        "2 layers, none of them from the 28th on"
+    );
+    qwen["max_window_layers"] = json!(0);
     assert_eq!(parse(&qwen).unwrap().sliding_window, Some(4096));
     let mut no_kv = tiny();
     no_kv.as_object_mut().unwrap().remove("num_key_value_heads");
@@ -139,6 +146,22 @@ fn what_ndscope_does_not_compute_is_refused_by_name() {
         (
             Box::new(|c| c["rope_parameters"]["partial_rotary_factor"] = json!(0.5)),
             "unsupported: partial_rotary_factor = 0.5",
+        ),
+        (
+            Box::new(|c| {
+                c["model_type"] = json!("qwen2");
+                c["use_sliding_window"] = json!(true);
+                c["sliding_window"] = json!(16);
+                c["max_window_layers"] = json!(1);
+            }),
+            "unsupported: max_window_layers = 1",
+        ),
+        (
+            Box::new(|c| {
+                c["sliding_window"] = json!(16);
+                c["layer_types"] = json!(["full_attention", "sliding_attention"]);
+            }),
+            "unsupported: layer_types = [\"full_attention\",\"sliding_attention\"]",
         ),
     ];
     for (alter, says) in cases {

@@ -735,7 +735,7 @@ mod tests {
 /// Fused scaled dot-product attention over `[batch, heads, len, width]` operands (the width's stride
 /// is 1): for every batch `b`, head `h` and query `i`,
 ///
-/// `s_j = scale · q_i · k_j`, `out_i = Σ_j softmax(s)_j v_j` over the keys `j < visible(b, i)`,
+/// `s_j = scale · q_i · k_j`, `out_i = Σ_j softmax(s)_j v_j` over the keys `first(i) <= j < visible(b, i)`,
 /// `lse_i = ln Σ_j e^(s_j)`,
 ///
 /// computed tile by tile with a running maximum (the online softmax of Milakov and Gimelshein, 2018;
@@ -755,9 +755,21 @@ pub(crate) struct Attention {
     /// reads key and value head `h / group`. The backward pass writes key and value gradients per
     /// query head (`[batch, heads, keys, width]`), which the op sums over each group.
     pub(crate) group: usize,
+    /// With a causal mask, the most keys a query sees, itself included (a sliding window, as
+    /// Mistral's): query `i` sees keys `j` with `i + offset - window < j <= i + offset`.
+    pub(crate) window: Option<usize>,
 }
 
 impl Attention {
+    /// The first key query `i` sees: past the sliding window's start, or 0.
+    #[inline]
+    pub(crate) fn first(&self, i: usize) -> usize {
+        match (self.causal, self.window) {
+            (Some(offset), Some(window)) => (i as i64 + offset + 1 - window as i64).max(0) as usize,
+            _ => 0,
+        }
+    }
+
     /// How many keys, from the first, query `i` sees when its batch holds `keys` keys (all of them,
     /// or the batch's key length).
     #[inline]
@@ -774,7 +786,8 @@ impl Attention {
 /// values are already in the cache), head `h` and query `i < q_s`,
 ///
 /// `s_j = scale · q_i · k_j`, `out_i = Σ_j softmax(s)_j v_j` over the tokens `j < n_s - q_s + i + 1`
-/// (the query's own position and every earlier one: [`Attention`]'s bottom-right causal mask),
+/// (the query's own position and every earlier one: [`Attention`]'s bottom-right causal mask), and
+/// with a sliding `window`, only the last `window` of those (`j >= first(i)`),
 ///
 /// with the keys and values of `layer`, read page by page through the sequence's page table, in the
 /// compute type (16-bit values widened exactly), with a running maximum. A query that sees no token
@@ -785,6 +798,8 @@ pub(crate) struct PagedAttention {
     pub(crate) scale: f64,
     /// Which layer's keys and values the pages are read for.
     pub(crate) layer: usize,
+    /// The most tokens a query sees, itself included (a sliding window), if any.
+    pub(crate) window: Option<usize>,
 }
 
 impl PagedAttention {
@@ -792,5 +807,15 @@ impl PagedAttention {
     #[inline]
     pub(crate) fn visible(&self, i: usize, queries: usize, tokens: usize) -> usize {
         (tokens + i + 1).saturating_sub(queries).min(tokens)
+    }
+
+    /// The first cached token query `i` of `queries` sees in a sequence of `tokens`: past the
+    /// sliding window's start, or 0.
+    #[inline]
+    pub(crate) fn first(&self, i: usize, queries: usize, tokens: usize) -> usize {
+        match self.window {
+            Some(window) => self.visible(i, queries, tokens).saturating_sub(window),
+            None => 0,
+        }
     }
 }

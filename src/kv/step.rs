@@ -277,6 +277,32 @@ impl<'a, 'r> KvStep<'a, 'r> {
         kv: &Tensor<'s>,
         scale: f64,
     ) -> Result<Tensor<'s>> {
+        self.attend_in_window(layer, q, kv, scale, None)
+    }
+
+    /// As [`attend_grouped`](Self::attend_grouped), each query seeing at most the last `window`
+    /// tokens of its sequence, itself included (a sliding window: Mistral's `sliding_window`), or
+    /// every token with `None`. The caches keep every token; only attention looks back no further.
+    ///
+    /// # Errors
+    /// As for [`attend_grouped`](Self::attend_grouped); [`Error::InvalidArgument`] for a window of 0.
+    #[track_caller]
+    pub fn attend_in_window<'s>(
+        &mut self,
+        layer: usize,
+        q: &Tensor<'s>,
+        kv: &Tensor<'s>,
+        scale: f64,
+        window: Option<usize>,
+    ) -> Result<Tensor<'s>> {
+        if window == Some(0) {
+            return Err(Error::InvalidArgument {
+                op: "KvStep::attend_in_window",
+                reason: "a sliding window of 0 tokens leaves every query nothing to see; give at \
+                         least 1, or None for no window"
+                    .into(),
+            });
+        }
         let shape = self.pool.shape();
         let rows: usize = self.new.iter().sum();
         let fits = kv.shape() == [rows, 2, shape.heads, shape.head_width]
@@ -326,7 +352,11 @@ impl<'a, 'r> KvStep<'a, 'r> {
             q,
             self.pool.slab(),
             geometry,
-            PagedAttention { scale, layer },
+            PagedAttention {
+                scale,
+                layer,
+                window,
+            },
             &tables,
             &lengths,
             &self.new,

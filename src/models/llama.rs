@@ -87,7 +87,7 @@ impl<'m> Llama<'m> {
     ///
     /// # Errors
     /// [`Error::MissingTensor`] and [`Error::TensorMismatch`] for a checkpoint that does not fit;
-    /// [`Error::UnsupportedConfig`] for a sliding window (not computed yet); allocation errors.
+    /// allocation errors.
     #[track_caller]
     pub fn load(
         scope: &Scope<'m>,
@@ -95,19 +95,10 @@ impl<'m> Llama<'m> {
         config: LlamaConfig,
         dtype: DType,
     ) -> Result<Llama<'m>> {
-        if let Some(window) = config
+        // A window as long as the context changes nothing: computed as no window.
+        let window = config
             .sliding_window
-            .filter(|&w| w < config.max_position_embeddings)
-        {
-            return Err(Error::UnsupportedConfig {
-                file: "config.json".into(),
-                key: "sliding_window".into(),
-                value: window.to_string(),
-                reason: "sliding-window attention is not computed yet; a window of at least \
-                         max_position_embeddings is the same model"
-                    .into(),
-            });
-        }
+            .filter(|&w| w < config.max_position_embeddings);
         let weights = &weights.loaded_from(Location::caller());
         let c = &config;
         let (hidden, heads, kv_heads, d) = (
@@ -152,7 +143,8 @@ impl<'m> Llama<'m> {
                     linear(&attn, "o_proj", heads * d, hidden, false)?,
                     heads,
                     kv_heads,
-                )?,
+                )?
+                .with_window(window)?,
                 post_attention_layernorm: norm(&b, "post_attention_layernorm")?,
                 mlp: GatedMlp::from_parts(
                     linear(&mlp, "gate_proj", hidden, c.intermediate_size, false)?,

@@ -130,7 +130,9 @@ impl LlamaConfig {
     /// [`Error::Format`] for text that is not JSON or a missing or mistyped field;
     /// [`Error::UnsupportedConfig`] naming the key for what ndscope does not compute: another
     /// model type, an activation other than `silu`, `rope_type`s other than `default`, `linear`
-    /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions.
+    /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions, a sliding
+    /// window on some layers only (Qwen2's `max_window_layers` below the layer count, a
+    /// `layer_types` list mixing `sliding_attention` and `full_attention`).
     pub fn from_json(text: &str) -> Result<LlamaConfig> {
         let raw: Map<String, Value> =
             serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
@@ -196,18 +198,57 @@ impl LlamaConfig {
             )));
         }
         let (rope_theta, rope_scaling) = rope(&raw)?;
-        let sliding_window = match model_type.as_str() {
+        let layers = f.size("num_hidden_layers")?;
+        let mut sliding_window = match model_type.as_str() {
             "qwen2" if !f.flag_or("use_sliding_window", false)? => None,
             _ => match f.get("sliding_window") {
                 None => None,
                 Some(_) => Some(f.size("sliding_window")?),
             },
         };
+        // Qwen2 windows only the layers from `max_window_layers` on; ndscope windows all or none.
+        if model_type == "qwen2" && sliding_window.is_some() {
+            // transformers' default is 28.
+            let from = match f.get("max_window_layers") {
+                None => 28,
+                Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    config_error(format!(
+                        "\"max_window_layers\" must be a whole number, found {v}"
+                    ))
+                })?,
+            };
+            if from >= layers {
+                sliding_window = None;
+            } else if from > 0 {
+                return Err(unsupported(
+                    "max_window_layers",
+                    &Value::from(from),
+                    "a sliding window on some layers only is not computed; every layer or none",
+                ));
+            }
+        }
+        // transformers 5 lists each layer's kind; a mix is a window on some layers only.
+        if let Some(Value::Array(kinds)) = f.get("layer_types") {
+            let windowed = kinds
+                .iter()
+                .filter(|k| k.as_str() == Some("sliding_attention"))
+                .count();
+            if windowed != 0 && windowed != kinds.len() {
+                return Err(unsupported(
+                    "layer_types",
+                    &Value::Array(kinds.clone()),
+                    "a sliding window on some layers only is not computed; every layer or none",
+                ));
+            }
+            if windowed == 0 && model_type == "qwen2" {
+                sliding_window = None;
+            }
+        }
         Ok(LlamaConfig {
             vocab_size: f.size("vocab_size")?,
             hidden_size,
             intermediate_size: f.size("intermediate_size")?,
-            num_hidden_layers: f.size("num_hidden_layers")?,
+            num_hidden_layers: layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,

@@ -339,6 +339,7 @@ impl<'m> Module<'m> for MultiHeadAttention<'m> {
                 Causal::None
             },
             scale: None,
+            window: None,
         };
         self.merge_heads(&q.attention(&k, &v, spec, None)?, mode)
     }

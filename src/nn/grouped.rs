@@ -12,7 +12,8 @@ use crate::tensor::Tensor;
 
 /// Causal self-attention where `heads` query heads share `kv_heads` key and value heads (query
 /// head `h` reads key and value head `h / (heads / kv_heads)`: Ainslie et al., 2023), queries and
-/// keys turned by a [`RotaryEmbedding`] at each token's position. `kv_heads == heads` is plain
+/// keys turned by a [`RotaryEmbedding`] at each token's position, optionally within a sliding
+/// window ([`with_window`](Self::with_window)). `kv_heads == heads` is plain
 /// multi-head attention, `kv_heads == 1` multi-query attention. No key or value head is copied per
 /// query head, in the fused and in the cached path alike.
 ///
@@ -56,6 +57,7 @@ pub struct GroupedQueryAttention<'m> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    window: Option<usize>,
 }
 
 impl<'m> GroupedQueryAttention<'m> {
@@ -107,7 +109,31 @@ impl<'m> GroupedQueryAttention<'m> {
             heads,
             kv_heads,
             head_dim,
+            window: None,
         })
+    }
+
+    /// The same attention with each query seeing at most the last `window` positions, itself
+    /// included (Mistral's sliding window; `None`: every earlier position).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a window of 0.
+    pub fn with_window(mut self, window: Option<usize>) -> Result<GroupedQueryAttention<'m>> {
+        if window == Some(0) {
+            return Err(Error::InvalidArgument {
+                op: "GroupedQueryAttention::with_window",
+                reason: "a sliding window of 0 positions leaves every query nothing to see; give \
+                         at least 1, or None for no window"
+                    .into(),
+            });
+        }
+        self.window = window;
+        Ok(self)
+    }
+
+    /// The sliding window, if any.
+    pub fn window(&self) -> Option<usize> {
+        self.window
     }
 
     /// The query heads.
@@ -167,6 +193,7 @@ impl<'m> GroupedQueryAttention<'m> {
         let spec = AttentionSpec {
             causal: Causal::TopLeft,
             scale: None,
+            window: self.window,
         };
         let attended = q
             .attention(&k, &v, spec, None)?
@@ -214,7 +241,13 @@ impl<'m> GroupedQueryAttention<'m> {
         let v = project(&self.v_proj, self.kv_heads)?;
         let keys_values = Tensor::concat(&[&k.unsqueeze(1)?, &v.unsqueeze(1)?], 1)?;
         let attended = kv
-            .attend_grouped(layer, &q, &keys_values, 1.0 / (d as f64).sqrt())?
+            .attend_in_window(
+                layer,
+                &q,
+                &keys_values,
+                1.0 / (d as f64).sqrt(),
+                self.window,
+            )?
             .reshape(&[rows, self.heads * d])?;
         self.o_proj
             .forward(&x.tape().constant(&attended), Mode::Eval)
@@ -240,7 +273,7 @@ impl<'m> GroupedQueryAttention<'m> {
 layer_parts!(GroupedQueryAttention {
     tensors: [],
     layers: [q_proj, k_proj, v_proj, o_proj],
-    plain: [heads, kv_heads, head_dim]
+    plain: [heads, kv_heads, head_dim, window]
 });
 
 /// The gated MLP of the Llama family (SwiGLU, Shazeer 2020): `down(silu(gate(x)) · up(x))`, on the

@@ -33,6 +33,10 @@ pub struct AttentionSpec {
     pub causal: Causal,
     /// Multiplies every score; `None` is `1 / sqrt(width)`.
     pub scale: Option<f64>,
+    /// With a causal mask, the most keys a query sees, itself included: a sliding window
+    /// (Mistral's `sliding_window`; transformers' mask keeps keys `j > i - window`). `None`: every
+    /// key the causal mask allows.
+    pub window: Option<usize>,
 }
 
 impl AttentionSpec {
@@ -40,6 +44,7 @@ impl AttentionSpec {
     pub const CAUSAL: AttentionSpec = AttentionSpec {
         causal: Causal::TopLeft,
         scale: None,
+        window: None,
     };
 }
 
@@ -198,6 +203,26 @@ fn check<'s>(
         Causal::TopLeft => Some(0),
         Causal::BottomRight => Some(keys as i64 - queries as i64),
     };
+    match (spec.window, causal) {
+        (Some(0), _) => {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "a sliding window of 0 keys leaves every query nothing to see; give at \
+                         least 1, or None for no window"
+                    .into(),
+            });
+        }
+        (Some(window), None) => {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "a sliding window ({window}) counts back from each query's position, which \
+                     only a causal mask gives; use Causal::TopLeft or BottomRight"
+                ),
+            });
+        }
+        _ => {}
+    }
     Ok(Operands {
         q: q4,
         k: k4,
@@ -207,6 +232,7 @@ fn check<'s>(
             scale,
             causal,
             group: h / kh,
+            window: spec.window,
         },
         rank,
     })
@@ -224,7 +250,8 @@ impl<'s> Tensor<'s> {
     /// queries, value width]`; a rank-4 output is laid out as `[batch, queries, heads, width]`, so
     /// merging its heads (`permute(&[0, 2, 1, 3])` then `reshape`) is a view.
     ///
-    /// Masks: `spec.causal` (see [`Causal`]); `key_lengths`, one `i64` per batch, hides the keys at
+    /// Masks: `spec.causal` (see [`Causal`]) and, with it, `spec.window` (a sliding window: query `i`
+    /// of a top-left mask sees keys `i - window < j <= i`); `key_lengths`, one `i64` per batch, hides the keys at
     /// and after each batch's length (padding; lengths are clamped to `[0, keys]`). A query that
     /// sees no key gets zeros.
     ///

@@ -213,9 +213,11 @@ fn forward_tile<C: Real>(
     let mut sum = vec![C::zero(); rows];
     let mut scores = vec![C::zero(); rows * KEY_TILE];
     let scale = C::from_f64(math.scale);
-    // Later queries see at least as many keys: the tile's last row bounds the walk.
+    // Later queries see at least as many keys, and start no earlier: the tile's last row bounds
+    // the walk, its first row's window start begins it.
     let seen_by_tile = math.visible(from + rows - 1, keys);
-    for j0 in (0..seen_by_tile).step_by(KEY_TILE) {
+    let start = math.first(from) / KEY_TILE * KEY_TILE;
+    for j0 in (start..seen_by_tile).step_by(KEY_TILE) {
         let cols = KEY_TILE.min(seen_by_tile - j0);
         gemm_tile(
             (rows, cols, q.width),
@@ -229,14 +231,16 @@ fn forward_tile<C: Real>(
         for r in 0..rows {
             let row = &mut scores[r * KEY_TILE..r * KEY_TILE + cols];
             let seen = math.visible(from + r, keys).saturating_sub(j0).min(cols);
-            if seen == 0 {
+            let skip = math.first(from + r).saturating_sub(j0).min(seen);
+            if seen == skip {
                 row.fill(C::zero());
                 continue;
             }
-            let tile_max = rows::max(&row[..seen]);
+            let tile_max = rows::max(&row[skip..seen]);
             let new_max = if tile_max > max[r] { tile_max } else { max[r] };
             let rescale = Float::exp(max[r] - new_max);
-            let tile_sum = rows::exp_in_place(&mut row[..seen], new_max);
+            let tile_sum = rows::exp_in_place(&mut row[skip..seen], new_max);
+            row[..skip].fill(C::zero());
             row[seen..].fill(C::zero());
             sum[r] = sum[r] * rescale + tile_sum;
             max[r] = new_max;
@@ -363,11 +367,12 @@ fn backward_head<C: Real>(
     let scale = C::from_f64(math.scale);
     let mut p = vec![C::zero(); QUERY_TILE * KEY_TILE];
     let mut ds = vec![C::zero(); QUERY_TILE * KEY_TILE];
-    for j0 in (0..key_rows).step_by(KEY_TILE) {
+    let key_start = math.first(0) / KEY_TILE * KEY_TILE;
+    for j0 in (key_start..key_rows).step_by(KEY_TILE) {
         let cols = KEY_TILE.min(key_rows - j0);
         for i0 in (0..queries).step_by(QUERY_TILE) {
             let rows = QUERY_TILE.min(queries - i0);
-            if math.visible(i0 + rows - 1, keys) <= j0 {
+            if math.visible(i0 + rows - 1, keys) <= j0 || math.first(i0) >= j0 + cols {
                 continue; // no query of this tile sees these keys
             }
             gemm_tile(
@@ -387,7 +392,11 @@ fn backward_head<C: Real>(
                 } else {
                     math.visible(i0 + r, keys).saturating_sub(j0).min(cols)
                 };
-                row[..seen].iter_mut().for_each(|s| *s = Float::exp(*s - l));
+                let skip = math.first(i0 + r).saturating_sub(j0).min(seen);
+                row[skip..seen]
+                    .iter_mut()
+                    .for_each(|s| *s = Float::exp(*s - l));
+                row[..skip].fill(C::zero());
                 row[seen..].fill(C::zero());
             }
             fn tile<C>(data: &[C], transposed: bool) -> Strided<'_, C> {

@@ -86,6 +86,7 @@ fn attention_as<T: Math>(
         let query = Page::<T>::Stored(qs).row(qoff + r * qst[0] + h * qst[1], width);
         let count = seqs.queries[s + 1] - seqs.queries[s];
         let visible = math.visible(r - seqs.queries[s], count, seqs.lengths[s]);
+        let skip = math.first(r - seqs.queries[s], count, seqs.lengths[s]);
         let table = &pages[seqs.first[s]..seqs.first[s + 1]];
         // Grouped-query attention: query head h reads the pages' key and value head h / group.
         let group = heads / geometry.heads;
@@ -95,7 +96,7 @@ fn attention_as<T: Math>(
             &query,
             scale,
             table,
-            visible,
+            skip..visible,
             h / group,
         )
     };
@@ -111,14 +112,14 @@ fn attention_as<T: Math>(
     }
 }
 
-/// One query's output over the first `visible` tokens of `table` for head `h`.
+/// One query's output over the tokens `seen` of `table` for head `h`.
 fn attend<T: Math>(
     layer: usize,
     g: PageGeometry,
     query: &[T::Compute],
     scale: T::Compute,
     table: &[Page<'_, T>],
-    visible: usize,
+    seen: std::ops::Range<usize>,
     h: usize,
 ) -> Vec<T::Compute>
 where
@@ -130,13 +131,18 @@ where
     let mut scores = vec![zero; g.tokens];
     for (p, page) in table.iter().enumerate() {
         let from = p * g.tokens;
-        if from >= visible {
+        if from >= seen.end {
             break;
         }
-        let count = g.tokens.min(visible - from);
-        let keys = page.row(g.row(layer, 0, h, 0), count * g.width);
-        let values = page.row(g.row(layer, 1, h, 0), count * g.width);
-        let scores = &mut scores[..count];
+        if from + g.tokens <= seen.start {
+            continue; // before the sliding window
+        }
+        // The page's slots `skip..count` are in the window.
+        let skip = seen.start.saturating_sub(from);
+        let count = g.tokens.min(seen.end - from);
+        let keys = page.row(g.row(layer, 0, h, skip), (count - skip) * g.width);
+        let values = page.row(g.row(layer, 1, h, skip), (count - skip) * g.width);
+        let scores = &mut scores[..count - skip];
         for (j, score) in scores.iter_mut().enumerate() {
             *score = scale * rows::dot(query, &keys[j * g.width..][..g.width]);
         }

@@ -32,7 +32,7 @@ enum Slot {
 }
 
 /// The kernels' `struct AttnGeo`: `[batch, heads, queries, keys, width, value width]`, the causal
-/// flag and offset, the query heads per key head, and the batch, head and row strides of every
+/// flag and offset, the query heads per key head, the sliding window, and the batch, head and row strides of every
 /// operand.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -41,10 +41,12 @@ struct AttnGeo {
     causal: i64,
     offset: i64,
     group: i64,
+    /// The sliding window (0: none).
+    window: i64,
     strides: [[i64; 3]; 8],
 }
 
-// SAFETY: `AttnGeo` is `repr(C)` plain data, 33 eight-byte integers in the field order of the
+// SAFETY: `AttnGeo` is `repr(C)` plain data, 34 eight-byte integers in the field order of the
 // kernels' `struct AttnGeo`, so it can be passed by value as a kernel argument.
 unsafe impl DeviceRepr for AttnGeo {}
 
@@ -70,6 +72,7 @@ impl AttnGeo {
             causal: i64::from(math.causal.is_some()),
             offset: math.causal.unwrap_or(0),
             group: math.group as i64,
+            window: math.window.map_or(0, |w| w as i64),
             strides: [[0; 3]; 8],
         };
         geo.set(Slot::Q, inputs.q.layout);

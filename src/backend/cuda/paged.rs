@@ -31,9 +31,11 @@ struct PagedGeo {
     q_row: i64,
     q_head: i64,
     q_heads: i64,
+    /// The sliding window (0: none).
+    window: i64,
 }
 
-// SAFETY: `PagedGeo` is `repr(C)` plain data, eight eight-byte integers in the field order of the
+// SAFETY: `PagedGeo` is `repr(C)` plain data, nine eight-byte integers in the field order of the
 // kernels' `struct PagedGeo`, so it can be passed by value as a kernel argument.
 unsafe impl DeviceRepr for PagedGeo {}
 
@@ -45,6 +47,7 @@ fn geometry(
     layer: usize,
     strides: [usize; 2],
     q_heads: usize,
+    window: Option<usize>,
 ) -> Result<PagedGeo> {
     if g.width > MAX_WIDTH || q_heads > MAX_GRID_Y {
         return Err(Error::InvalidShape {
@@ -65,6 +68,7 @@ fn geometry(
         q_row: strides[0] as i64,
         q_head: strides[1] as i64,
         q_heads: q_heads as i64,
+        window: window.map_or(0, |w| w as i64),
     })
 }
 
@@ -90,7 +94,7 @@ impl Gpu {
             return Ok(());
         }
         let (s, q_heads) = (q.layout.strides(), q.layout.shape()[1]);
-        let geo = geometry(rows, g, math.layer, [s[0], s[1]], q_heads)?;
+        let geo = geometry(rows, g, math.layer, [s[0], s[1]], q_heads, math.window)?;
         let table = seqs.table.ok_or_else(missing_table)?;
         let f = self.function(float_kernel(
             "paged attention",
@@ -135,7 +139,7 @@ impl Gpu {
         if n == 0 || g.width == 0 {
             return Ok(());
         }
-        let geo = geometry(n, g, layer, [0, 0], g.heads)?;
+        let geo = geometry(n, g, layer, [0, 0], g.heads, None)?;
         let table = rows.table.ok_or_else(missing_table)?;
         let f = self.function(float_kernel(
             "paged write",
