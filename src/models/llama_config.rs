@@ -127,8 +127,8 @@ impl LlamaConfig {
     /// ```
     ///
     /// # Errors
-    /// [`Error::Format`] for text that is not JSON or a missing or mistyped field;
-    /// [`Error::UnsupportedConfig`] naming the key for what ndscope does not compute: another
+    /// [`Error::Format`](crate::Error::Format) for text that is not JSON or a missing or mistyped field;
+    /// [`Error::UnsupportedConfig`](crate::Error::UnsupportedConfig) naming the key for what ndscope does not compute: another
     /// model type, an activation other than `silu`, `rope_type`s other than `default`, `linear`
     /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions, a sliding
     /// window on some layers only (Qwen2's `max_window_layers` below the layer count, a
@@ -351,7 +351,7 @@ impl LlamaConfig {
     /// Reads `path`, a `config.json`.
     ///
     /// # Errors
-    /// [`Error::Io`] for a file that cannot be read; as for [`from_json`](Self::from_json), with
+    /// [`Error::Io`](crate::Error::Io) for a file that cannot be read; as for [`from_json`](Self::from_json), with
     /// the path in the message.
     pub fn from_file(path: impl AsRef<Path>) -> Result<LlamaConfig> {
         read_config(path.as_ref(), LlamaConfig::from_json)
