@@ -113,6 +113,43 @@ fn mistral_and_qwen2_variants_read_their_own_keys() {
     );
 }
 
+/// YaRN in the older top-level form of Qwen2.5's long-context configs (`"type": "yarn"`), with the
+/// attention factor from `mscale` and `mscale_all_dim`, and written back by `to_json`.
+#[test]
+fn yarn_reads_from_both_forms() {
+    let mut c = tiny();
+    c.as_object_mut().unwrap().remove("rope_parameters");
+    c["rope_theta"] = json!(1_000_000.0);
+    c["rope_scaling"] =
+        json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32});
+    let config = parse(&c).unwrap();
+    assert_eq!(
+        config.rope_scaling,
+        RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_positions: 32,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+        }
+    );
+    assert_eq!(LlamaConfig::from_json(&config.to_json()).unwrap(), config);
+    c["rope_scaling"]["mscale"] = json!(0.5);
+    c["rope_scaling"]["mscale_all_dim"] = json!(1.0);
+    let want = (0.05 * 4f64.ln() + 1.0) / (0.1 * 4f64.ln() + 1.0);
+    assert!((parse(&c).unwrap().rope_scaling.attention_scaling() - want).abs() < 1e-15);
+    c["rope_scaling"]
+        .as_object_mut()
+        .unwrap()
+        .remove("original_max_position_embeddings");
+    let err = parse(&c).unwrap_err();
+    assert!(
+        err.to_string().contains("original_max_position_embeddings"),
+        "{err}"
+    );
+}
+
 /// A change to a configuration.
 type Alter = Box<dyn Fn(&mut Value)>;
 
@@ -124,8 +161,8 @@ fn what_ndscope_does_not_compute_is_refused_by_name() {
             "unsupported: rope_type = \"longrope\"",
         ),
         (
-            Box::new(|c| c["rope_parameters"]["rope_type"] = json!("yarn")),
-            "unsupported: rope_type = \"yarn\"",
+            Box::new(|c| c["rope_parameters"]["rope_type"] = json!("dynamic")),
+            "unsupported: rope_type = \"dynamic\"",
         ),
         (
             Box::new(|c| c["hidden_act"] = json!("gelu")),

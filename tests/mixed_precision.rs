@@ -389,6 +389,26 @@ fn reductions_products_and_windows_in_16_bit_accumulate_in_f32() {
             300,
             |t| t[0].matmul(&t[1].t()?),
         ),
+        // Decoding's products (at most 8 tokens: one dot product per token and weight row), with a
+        // depth of whole 32-element steps and one with a tail of 7 pairs.
+        (
+            "one token by a transposed weight",
+            vec![&[1, 320], &[130, 320]],
+            320,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
+        (
+            "five tokens by a transposed weight, a tail of pairs",
+            vec![&[5, 302], &[70, 302]],
+            302,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
+        (
+            "eight tokens by a transposed weight",
+            vec![&[8, 64], &[9, 64]],
+            64,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
         ("batched matmul", vec![&[3, 5, 64], &[64, 6]], 64, |t| {
             t[0].matmul(&t[1])
         }),

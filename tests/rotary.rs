@@ -163,6 +163,78 @@ fn each_scaling_gives_its_formulas_frequencies() {
 }
 
 /// `sum(rotary(x) * w)` and its gradient in `x`, on the tape or not.
+/// YaRN's frequencies and attention factor against what transformers 5.24 computes
+/// (`ROPE_INIT_FUNCTIONS["yarn"]` for a head of 16; its float32 frequencies, so within 1e-7): the
+/// defaults (beta 32/1, truncated ramp, `0.1 ln(factor) + 1`), and every option set.
+#[test]
+fn yarn_gives_transformers_frequencies_and_attention_factor() {
+    let cases: [(f64, RopeScaling, [f64; 8], f64); 2] = [
+        (
+            10_000.0,
+            RopeScaling::Yarn {
+                factor: 4.0,
+                original_max_positions: 32,
+                beta_fast: 32.0,
+                beta_slow: 1.0,
+                truncate: true,
+                attention_factor: 0.1 * 4f64.ln() + 1.0,
+            },
+            [
+                1.0,
+                0.197_642_356_157_302_86,
+                0.025_000_000_372_529_03,
+                0.007_905_694_656_074_047,
+                0.002_499_999_944_120_645_5,
+                0.000_790_569_465_607_404_7,
+                0.000_250_000_011_874_362_8,
+                7.905_694_656_074_047e-5,
+            ],
+            1.138_629_436_111_989,
+        ),
+        (
+            1_000_000.0,
+            RopeScaling::Yarn {
+                factor: 8.0,
+                original_max_positions: 64,
+                beta_fast: 16.0,
+                beta_slow: 2.0,
+                truncate: false,
+                // mscale 0.7 over mscale_all_dim 1.0, as LlamaConfig computes it.
+                attention_factor: (0.07 * 8f64.ln() + 1.0) / (0.1 * 8f64.ln() + 1.0),
+            },
+            [
+                1.0,
+                0.022_228_492_423_892_02,
+                0.003_952_847_328_037_023_5,
+                0.000_702_926_656_231_284_1,
+                0.000_125_000_005_937_181_4,
+                2.222_849_252_575_542_8e-5,
+                3.952_846_782_340_202_5e-6,
+                7.029_266_839_708_725e-7,
+            ],
+            0.948_355_852_350_339_9,
+        ),
+    ];
+    for (theta, scaling, want, factor) in cases {
+        let got = inverse_frequencies(16, theta, &scaling).unwrap();
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                ((g - w) / w).abs() < 1e-6,
+                "{scaling:?}: frequency {i} is {g}, transformers' {w}"
+            );
+        }
+        assert!((scaling.attention_scaling() - factor).abs() < 1e-12);
+        // The tables carry the factor.
+        root(Device::Cpu, |m| {
+            let rope = RotaryEmbedding::new(m, 16, 4, theta, &scaling, DType::F64)?;
+            let cos = rope.cos().to_vec::<f64>()?;
+            assert!((cos[0] - factor).abs() < 1e-12, "cos(0) = {}", cos[0]);
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }
+}
+
 fn projected(s: &Scope<'_>, x: &[f64], with_grad: bool) -> Result<(f64, Vec<f64>)> {
     let rope = RotaryEmbedding::new(s, 6, 20, 100.0, &LLAMA3, DType::F64)?;
     s.scope(|b| {

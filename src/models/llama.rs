@@ -276,7 +276,13 @@ fn rotary_tables<'m>(
         .into_iter()
         .map(|f| f as f32 as f64)
         .collect();
-    RotaryEmbedding::from_f32_angles(scope, &frequencies, c.max_position_embeddings, dtype)
+    RotaryEmbedding::from_f32_angles(
+        scope,
+        &frequencies,
+        c.max_position_embeddings,
+        c.rope_scaling.attention_scaling(),
+        dtype,
+    )
 }
 
 /// Cached decoding: each layer's keys and values go to the KV pages (the key and value heads

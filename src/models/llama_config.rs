@@ -129,8 +129,8 @@ impl LlamaConfig {
     /// # Errors
     /// [`Error::Format`](crate::Error::Format) for text that is not JSON or a missing or mistyped field;
     /// [`Error::UnsupportedConfig`](crate::Error::UnsupportedConfig) naming the key for what ndscope does not compute: another
-    /// model type, an activation other than `silu`, `rope_type`s other than `default`, `linear`
-    /// and `llama3`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions, a sliding
+    /// model type, an activation other than `silu`, `rope_type`s other than `default`, `linear`,
+    /// `llama3` and `yarn`, `pretraining_tp` above 1, MLP biases, partial rotary dimensions, a sliding
     /// window on some layers only (Qwen2's `max_window_layers` below the layer count, a
     /// `layer_types` list mixing `sliding_attention` and `full_attention`).
     pub fn from_json(text: &str) -> Result<LlamaConfig> {
@@ -299,6 +299,22 @@ impl LlamaConfig {
                 "high_freq_factor": high_freq_factor,
                 "original_max_position_embeddings": original_max_positions,
             }),
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => json!({
+                "rope_type": "yarn",
+                "factor": factor,
+                "original_max_position_embeddings": original_max_positions,
+                "beta_fast": beta_fast,
+                "beta_slow": beta_slow,
+                "truncate": truncate,
+                "attention_factor": attention_factor,
+            }),
         };
         let legacy_scaling = match self.rope_scaling {
             RopeScaling::None => Value::Null,
@@ -424,12 +440,52 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
                 original_max_positions: p.size("original_max_position_embeddings")?,
             }
         }
+        "yarn" => {
+            let factor = factor()?;
+            let number = |key: &str, default: f64| p.number_or(key, default);
+            // transformers' get_mscale: 0.1 · mscale · ln(factor) + 1 above a factor of 1.
+            let mscale = |m: f64| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let attention_factor = match p.get("attention_factor") {
+                Some(_) => number("attention_factor", f64::NAN)?,
+                None => match (number("mscale", 0.0)?, number("mscale_all_dim", 0.0)?) {
+                    (m, all) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+                    _ => mscale(1.0),
+                },
+            };
+            let truncate = match p.get("truncate") {
+                None => true,
+                Some(v) => v.as_bool().ok_or_else(|| {
+                    config_error(format!(
+                        "\"truncate\" in \"{where_}\" must be true or false"
+                    ))
+                })?,
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions: p.size("original_max_position_embeddings")?,
+                // transformers treats 0 and a missing value alike (`or 32`, `or 1`).
+                beta_fast: Some(number("beta_fast", 0.0)?)
+                    .filter(|&b| b != 0.0)
+                    .unwrap_or(32.0),
+                beta_slow: Some(number("beta_slow", 0.0)?)
+                    .filter(|&b| b != 0.0)
+                    .unwrap_or(1.0),
+                truncate,
+                attention_factor,
+            }
+        }
         other => {
             return Err(unsupported(
                 "rope_type",
                 &Value::from(other),
-                "ndscope computes the default, linear and llama3 RoPE scalings (dynamic and yarn \
-                 are not implemented yet)",
+                "ndscope computes the default, linear, llama3 and yarn RoPE scalings (dynamic, \
+                 whose frequencies change with each pass's length, is not implemented)",
             ));
         }
     };

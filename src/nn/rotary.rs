@@ -31,6 +31,39 @@ pub enum RopeScaling {
         /// The context the model was trained on before scaling.
         original_max_positions: usize,
     },
+    /// `"yarn"` (Peng et al., 2023; Qwen2.5's long context): each frequency blends its
+    /// interpolated value `θ_i / factor` and its original `θ_i` along a linear ramp between the
+    /// dimensions that turn `beta_fast` and `beta_slow` times over the original context, and the
+    /// tables are multiplied by `attention_factor`.
+    Yarn {
+        /// The context's growth factor.
+        factor: f64,
+        /// The context the model was trained on before scaling.
+        original_max_positions: usize,
+        /// Rotations over the original context below which a dimension is interpolated fully
+        /// (transformers' default 32).
+        beta_fast: f64,
+        /// Rotations above which a dimension keeps its frequency (default 1).
+        beta_slow: f64,
+        /// Whether the ramp's ends are rounded to whole dimensions (transformers' `truncate`,
+        /// default true).
+        truncate: bool,
+        /// What the cosine and sine tables are multiplied by (`attention_factor`, or from `factor`,
+        /// `mscale` and `mscale_all_dim`: `0.1 ln(factor) + 1` by default).
+        attention_factor: f64,
+    },
+}
+
+impl RopeScaling {
+    /// What the cosine and sine tables are multiplied by: YaRN's attention factor, 1 otherwise.
+    pub fn attention_scaling(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        }
+    }
 }
 
 /// A model's rotary position embedding: `cos` and `sin` tables `[max_positions, head_dim / 2]`
@@ -77,7 +110,13 @@ impl<'m> RotaryEmbedding<'m> {
         dtype: DType,
     ) -> Result<RotaryEmbedding<'m>> {
         let frequencies = inverse_frequencies(head_dim, theta, scaling)?;
-        RotaryEmbedding::from_frequencies(scope, &frequencies, max_positions, 1.0, dtype)
+        RotaryEmbedding::from_frequencies(
+            scope,
+            &frequencies,
+            max_positions,
+            scaling.attention_scaling(),
+            dtype,
+        )
     }
 
     /// The tables for given inverse frequencies `θ_i` (`head_dim / 2` of them), each entry times
@@ -126,7 +165,8 @@ impl<'m> RotaryEmbedding<'m> {
     /// The tables as transformers' `float32` rotary forward computes them, for matching its
     /// logits to the last bits (a `float64` transformers model computes its tables so too): each
     /// angle `p · θ_i` is the `f32` product of `p` and `θ_i` (given as `f32` values), and its
-    /// cosine and sine are rounded to `f32` once (then widened for `f64` values).
+    /// cosine and sine are rounded to `f32` once, then multiplied by `attention_scaling` in `f32`
+    /// (then widened for `f64` values).
     ///
     /// # Errors
     /// As for [`from_frequencies`](Self::from_frequencies).
@@ -135,10 +175,12 @@ impl<'m> RotaryEmbedding<'m> {
         scope: &Scope<'m>,
         frequencies: &[f64],
         max_positions: usize,
+        attention_scaling: f64,
         dtype: DType,
     ) -> Result<RotaryEmbedding<'m>> {
         // The same checks as the exact tables, on an empty table.
-        RotaryEmbedding::from_frequencies(scope, frequencies, 0, 1.0, dtype)?;
+        RotaryEmbedding::from_frequencies(scope, frequencies, 0, attention_scaling, dtype)?;
+        let scaling = attention_scaling as f32;
         let half = frequencies.len();
         let (mut cos, mut sin) = (
             Vec::with_capacity(max_positions * half),
@@ -147,8 +189,8 @@ impl<'m> RotaryEmbedding<'m> {
         for p in 0..max_positions {
             for &f in frequencies {
                 let angle = f64::from(p as f32 * f as f32);
-                cos.push(f64::from(angle.cos() as f32));
-                sin.push(f64::from(angle.sin() as f32));
+                cos.push(f64::from(angle.cos() as f32 * scaling));
+                sin.push(f64::from(angle.sin() as f32 * scaling));
             }
         }
         RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, half], dtype)
@@ -276,6 +318,52 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -
                             / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * f / factor + smooth * f
                     }
+                })
+                .collect())
+        }
+        RopeScaling::Yarn {
+            factor,
+            original_max_positions,
+            beta_fast,
+            beta_slow,
+            truncate,
+            attention_factor,
+        } => {
+            if !(positive(factor)
+                && positive(beta_fast)
+                && positive(beta_slow)
+                && positive(attention_factor)
+                && original_max_positions > 0)
+            {
+                return bad(format!(
+                    "yarn scaling needs positive factor, beta_fast, beta_slow and attention factor \
+                     and a positive original context; got factor {factor}, beta_fast {beta_fast}, \
+                     beta_slow {beta_slow}, attention factor {attention_factor}, \
+                     original_max_position_embeddings {original_max_positions}"
+                ));
+            }
+            // The dimension that turns `rotations` times over the original context.
+            let dim = head_dim as f64;
+            let correction = |rotations: f64| {
+                dim * (original_max_positions as f64 / (rotations * 2.0 * std::f64::consts::PI))
+                    .ln()
+                    / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001; // transformers' guard against a zero-width ramp
+            }
+            Ok(base
+                .into_iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    // 1 keeps the original frequency (extrapolation), 0 interpolates fully.
+                    let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * (1.0 - keep) + f * keep
                 })
                 .collect())
         }

@@ -78,6 +78,9 @@ pub(super) fn matmul(
         return;
     }
     if b.rows == 1 && k.is_multiple_of(2) {
+        if m <= FEW_TOKENS {
+            return few_tokens(dot, a, b, (m, k, n), out);
+        }
         return weight_stationary(dot, a, b, (m, k, n), out);
     }
     let pairs = k.div_ceil(2);
@@ -201,6 +204,104 @@ fn weight_stationary(
                 }
             }
         });
+}
+
+/// Tokens up to which [`few_tokens`] computes a product: decoding's batches. Above it, the
+/// micro-kernel's `NR`-token panels waste less than they gain.
+const FEW_TOKENS: usize = 8;
+
+/// `out = a b` for at most [`FEW_TOKENS`] rows of `a` and a weight `b` contiguous along an even `k`
+/// (decoding: one token per sequence). [`weight_stationary`] would pad the tokens to a panel of
+/// [`NR`] and compute 32 columns where one is wanted; here each weight row is read once, 32 `bf16`
+/// at a time, and multiplied into every token's accumulator, so the product runs at the speed the
+/// weight streams from memory.
+fn few_tokens(
+    dot: Bf16Dot,
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [bf16],
+) {
+    let pairs = k / 2;
+    // The activations' pairs, [token][pair]; tokens past `m` stay 0 and are never read.
+    let mut x = vec![0u32; FEW_TOKENS * pairs];
+    for t in 0..m {
+        for p in 0..pairs {
+            x[t * pairs + p] = u32::from(a.at(t, 2 * p)) | u32::from(a.at(t, 2 * p + 1)) << 16;
+        }
+    }
+    let out_rows = OutRows::new(out, n);
+    (0..n.div_ceil(ROWS_PER_TASK))
+        .into_par_iter()
+        .for_each(|task| {
+            let (j0, end) = (task * ROWS_PER_TASK, n.min((task + 1) * ROWS_PER_TASK));
+            let sums: Vec<[f32; FEW_TOKENS]> = (j0..end)
+                .map(|j| dot_row(dot, &x, pairs, m, &b.data[j * b.cols..j * b.cols + k]))
+                .collect();
+            let mut column = vec![0.0f32; end - j0];
+            for t in 0..m {
+                for (c, s) in column.iter_mut().zip(&sums) {
+                    *c = s[t];
+                }
+                out_rows.store(t, j0, &column);
+            }
+        });
+}
+
+/// Every token's dot product with one weight row of `2 · pairs` `bf16`.
+fn dot_row(dot: Bf16Dot, x: &[u32], pairs: usize, m: usize, w: &[bf16]) -> [f32; FEW_TOKENS] {
+    assert!(m <= FEW_TOKENS && x.len() >= FEW_TOKENS * pairs && w.len() >= 2 * pairs);
+    let _ = dot;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU; the
+    // assertion keeps every load inside `x` and `w`.
+    unsafe {
+        dot_row_avx512(x, pairs, m, w)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn dot_row_avx512(x: &[u32], pairs: usize, m: usize, w: &[bf16]) -> [f32; FEW_TOKENS] {
+    use std::arch::x86_64::{
+        __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
+        _mm512_setzero_ps,
+    };
+    let mut acc = [_mm512_setzero_ps(); FEW_TOKENS];
+    let full = pairs / 16 * 16;
+    for p in (0..full).step_by(16) {
+        // SAFETY: `dot_row` checked that `w` holds `2 · pairs` elements and `p + 16 <= pairs`:
+        // the 64-byte load of 32 bf16 at `2p` stays inside; `loadu` needs no alignment. The cast
+        // reinterprets 512 bits as 32 bf16, the layout `vdpbf16ps` reads.
+        let weights = unsafe {
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(w[2 * p..].as_ptr().cast()))
+        };
+        for (t, acc) in acc.iter_mut().enumerate().take(m) {
+            // SAFETY: `x` holds `FEW_TOKENS · pairs` pairs and `t < m <= FEW_TOKENS`: the 16 pairs
+            // at `t · pairs + p` stay inside. As above, 16 pairs reread as 32 bf16.
+            let tokens = unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    x[t * pairs + p..].as_ptr().cast(),
+                ))
+            };
+            *acc = _mm512_dpbf16_ps(*acc, tokens, weights);
+        }
+    }
+    let mut sums = [0.0f32; FEW_TOKENS];
+    for (t, sum) in sums.iter_mut().enumerate().take(m) {
+        let mut s = _mm512_reduce_add_ps(acc[t]);
+        // The pairs past the last 16: as the instruction does, in f32.
+        for p in full..pairs {
+            let pair = x[t * pairs + p];
+            let widen = |bits: u32| f32::from_bits(bits << 16);
+            s += widen(pair & 0xffff) * f32::from(w[2 * p])
+                + widen(pair >> 16) * f32::from(w[2 * p + 1]);
+        }
+        *sum = s;
+    }
+    sums
 }
 
 /// The output, written by the column-block tasks: each task writes only its own columns. It holds
