@@ -29,8 +29,8 @@ pub trait CausalLm<'m> {
 
     /// The hidden states `[rows, width]` (before the final norm) of the packed new tokens `ids`
     /// (`[rows]`, `i64`) at `positions` (`[rows]`, `i64`), layer `l`'s attention reading and filling
-    /// the caches through [`KvStep::attend`] or [`KvStep::attend_grouped`] with `layer = l`, every
-    /// layer once. Rows are sequence after sequence, as [`KvStep::new_tokens`] counts them. The ids
+    /// the caches through [`KvStep::attend`], [`KvStep::attend_grouped`] or
+    /// [`KvStep::attend_in_window`] with `layer = l`, every layer once. Rows are sequence after sequence, as [`KvStep::new_tokens`] counts them. The ids
     /// are checked against the vocabulary and the positions against the position table before the
     /// call.
     ///
