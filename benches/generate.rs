@@ -8,6 +8,8 @@
 //! RAYON_NUM_THREADS=2 cargo bench --bench generate -- --noplot
 //! ```
 
+mod common;
+
 use std::hint::black_box;
 use std::path::Path;
 use std::time::Duration;
@@ -36,26 +38,7 @@ fn read_bandwidth(c: &mut Criterion) {
     let mut group = c.benchmark_group("read_bandwidth");
     group.sample_size(20);
     group.bench_function("sum_256MiB", |b| {
-        b.iter(|| {
-            std::thread::scope(|s| {
-                let parts: Vec<_> = data
-                    .chunks(data.len().div_ceil(threads))
-                    .map(|part| {
-                        s.spawn(move || {
-                            // Sixteen lanes: the compiler vectorises the sum.
-                            let mut lanes = [0.0f32; 16];
-                            for chunk in part.chunks_exact(16) {
-                                for (l, x) in lanes.iter_mut().zip(chunk) {
-                                    *l += x;
-                                }
-                            }
-                            lanes.iter().sum::<f32>()
-                        })
-                    })
-                    .collect();
-                black_box(parts.into_iter().map(|p| p.join().unwrap()).sum::<f32>())
-            })
-        })
+        b.iter(|| black_box(common::streamed_sum(&data, threads)))
     });
     group.finish();
 }

@@ -14,6 +14,8 @@
 //! Each pass takes seconds, so this bench times medians of a few runs itself (after a warm-up run)
 //! rather than through criterion's sampling.
 
+mod common;
+
 use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -52,25 +54,7 @@ fn read_bandwidth() -> f64 {
     let mut best = f64::INFINITY;
     for _ in 0..5 {
         let start = Instant::now();
-        let total: f32 = std::thread::scope(|s| {
-            let halves: Vec<_> = data
-                .chunks(data.len() / 2)
-                .map(|half| {
-                    s.spawn(move || {
-                        // Sixteen lanes, so that the compiler vectorises the sum and memory, not
-                        // one chain of dependent additions, bounds it.
-                        let mut lanes = [0.0f32; 16];
-                        for chunk in half.chunks_exact(16) {
-                            for (l, x) in lanes.iter_mut().zip(chunk) {
-                                *l += x;
-                            }
-                        }
-                        lanes.iter().sum::<f32>()
-                    })
-                })
-                .collect();
-            halves.into_iter().map(|h| h.join().unwrap()).sum()
-        });
+        let total = common::streamed_sum(&data, 2);
         black_box(total);
         best = best.min(start.elapsed().as_secs_f64());
     }
