@@ -1,36 +1,40 @@
-//! Fine-tunes a pretrained Hugging Face GPT-2 on a text file, on the CPU by default (`--device
-//! cuda:0` with the `cuda` feature).
+//! Fine-tunes a pretrained Hugging Face model — GPT-2, or the Llama family (Llama, Mistral, Qwen2)
+//! — on a text file, on the CPU by default (`--device cuda:0` with the `cuda` feature).
 //!
 //! It loads a model directory as transformers' `save_pretrained` writes it (by default the tiny
-//! GPT-2 in `data/gpt2-tiny`, trained on Python docstrings), prints its size and its loss on the
-//! text, continues a prompt greedily, fine-tunes it with AdamW on random windows of the text
-//! (`data/scopes.txt` by default, a page about scopes), shows the loss falling and the same
-//! continuation after, and saves a directory that transformers loads
-//! (`GPT2LMHeadModel.from_pretrained(DIR)`, `AutoTokenizer.from_pretrained(DIR)`).
+//! GPT-2 in `data/gpt2-tiny`, trained on Python docstrings; `--model data/llama-tiny` for a Llama 3
+//! style one), prints its size and its loss on the text, continues a prompt greedily, fine-tunes it
+//! with AdamW on random windows of the text (`data/scopes.txt` by default, a page about scopes),
+//! shows the loss falling and the same continuation after, and saves a directory that transformers
+//! loads (`AutoModelForCausalLM.from_pretrained(DIR)`, `AutoTokenizer.from_pretrained(DIR)`).
 //!
 //! ```text
 //! cargo run --release --example finetune -- --help
+//! cargo run --release --example finetune -- --model data/llama-tiny --recompute
 //! ```
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use ndscope::data::Tokenizer;
-use ndscope::models::Gpt2;
+use ndscope::kv::{CausalLm, KvPool};
+use ndscope::models::AutoModel;
 use ndscope::nn::{Mode, Parameters};
 use ndscope::optim::{Adam, AdamConfig, Optimizer};
+use ndscope::serve::{GenerateOptions, generate};
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Workspace, checkpoint, root};
 
 mod common;
 use common::Rng;
 
 const USAGE: &str = "\
-Fine-tune a pretrained GPT-2 (a Hugging Face model directory) on a text with ndscope.
+Fine-tune a pretrained GPT-2 or Llama-family model (a Hugging Face directory) on a text with ndscope.
 
 USAGE: cargo run --release --example finetune -- [OPTIONS]
 
 OPTIONS:
-  --model DIR       a GPT-2 directory (config.json, model.safetensors, tokenizer.json) [default: data/gpt2-tiny]
+  --model DIR       a GPT-2, Llama, Mistral or Qwen2 directory (config.json, model.safetensors,
+                    tokenizer.json)                                   [default: data/gpt2-tiny]
   --text FILE       the UTF-8 text to fine-tune on                    [default: data/scopes.txt]
   --steps N         optimizer steps                                   [default: 300]
   --batch-size N    windows per step                                  [default: 8]
@@ -40,7 +44,8 @@ OPTIONS:
   --seed N          window sampling                                   [default: 42]
   --device D        cpu, or cuda:N (needs --features cuda)            [default: cpu]
   --dtype T         f32, or bf16 / f16 autocast (f16 with loss scaling) [default: f32]
-  --out DIR         where the fine-tuned model is saved               [default: target/gpt2-finetuned]
+  --recompute       recompute each block in the backward pass (activation checkpointing)
+  --out DIR         where the fine-tuned model is saved [default: target/MODEL_TYPE-finetuned]
   --help            this text";
 
 /// The command line, parsed.
@@ -56,7 +61,9 @@ struct Options {
     seed: u64,
     device: Device,
     dtype: DType,
-    out: PathBuf,
+    recompute: bool,
+    /// `None`: `target/<model_type>-finetuned`.
+    out: Option<PathBuf>,
 }
 
 impl Options {
@@ -72,12 +79,17 @@ impl Options {
             seed: 42,
             device: Device::Cpu,
             dtype: DType::F32,
-            out: "target/gpt2-finetuned".into(),
+            recompute: false,
+            out: None,
         };
         let mut args = args;
         while let Some(flag) = args.next() {
             if flag == "--help" || flag == "-h" {
                 return Err(String::new());
+            }
+            if flag == "--recompute" {
+                o.recompute = true;
+                continue;
             }
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let count = |v: &str| {
@@ -103,7 +115,7 @@ impl Options {
                 "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 "--dtype" => o.dtype = common::parse_dtype(&value)?,
-                "--out" => o.out = value.into(),
+                "--out" => o.out = Some(value.into()),
                 _ => return Err(format!("unknown option {flag}")),
             }
         }
@@ -115,7 +127,7 @@ impl Options {
 /// a scope of its own.
 fn text_loss<'m>(
     m: &Scope<'m>,
-    model: &Gpt2<'m>,
+    model: &AutoModel<'m>,
     ids: &[i64],
     context: usize,
     precision: &common::Precision,
@@ -127,24 +139,33 @@ fn text_loss<'m>(
         let input = e.from_slice(flat, &[windows, context])?;
         let tape = Tape::no_grad(e);
         let logits = model.forward(&tape, &input, Mode::Eval)?;
-        Gpt2::loss(&logits, &input)?
+        AutoModel::loss(&logits, &input)?
             .value()
             .to_vec_f64()
             .map(|v| v[0])
     })
 }
 
-/// The prompt and a greedy continuation of up to 24 tokens, stopping at end-of-text.
+/// The prompt and a greedy continuation of up to 24 tokens (cached decoding), stopping at an end
+/// token: the config's, or GPT-2's `<|endoftext|>`.
 fn continuation<'m>(
     m: &Scope<'m>,
-    model: &Gpt2<'m>,
+    model: &AutoModel<'m>,
     tokenizer: &Tokenizer,
     prompt: &str,
 ) -> Result<String> {
-    let ids = tokenizer.encode(prompt)?;
-    let stop = tokenizer.token_id("<|endoftext|>");
-    let out = m.named_scope("generate", |g| model.greedy(g, &ids, 24, stop))?;
-    tokenizer.decode(&out)
+    let ids = tokenizer.encode_with_special_tokens(prompt)?;
+    let mut options = GenerateOptions::greedy(24);
+    let stops = model.end_tokens().iter().copied();
+    for stop in stops.chain(tokenizer.token_id("<|endoftext|>")) {
+        options = options.stopping_at(stop);
+    }
+    let new = m.named_scope("generate", |g| {
+        let positions = (ids.len() + 24).min(model.max_positions());
+        let pool = KvPool::for_tokens(g, model.kv_shape(), KvPool::BLOCK_TOKENS, positions)?;
+        generate(model, g, &pool, &ids, &options)
+    })?;
+    Ok(format!("{prompt}{}", tokenizer.decode(&new.tokens)?))
 }
 
 fn run(o: &Options) -> Result<()> {
@@ -160,10 +181,10 @@ fn run(o: &Options) -> Result<()> {
     root(o.device, |s| {
         s.named_scope("model", |m| {
             let loading = Instant::now();
-            let mut model = Gpt2::from_pretrained(m, &o.model, DType::F32)?;
+            let mut model = AutoModel::from_pretrained(m, &o.model, DType::F32)?;
+            model.set_recompute(o.recompute);
             let loaded_in = loading.elapsed();
-            let c = model.config().clone();
-            let context = o.context.min(c.n_positions);
+            let context = o.context.min(model.max_positions());
             if ids.len() < context + 1 {
                 return Err(Error::InvalidShape {
                     op: "finetune",
@@ -176,26 +197,23 @@ fn run(o: &Options) -> Result<()> {
                 });
             }
             println!(
-                "model: GPT-2 from {}: {} layers of width {}, {} heads, vocabulary {}, {} positions; {} parameters ({} B in the model scope), loaded in {:.1} ms",
+                "model: {}, from {}; {} parameters ({} B in the model scope), loaded in {:.1} ms",
+                model.describe(),
                 o.model.display(),
-                c.n_layer,
-                c.n_embd,
-                c.n_head,
-                c.vocab_size,
-                c.n_positions,
                 model.parameter_elements(),
                 m.stats().live_bytes,
                 loaded_in.as_secs_f64() * 1e3,
             );
             println!(
-                "data: {}: {} characters, {} tokens; windows of {context} tokens, batch {}, AdamW lr {}, {} steps, {}",
+                "data: {}: {} characters, {} tokens; windows of {context} tokens, batch {}, AdamW lr {}, {} steps, {}{}",
                 o.text.display(),
                 text.chars().count(),
                 ids.len(),
                 o.batch_size,
                 o.lr,
                 o.steps,
-                precision.describe()
+                precision.describe(),
+                if o.recompute { ", blocks recomputed in the backward pass" } else { "" }
             );
             let before = text_loss(m, &model, &ids, context, &precision)?;
             let sample_before = continuation(m, &model, &tokenizer, &o.prompt)?;
@@ -221,7 +239,7 @@ fn run(o: &Options) -> Result<()> {
                     let input = b.from_slice(&windows, &[o.batch_size, context])?;
                     let tape = Tape::new(b);
                     let logits = model.forward(&tape, &input, Mode::Train)?;
-                    let loss = Gpt2::loss(&logits, &input)?;
+                    let loss = AutoModel::loss(&logits, &input)?;
                     precision.backward_and_step(&tape, &loss, |grads| opt.step(&mut model, grads))?;
                     Ok((loss.value().to_vec_f64()?[0], b.stats().peak_bytes))
                 })?;
@@ -252,17 +270,26 @@ fn run(o: &Options) -> Result<()> {
             if let Some(line) = common::plan_summary(&ws) {
                 println!("{line}");
             }
-            save(&model, &o.model, &o.out)
+            let out = o.out.clone().unwrap_or_else(|| {
+                format!("target/{}-finetuned", model.architecture()).into()
+            });
+            save(&model, &o.model, &out)
         })
     })?;
     println!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
 
-/// Writes the fine-tuned model and the tokenizer (and generation settings) it was loaded with.
-fn save(model: &Gpt2<'_>, from: &Path, out: &Path) -> Result<()> {
+/// Writes the fine-tuned model and the tokenizer, chat template and generation settings it was
+/// loaded with.
+fn save(model: &AutoModel<'_>, from: &Path, out: &Path) -> Result<()> {
     model.save_pretrained(out)?;
-    for file in ["tokenizer.json", "generation_config.json"] {
+    for file in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
         if from.join(file).is_file() {
             let bytes = std::fs::read(from.join(file)).map_err(|e| Error::Io {
                 path: from.join(file).display().to_string(),
@@ -272,7 +299,7 @@ fn save(model: &Gpt2<'_>, from: &Path, out: &Path) -> Result<()> {
         }
     }
     println!(
-        "saved to {} (transformers: GPT2LMHeadModel.from_pretrained(\"{}\"))",
+        "saved to {} (transformers: AutoModelForCausalLM.from_pretrained(\"{}\"))",
         out.display(),
         out.display()
     );

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use ndscope::data::Tokenizer;
 use ndscope::kv::{CausalLm, KvPool};
-use ndscope::models::{Gpt2, Llama};
+use ndscope::models::AutoModel;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, generate};
 use ndscope::{DType, Device, Error, Result, Scope, root};
 
@@ -119,25 +119,10 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 
 fn run(o: &Options) -> Result<()> {
     let tokenizer = Tokenizer::from_file(o.model.join("tokenizer.json"))?;
-    let config_path = o.model.join("config.json");
-    let config: serde_json::Value = std::fs::read_to_string(&config_path)
-        .ok()
-        .and_then(|text| serde_json::from_str(&text).ok())
-        .unwrap_or_default();
-    root(o.device, |m| match config["model_type"].as_str() {
-        Some("llama" | "mistral" | "qwen2") => {
-            let llama = Llama::from_pretrained(m, &o.model, DType::F32)?;
-            let stops = llama.config().eos_token_ids.clone();
-            serve(o, m, &tokenizer, &llama, &stops)
-        }
-        // GPT-2, or whatever the GPT-2 loader then names as unsupported.
-        _ => serve(
-            o,
-            m,
-            &tokenizer,
-            &Gpt2::from_pretrained(m, &o.model, DType::F32)?,
-            &[],
-        ),
+    root(o.device, |m| {
+        // GPT-2 or the Llama family, as config.json's model_type says.
+        let model = AutoModel::from_pretrained(m, &o.model, DType::F32)?;
+        serve(o, m, &tokenizer, &model, model.end_tokens())
     })
 }
 

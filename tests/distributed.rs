@@ -10,6 +10,8 @@ use std::panic::{self, AssertUnwindSafe};
 use std::time::Duration;
 
 use ndscope::data::{Dataset, Loader};
+use ndscope::models::Llama;
+use ndscope::nn::{Mode, Parameters};
 use ndscope::dist::{DataParallel, ProcessGroup, Reduce};
 use ndscope::optim::{Adam, AdamConfig, GradientAccumulator, LossScaler, Optimizer};
 use ndscope::{
@@ -87,6 +89,10 @@ fn main() {
         (
             "rank_zero_writes_the_checkpoint_every_rank_loads_it",
             checkpoint_on_root,
+        ),
+        (
+            "a_llama_s_averaged_gradients_equal_its_full_batch_gradients",
+            llama_equals_full_batch,
         ),
         #[cfg(feature = "cuda")]
         (
@@ -430,6 +436,56 @@ fn averaged_bits(group: &ProcessGroup, bucket_bytes: usize) -> Result<(Vec<u64>,
             )
         })?;
         Ok((bits, ddp.last_sync().buckets))
+    })
+}
+
+/// Token sequence `i` of the Llama case: 12 ids below the tiny model's vocabulary.
+fn llama_sequence(i: usize) -> Vec<i64> {
+    (0..12).map(|t| ((i * 131 + t * 37 + 5) % 500) as i64).collect()
+}
+
+/// Every gradient of a Llama's next-token loss on `sequences`, in parameter order.
+fn llama_gradients<'m>(
+    m: &Scope<'m>,
+    model: &Llama<'m>,
+    sequences: &[Vec<i64>],
+    ddp: Option<&DataParallel<'_>>,
+) -> Result<Vec<Vec<f64>>> {
+    m.scope(|b| {
+        let flat: Vec<i64> = sequences.concat();
+        let ids = b.from_slice(&flat, &[sequences.len(), flat.len() / sequences.len()])?;
+        let tape = Tape::new(b);
+        let forward = || Llama::loss(&model.forward(&tape, &ids, Mode::Train)?, &ids);
+        let grads = match ddp {
+            Some(ddp) => ddp.backward(model, &tape, sequences.len(), forward)?,
+            None => tape.backward(&forward()?)?,
+        };
+        let mut out = Vec::new();
+        model.visit("", &mut |_, p| {
+            out.push(grads.get(p).expect("a gradient").to_vec_f64().unwrap());
+        });
+        Ok(out)
+    })
+}
+
+/// A pretrained transformer (llama-tiny, recomputing its blocks) trained data-parallel: one
+/// sequence per rank, averaged, equals one process on every rank's sequence.
+fn llama_equals_full_batch(group: &ProcessGroup) -> Result<()> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/data/llama-tiny");
+    root(Device::Cpu, |m| {
+        let mut model = Llama::from_pretrained(m, dir, DType::F64)?;
+        model.set_recompute(true);
+        let ddp = DataParallel::new(group, &mut model)?;
+        let got = llama_gradients(m, &model, &[llama_sequence(rank)], Some(&ddp))?;
+        let all: Vec<Vec<i64>> = (0..world).map(llama_sequence).collect();
+        let want = llama_gradients(m, &model, &all, None)?;
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            check((g - w).abs() <= 1e-12 * (1.0 + w.abs()), || {
+                format!("averaged {g}, full batch {w}")
+            })?;
+        }
+        Ok(())
     })
 }
 

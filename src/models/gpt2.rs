@@ -6,8 +6,10 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
-use super::{config_error, output_head, read_config, torch_dtype_name, unsupported};
-use crate::autograd::{CrossEntropy, Tape, Var};
+use super::{
+    config_error, next_token_loss, output_head, read_config, torch_dtype_name, unsupported,
+};
+use crate::autograd::{Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -526,38 +528,14 @@ impl<'m> Gpt2<'m> {
             .reshape(&[batch, len, self.config.vocab_size])
     }
 
-    /// The language-modelling loss as transformers computes it from `labels = input_ids`: the mean
-    /// cross-entropy of each position's logits against the next position's label, over labels that
-    /// are not `-100`. `logits` `[batch, len, vocab]`, `labels` `[batch, len]`.
+    /// The language-modelling loss as transformers computes it from `labels = input_ids`: see
+    /// [`next_token_loss`].
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] when the shapes do not match or `len < 2`; as for
-    /// [`Var::cross_entropy_with`].
+    /// As for [`next_token_loss`].
     #[track_caller]
     pub fn loss<'t, 's>(logits: &Var<'t, 's>, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
-        let (&[batch, len, _], &[b, l]) = (logits.shape(), labels.shape()) else {
-            return Err(Error::InvalidShape {
-                op: "Gpt2::loss",
-                shape: labels.shape().to_vec(),
-                reason: format!(
-                    "needs logits [batch, len, vocab] and labels [batch, len], got logits {:?}",
-                    logits.shape()
-                ),
-            });
-        };
-        if (b, l) != (batch, len) || len < 2 {
-            return Err(Error::InvalidShape {
-                op: "Gpt2::loss",
-                shape: labels.shape().to_vec(),
-                reason: format!(
-                    "needs labels [{batch}, {len}] with len >= 2 for logits {:?}",
-                    logits.shape()
-                ),
-            });
-        }
-        let predicted = logits.narrow(1, 0, len - 1)?;
-        let next = labels.narrow(1, 1, len - 1)?;
-        predicted.cross_entropy_with(&next, CrossEntropy::ignoring(-100))
+        next_token_loss(logits, labels)
     }
 
     /// `prompt` followed by up to `new_tokens` greedy tokens (the most likely next token each

@@ -7,8 +7,8 @@
 use std::panic::Location;
 use std::path::Path;
 
-use super::output_head;
-use crate::autograd::{Tape, Var};
+use super::{next_token_loss, output_head};
+use crate::autograd::{Segment, Tape, Var};
 use crate::checkpoint;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -18,7 +18,7 @@ use crate::nn::{
     Embedding, GatedMlp, GroupedQueryAttention, Linear, Mode, Module, Parameters, RmsNorm,
     RotaryEmbedding, WeightLayout, inverse_frequencies, layer_parts,
 };
-use crate::scope::Scope;
+use crate::scope::{MoveOut, Movable, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 
@@ -64,6 +64,8 @@ pub struct Llama<'m> {
     lm_head: Option<Linear<'m>>,
     rope: RotaryEmbedding<'m>,
     config: LlamaConfig,
+    /// Whether [`forward`](Llama::forward) recomputes each block in the backward pass.
+    recompute: bool,
 }
 
 impl<'m> Llama<'m> {
@@ -173,6 +175,7 @@ impl<'m> Llama<'m> {
             lm_head,
             rope,
             config,
+            recompute: false,
         })
     }
 
@@ -200,6 +203,29 @@ impl<'m> Llama<'m> {
     /// The configuration.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
+    }
+
+    /// Activation checkpointing: with `on`, [`forward`](Self::forward) keeps only each block's
+    /// input on a recording tape and recomputes the block during the backward pass (see
+    /// [`Var::recompute`]), so a training step holds one block's activations instead of all of
+    /// them, for about one more forward pass of compute. Gradients are the same.
+    pub fn set_recompute(&mut self, on: bool) {
+        self.recompute = on;
+    }
+
+    /// Whether [`set_recompute`](Self::set_recompute) is on.
+    pub fn recomputes(&self) -> bool {
+        self.recompute
+    }
+
+    /// The next-token loss of `logits` `[batch, len, vocab]` against `labels = input_ids`
+    /// (`[batch, len]`), as transformers computes it: see [`next_token_loss`].
+    ///
+    /// # Errors
+    /// As for [`next_token_loss`].
+    #[track_caller]
+    pub fn loss<'t, 's>(logits: &Var<'t, 's>, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
+        next_token_loss(logits, labels)
     }
 
     /// The logits `[batch, len, vocab]` of token ids `[batch, len]` (`i64`), every sequence
@@ -235,14 +261,23 @@ impl<'m> Llama<'m> {
                 ),
             });
         }
-        let scope = tape.scope();
-        let positions: Vec<i64> = (0..batch).flat_map(|_| 0..len as i64).collect();
-        let positions = scope.from_slice(&positions, &[batch * len])?;
         let mut x = self.embed.forward(tape, ids)?;
         for block in &self.blocks {
-            x = block.forward_with(&x, mode, |h| {
-                block.self_attn.forward(h, &self.rope, &positions, mode)
-            })?;
+            let layer = InSequence {
+                block,
+                rope: &self.rope,
+                mode,
+            };
+            x = if self.recompute {
+                // The segment outlives this call (the backward pass runs it): counted handles.
+                x.recompute(InSequence {
+                    block: block.clone(),
+                    rope: self.rope.clone(),
+                    mode,
+                })?
+            } else {
+                layer.forward(&x)?
+            };
         }
         let x = self.norm.forward(&x, mode)?;
         let rows = x.reshape(&[batch * len, self.config.hidden_size])?;
@@ -259,6 +294,42 @@ impl<'m> Llama<'m> {
             Some(head) => head.forward(x, mode),
             None => x.matmul(&x.tape().param(&self.embed.weight).t()?),
         }
+    }
+}
+
+/// A block over whole sequences `[batch, len, hidden]` starting at position 0: what
+/// [`Llama::forward`] runs, and recomputes in the backward pass when asked to. Generic over
+/// owning (`Block`, recomputed later) and borrowing (`&Block`, run now) holders.
+struct InSequence<B, R> {
+    block: B,
+    rope: R,
+    mode: Mode,
+}
+
+impl<'m, B, R> Segment<'m> for InSequence<B, R>
+where
+    B: std::borrow::Borrow<Block<'m>>,
+    R: std::borrow::Borrow<RotaryEmbedding<'m>>,
+{
+    fn forward<'t, 's>(&self, x: &Var<'t, 's>) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        let &[batch, len, _] = x.shape() else {
+            return Err(Error::InvalidShape {
+                op: "Llama block",
+                shape: x.shape().to_vec(),
+                reason: "needs hidden states [batch, len, hidden]".into(),
+            });
+        };
+        // Positions 0..len of every sequence, made where the block runs (the recomputation runs
+        // in a scope of its own).
+        let positions: Vec<i64> = (0..batch).flat_map(|_| 0..len as i64).collect();
+        let positions = x.tape().scope().from_slice(&positions, &[batch * len])?;
+        let (block, rope) = (self.block.borrow(), self.rope.borrow());
+        block.forward_with(x, self.mode, |h| {
+            block.self_attn.forward(h, rope, &positions, self.mode)
+        })
     }
 }
 
@@ -358,5 +429,35 @@ impl<'m> Parameters<'m> for Llama<'m> {
             head.visit_mut(f)?;
         }
         Ok(())
+    }
+}
+
+impl<'m> Movable<'m> for Llama<'m> {
+    type Moved<'b> = Llama<'b>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<Llama<'b>> {
+        Ok(Llama {
+            embed: self.embed.move_into(target)?,
+            blocks: self.blocks.move_into(target)?,
+            norm: self.norm.move_into(target)?,
+            lm_head: self.lm_head.move_into(target)?,
+            rope: self.rope.move_into(target)?,
+            config: self.config,
+            recompute: self.recompute,
+        })
+    }
+}
+
+/// A model shared by threads: `Llama<'static>` is `Sync`.
+impl<'m> MoveOut<'m> for Llama<'m> {
+    fn move_out(self) -> Result<Llama<'static>> {
+        Ok(Llama {
+            embed: self.embed.move_out()?,
+            blocks: self.blocks.move_out()?,
+            norm: self.norm.move_out()?,
+            lm_head: self.lm_head.move_out()?,
+            rope: self.rope.move_out()?,
+            config: self.config,
+            recompute: self.recompute,
+        })
     }
 }

@@ -1,21 +1,58 @@
 //! Published architectures with their checkpoints' names and layouts: load a model another library
 //! trained, check it, fine-tune it, save it back for that library.
 
+mod auto;
 mod gpt2;
 mod llama;
 mod llama_config;
 
+pub use auto::AutoModel;
 pub use gpt2::{Gpt2, Gpt2Config};
 pub use llama::Llama;
 pub use llama_config::LlamaConfig;
 
 use std::path::Path;
 
+use crate::autograd::{CrossEntropy, Var};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 use crate::weights::Weights;
+
+/// The language-modelling loss as transformers' causal LMs compute it from `labels = input_ids`:
+/// the mean cross-entropy of each position's logits against the next position's label, over labels
+/// that are not `-100`. `logits` `[batch, len, vocab]`, `labels` `[batch, len]` (`i64`).
+///
+/// # Errors
+/// [`Error::InvalidShape`] when the shapes do not match or `len < 2`; as for
+/// [`Var::cross_entropy_with`].
+#[track_caller]
+pub fn next_token_loss<'t, 's>(logits: &Var<'t, 's>, labels: &Tensor<'s>) -> Result<Var<'t, 's>> {
+    let (&[batch, len, _], &[b, l]) = (logits.shape(), labels.shape()) else {
+        return Err(Error::InvalidShape {
+            op: "next_token_loss",
+            shape: labels.shape().to_vec(),
+            reason: format!(
+                "needs logits [batch, len, vocab] and labels [batch, len], got logits {:?}",
+                logits.shape()
+            ),
+        });
+    };
+    if (b, l) != (batch, len) || len < 2 {
+        return Err(Error::InvalidShape {
+            op: "next_token_loss",
+            shape: labels.shape().to_vec(),
+            reason: format!(
+                "needs labels [{batch}, {len}] with len >= 2 for logits {:?}",
+                logits.shape()
+            ),
+        });
+    }
+    let predicted = logits.narrow(1, 0, len - 1)?;
+    let next = labels.narrow(1, 1, len - 1)?;
+    predicted.cross_entropy_with(&next, CrossEntropy::ignoring(-100))
+}
 
 /// A `config.json` key whose value the model does not compute.
 fn unsupported(key: &str, value: &serde_json::Value, reason: impl Into<String>) -> Error {

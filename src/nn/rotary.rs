@@ -5,7 +5,7 @@
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::scope::Scope;
+use crate::scope::{MoveOut, Movable, Scope};
 use crate::tensor::Tensor;
 
 /// How a model's rotary frequencies are scaled (transformers' `rope_type`s).
@@ -249,6 +249,26 @@ impl<'m> RotaryEmbedding<'m> {
         'm: 's,
     {
         x.rotary(&self.cos, &self.sin, positions)
+    }
+}
+
+/// The tables move with the model that holds them (they are not parameters: nothing trains them).
+impl<'m> Movable<'m> for RotaryEmbedding<'m> {
+    type Moved<'b> = RotaryEmbedding<'b>;
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<RotaryEmbedding<'b>> {
+        Ok(RotaryEmbedding {
+            cos: self.cos.move_into(target)?,
+            sin: self.sin.move_into(target)?,
+        })
+    }
+}
+
+impl<'m> MoveOut<'m> for RotaryEmbedding<'m> {
+    fn move_out(self) -> Result<RotaryEmbedding<'static>> {
+        Ok(RotaryEmbedding {
+            cos: self.cos.move_out()?,
+            sin: self.sin.move_out()?,
+        })
     }
 }
 
