@@ -42,6 +42,8 @@ use crate::tensor::Tensor;
 /// # Ok::<(), ndscope::Error>(())
 /// ```
 #[derive(Debug)]
+// One value per loaded model: the size difference costs nothing, a `Box` would cost every match.
+#[allow(clippy::large_enum_variant)]
 pub enum AutoModel<'m> {
     /// `model_type` `gpt2`.
     Gpt2(Gpt2<'m>),
