@@ -168,8 +168,18 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
-    // Criterion-style arguments (`--bench`, filters) are accepted and ignored.
+    // Criterion-style arguments: `--bench` is ignored; a filter keeps the parts whose name holds it
+    // (`passes`, `decode`) and the dtypes whose label does (`f32`, `bf16`).
+    let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let wanted = |name: &str| filter.as_ref().is_none_or(|f| name.contains(f.as_str()));
     for (dtype, label) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+        let (run_passes, run_decode) = (
+            wanted(&format!("passes/{label}")),
+            wanted(&format!("decode/{label}")),
+        );
+        if !run_passes && !run_decode {
+            continue;
+        }
         root(Device::Cpu, |m| {
             let start = Instant::now();
             let model = Llama::from_pretrained(m, DIR, dtype)?;
@@ -179,8 +189,13 @@ fn main() -> Result<()> {
                 start.elapsed().as_secs_f64(),
                 weight_bytes / 1e9
             );
-            passes(m, &model, label)?;
-            decoding(m, &model, label, weight_bytes)
+            if run_passes {
+                passes(m, &model, label)?;
+            }
+            if run_decode {
+                decoding(m, &model, label, weight_bytes)?;
+            }
+            Ok(())
         })?;
     }
     Ok(())

@@ -10,9 +10,9 @@ use std::panic::{self, AssertUnwindSafe};
 use std::time::Duration;
 
 use ndscope::data::{Dataset, Loader};
+use ndscope::dist::{DataParallel, ProcessGroup, Reduce};
 use ndscope::models::Llama;
 use ndscope::nn::{Mode, Parameters};
-use ndscope::dist::{DataParallel, ProcessGroup, Reduce};
 use ndscope::optim::{Adam, AdamConfig, GradientAccumulator, LossScaler, Optimizer};
 use ndscope::{
     DType, Device, Error, Gradients, Result, Scope, Tape, Tensor, Var, checkpoint, root,
@@ -441,7 +441,9 @@ fn averaged_bits(group: &ProcessGroup, bucket_bytes: usize) -> Result<(Vec<u64>,
 
 /// Token sequence `i` of the Llama case: 12 ids below the tiny model's vocabulary.
 fn llama_sequence(i: usize) -> Vec<i64> {
-    (0..12).map(|t| ((i * 131 + t * 37 + 5) % 500) as i64).collect()
+    (0..12)
+        .map(|t| ((i * 131 + t * 37 + 5) % 500) as i64)
+        .collect()
 }
 
 /// Every gradient of a Llama's next-token loss on `sequences`, in parameter order.

@@ -38,7 +38,12 @@ fn step<'m>(s: &Scope<'m>, model: &Llama<'m>, dir: &str) -> Result<Step> {
         let mut by_name = BTreeMap::new();
         model.visit("", &mut |name, p| {
             let g = grads.get(p).expect("every parameter has a gradient");
-            let bits = g.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect();
+            let bits = g
+                .to_vec_f64()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect();
             by_name.insert(name.to_string(), bits);
         });
         let loss = loss.value().to_vec_f64()?[0].to_bits();
@@ -110,7 +115,10 @@ fn autocast_logits_and_gradients_stay_near_transformers() -> Result<()> {
                         worst = (err, name.to_string());
                     }
                 });
-                eprintln!("{half} autocast gradients: worst {:e} ({})", worst.0, worst.1);
+                eprintln!(
+                    "{half} autocast gradients: worst {:e} ({})",
+                    worst.0, worst.1
+                );
                 assert!(
                     worst.0 <= grad_tol,
                     "{half} gradient of {}: relative error {:e}",
@@ -152,7 +160,11 @@ fn adamw_steps_replay_a_planned_workspace_in_a_strict_model_scope() -> Result<()
             );
             assert_eq!(m.stats().live_bytes, live, "the model scope did not grow");
             assert_eq!(ws.cycles(), 6);
-            assert_eq!(ws.replayed_cycles(), 5, "every step after the first replays its plan");
+            assert_eq!(
+                ws.replayed_cycles(),
+                5,
+                "every step after the first replays its plan"
+            );
             Ok(())
         })
     })
@@ -208,8 +220,14 @@ fn auto_model_loads_the_architecture_config_json_names() -> Result<()> {
                 s.scope(|b| {
                     let ids = input(b, dir)?;
                     let tape = Tape::no_grad(b);
-                    let got = auto.forward(&tape, &ids, Mode::Eval)?.value().to_vec_f64()?;
-                    let want = llama.forward(&tape, &ids, Mode::Eval)?.value().to_vec_f64()?;
+                    let got = auto
+                        .forward(&tape, &ids, Mode::Eval)?
+                        .value()
+                        .to_vec_f64()?;
+                    let want = llama
+                        .forward(&tape, &ids, Mode::Eval)?
+                        .value()
+                        .to_vec_f64()?;
                     assert_eq!(got, want, "{dir}");
                     Ok::<_, Error>(())
                 })?;
@@ -237,7 +255,10 @@ fn auto_model_names_what_it_cannot_load() -> Result<()> {
             assert!(message.contains("config.json"), "{message} names the file");
             if says.contains("bert") {
                 assert!(matches!(err, Error::UnsupportedConfig { .. }), "{err:?}");
-                assert!(message.contains("gpt2, llama, mistral and qwen2"), "{message}");
+                assert!(
+                    message.contains("gpt2, llama, mistral and qwen2"),
+                    "{message}"
+                );
             }
         }
         std::fs::remove_file(&config).unwrap();

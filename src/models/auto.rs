@@ -12,7 +12,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::kv::{CausalLm, KvShape, KvStep};
 use crate::nn::{Mode, Parameters};
-use crate::scope::{MoveOut, Movable, Scope};
+use crate::scope::{Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
 
 /// A pretrained causal language model of any architecture ndscope loads: GPT-2, or the Llama

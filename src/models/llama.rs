@@ -18,7 +18,7 @@ use crate::nn::{
     Embedding, GatedMlp, GroupedQueryAttention, Linear, Mode, Module, Parameters, RmsNorm,
     RotaryEmbedding, WeightLayout, inverse_frequencies, layer_parts,
 };
-use crate::scope::{MoveOut, Movable, Scope};
+use crate::scope::{Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
 use crate::weights::Weights;
 

@@ -5,7 +5,7 @@
 use crate::autograd::Var;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::scope::{MoveOut, Movable, Scope};
+use crate::scope::{Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
 
 /// How a model's rotary frequencies are scaled (transformers' `rope_type`s).

@@ -8,7 +8,7 @@
 
 use gemm::Parallelism;
 
-use super::bf16_gemm;
+use super::{bf16_gemm, few_rows};
 use rayon::prelude::*;
 
 use crate::backend::{Dst, Src};
@@ -27,6 +27,26 @@ pub(super) fn matmul(
     out: Dst,
 ) {
     match dtype {
+        DType::F32 if streams_weight(a.layout, b.layout, mkn) => {
+            let (da, db) = (a.buf.host::<f32>(), b.buf.host::<f32>());
+            let ((a_rs, _), (_, b_cs)) = (matrix_strides(a.layout), matrix_strides(b.layout));
+            let out = out.contiguous_host::<f32>();
+            let (m, k, n) = mkn;
+            let (ldx, ldw) = (
+                if m == 1 { k } else { a_rs as usize },
+                if n == 1 { k } else { b_cs as usize },
+            );
+            each_product(a.layout, b.layout, batch, (m, n), |ia, ib, io| {
+                few_rows::product(
+                    &da[ia..],
+                    ldx,
+                    &db[ib..],
+                    ldw,
+                    mkn,
+                    &mut out[io..io + m * n],
+                );
+            });
+        }
         DType::F32 => direct::<f32>(a, b, batch, mkn, out),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
@@ -69,6 +89,21 @@ pub(super) fn matmul(
         },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
+}
+
+/// Whether `a b` is a few rows by a weight used transposed, which [`few_rows::product`] streams:
+/// at most `MAX_ROWS` rows of `a`, each contiguous along `k`, and `b`'s columns contiguous along
+/// `k` (a `[n, k]` weight read as `Wᵀ`), rows and columns apart by at least `k`.
+fn streams_weight(a: &Layout, b: &Layout, (m, k, n): (usize, usize, usize)) -> bool {
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
+    let k_wide = k as isize;
+    (1..=few_rows::MAX_ROWS).contains(&m)
+        && k >= 1
+        && n >= 1
+        && (a_cs == 1 || k == 1)
+        && (b_rs == 1 || k == 1)
+        && (m == 1 || a_rs >= k_wide)
+        && (n == 1 || b_cs >= k_wide)
 }
 
 /// A product in the operands' own type (`gemm` widens `f16` itself).

@@ -7,6 +7,7 @@
 mod attention;
 mod bf16_gemm;
 mod elementwise;
+mod few_rows;
 mod fused;
 mod index;
 mod matmul;
