@@ -63,55 +63,65 @@ def median(work):
     return statistics.median(times)
 
 
-def step(path):
+def step(path, passes=True):
     for dtype, label in [(torch.float32, "f32"), (torch.bfloat16, "bf16")]:
         model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         model.eval()
-        x = ids(512)
-
-        def forward():
-            with torch.no_grad():
-                model(x).logits[0, -1].float().sum().item()
-
-        print(f"torch llama_1b/forward_512/{label}: {median(forward):.3f} s")
-        y = ids(257)
-
-        def forward_backward():
-            model.zero_grad(set_to_none=True)
-            out = model(y[:, :256])
-            loss = torch.nn.functional.cross_entropy(out.logits[0].float(), y[0, 1:])
-            loss.backward()
-
-        print(f"torch llama_1b/forward_backward_256/{label}: {median(forward_backward):.3f} s")
-        model.zero_grad(set_to_none=True)
-        prompt = ids(16)
-
-        def generate(batch):
-            def run():
-                with torch.no_grad():
-                    p = prompt.repeat(batch, 1)
-                    p[:, 0] = torch.arange(batch)
-                    model.generate(
-                        p,
-                        attention_mask=torch.ones_like(p),
-                        max_new_tokens=32,
-                        min_new_tokens=32,
-                        do_sample=False,
-                        pad_token_id=0,
-                    )
-            return run
-
-        one = median(generate(1))
-        eight = median(generate(8))
-        print(
-            f"torch llama_1b/generate/{label}: one request 32 tokens in {one:.3f} s "
-            f"({32 / one:.2f} tokens/s); 8 requests in {eight:.3f} s ({256 / eight:.2f} tokens/s, "
-            f"{(256 / eight) / (32 / one):.2f}x)"
-        )
+        if passes:
+            forward_and_backward(model, label)
+        decode(model, label)
         del model
+
+
+def forward_and_backward(model, label):
+    x = ids(512)
+
+    def forward():
+        with torch.no_grad():
+            model(x).logits[0, -1].float().sum().item()
+
+    print(f"torch llama_1b/forward_512/{label}: {median(forward):.3f} s")
+    y = ids(257)
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        out = model(y[:, :256])
+        loss = torch.nn.functional.cross_entropy(out.logits[0].float(), y[0, 1:])
+        loss.backward()
+
+    print(f"torch llama_1b/forward_backward_256/{label}: {median(forward_backward):.3f} s")
+    model.zero_grad(set_to_none=True)
+
+
+def decode(model, label):
+    prompt = ids(16)
+
+    def generate(batch):
+        def run():
+            with torch.no_grad():
+                p = prompt.repeat(batch, 1)
+                p[:, 0] = torch.arange(batch)
+                model.generate(
+                    p,
+                    attention_mask=torch.ones_like(p),
+                    max_new_tokens=32,
+                    min_new_tokens=32,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+        return run
+
+    one = median(generate(1))
+    eight = median(generate(8))
+    print(
+        f"torch llama_1b/generate/{label}: one request 32 tokens in {one:.3f} s "
+        f"({32 / one:.2f} tokens/s); 8 requests in {eight:.3f} s ({256 / eight:.2f} tokens/s, "
+        f"{(256 / eight) / (32 / one):.2f}x)"
+    )
 
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "step"
     path = sys.argv[2] if len(sys.argv) > 2 else "target/llama-1b-random"
-    {"make": make, "step": step}[what](path)
+    # `decode`: the generation timings alone (what `cargo bench --bench llama -- decode` measures).
+    {"make": make, "step": step, "decode": lambda p: step(p, passes=False)}[what](path)

@@ -404,6 +404,12 @@ fn reductions_products_and_windows_in_16_bit_accumulate_in_f32() {
             |t| t[0].matmul(&t[1].t()?),
         ),
         (
+            "three tokens by a transposed weight, one pair past the steps",
+            vec![&[3, 34], &[11, 34]],
+            34,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
+        (
             "eight tokens by a transposed weight",
             vec![&[8, 64], &[9, 64]],
             64,

@@ -235,9 +235,17 @@ fn few_tokens(
         .into_par_iter()
         .for_each(|task| {
             let (j0, end) = (task * ROWS_PER_TASK, n.min((task + 1) * ROWS_PER_TASK));
-            let sums: Vec<[f32; FEW_TOKENS]> = (j0..end)
-                .map(|j| dot_row(dot, &x, pairs, m, &b.data[j * b.cols..j * b.cols + k]))
-                .collect();
+            let mut sums = vec![[0.0f32; FEW_TOKENS]; end - j0];
+            for (g, group) in sums.chunks_mut(GROUP).enumerate() {
+                let first = j0 + g * GROUP;
+                // Rows past the task's end repeat its last row; their sums are not kept.
+                let rows: [&[bf16]; GROUP] = std::array::from_fn(|r| {
+                    let j = (first + r).min(end - 1);
+                    &b.data[j * b.cols..j * b.cols + k]
+                });
+                let all = dot_rows(dot, &x, pairs, m, rows);
+                group.copy_from_slice(&all[..group.len()]);
+            }
             let mut column = vec![0.0f32; end - j0];
             for t in 0..m {
                 for (c, s) in column.iter_mut().zip(&sums) {
@@ -248,60 +256,101 @@ fn few_tokens(
         });
 }
 
-/// Every token's dot product with one weight row of `2 · pairs` `bf16`.
-fn dot_row(dot: Bf16Dot, x: &[u32], pairs: usize, m: usize, w: &[bf16]) -> [f32; FEW_TOKENS] {
-    assert!(m <= FEW_TOKENS && x.len() >= FEW_TOKENS * pairs && w.len() >= 2 * pairs);
+/// Weight rows [`few_tokens`] walks together: several independent accumulator chains per token.
+const GROUP: usize = 4;
+
+/// Every token's dot product with each of [`GROUP`] weight rows of `2 · pairs` `bf16`.
+fn dot_rows(
+    dot: Bf16Dot,
+    x: &[u32],
+    pairs: usize,
+    m: usize,
+    w: [&[bf16]; GROUP],
+) -> [[f32; FEW_TOKENS]; GROUP] {
+    assert!(
+        (1..=FEW_TOKENS).contains(&m)
+            && x.len() >= FEW_TOKENS * pairs
+            && w.iter().all(|w| w.len() >= 2 * pairs)
+    );
     let _ = dot;
+    let mut sums = [[0.0f32; FEW_TOKENS]; GROUP];
+    // One instantiation per token count and rows per call, so that the accumulators (tokens × rows
+    // vectors, at most 16) stay in registers.
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU; the
-    // assertion keeps every load inside `x` and `w`.
-    unsafe {
-        dot_row_avx512(x, pairs, m, w)
+    macro_rules! call {
+        ($t:literal, $r:literal) => {
+            for (w, s) in w.chunks_exact($r).zip(sums.chunks_exact_mut($r)) {
+                let (w, s) = (w.try_into().expect("R rows"), s.try_into().expect("R rows"));
+                // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on
+                // this CPU; the assertion keeps every load inside `x` and `w`.
+                unsafe { dot_rows_avx512::<$t, $r>(x, pairs, w, s) }
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    match m {
+        1 => call!(1, 4),
+        2 => call!(2, 4),
+        3 => call!(3, 4),
+        4 => call!(4, 4),
+        5 => call!(5, 2),
+        6 => call!(6, 2),
+        7 => call!(7, 2),
+        _ => call!(8, 2),
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
+    unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16");
+    #[allow(unreachable_code)]
+    sums
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-fn dot_row_avx512(x: &[u32], pairs: usize, m: usize, w: &[bf16]) -> [f32; FEW_TOKENS] {
+fn dot_rows_avx512<const T: usize, const R: usize>(
+    x: &[u32],
+    pairs: usize,
+    w: &[&[bf16]; R],
+    sums: &mut [[f32; FEW_TOKENS]; R],
+) {
     use std::arch::x86_64::{
         __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
         _mm512_setzero_ps,
     };
-    let mut acc = [_mm512_setzero_ps(); FEW_TOKENS];
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
     let full = pairs / 16 * 16;
+    let xp: [*const u32; T] = std::array::from_fn(|t| x[t * pairs..].as_ptr());
+    let wp: [*const bf16; R] = std::array::from_fn(|r| w[r].as_ptr());
     for p in (0..full).step_by(16) {
-        // SAFETY: `dot_row` checked that `w` holds `2 · pairs` elements and `p + 16 <= pairs`:
-        // the 64-byte load of 32 bf16 at `2p` stays inside; `loadu` needs no alignment. The cast
-        // reinterprets 512 bits as 32 bf16, the layout `vdpbf16ps` reads.
-        let weights = unsafe {
-            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(w[2 * p..].as_ptr().cast()))
-        };
-        for (t, acc) in acc.iter_mut().enumerate().take(m) {
-            // SAFETY: `x` holds `FEW_TOKENS · pairs` pairs and `t < m <= FEW_TOKENS`: the 16 pairs
-            // at `t · pairs + p` stay inside. As above, 16 pairs reread as 32 bf16.
-            let tokens = unsafe {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
-                    x[t * pairs + p..].as_ptr().cast(),
-                ))
+        // SAFETY: `dot_rows` checked that `x` holds `FEW_TOKENS · pairs` pairs and `t < T <= m <=
+        // FEW_TOKENS`, and `p + 16 <= pairs`: the 16 pairs at `t · pairs + p` stay inside; `loadu`
+        // needs no alignment. The cast rereads 16 pairs as 32 bf16, the layout `vdpbf16ps` reads.
+        let tokens: [__m512bh; T] = std::array::from_fn(|t| unsafe {
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xp[t].add(p).cast()))
+        });
+        for (acc, w) in acc.iter_mut().zip(&wp) {
+            // SAFETY: `dot_rows` checked that each row holds `2 · pairs` elements: the 64-byte load
+            // of 32 bf16 at `2p` stays inside. As above, 512 bits reread as 32 bf16.
+            let weights = unsafe {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(w.add(2 * p).cast()))
             };
-            *acc = _mm512_dpbf16_ps(*acc, tokens, weights);
+            for (acc, tokens) in acc.iter_mut().zip(&tokens) {
+                *acc = _mm512_dpbf16_ps(*acc, *tokens, weights);
+            }
         }
     }
-    let mut sums = [0.0f32; FEW_TOKENS];
-    for (t, sum) in sums.iter_mut().enumerate().take(m) {
-        let mut s = _mm512_reduce_add_ps(acc[t]);
-        // The pairs past the last 16: as the instruction does, in f32.
-        for p in full..pairs {
-            let pair = x[t * pairs + p];
-            let widen = |bits: u32| f32::from_bits(bits << 16);
-            s += widen(pair & 0xffff) * f32::from(w[2 * p])
-                + widen(pair >> 16) * f32::from(w[2 * p + 1]);
+    for ((sums, acc), w) in sums.iter_mut().zip(&acc).zip(w) {
+        for (t, (sum, acc)) in sums.iter_mut().zip(acc).enumerate() {
+            let mut s = _mm512_reduce_add_ps(*acc);
+            // The pairs past the last 16: as the instruction does, in f32.
+            for p in full..pairs {
+                let pair = x[t * pairs + p];
+                let widen = |bits: u32| f32::from_bits(bits << 16);
+                s += widen(pair & 0xffff) * f32::from(w[2 * p])
+                    + widen(pair >> 16) * f32::from(w[2 * p + 1]);
+            }
+            *sum = s;
         }
-        *sum = s;
     }
-    sums
 }
 
 /// The output, written by the column-block tasks: each task writes only its own columns. It holds

@@ -260,8 +260,8 @@ fn dots_avx512<const T: usize, const R: usize>(
     sums: &mut [[f32; TOKENS_PER_PASS]; R],
 ) {
     use std::arch::x86_64::{
-        _MM_HINT_T0, _mm_prefetch, __m512, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps, _mm512_reduce_add_ps,
-        _mm512_setzero_ps,
+        __m512, _MM_HINT_T0, _mm_prefetch, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps,
+        _mm512_reduce_add_ps, _mm512_setzero_ps,
     };
     const LANES: usize = 16;
     let k = weights[0].len();
