@@ -1,6 +1,6 @@
 //! A Llama-3.2-1B-shaped model on the CPU (hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP
 //! 8192, vocabulary 128,256, a tied head; random weights in bf16, written once by
-//! `benches/llama_reference.py make` to `target/llama-1b-random/`): loading, the forward pass of 512
+//! `benches/llama_reference.py make` to `target/llama-1b-random/`): loading (its time, and the peak resident memory of the bf16 load), the forward pass of 512
 //! tokens and the forward+backward pass of 256 (f32 and bf16 weights), batch-1 decoding against the
 //! machine's read bandwidth, and eight requests decoded together by the engine.
 //! `benches/llama_reference.py step` measures transformers and PyTorch on the same directory.
@@ -161,6 +161,40 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
     Ok(())
 }
 
+/// A line of `/proc/self/status` in bytes (`VmRSS`, `VmHWM`), where Linux has it.
+fn status_bytes(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(&format!("{key}:")))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The process's peak resident memory while loading the bf16 checkpoint as bf16, against the
+/// weights' bytes: first in the process, so that the high-water mark is the load's. (The loader
+/// drops the mapped file's pages from the process as it copies them, so the file's bytes do not
+/// count twice.)
+fn load_peak() -> Result<()> {
+    let Some(before) = status_bytes("VmRSS") else {
+        println!("llama_1b/load_peak/bf16: no /proc/self/status here, not measured");
+        return Ok(());
+    };
+    root(Device::Cpu, |m| {
+        let model = Llama::from_pretrained(m, DIR, DType::BF16)?;
+        let weights = (model.parameter_elements() * 2) as f64;
+        let peak = status_bytes("VmHWM").unwrap_or(before);
+        println!(
+            "llama_1b/load_peak/bf16: resident {:.3} GB before, peak {:.3} GB: the load added {:.3} \
+             GB = {:.3}x the weights' {:.3} GB",
+            before as f64 / 1e9,
+            peak as f64 / 1e9,
+            (peak - before) as f64 / 1e9,
+            (peak - before) as f64 / weights,
+            weights / 1e9
+        );
+        Ok(())
+    })
+}
+
 fn main() -> Result<()> {
     if !Path::new(DIR).join("config.json").is_file() {
         eprintln!(
@@ -169,9 +203,12 @@ fn main() -> Result<()> {
         return Ok(());
     }
     // Criterion-style arguments: `--bench` is ignored; a filter keeps the parts whose name holds it
-    // (`passes`, `decode`) and the dtypes whose label does (`f32`, `bf16`).
+    // (`load_peak`, `passes`, `decode`) and the dtypes whose label does (`f32`, `bf16`).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let wanted = |name: &str| filter.as_ref().is_none_or(|f| name.contains(f.as_str()));
+    if wanted("load_peak") {
+        load_peak()?;
+    }
     for (dtype, label) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
         let (run_passes, run_decode) = (
             wanted(&format!("passes/{label}")),

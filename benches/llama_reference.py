@@ -3,6 +3,7 @@ directory (random weights):
 
     python3 benches/llama_reference.py make [DIR]   # writes the checkpoint (bf16, 2.5 GB), once
     python3 benches/llama_reference.py step [DIR]   # forward 512, forward+backward 256, generate
+    python3 benches/llama_reference.py decode [DIR] # generate only
 
 DIR defaults to target/llama-1b-random. Two threads (torch.set_num_threads(2)), batch 1, sdpa
 attention, medians of 3 after a warm-up run, the same token ids as the Rust side; f32 and bf16 (the
