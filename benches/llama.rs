@@ -1,8 +1,9 @@
 //! A Llama-3.2-1B-shaped model on the CPU (hidden 2048, 16 layers, 32 query / 8 key-value heads, MLP
 //! 8192, vocabulary 128,256, a tied head; random weights in bf16, written once by
-//! `benches/llama_reference.py make` to `target/llama-1b-random/`): loading (its time, and the peak resident memory of the bf16 load), the forward pass of 512
-//! tokens and the forward+backward pass of 256 (f32 and bf16 weights), batch-1 decoding against the
-//! machine's read bandwidth, and eight requests decoded together by the engine.
+//! `benches/llama_reference.py make` to `target/llama-1b-random/`): loading (its time, and the peak
+//! resident memory of the bf16 load), the forward pass of 512 tokens and the forward+backward pass
+//! of 256 (f32 and bf16 weights), batch-1 decoding against the machine's read bandwidth, and eight
+//! requests decoded together by the engine.
 //! `benches/llama_reference.py step` measures transformers and PyTorch on the same directory.
 //!
 //! ```text
