@@ -147,19 +147,14 @@ impl<'m> RotaryEmbedding<'m> {
                 ),
             });
         }
-        let half = frequencies.len();
-        let (mut cos, mut sin) = (
-            Vec::with_capacity(max_positions * half),
-            Vec::with_capacity(max_positions * half),
-        );
-        for p in 0..max_positions {
-            for &f in frequencies {
-                let angle = p as f64 * f;
-                cos.push(angle.cos() * attention_scaling);
-                sin.push(angle.sin() * attention_scaling);
-            }
-        }
-        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, half], dtype)
+        let (cos, sin) = angle_tables(frequencies, max_positions, |p, f| {
+            let angle = p as f64 * f;
+            (
+                angle.cos() * attention_scaling,
+                angle.sin() * attention_scaling,
+            )
+        });
+        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, frequencies.len()], dtype)
     }
 
     /// The tables as transformers' `float32` rotary forward computes them, for matching its
@@ -181,19 +176,14 @@ impl<'m> RotaryEmbedding<'m> {
         // The same checks as the exact tables, on an empty table.
         RotaryEmbedding::from_frequencies(scope, frequencies, 0, attention_scaling, dtype)?;
         let scaling = attention_scaling as f32;
-        let half = frequencies.len();
-        let (mut cos, mut sin) = (
-            Vec::with_capacity(max_positions * half),
-            Vec::with_capacity(max_positions * half),
-        );
-        for p in 0..max_positions {
-            for &f in frequencies {
-                let angle = f64::from(p as f32 * f as f32);
-                cos.push(f64::from(angle.cos() as f32 * scaling));
-                sin.push(f64::from(angle.sin() as f32 * scaling));
-            }
-        }
-        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, half], dtype)
+        let (cos, sin) = angle_tables(frequencies, max_positions, |p, f| {
+            let angle = f64::from(p as f32 * f as f32);
+            (
+                f64::from(angle.cos() as f32 * scaling),
+                f64::from(angle.sin() as f32 * scaling),
+            )
+        });
+        RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, frequencies.len()], dtype)
     }
 
     /// Tables from their values (rounded to `f32` unless `dtype` is `f64`).
@@ -250,6 +240,26 @@ impl<'m> RotaryEmbedding<'m> {
     {
         x.rotary(&self.cos, &self.sin, positions)
     }
+}
+
+/// The `[positions, frequencies]` tables of `entry(p, θ_i)` = (cos, sin) entries, row-major.
+fn angle_tables(
+    frequencies: &[f64],
+    positions: usize,
+    entry: impl Fn(usize, f64) -> (f64, f64),
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut cos, mut sin) = (
+        Vec::with_capacity(positions * frequencies.len()),
+        Vec::with_capacity(positions * frequencies.len()),
+    );
+    for p in 0..positions {
+        for &f in frequencies {
+            let (c, s) = entry(p, f);
+            cos.push(c);
+            sin.push(s);
+        }
+    }
+    (cos, sin)
 }
 
 /// The tables move with the model that holds them (they are not parameters: nothing trains them).
