@@ -1,7 +1,8 @@
-"""Makes data/qwen2-tiny and data/mistral-tiny: the Llama family's two other layouts, as Hugging Face
-directories with what transformers computes from them (the oracles of tests/llama.rs).
+"""Makes data/qwen2-tiny, data/mistral-tiny and data/llama-dynamic-tiny: the Llama family's other
+layouts and RoPE scalings, as Hugging Face directories with what transformers computes from them (the
+oracles of tests/llama.rs).
 
-    python3 data/make_variants.py    # transformers 5, torch, on the CPU; downloads nothing
+    python3 data/make_variants.py [NAME...]   # transformers 5, torch, on the CPU; downloads nothing
 
 Each model is seeded and randomly initialised (initializer_range 0.2, so that logits are not flat and
 greedy steps are not near ties), saved with `save_pretrained` in float32, and given llama-tiny's
@@ -19,10 +20,14 @@ rewritten to the top-level `rope_theta`/`rope_scaling` form the published Qwen2.
 mistral-tiny: `MistralForCausalLM` with a sliding window of 16 positions (of 64), so the 32-token
 inputs and the generations see the window; RoPE linear scaling (factor 2), kept in transformers 5's
 `rope_parameters` form.
+llama-dynamic-tiny: `LlamaForCausalLM` with dynamic NTK RoPE scaling (factor 4) over
+`max_position_embeddings` 16, so the 32-token inputs and the generations (which cross position 16)
+run on frequencies transformers recomputes for the sequence's length.
 """
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import tokenizers
@@ -30,6 +35,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     PreTrainedTokenizerFast,
@@ -113,6 +120,8 @@ def reference(directory, model_class, seed):
 
 
 def make(name, config, model_class, seed, legacy=False):
+    if len(sys.argv) > 1 and name not in sys.argv[1:]:
+        return
     directory = DATA / name
     shutil.rmtree(directory, ignore_errors=True)
     torch.manual_seed(seed)
@@ -149,4 +158,15 @@ make(
     ),
     MistralForCausalLM,
     seed=30,
+)
+make(
+    "llama-dynamic-tiny",
+    LlamaConfig(
+        **COMMON,
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10_000.0},
+        tie_word_embeddings=False,
+    ),
+    LlamaForCausalLM,
+    seed=40,
 )

@@ -18,6 +18,9 @@ const DIR: &str = "data/llama-tiny";
 const QWEN2: &str = "data/qwen2-tiny";
 /// `MistralForCausalLM` with a sliding window of 16 positions (of 64) and linear RoPE scaling.
 const MISTRAL: &str = "data/mistral-tiny";
+/// `LlamaForCausalLM` with dynamic NTK RoPE (factor 4 over 16 positions): the 32-token inputs and
+/// the generations pass the original context, so transformers recomputed the frequencies for them.
+const DYNAMIC: &str = "data/llama-dynamic-tiny";
 
 fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
     reference_of(DIR)
@@ -106,14 +109,14 @@ fn matches_transformers(dir: &str, dtype: DType, logits_tol: f64, grad_tol: f64)
 /// the RoPE tables, 9.5e-7 for qwen2-tiny, whose weights are drawn ten times larger).
 #[test]
 fn f64_logits_loss_and_gradients_match_transformers() {
-    for dir in [DIR, QWEN2, MISTRAL] {
+    for dir in [DIR, QWEN2, MISTRAL, DYNAMIC] {
         matches_transformers(dir, DType::F64, 2e-6, 1e-5);
     }
 }
 
 #[test]
 fn f32_logits_loss_and_gradients_match_transformers() {
-    for dir in [DIR, QWEN2, MISTRAL] {
+    for dir in [DIR, QWEN2, MISTRAL, DYNAMIC] {
         matches_transformers(dir, DType::F32, 1e-5, 1e-4);
     }
 }
@@ -125,7 +128,7 @@ fn f32_logits_loss_and_gradients_match_transformers() {
 fn cached_greedy_generation_matches_transformers_generate() {
     use ndscope::kv::{CausalLm, KvPool};
     use ndscope::serve::{GenerateOptions, generate};
-    for dir in [DIR, QWEN2, MISTRAL] {
+    for dir in [DIR, QWEN2, MISTRAL, DYNAMIC] {
         let reference = reference_of(dir);
         let as_ids =
             |name: &str| -> Vec<i64> { reference[name].1.iter().map(|&v| v as i64).collect() };

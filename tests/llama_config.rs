@@ -113,6 +113,30 @@ fn mistral_and_qwen2_variants_read_their_own_keys() {
     );
 }
 
+/// Dynamic NTK scaling in both forms: its original context is `max_position_embeddings`, the
+/// context it computes `factor` times that, and `to_json` writes it back.
+#[test]
+fn dynamic_reads_from_both_forms() {
+    let mut c = tiny();
+    c["max_position_embeddings"] = json!(16);
+    c["rope_parameters"] = json!({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0});
+    let config = parse(&c).unwrap();
+    let want = RopeScaling::Dynamic {
+        factor: 4.0,
+        original_max_positions: 16,
+    };
+    assert_eq!(config.rope_scaling, want);
+    assert_eq!(config.rope_scaling.context(16), 64);
+    assert_eq!(LlamaConfig::from_json(&config.to_json()).unwrap(), config);
+    c.as_object_mut().unwrap().remove("rope_parameters");
+    c["rope_theta"] = json!(10000.0);
+    c["rope_scaling"] = json!({"type": "dynamic", "factor": 4.0});
+    assert_eq!(parse(&c).unwrap().rope_scaling, want);
+    c["rope_scaling"] = json!({"type": "dynamic"});
+    let err = parse(&c).unwrap_err();
+    assert!(err.to_string().contains("factor"), "{err}");
+}
+
 /// YaRN in the older top-level form of Qwen2.5's long-context configs (`"type": "yarn"`), with the
 /// attention factor from `mscale` and `mscale_all_dim`, and written back by `to_json`.
 #[test]
@@ -159,10 +183,6 @@ fn what_ndscope_does_not_compute_is_refused_by_name() {
         (
             Box::new(|c| c["rope_parameters"]["rope_type"] = json!("longrope")),
             "unsupported: rope_type = \"longrope\"",
-        ),
-        (
-            Box::new(|c| c["rope_parameters"]["rope_type"] = json!("dynamic")),
-            "unsupported: rope_type = \"dynamic\"",
         ),
         (
             Box::new(|c| c["hidden_act"] = json!("gelu")),

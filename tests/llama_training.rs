@@ -17,6 +17,8 @@ use ndscope::{DType, Device, Error, MoveOut, Result, Scope, Tape, Tensor, Worksp
 const DIR: &str = "data/llama-tiny";
 /// Sliding-window attention (16 of 64 positions): recomputation must run the window too.
 const MISTRAL: &str = "data/mistral-tiny";
+/// Dynamic RoPE past its 16 positions: recomputation must rebuild the pass's own tables.
+const DYNAMIC: &str = "data/llama-dynamic-tiny";
 
 /// The reference batch's token ids, `[batch, len]`.
 fn input<'s>(b: &Scope<'s>, dir: &str) -> Result<Tensor<'s>> {
@@ -53,7 +55,7 @@ fn step<'m>(s: &Scope<'m>, model: &Llama<'m>, dir: &str) -> Result<Step> {
 
 #[test]
 fn recomputed_blocks_give_the_same_step_bit_for_bit_in_less_memory() -> Result<()> {
-    for dir in [DIR, MISTRAL] {
+    for dir in [DIR, MISTRAL, DYNAMIC] {
         root(Device::Cpu, |s| {
             let mut model = Llama::from_pretrained(s, dir, DType::F32)?;
             let plain = step(s, &model, dir)?;

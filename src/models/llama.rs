@@ -16,7 +16,7 @@ use crate::kv::{CausalLm, KvShape, KvStep};
 use crate::models::LlamaConfig;
 use crate::nn::{
     Embedding, GatedMlp, GroupedQueryAttention, Linear, Mode, Module, Parameters, RmsNorm,
-    RotaryEmbedding, WeightLayout, inverse_frequencies, layer_parts,
+    RopeScaling, RotaryEmbedding, WeightLayout, dynamic_theta, inverse_frequencies, layer_parts,
 };
 use crate::scope::{Movable, MoveOut, Scope};
 use crate::tensor::Tensor;
@@ -45,6 +45,25 @@ impl<'m> Block<'m> {
         let x = x.add(&attend(&self.input_layernorm.forward(x, mode)?)?)?;
         let h = self.post_attention_layernorm.forward(&x, mode)?;
         x.add(&self.mlp.forward(&h, mode)?)
+    }
+}
+
+impl<'m> Block<'m> {
+    /// The block over whole sequences, its attention rotating by `rope` at `positions`.
+    fn run<'t, 's, 'r>(
+        &self,
+        x: &Var<'t, 's>,
+        rope: &RotaryEmbedding<'r>,
+        positions: &Tensor<'s>,
+        mode: Mode,
+    ) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+        'r: 's,
+    {
+        self.forward_with(x, mode, |h| {
+            self.self_attn.forward(h, rope, positions, mode)
+        })
     }
 }
 
@@ -251,21 +270,24 @@ impl<'m> Llama<'m> {
                 reason: "token ids must be [batch, len]".into(),
             });
         };
-        if len > self.rope.max_positions() {
+        if len > self.max_positions() {
             return Err(Error::InvalidShape {
                 op: "Llama::forward",
                 shape: ids.shape().to_vec(),
                 reason: format!(
-                    "{len} tokens do not fit the {} positions of max_position_embeddings",
-                    self.rope.max_positions()
+                    "{len} tokens do not fit the model's {} positions (max_position_embeddings, \
+                     times a dynamic RoPE factor)",
+                    self.max_positions()
                 ),
             });
         }
         let mut x = self.embed.forward(tape, ids)?;
         for block in &self.blocks {
+            let dynamic = self.dynamic_rope();
             let layer = InSequence {
                 block,
                 rope: &self.rope,
+                dynamic,
                 mode,
             };
             x = if self.recompute {
@@ -273,6 +295,7 @@ impl<'m> Llama<'m> {
                 x.recompute(InSequence {
                     block: block.clone(),
                     rope: self.rope.clone(),
+                    dynamic,
                     mode,
                 })?
             } else {
@@ -283,6 +306,58 @@ impl<'m> Llama<'m> {
         let rows = x.reshape(&[batch * len, self.config.hidden_size])?;
         self.head(&rows, mode)?
             .reshape(&[batch, len, self.config.vocab_size])
+    }
+
+    /// What a pass needs to recompute dynamic RoPE frequencies, when the config asks for them.
+    fn dynamic_rope(&self) -> Option<DynamicRope> {
+        let c = &self.config;
+        match c.rope_scaling {
+            RopeScaling::Dynamic {
+                factor,
+                original_max_positions,
+            } => Some(DynamicRope {
+                theta: c.rope_theta,
+                head_dim: c.head_dim,
+                factor,
+                original_max_positions,
+                dtype: self.rope.cos().dtype(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// One rotary table row per packed new token (sequence `s` has `new[s]` tokens from position
+    /// `starts[s]`), each at its sequence's frequencies, and the positions `0..rows` that read
+    /// them.
+    fn rows_for<'s>(
+        &self,
+        scope: &Scope<'s>,
+        d: &DynamicRope,
+        starts: &[usize],
+        new: &[usize],
+    ) -> Result<(RotaryEmbedding<'s>, Tensor<'s>)> {
+        let original = inverse_frequencies(d.head_dim, d.theta, &RopeScaling::None)?
+            .into_iter()
+            .map(|f| f as f32 as f64)
+            .collect::<Vec<_>>();
+        let mut positions = Vec::new();
+        let mut frequencies = Vec::new();
+        for (&start, &n) in starts.iter().zip(new) {
+            let len = start + n;
+            let of_len = if d.rescales(len) {
+                d.frequencies(len)?
+            } else {
+                original.clone()
+            };
+            for p in start..len {
+                positions.push(p);
+                frequencies.push(of_len.clone());
+            }
+        }
+        let rows: Vec<&[f64]> = frequencies.iter().map(Vec::as_slice).collect();
+        let rope = RotaryEmbedding::rows_from_f32_angles(scope, &positions, &rows, d.dtype)?;
+        let read: Vec<i64> = (0..positions.len() as i64).collect();
+        Ok((rope, scope.from_slice(&read, &[read.len()])?))
     }
 
     /// The output head over rows `[n, hidden]` (normalised): the untied head, or the embedding.
@@ -297,12 +372,50 @@ impl<'m> Llama<'m> {
     }
 }
 
+/// Dynamic NTK scaling's parameters (`RopeScaling::Dynamic`): a pass longer than the original
+/// context turns at frequencies of its own length.
+#[derive(Debug, Clone, Copy)]
+struct DynamicRope {
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    original_max_positions: usize,
+    /// The tables' dtype (`f64` for an `f64` model, `f32` otherwise).
+    dtype: DType,
+}
+
+impl DynamicRope {
+    /// The frequencies of a pass over a sequence of `len` tokens, as transformers computes them
+    /// (its base a Python float, its powers in `float32`).
+    fn frequencies(&self, len: usize) -> Result<Vec<f64>> {
+        let theta = dynamic_theta(
+            self.theta,
+            self.head_dim,
+            self.factor,
+            self.original_max_positions,
+            len,
+        );
+        Ok(
+            inverse_frequencies(self.head_dim, theta as f32 as f64, &RopeScaling::None)?
+                .into_iter()
+                .map(|f| f as f32 as f64)
+                .collect(),
+        )
+    }
+
+    /// Whether a sequence of `len` tokens turns at other frequencies than the model's tables.
+    fn rescales(&self, len: usize) -> bool {
+        len > self.original_max_positions
+    }
+}
+
 /// A block over whole sequences `[batch, len, hidden]` starting at position 0: what
 /// [`Llama::forward`] runs, and recomputes in the backward pass when asked to. Generic over
 /// owning (`Block`, recomputed later) and borrowing (`&Block`, run now) holders.
 struct InSequence<B, R> {
     block: B,
     rope: R,
+    dynamic: Option<DynamicRope>,
     mode: Mode,
 }
 
@@ -324,12 +437,20 @@ where
         };
         // Positions 0..len of every sequence, made where the block runs (the recomputation runs
         // in a scope of its own).
+        let scope = x.tape().scope();
         let positions: Vec<i64> = (0..batch).flat_map(|_| 0..len as i64).collect();
-        let positions = x.tape().scope().from_slice(&positions, &[batch * len])?;
-        let (block, rope) = (self.block.borrow(), self.rope.borrow());
-        block.forward_with(x, self.mode, |h| {
-            block.self_attn.forward(h, rope, &positions, self.mode)
-        })
+        let positions = scope.from_slice(&positions, &[batch * len])?;
+        let block = self.block.borrow();
+        match self.dynamic {
+            // A pass past the original context: tables of its own length, in the pass's scope.
+            Some(d) if d.rescales(len) => {
+                let frequencies = d.frequencies(len)?;
+                let rope =
+                    RotaryEmbedding::from_f32_angles(scope, &frequencies, len, 1.0, d.dtype)?;
+                block.run(x, &rope, &positions, self.mode)
+            }
+            _ => block.run(x, self.rope.borrow(), &positions, self.mode),
+        }
     }
 }
 
@@ -370,7 +491,8 @@ impl<'m> CausalLm<'m> for Llama<'m> {
     }
 
     fn max_positions(&self) -> usize {
-        self.config.max_position_embeddings
+        let c = &self.config;
+        c.rope_scaling.context(c.max_position_embeddings)
     }
 
     fn vocab_size(&self) -> usize {
@@ -388,11 +510,31 @@ impl<'m> CausalLm<'m> for Llama<'m> {
         'm: 's,
     {
         let mut x = self.embed.forward(tape, ids)?;
+        // Dynamic RoPE: each sequence whose length passes the original context turns its new
+        // tokens at its length's frequencies (the cached tokens keep theirs, as in transformers'
+        // cache): one table row per token, read at positions 0..rows.
+        let rescaled = match self.dynamic_rope() {
+            Some(d) => {
+                let lengths: Vec<usize> = kv
+                    .starts()
+                    .iter()
+                    .zip(kv.new_tokens())
+                    .map(|(start, new)| start + new)
+                    .collect();
+                if lengths.iter().any(|&len| d.rescales(len)) {
+                    Some(self.rows_for(tape.scope(), &d, &kv.starts(), kv.new_tokens())?)
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
         for (layer, block) in self.blocks.iter().enumerate() {
-            x = block.forward_with(&x, Mode::Eval, |h| {
-                block
+            x = block.forward_with(&x, Mode::Eval, |h| match &rescaled {
+                Some((rope, rows)) => block.self_attn.forward_paged(h, rope, rows, kv, layer),
+                None => block
                     .self_attn
-                    .forward_paged(h, &self.rope, positions, kv, layer)
+                    .forward_paged(h, &self.rope, positions, kv, layer),
             })?;
         }
         Ok(x)

@@ -287,6 +287,9 @@ impl LlamaConfig {
         let mut scaling = match &self.rope_scaling {
             RopeScaling::None => json!({ "rope_type": "default" }),
             RopeScaling::Linear { factor } => json!({ "rope_type": "linear", "factor": factor }),
+            RopeScaling::Dynamic { factor, .. } => {
+                json!({ "rope_type": "dynamic", "factor": factor })
+            }
             RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -426,6 +429,12 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
     let scaling = match kind {
         "default" => RopeScaling::None,
         "linear" => RopeScaling::Linear { factor: factor()? },
+        // transformers scales against `max_position_embeddings` (the config's, not a key of the
+        // rope parameters).
+        "dynamic" => RopeScaling::Dynamic {
+            factor: factor()?,
+            original_max_positions: Fields(raw).size("max_position_embeddings")?,
+        },
         "llama3" => {
             // No defaults: transformers requires each, and a guessed one would be another model.
             let required = |key: &str| {
@@ -484,8 +493,7 @@ fn rope(raw: &Map<String, Value>) -> Result<(f64, RopeScaling)> {
             return Err(unsupported(
                 "rope_type",
                 &Value::from(other),
-                "ndscope computes the default, linear, llama3 and yarn RoPE scalings (dynamic, \
-                 whose frequencies change with each pass's length, is not implemented)",
+                "ndscope computes the default, linear, dynamic, llama3 and yarn RoPE scalings",
             ));
         }
     };

@@ -158,15 +158,16 @@ impl<'m> GroupedQueryAttention<'m> {
     /// [`Error::InvalidShape`] unless `x` is `[batch, len, width]` and `positions` `[batch · len]`;
     /// as for [`RotaryEmbedding::apply`].
     #[track_caller]
-    pub fn forward<'t, 's>(
+    pub fn forward<'t, 's, 'r>(
         &self,
         x: &Var<'t, 's>,
-        rope: &RotaryEmbedding<'m>,
+        rope: &RotaryEmbedding<'r>,
         positions: &Tensor<'s>,
         mode: Mode,
     ) -> Result<Var<'t, 's>>
     where
         'm: 's,
+        'r: 's,
     {
         let &[batch, len, _] = x.shape() else {
             return Err(self.wrong_input(
@@ -212,16 +213,17 @@ impl<'m> GroupedQueryAttention<'m> {
     /// [`Error::InvalidShape`] unless `x` is `[rows, width]` with the rows `kv` expects and the
     /// pool holds `kv_heads` heads of `head_dim`; as for [`KvStep::attend_grouped`].
     #[track_caller]
-    pub fn forward_paged<'t, 's>(
+    pub fn forward_paged<'t, 's, 'r>(
         &self,
         x: &Var<'t, 's>,
-        rope: &RotaryEmbedding<'m>,
+        rope: &RotaryEmbedding<'r>,
         positions: &Tensor<'s>,
         kv: &mut KvStep<'_, '_>,
         layer: usize,
     ) -> Result<Var<'t, 's>>
     where
         'm: 's,
+        'r: 's,
     {
         let &[rows, _] = x.shape() else {
             return Err(self.wrong_input(

@@ -53,7 +53,7 @@ pub use params::Parameters;
 pub(crate) use params::layer_parts;
 #[allow(deprecated)]
 pub use recomputed::{Checkpointed, Recomputed};
-pub use rotary::{RopeScaling, RotaryEmbedding, inverse_frequencies};
+pub use rotary::{RopeScaling, RotaryEmbedding, dynamic_theta, inverse_frequencies};
 pub use transformer::{TransformerBlock, TransformerConfig};
 
 pub use crate::autograd::{CrossEntropy, Reduction};

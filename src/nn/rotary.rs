@@ -31,6 +31,18 @@ pub enum RopeScaling {
         /// The context the model was trained on before scaling.
         original_max_positions: usize,
     },
+    /// `"dynamic"` (dynamic NTK scaling): below `original_max_positions` the default frequencies;
+    /// a pass over a sequence of `len` longer than that recomputes them with the base
+    /// `theta · (factor · len / original − (factor − 1))^(dim / (dim − 2))` (see
+    /// [`dynamic_theta`]), as transformers does on every forward pass. Keys already cached keep
+    /// the frequencies they were rotated with, as in transformers' cache. The model computes
+    /// sequences up to `factor · original_max_positions` long.
+    Dynamic {
+        /// The context's growth factor.
+        factor: f64,
+        /// The context the frequencies are the default ones within (`max_position_embeddings`).
+        original_max_positions: usize,
+    },
     /// `"yarn"` (Peng et al., 2023; Qwen2.5's long context): each frequency blends its
     /// interpolated value `θ_i / factor` and its original `θ_i` along a linear ramp between the
     /// dimensions that turn `beta_fast` and `beta_slow` times over the original context, and the
@@ -55,6 +67,19 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
+    /// The longest sequence a model of context `max_positions` computes under this scaling:
+    /// `factor` times it for `Dynamic` (frequencies are recomputed for longer passes),
+    /// `max_positions` otherwise (the checkpoint's `max_position_embeddings` already names the
+    /// scaled context).
+    pub fn context(&self, max_positions: usize) -> usize {
+        match *self {
+            RopeScaling::Dynamic { factor, .. } if factor > 1.0 => {
+                (max_positions as f64 * factor).floor() as usize
+            }
+            _ => max_positions,
+        }
+    }
+
     /// What the cosine and sine tables are multiplied by: YaRN's attention factor, 1 otherwise.
     pub fn attention_scaling(&self) -> f64 {
         match self {
@@ -186,6 +211,50 @@ impl<'m> RotaryEmbedding<'m> {
         RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, frequencies.len()], dtype)
     }
 
+    /// Tables of one row per token, for a pass whose tokens turn at different frequencies (dynamic
+    /// scaling over sequences of different lengths): row `r` holds position `positions[r]`'s
+    /// angles under `frequencies[r]`, computed as [`from_f32_angles`](Self::from_f32_angles)
+    /// computes them. Apply them with the positions `0..rows`, so that each token reads its row.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when the lists' lengths differ, or a row has no frequencies, a
+    /// non-finite one, or another count than the first; allocation errors.
+    #[track_caller]
+    pub fn rows_from_f32_angles(
+        scope: &Scope<'m>,
+        positions: &[usize],
+        frequencies: &[&[f64]],
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
+        let half = frequencies.first().map_or(0, |f| f.len());
+        if positions.len() != frequencies.len()
+            || half == 0
+            || frequencies
+                .iter()
+                .any(|f| f.len() != half || !f.iter().all(|x| x.is_finite()))
+        {
+            return Err(Error::InvalidArgument {
+                op: "RotaryEmbedding::rows_from_f32_angles",
+                reason: format!(
+                    "needs one position and one list of finite frequencies, all {half} long and \
+                     at least one, per row; got {} positions and {} lists",
+                    positions.len(),
+                    frequencies.len()
+                ),
+            });
+        }
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for (&p, row) in positions.iter().zip(frequencies) {
+            let (c, s) = angle_tables(row, 1, |_, f| {
+                let angle = f64::from(p as f32 * f as f32);
+                (f64::from(angle.cos() as f32), f64::from(angle.sin() as f32))
+            });
+            cos.extend(c);
+            sin.extend(s);
+        }
+        RotaryEmbedding::from_tables(scope, cos, sin, [positions.len(), half], dtype)
+    }
+
     /// Tables from their values (rounded to `f32` unless `dtype` is `f64`).
     #[track_caller]
     fn from_tables(
@@ -282,13 +351,30 @@ impl<'m> MoveOut<'m> for RotaryEmbedding<'m> {
     }
 }
 
+/// The base dynamic NTK scaling gives a pass over a sequence of `len` tokens:
+/// `theta · (factor · len / original − (factor − 1))^(dim / (dim − 2))` above the original
+/// context, `theta` within it (transformers' `_compute_dynamic_ntk_parameters`, in `f64` as its
+/// Python floats compute it).
+pub fn dynamic_theta(
+    theta: f64,
+    head_dim: usize,
+    factor: f64,
+    original_max_positions: usize,
+    len: usize,
+) -> f64 {
+    let len = len.max(original_max_positions) as f64;
+    let dim = head_dim as f64;
+    theta * (factor * len / original_max_positions as f64 - (factor - 1.0)).powf(dim / (dim - 2.0))
+}
+
 /// The inverse frequencies `θ_i`, `i < head_dim / 2`, of `theta` under `scaling`, in `f64` (as
-/// transformers' `ROPE_INIT_FUNCTIONS` compute them, in `f64` rather than `f32`).
+/// transformers' `ROPE_INIT_FUNCTIONS` compute them, in `f64` rather than `f32`). For `Dynamic`,
+/// the frequencies within the original context.
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] for an odd or zero `head_dim`, `theta <= 1`, or factors that are not
 /// positive and finite (for `Llama3`: `low_freq_factor < high_freq_factor` and a non-zero original
-/// context).
+/// context; for `Dynamic`, a `head_dim` above 2).
 pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Result<Vec<f64>> {
     const OP: &str = "rotary inverse_frequencies";
     let bad = |reason: String| Err(Error::InvalidArgument { op: OP, reason });
@@ -313,6 +399,21 @@ pub fn inverse_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -
                 return bad(format!("the linear factor must be positive, not {factor}"));
             }
             Ok(base.into_iter().map(|f| f / factor).collect())
+        }
+        RopeScaling::Dynamic {
+            factor,
+            original_max_positions,
+        } => {
+            if !(positive(factor) && original_max_positions > 0 && head_dim > 2) {
+                return bad(format!(
+                    "dynamic scaling needs a positive factor and original context and a head_dim \
+                     above 2; got factor {factor}, max_position_embeddings \
+                     {original_max_positions}, head_dim {head_dim}"
+                ));
+            }
+            // The frequencies of passes within the original context; longer passes use
+            // `dynamic_theta`'s base.
+            Ok(base)
         }
         RopeScaling::Llama3 {
             factor,
