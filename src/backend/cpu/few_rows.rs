@@ -5,7 +5,7 @@
 //! token's row with one contiguous weight row. For a handful of tokens the product is bounded by
 //! reading the weight from memory, not by arithmetic; `gemm`'s matrix-vector path ran on one core
 //! and reached 46 % of the machine's read bandwidth in batch-1 decoding. Here the weight rows are
-//! split into blocks of about 64 KiB, one rayon task each; a task walks [`ROWS`] weight rows at a
+//! split into blocks of about 512 KiB, one rayon task each; a task walks [`ROWS`] weight rows at a
 //! time along `k`, each 16 (AVX-512) or 8 (AVX2) floats multiplied into the accumulators of every
 //! token, so each weight byte is loaded once however many tokens there are (up to [`MAX_ROWS`]).
 //!
@@ -13,8 +13,8 @@
 //! floats: lane partial sums in `k` order, the lanes added; then the tiles in order), so a sequence
 //! decodes to the same bits alone or batched.
 //!
-//! Dispatched at run time: AVX-512F, else AVX2 with FMA, else a portable loop (what valgrind runs
-//! where its CPU model lacks AVX-512).
+//! Dispatched at run time: AVX-512F, else AVX2 with FMA, else a portable loop (CPUs without AVX2;
+//! valgrind, whose CPU model lacks AVX-512, runs the AVX2 kernel).
 
 use rayon::prelude::*;
 
@@ -25,8 +25,9 @@ const TOKENS_PER_PASS: usize = 8;
 /// Weight rows walked together: several independent accumulator chains per token.
 const ROWS: usize = 4;
 /// Floats of `k` per pass: the tokens' slices of one pass (8 × 2 KiB) and the weight rows' (4 × 2
-/// KiB) stay in L1 while every token and row meets every other. Without it, eight tokens of a
-/// 2,048-wide row (64 KiB) came from L2 on every pass and halved the product's rate.
+/// KiB) stay in L1 while every token and row meets every other, however wide the rows (eight
+/// tokens of an 8,192-wide row are 256 KiB). On the 2-core AMD machine the tiling measured neither
+/// faster nor slower at 8 tokens of 2,048 (the tokens then fit L2); it bounds the working set.
 const K_TILE: usize = 512;
 /// How far ahead along a weight row the kernels prefetch, in floats.
 const PREFETCH: usize = 256;
