@@ -46,9 +46,7 @@ impl<'m> Block<'m> {
         let h = self.post_attention_layernorm.forward(&x, mode)?;
         x.add(&self.mlp.forward(&h, mode)?)
     }
-}
 
-impl<'m> Block<'m> {
     /// The block over whole sequences, its attention rotating by `rope` at `positions`.
     fn run<'t, 's, 'r>(
         &self,
@@ -282,14 +280,8 @@ impl<'m> Llama<'m> {
             });
         }
         let mut x = self.embed.forward(tape, ids)?;
+        let dynamic = self.dynamic_rope();
         for block in &self.blocks {
-            let dynamic = self.dynamic_rope();
-            let layer = InSequence {
-                block,
-                rope: &self.rope,
-                dynamic,
-                mode,
-            };
             x = if self.recompute {
                 // The segment outlives this call (the backward pass runs it): counted handles.
                 x.recompute(InSequence {
@@ -299,7 +291,13 @@ impl<'m> Llama<'m> {
                     mode,
                 })?
             } else {
-                layer.forward(&x)?
+                InSequence {
+                    block,
+                    rope: &self.rope,
+                    dynamic,
+                    mode,
+                }
+                .forward(&x)?
             };
         }
         let x = self.norm.forward(&x, mode)?;
@@ -328,36 +326,31 @@ impl<'m> Llama<'m> {
 
     /// One rotary table row per packed new token (sequence `s` has `new[s]` tokens from position
     /// `starts[s]`), each at its sequence's frequencies, and the positions `0..rows` that read
-    /// them.
+    /// them; `None` when no sequence passes the original context (the model's tables serve).
     fn rows_for<'s>(
         &self,
         scope: &Scope<'s>,
         d: &DynamicRope,
         starts: &[usize],
         new: &[usize],
-    ) -> Result<(RotaryEmbedding<'s>, Tensor<'s>)> {
-        let original = inverse_frequencies(d.head_dim, d.theta, &RopeScaling::None)?
-            .into_iter()
-            .map(|f| f as f32 as f64)
-            .collect::<Vec<_>>();
-        let mut positions = Vec::new();
-        let mut frequencies = Vec::new();
-        for (&start, &n) in starts.iter().zip(new) {
-            let len = start + n;
-            let of_len = if d.rescales(len) {
-                d.frequencies(len)?
-            } else {
-                original.clone()
-            };
-            for p in start..len {
-                positions.push(p);
-                frequencies.push(of_len.clone());
-            }
+    ) -> Result<Option<(RotaryEmbedding<'s>, Tensor<'s>)>> {
+        let lengths: Vec<usize> = starts.iter().zip(new).map(|(s, n)| s + n).collect();
+        if !lengths.iter().any(|&len| d.rescales(len)) {
+            return Ok(None);
         }
-        let rows: Vec<&[f64]> = frequencies.iter().map(Vec::as_slice).collect();
+        let per_sequence = lengths
+            .iter()
+            .map(|&len| d.frequencies(len))
+            .collect::<Result<Vec<_>>>()?;
+        let mut positions = Vec::new();
+        let mut rows: Vec<&[f64]> = Vec::new();
+        for ((&start, &len), frequencies) in starts.iter().zip(&lengths).zip(&per_sequence) {
+            positions.extend(start..len);
+            rows.extend(std::iter::repeat_n(frequencies.as_slice(), len - start));
+        }
         let rope = RotaryEmbedding::rows_from_f32_angles(scope, &positions, &rows, d.dtype)?;
         let read: Vec<i64> = (0..positions.len() as i64).collect();
-        Ok((rope, scope.from_slice(&read, &[read.len()])?))
+        Ok(Some((rope, scope.from_slice(&read, &[read.len()])?)))
     }
 
     /// The output head over rows `[n, hidden]` (normalised): the untied head, or the embedding.
@@ -385,22 +378,23 @@ struct DynamicRope {
 }
 
 impl DynamicRope {
-    /// The frequencies of a pass over a sequence of `len` tokens, as transformers computes them
-    /// (its base a Python float, its powers in `float32`).
+    /// The frequencies of a pass over a sequence of `len` tokens, as transformers computes them:
+    /// the model's own within the original context; past it, from the rescaled base (a Python
+    /// float, rounded to `float32` where torch raises it to the powers).
     fn frequencies(&self, len: usize) -> Result<Vec<f64>> {
-        let theta = dynamic_theta(
-            self.theta,
-            self.head_dim,
-            self.factor,
-            self.original_max_positions,
-            len,
-        );
-        Ok(
-            inverse_frequencies(self.head_dim, theta as f32 as f64, &RopeScaling::None)?
-                .into_iter()
-                .map(|f| f as f32 as f64)
-                .collect(),
-        )
+        let theta = if self.rescales(len) {
+            let theta = dynamic_theta(
+                self.theta,
+                self.head_dim,
+                self.factor,
+                self.original_max_positions,
+                len,
+            );
+            theta as f32 as f64
+        } else {
+            self.theta
+        };
+        f32_frequencies(self.head_dim, theta, &RopeScaling::None)
     }
 
     /// Whether a sequence of `len` tokens turns at other frequencies than the model's tables.
@@ -464,10 +458,7 @@ fn rotary_tables<'m>(
     c: &LlamaConfig,
     dtype: DType,
 ) -> Result<RotaryEmbedding<'m>> {
-    let frequencies: Vec<f64> = inverse_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?
-        .into_iter()
-        .map(|f| f as f32 as f64)
-        .collect();
+    let frequencies = f32_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?;
     RotaryEmbedding::from_f32_angles(
         scope,
         &frequencies,
@@ -475,6 +466,14 @@ fn rotary_tables<'m>(
         c.rope_scaling.attention_scaling(),
         dtype,
     )
+}
+
+/// The inverse frequencies rounded to `f32`, as transformers keeps its `inv_freq`.
+fn f32_frequencies(head_dim: usize, theta: f64, scaling: &RopeScaling) -> Result<Vec<f64>> {
+    Ok(inverse_frequencies(head_dim, theta, scaling)?
+        .into_iter()
+        .map(|f| f as f32 as f64)
+        .collect())
 }
 
 /// Cached decoding: each layer's keys and values go to the KV pages (the key and value heads
@@ -514,19 +513,7 @@ impl<'m> CausalLm<'m> for Llama<'m> {
         // tokens at its length's frequencies (the cached tokens keep theirs, as in transformers'
         // cache): one table row per token, read at positions 0..rows.
         let rescaled = match self.dynamic_rope() {
-            Some(d) => {
-                let lengths: Vec<usize> = kv
-                    .starts()
-                    .iter()
-                    .zip(kv.new_tokens())
-                    .map(|(start, new)| start + new)
-                    .collect();
-                if lengths.iter().any(|&len| d.rescales(len)) {
-                    Some(self.rows_for(tape.scope(), &d, &kv.starts(), kv.new_tokens())?)
-                } else {
-                    None
-                }
-            }
+            Some(d) => self.rows_for(tape.scope(), &d, &kv.starts(), kv.new_tokens())?,
             None => None,
         };
         for (layer, block) in self.blocks.iter().enumerate() {
