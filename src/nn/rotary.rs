@@ -201,13 +201,7 @@ impl<'m> RotaryEmbedding<'m> {
         // The same checks as the exact tables, on an empty table.
         RotaryEmbedding::from_frequencies(scope, frequencies, 0, attention_scaling, dtype)?;
         let scaling = attention_scaling as f32;
-        let (cos, sin) = angle_tables(frequencies, max_positions, |p, f| {
-            let angle = f64::from(p as f32 * f as f32);
-            (
-                f64::from(angle.cos() as f32 * scaling),
-                f64::from(angle.sin() as f32 * scaling),
-            )
-        });
+        let (cos, sin) = angle_tables(frequencies, max_positions, |p, f| f32_angle(p, f, scaling));
         RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, frequencies.len()], dtype)
     }
 
@@ -245,10 +239,7 @@ impl<'m> RotaryEmbedding<'m> {
         }
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for (&p, row) in positions.iter().zip(frequencies) {
-            let (c, s) = angle_tables(row, 1, |_, f| {
-                let angle = f64::from(p as f32 * f as f32);
-                (f64::from(angle.cos() as f32), f64::from(angle.sin() as f32))
-            });
+            let (c, s) = angle_tables(row, 1, |_, f| f32_angle(p, f, 1.0));
             cos.extend(c);
             sin.extend(s);
         }
@@ -309,6 +300,17 @@ impl<'m> RotaryEmbedding<'m> {
     {
         x.rotary(&self.cos, &self.sin, positions)
     }
+}
+
+/// The cosine and sine of position `p` at frequency `f` as transformers' `float32` rotary forward
+/// computes them: the angle the `f32` product `p · f`, each rounded to `f32` once, times `scaling`
+/// in `f32`.
+fn f32_angle(p: usize, f: f64, scaling: f32) -> (f64, f64) {
+    let angle = f64::from(p as f32 * f as f32);
+    (
+        f64::from(angle.cos() as f32 * scaling),
+        f64::from(angle.sin() as f32 * scaling),
+    )
 }
 
 /// The `[positions, frequencies]` tables of `entry(p, θ_i)` = (cos, sin) entries, row-major.
