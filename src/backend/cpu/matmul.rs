@@ -27,15 +27,10 @@ pub(super) fn matmul(
     out: Dst,
 ) {
     match dtype {
-        DType::F32 if streams_weight(a.layout, b.layout, mkn) => {
+        DType::F32 if let Some((ldx, ldw)) = streamed_strides(a.layout, b.layout, mkn) => {
             let (da, db) = (a.buf.host::<f32>(), b.buf.host::<f32>());
-            let ((a_rs, _), (_, b_cs)) = (matrix_strides(a.layout), matrix_strides(b.layout));
             let out = out.contiguous_host::<f32>();
-            let (m, k, n) = mkn;
-            let (ldx, ldw) = (
-                if m == 1 { k } else { a_rs as usize },
-                if n == 1 { k } else { b_cs as usize },
-            );
+            let (m, _, n) = mkn;
             each_product(a.layout, b.layout, batch, (m, n), |ia, ib, io| {
                 few_rows::product(
                     &da[ia..],
@@ -91,19 +86,29 @@ pub(super) fn matmul(
     }
 }
 
-/// Whether `a b` is a few rows by a weight used transposed, which [`few_rows::product`] streams:
-/// at most `MAX_ROWS` rows of `a`, each contiguous along `k`, and `b`'s columns contiguous along
-/// `k` (a `[n, k]` weight read as `Wᵀ`), rows and columns apart by at least `k`.
-fn streams_weight(a: &Layout, b: &Layout, (m, k, n): (usize, usize, usize)) -> bool {
+/// The row strides `(ldx, ldw)` with which [`few_rows::product`] streams `a b`, when it is a few
+/// rows by a weight used transposed: at most `MAX_ROWS` rows of `a`, each contiguous along `k`,
+/// and `b`'s columns contiguous along `k` (a `[n, k]` weight read as `Wᵀ`), rows and columns apart
+/// by at least `k` (a single row's stride is never read: `k` stands for it).
+fn streamed_strides(
+    a: &Layout,
+    b: &Layout,
+    (m, k, n): (usize, usize, usize),
+) -> Option<(usize, usize)> {
     let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
-    let k_wide = k as isize;
-    (1..=few_rows::MAX_ROWS).contains(&m)
+    let stride = |rows: usize, stride: isize| match rows {
+        1 => Some(k),
+        _ => usize::try_from(stride).ok().filter(|&s| s >= k),
+    };
+    let shaped = (1..=few_rows::MAX_ROWS).contains(&m)
         && k >= 1
         && n >= 1
         && (a_cs == 1 || k == 1)
-        && (b_rs == 1 || k == 1)
-        && (m == 1 || a_rs >= k_wide)
-        && (n == 1 || b_cs >= k_wide)
+        && (b_rs == 1 || k == 1);
+    if !shaped {
+        return None;
+    }
+    Some((stride(m, a_rs)?, stride(n, b_cs)?))
 }
 
 /// A product in the operands' own type (`gemm` widens `f16` itself).
