@@ -12,20 +12,7 @@ use ndscope::weights::Weights;
 use ndscope::{DType, Device, Error, Result, Scope, Tape, Tensor, checkpoint, root};
 
 mod common;
-use common::reference::{DIR, reference};
-
-/// The largest difference between `got` and `want`, relative to `want`'s largest magnitude.
-fn relative_error(got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let scale = want
-        .iter()
-        .fold(0.0f64, |m, v| m.max(v.abs()))
-        .max(f64::MIN_POSITIVE);
-    got.iter()
-        .zip(want)
-        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
-        / scale
-}
+use common::reference::{DIR, reference, relative_error};
 
 fn ids<'s>(
     s: &Scope<'s>,

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 mod common;
-use common::reference::reference_of;
+use common::reference::{reference_of, relative_error};
 
 use ndscope::models::Llama;
 use ndscope::nn::{Mode, Parameters};
@@ -24,16 +24,6 @@ const DYNAMIC: &str = "data/llama-dynamic-tiny";
 
 fn reference() -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
     reference_of(DIR)
-}
-
-/// The largest difference relative to the reference's largest magnitude.
-fn relative_error(got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
-        / scale
 }
 
 fn matches_transformers(dir: &str, dtype: DType, logits_tol: f64, grad_tol: f64) {

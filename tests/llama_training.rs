@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 
 mod common;
-use common::reference::reference_of;
+use common::reference::{reference_of, relative_error};
 
 use ndscope::models::{AutoModel, Llama};
 use ndscope::nn::{Mode, Parameters};
@@ -77,16 +77,6 @@ fn recomputed_blocks_give_the_same_step_bit_for_bit_in_less_memory() -> Result<(
         })?;
     }
     Ok(())
-}
-
-/// The largest difference relative to the reference's largest magnitude.
-fn relative_error(got: &[f64], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    got.iter()
-        .zip(want)
-        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
-        / scale
 }
 
 #[test]

@@ -28,3 +28,16 @@ pub fn reference_of(dir: &str) -> BTreeMap<String, (Vec<usize>, Vec<f64>)> {
     })
     .unwrap()
 }
+
+/// The largest difference between `got` and `want`, relative to `want`'s largest magnitude.
+pub fn relative_error(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want
+        .iter()
+        .fold(0.0f64, |m, v| m.max(v.abs()))
+        .max(f64::MIN_POSITIVE);
+    got.iter()
+        .zip(want)
+        .fold(0.0f64, |m, (g, w)| m.max((g - w).abs()))
+        / scale
+}
