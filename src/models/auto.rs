@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+use super::llama_config::LLAMA_MODEL_TYPES;
 use super::{Gpt2, Llama, config_error, next_token_loss, read_config, unsupported};
 use crate::autograd::{Tape, Var};
 use crate::dtype::DType;
@@ -74,9 +75,7 @@ impl<'m> AutoModel<'m> {
             let raw: Value = serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
             match &raw["model_type"] {
                 Value::String(t) if t == "gpt2" => Ok("gpt2"),
-                Value::String(t) if ["llama", "mistral", "qwen2"].contains(&t.as_str()) => {
-                    Ok("llama")
-                }
+                Value::String(t) if LLAMA_MODEL_TYPES.contains(&t.as_str()) => Ok("llama"),
                 Value::Null => Err(config_error(format!(
                     "\"model_type\" is missing (ndscope loads {MODEL_TYPES})"
                 ))),

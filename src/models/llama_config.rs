@@ -11,6 +11,9 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::nn::RopeScaling;
 
+/// The `model_type`s `LlamaConfig` reads (and `AutoModel` loads as a `Llama`).
+pub(super) const LLAMA_MODEL_TYPES: [&str; 3] = ["llama", "mistral", "qwen2"];
+
 /// A Llama-family model's hyper-parameters, as `config.json` names them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
@@ -138,9 +141,7 @@ impl LlamaConfig {
             serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
         let f = Fields(&raw);
         let model_type = match f.get("model_type") {
-            Some(Value::String(t)) if ["llama", "mistral", "qwen2"].contains(&t.as_str()) => {
-                t.clone()
-            }
+            Some(Value::String(t)) if LLAMA_MODEL_TYPES.contains(&t.as_str()) => t.clone(),
             Some(other) => {
                 return Err(unsupported(
                     "model_type",
