@@ -279,6 +279,14 @@ pub enum Error {
         /// Blocks in the pool.
         total: usize,
     },
+    /// A request refused because the engine's queue is full: overload is refused at once instead
+    /// of making every request wait longer.
+    Overloaded {
+        /// Requests waiting.
+        waiting: usize,
+        /// The most that may wait.
+        limit: usize,
+    },
     /// A checkpoint that does not hold a tensor the model needs.
     MissingTensor {
         /// The name looked up, in the checkpoint's naming.
@@ -540,6 +548,11 @@ impl fmt::Display for Error {
                     "; was it saved from a model of the same architecture, under the same names?"
                 )
             }
+            Error::Overloaded { waiting, limit } => write!(
+                f,
+                "the engine is overloaded: {waiting} requests wait and at most {limit} may; retry \
+                 later, or let more wait (CoreConfig::max_waiting)"
+            ),
             Error::KvCapacity {
                 tokens,
                 needed,

@@ -1,12 +1,15 @@
 //! Continuous batching: one engine decodes every active request in one forward pass per step;
 //! requests join and leave between steps (Yu et al., OSDI 2022, "Orca"; vLLM's scheduler).
 
-use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
 
-use super::generate::{Decoding, Finish, GenerateOptions, Generation, host_rows};
-use crate::error::{Error, Result};
-use crate::kv::{CausalLm, KvCache, KvPool, KvPoolStats};
+use super::core::{CoreConfig, EngineCore, Event, StepReport, check_request};
+use super::generate::{GenerateOptions, Generation};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+use crate::kv::{CausalLm, KvPool};
 use crate::scope::Scope;
 
 /// A request for the engine.
@@ -51,23 +54,6 @@ pub struct Completion {
     pub steps_waited: usize,
 }
 
-/// What one engine step did (for [`Engine::run`]'s observer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StepReport {
-    /// The step's index.
-    pub step: usize,
-    /// Requests in the forward pass.
-    pub batch: usize,
-    /// Prompt tokens run (requests that joined this step).
-    pub prompt_tokens: usize,
-    /// Requests that joined this step.
-    pub joined: usize,
-    /// Requests that finished this step.
-    pub finished: usize,
-    /// The pool after the forward pass, before finished requests gave their blocks back.
-    pub pool: KvPoolStats,
-}
-
 /// Admission policy: a request is admitted only when the pool can promise the blocks of its whole
 /// length (prompt plus `max_new_tokens`), so an admitted request never finds the pool empty and no
 /// request is ever preempted or starved of memory by another. A request that fits the pool but not
@@ -79,16 +65,8 @@ pub struct Engine<'p, M> {
     model: &'p M,
     pool: &'p KvPool<'p>,
     config: EngineConfig,
-    waiting: VecDeque<Queued>,
+    waiting: Vec<(usize, Request)>,
     next_id: usize,
-}
-
-/// A submitted request, checked: its decoding state is made once, at `submit`.
-struct Queued {
-    id: usize,
-    arrival: usize,
-    prompt_tokens: usize,
-    decoding: Decoding,
 }
 
 impl<M> std::fmt::Debug for Engine<'_, M> {
@@ -101,16 +79,6 @@ impl<M> std::fmt::Debug for Engine<'_, M> {
     }
 }
 
-struct Active<'r> {
-    id: usize,
-    prompt_tokens: usize,
-    cache: KvCache<'r>,
-    decoding: Decoding,
-    arrived: Instant,
-    steps_waited: usize,
-    first_token: Option<Duration>,
-}
-
 impl<'p, M> Engine<'p, M> {
     /// An engine serving `model` with caches from `pool`.
     pub fn new(model: &'p M, pool: &'p KvPool<'p>, config: EngineConfig) -> Engine<'p, M> {
@@ -120,7 +88,7 @@ impl<'p, M> Engine<'p, M> {
             config: EngineConfig {
                 max_batch: config.max_batch.max(1),
             },
-            waiting: VecDeque::new(),
+            waiting: Vec::new(),
             next_id: 0,
         }
     }
@@ -138,35 +106,18 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
     /// As for [`generate`](super::generate) for a bad prompt or sampling rule;
     /// [`Error::KvCapacity`] for a request whose tokens need more blocks than the pool has.
     pub fn submit(&mut self, request: Request) -> Result<usize> {
-        let decoding = Decoding::new(
-            &request.prompt,
-            &request.options,
-            self.model.max_positions(),
-        )?;
-        let needed = decoding.cache_tokens().div_ceil(self.pool.block_tokens());
-        if needed > self.pool.blocks() {
-            return Err(Error::KvCapacity {
-                tokens: decoding.cache_tokens(),
-                needed,
-                available: self.pool.stats().blocks_free,
-                total: self.pool.blocks(),
-            });
-        }
+        check_request(self.model, self.pool, &request.prompt, &request.options)?;
         let id = self.next_id;
         self.next_id += 1;
-        self.waiting.push_back(Queued {
-            id,
-            arrival: request.arrival,
-            prompt_tokens: request.prompt.len(),
-            decoding,
-        });
+        self.waiting.push((id, request));
         Ok(id)
     }
 
     /// Runs every queued request to its end in a scope opened under `scope`, one forward pass per
     /// step over all active requests (the prompts of those joining, one token of the others), each
-    /// step's temporaries in a scope of its own. `observe` sees each step's figures. Completions
-    /// come in the order requests finished.
+    /// step's temporaries in a scope of its own: an [`EngineCore`] given each request at its
+    /// arrival step. `observe` sees each step's figures. Completions come in the order requests
+    /// finished.
     ///
     /// # Errors
     /// As for the model's [`decode`](CausalLm::decode); [`Error::KvCapacity`] when the next request
@@ -181,115 +132,51 @@ impl<'p, 'm, M: CausalLm<'m>> Engine<'p, M> {
         'm: 'a,
     {
         let (model, pool) = (self.model, self.pool);
-        let max_positions = model.max_positions();
-        let mut arrivals: Vec<Queued> = self.waiting.drain(..).collect();
-        arrivals.sort_by_key(|p| (p.arrival, p.id));
-        let mut arrivals: VecDeque<Queued> = arrivals.into();
-        let config = self.config;
+        let mut arrivals = std::mem::take(&mut self.waiting);
+        arrivals.sort_by_key(|(id, r)| (r.arrival, *id));
+        let mut arrivals: VecDeque<(usize, Request)> = arrivals.into();
+        let config = CoreConfig {
+            max_batch: self.config.max_batch,
+            step_tokens: usize::MAX,
+            max_waiting: usize::MAX,
+        };
         scope.named_scope("engine", |engine| {
+            let mut core = EngineCore::new(model, pool, engine, config);
+            let mut ids = HashMap::new();
             let mut done = Vec::new();
-            let mut active: Vec<Active<'_>> = Vec::new();
-            // Requests that have arrived, with the step and time they arrived at.
-            let mut queue: VecDeque<(Queued, usize, Instant)> = VecDeque::new();
             let mut step = 0;
-            while !(arrivals.is_empty() && queue.is_empty() && active.is_empty()) {
-                while arrivals.front().is_some_and(|p| p.arrival <= step) {
-                    let p = arrivals.pop_front().expect("checked");
-                    // A request that arrives at a later step is timed from its step's start.
-                    queue.push_back((p, step, Instant::now()));
+            loop {
+                while arrivals.front().is_some_and(|(_, r)| r.arrival <= step) {
+                    let (id, request) = arrivals.pop_front().expect("checked");
+                    ids.insert(core.submit(&request.prompt, &request.options)?, id);
                 }
-                let mut joined = 0;
-                let mut prompt_tokens = 0;
-                while active.len() < config.max_batch {
-                    let Some((pending, _, _)) = queue.front() else {
-                        break;
-                    };
-                    let Ok(cache) = pool.cache(engine, pending.decoding.cache_tokens()) else {
-                        break; // waits for blocks
-                    };
-                    let (pending, arrived_step, arrived) = queue.pop_front().expect("checked");
-                    let a = Active {
-                        id: pending.id,
-                        prompt_tokens: pending.prompt_tokens,
-                        cache,
-                        decoding: pending.decoding,
-                        arrived,
-                        steps_waited: step - arrived_step,
-                        first_token: None,
-                    };
-                    if a.decoding.is_done_at_start() {
-                        done.push(complete(a, Finish::Length));
-                        continue;
-                    }
-                    joined += 1;
-                    prompt_tokens += a.decoding.next.len();
-                    active.push(a);
+                if core.is_idle() && arrivals.is_empty() {
+                    return Ok(done);
                 }
-                if active.is_empty() {
-                    if let Some((pending, _, _)) = queue.front() {
-                        // Nothing of this engine holds a block, so waiting cannot help: the pool is
-                        // held by caches outside the engine.
-                        let tokens = pending.decoding.cache_tokens();
-                        return Err(
-                            pool.capacity_error(tokens, tokens.div_ceil(pool.block_tokens()))
-                        );
-                    }
-                    // Nothing can run: requests are still to arrive.
-                    step += 1;
-                    continue;
-                }
-                let inputs: Vec<Vec<i64>> = active
-                    .iter_mut()
-                    .map(|a| std::mem::take(&mut a.decoding.next))
-                    .collect();
-                let rows = engine.scope(|s| -> Result<Vec<f32>> {
-                    let mut caches: Vec<&mut KvCache<'_>> =
-                        active.iter_mut().map(|a| &mut a.cache).collect();
-                    let tokens: Vec<&[i64]> = inputs.iter().map(Vec::as_slice).collect();
-                    host_rows(&model.decode(s, pool, &mut caches, &tokens)?)
-                })?;
-                let vocab = rows.len() / active.len();
-                let pool_stats = pool.stats();
-                let mut finished = 0;
-                let mut i = 0;
-                let mut still = Vec::with_capacity(active.len());
-                for mut a in active.drain(..) {
-                    let logits = &rows[i * vocab..(i + 1) * vocab];
-                    i += 1;
-                    a.first_token.get_or_insert_with(|| a.arrived.elapsed());
-                    match a.decoding.choose(logits, a.cache.len(), max_positions) {
-                        Some(finish) => {
-                            finished += 1;
-                            done.push(complete(a, finish));
-                        }
-                        None => still.push(a),
+                let ran = core.last_step().map(|r| r.step);
+                for event in core.step()? {
+                    match event {
+                        Event::Token { .. } => {}
+                        Event::Finished {
+                            id,
+                            generation,
+                            timing,
+                        } => done.push(Completion {
+                            id: ids[&id],
+                            prompt_tokens: timing.prompt_tokens,
+                            generation,
+                            first_token: timing.first_token,
+                            latency: timing.latency,
+                            steps_waited: timing.steps_waited,
+                        }),
+                        Event::Failed { error, .. } => return Err(error),
                     }
                 }
-                active = still;
-                observe(&StepReport {
-                    step,
-                    batch: i,
-                    prompt_tokens,
-                    joined,
-                    finished,
-                    pool: pool_stats,
-                });
+                if let Some(report) = core.last_step().filter(|r| Some(r.step) != ran) {
+                    observe(&StepReport { step, ..report });
+                }
                 step += 1;
             }
-            Ok(done)
         })
-    }
-}
-
-/// The completion of `a`, whose cache is dropped here (its blocks go back to the pool).
-fn complete(a: Active<'_>, finish: Finish) -> Completion {
-    let latency = a.arrived.elapsed();
-    Completion {
-        id: a.id,
-        prompt_tokens: a.prompt_tokens,
-        first_token: a.first_token.unwrap_or(latency),
-        latency,
-        steps_waited: a.steps_waited,
-        generation: a.decoding.finish(finish, a.cache.usage()),
     }
 }

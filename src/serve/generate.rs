@@ -180,6 +180,14 @@ impl Decoding {
         }
     }
 
+    /// The last token chosen and its log-probability.
+    pub(crate) fn last(&self) -> (i64, f32) {
+        match (self.tokens.last(), self.logprobs.last()) {
+            (Some(&t), Some(&l)) => (t, l),
+            _ => unreachable!("asked for the last token before any was chosen"),
+        }
+    }
+
     pub(crate) fn finish(self, finish: Finish, kv: KvUsage) -> Generation {
         Generation {
             tokens: self.tokens,

@@ -6,10 +6,12 @@
 //! request's blocks going back to the pool when it ends; each step's temporaries live in the step's.
 //! What a request returns — token ids, log-probabilities, its cache's figures — is plain data.
 
+mod core;
 mod engine;
 mod generate;
 mod sample;
 
-pub use engine::{Completion, Engine, EngineConfig, Request, StepReport};
+pub use core::{CoreConfig, EngineCore, Event, RequestId, StepReport, Timing};
+pub use engine::{Completion, Engine, EngineConfig, Request};
 pub use generate::{Finish, GenerateOptions, Generation, generate, generate_in};
 pub use sample::Sampling;
