@@ -221,6 +221,45 @@ impl<'r, 'p, M> EngineCore<'r, 'p, M> {
         self.config
     }
 
+    /// Drops request `id` wherever it is, giving its blocks back at once; whether it was there (a
+    /// request that finished or failed is not). Its other samples go on.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(w) = self
+            .waiting
+            .iter()
+            .position(|w| w.samples.iter().any(|(s, _)| *s == id))
+        {
+            let samples = &mut self.waiting[w].samples;
+            samples.retain(|(s, _)| *s != id);
+            if samples.is_empty() {
+                self.waiting.remove(w);
+            }
+            return true;
+        }
+        for r in 0..self.running.len() {
+            let running = &mut self.running[r];
+            if let Some(s) = running.siblings.iter().position(|s| s.id == id) {
+                running.siblings.remove(s);
+                return true;
+            }
+            if running.id == id {
+                if running.siblings.is_empty() {
+                    self.running.remove(r);
+                } else {
+                    // A sample still waiting for the prompt takes over its cache and the prompt's
+                    // rest; its own promise is no longer needed (the cache has the full one).
+                    let heir = running.siblings.remove(0);
+                    let mut decoding = heir.decoding;
+                    decoding.next = std::mem::take(&mut running.decoding.next);
+                    running.id = heir.id;
+                    running.decoding = decoding;
+                }
+                return true;
+            }
+        }
+        false
+    }
+
     /// Requests waiting to start (each sample counts).
     pub fn waiting(&self) -> usize {
         self.waiting.iter().map(|w| w.samples.len()).sum()
@@ -344,45 +383,6 @@ where
             submitted_step: self.steps,
         });
         Ok(ids)
-    }
-
-    /// Drops request `id` wherever it is, giving its blocks back at once; whether it was there (a
-    /// request that finished or failed is not). Its other samples go on.
-    pub fn cancel(&mut self, id: RequestId) -> bool {
-        if let Some(w) = self
-            .waiting
-            .iter()
-            .position(|w| w.samples.iter().any(|(s, _)| *s == id))
-        {
-            let samples = &mut self.waiting[w].samples;
-            samples.retain(|(s, _)| *s != id);
-            if samples.is_empty() {
-                self.waiting.remove(w);
-            }
-            return true;
-        }
-        for r in 0..self.running.len() {
-            let running = &mut self.running[r];
-            if let Some(s) = running.siblings.iter().position(|s| s.id == id) {
-                running.siblings.remove(s);
-                return true;
-            }
-            if running.id == id {
-                if running.siblings.is_empty() {
-                    self.running.remove(r);
-                } else {
-                    // A sample still waiting for the prompt takes over its cache and the prompt's
-                    // rest; its own promise is no longer needed (the cache has the full one).
-                    let heir = running.siblings.remove(0);
-                    let mut decoding = heir.decoding;
-                    decoding.next = std::mem::take(&mut running.decoding.next);
-                    running.id = heir.id;
-                    running.decoding = decoding;
-                }
-                return true;
-            }
-        }
-        false
     }
 
     /// Starts the waiting requests there is room for, runs one forward pass over the running ones
