@@ -9,7 +9,7 @@
 //!
 //! One thread owns the model's scope and steps the engine; the HTTP handlers (tokio, axum) send it
 //! requests and get tokens back through channels. Ctrl-C or SIGTERM stops taking requests, lets the
-//! running ones finish, and ends.
+//! running ones finish (within `--grace-s`), and ends.
 
 mod engine;
 mod metrics;
@@ -50,6 +50,8 @@ usage: cargo run --release -p ndscope-server -- --model DIR [options]
                                                                [default: batch x min(positions, 2048)]
   --block N          tokens per KV block                       [default: 16]
   --max-body BYTES   the largest request body                  [default: 1048576]
+  --grace-s N        on Ctrl-C or SIGTERM, how long the running requests may take to finish
+                                                               [default: 30]
   --min-step-ms N    each engine step lasts at least N ms: a throttle for demos and tests of
                      streaming and cancellation on tiny models    [default: 0]
   --help             this text
@@ -62,6 +64,7 @@ struct Options {
     name: Option<String>,
     addr: SocketAddr,
     max_body: usize,
+    grace: std::time::Duration,
 }
 
 fn number(flag: &str, value: &str) -> Result<usize, String> {
@@ -82,6 +85,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
     let mut block_tokens = 16;
     let mut max_body = 1 << 20;
     let mut min_step = 0;
+    let mut grace = 30;
     while let Some(flag) = args.next() {
         if flag == "--help" || flag == "-h" {
             return Err(String::new());
@@ -105,6 +109,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
             "--block" => block_tokens = number(&flag, &value)?,
             "--max-body" => max_body = number(&flag, &value)?,
             "--min-step-ms" => min_step = number(&flag, &value)?,
+            "--grace-s" => grace = number(&flag, &value)?,
             _ => return Err(format!("unknown option {flag}")),
         }
     }
@@ -128,6 +133,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
         name,
         addr,
         max_body,
+        grace: std::time::Duration::from_secs(grace as u64),
     })
 }
 
@@ -189,16 +195,28 @@ fn run(o: Options) -> Result<(), String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         println!("ndscope-server: serving {described} on http://{addr}");
         let ending = app.clone();
-        axum::serve(listener, routes::router(app))
-            .with_graceful_shutdown(async move {
+        let stopping = Arc::new(tokio::sync::Notify::new());
+        let stopped = stopping.clone();
+        let serving =
+            axum::serve(listener, routes::router(app)).with_graceful_shutdown(async move {
                 stop_signal().await;
                 // New requests are refused from now on; the running ones finish.
                 ending.ending.store(true, Ordering::Relaxed);
                 println!("ndscope-server: stopping; the running requests finish first");
-            })
-            .await
-            .map_err(|e| e.to_string())
+                stopped.notify_one();
+            });
+        // A client that stops reading would hold its connection, and the shutdown, forever.
+        let grace = o.grace;
+        tokio::select! {
+            served = serving => served.map_err(|e| e.to_string()),
+            () = async { stopping.notified().await; tokio::time::sleep(grace).await } => {
+                println!("ndscope-server: {grace:?} passed; closing the connections left");
+                Ok(())
+            }
+        }
     })?;
+    // The tasks still streaming end here, and their requests with them.
+    drop(runtime);
     engine.send(Command::Shutdown);
     drop(engine);
     thread

@@ -336,6 +336,30 @@ def test_shutdown_lets_a_running_stream_finish(throttled):
     assert any("stopped" in line for line in throttled.lines), throttled.lines
 
 
+def shutdown_grace_ends_what_outlasts_it(binary):
+    """A request longer than the grace period is cut when it ends, and the server exits."""
+    s = Server(binary, "--min-step-ms", "40", "--grace-s", "1")
+    stream = s.client.completions.create(
+        model=NAME,
+        prompt="A scope owns",
+        max_tokens=100,
+        temperature=0,
+        stream=True,
+        extra_body={"min_tokens": 100},
+    )
+    assert next(iter(stream)).choices
+    start = time.time()
+    s.proc.send_signal(signal.SIGTERM)
+    try:
+        got = sum(len(c.choices) for c in stream)
+    except Exception:  # noqa: BLE001 - the connection may be cut mid-chunk
+        got = 0
+    assert s.proc.wait(timeout=20) == 0
+    assert time.time() - start < 3, "it waited past its grace"
+    assert got < 99, "the stream was cut"
+    assert any("passed; closing" in line for line in s.lines), s.lines
+
+
 def main():
     binary = sys.argv[1]
     failures = 0
@@ -355,6 +379,14 @@ def main():
                 failures += 1
                 print(f"FAIL {name}")
                 traceback.print_exc()
+        start = time.time()
+        try:
+            shutdown_grace_ends_what_outlasts_it(binary)
+            print(f"ok   shutdown_grace_ends_what_outlasts_it ({time.time() - start:.2f} s)")
+        except Exception:  # noqa: BLE001 - every failure is reported
+            failures += 1
+            print("FAIL shutdown_grace_ends_what_outlasts_it")
+            traceback.print_exc()
     finally:
         s.stop()
         throttled.stop()
