@@ -174,7 +174,9 @@ fn bad_requests_are_refused_at_submit_and_others_go_on() {
         let pool = KvPool::new(s, gpt2.kv_shape(), 4, 8)?;
         let alone = generate(&gpt2, s, &pool, &[5, 6, 7], &GenerateOptions::greedy(5))?;
         s.named_scope("engine", |engine| {
+            // Two places in the batch, two more requests may wait.
             let config = CoreConfig {
+                max_batch: 2,
                 max_waiting: 2,
                 ..CoreConfig::default()
             };
@@ -209,7 +211,9 @@ fn bad_requests_are_refused_at_submit_and_others_go_on() {
                 Error::KvCapacity { .. }
             ));
             assert!(core.submit_samples(&[1], &greedy, 0).is_err());
-            core.submit(&[9], &greedy)?;
+            for _ in 0..3 {
+                core.submit(&[9], &greedy)?;
+            }
             let refused = err(core.submit(&[9], &greedy));
             assert_eq!(
                 refused,

@@ -298,7 +298,8 @@ def test_a_stream_closed_mid_way_frees_its_blocks(throttled):
 
 
 def test_a_full_queue_answers_429(throttled):
-    # batch 1, queue 1: of requests that arrive together one waits, the rest are refused at once.
+    # batch 1, queue 1: of requests that arrive together, one runs, one waits, the rest are refused
+    # at once.
     results = []
 
     def one():
@@ -310,7 +311,7 @@ def test_a_full_queue_answers_429(throttled):
     for t in threads:
         t.join(timeout=30)
     codes = sorted(r[0] for r in results)
-    assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+    assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}, codes
     refused = next(r for r in results if r[0] == 429)
     assert refused[1].get("retry-after") == "1"
     assert json.loads(refused[2])["error"]["code"] == "rate_limit_exceeded"

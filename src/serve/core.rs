@@ -25,9 +25,10 @@ pub struct CoreConfig {
     /// of the prompts still to run, first come first served (chunked prefill: a long prompt joins
     /// over several steps while the others keep decoding). Raised to `max_batch` if lower.
     pub step_tokens: usize,
-    /// Requests waiting to run, at most; past it [`submit`](EngineCore::submit) refuses with
-    /// [`Error::Overloaded`] (a bounded queue: overload is refused at once, not turned into
-    /// everyone's timeout).
+    /// Requests (samples) that may wait for room in the batch, at most: those the batch's free
+    /// places can take at the next step do not count. Past it [`submit`](EngineCore::submit)
+    /// refuses with [`Error::Overloaded`] (a bounded queue: overload is refused at once, not turned
+    /// into everyone's timeout).
     pub max_waiting: usize,
 }
 
@@ -322,8 +323,8 @@ where
     /// if the model's forward pass does: [`Error::InvalidShape`] for an empty prompt or one longer
     /// than the model's positions; [`Error::IndexOutOfRange`] for a token outside the vocabulary;
     /// [`Error::InvalidArgument`] for sampling settings out of range; [`Error::KvCapacity`] for a
-    /// request that needs more blocks than the pool has; [`Error::Overloaded`] when `max_waiting`
-    /// requests wait already.
+    /// request that needs more blocks than the pool has; [`Error::Overloaded`] when it would make
+    /// more than `max_waiting` requests wait for room in the batch.
     pub fn submit(&mut self, prompt: &[i64], options: &GenerateOptions) -> Result<RequestId> {
         Ok(self.submit_samples(prompt, options, 1)?[0])
     }
@@ -360,9 +361,11 @@ where
                 total: self.pool.blocks(),
             });
         }
-        if self.waiting.len() >= self.config.max_waiting {
+        let places = self.config.max_batch.saturating_sub(self.running());
+        let would_wait = (self.waiting() + n).saturating_sub(places);
+        if would_wait > self.config.max_waiting {
             return Err(Error::Overloaded {
-                waiting: self.waiting.len(),
+                waiting: self.waiting().saturating_sub(places),
                 limit: self.config.max_waiting,
             });
         }
