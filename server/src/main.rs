@@ -41,7 +41,7 @@ usage: cargo run --release -p ndscope-server -- --model DIR [options]
   --host ADDR        the address to listen on                  [default: 127.0.0.1]
   --port N           the port (0: any free one)                [default: 8000]
   --dtype T          f32, bf16 or f16                          [default: f32]
-  --device D         cpu, or cuda:N (with --features cuda)     [default: cpu]
+  --device D         cpu, or cuda:N (build with `--features cuda`)  [default: cpu]
   --batch N          requests decoded together                 [default: 8]
   --step-tokens N    tokens one forward pass runs at most (longer prompts join in chunks)
                                                                [default: 512]
