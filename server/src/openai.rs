@@ -176,12 +176,14 @@ fn bad<T>(message: String, param: &'static str) -> Result<T, ApiError> {
     Err(ApiError::invalid(message, Some(param)))
 }
 
-/// Checks the sampling fields and the output length against the prompt's: the request.
+/// Checks the sampling fields and the output length against the prompt's (`prompt_field`: the
+/// body's field the prompt came from, named by a prompt past the context): the request.
 pub fn asked(
     s: &SamplingBody,
     max_tokens: Option<i64>,
     default_max: Option<usize>,
     prompt_tokens: usize,
+    prompt_field: &'static str,
     limits: &Limits,
 ) -> Result<Asked, ApiError> {
     let context = limits.max_positions;
@@ -191,7 +193,7 @@ pub fn asked(
                 "this model's maximum context length is {context} tokens; the prompt has \
                  {prompt_tokens}: shorten it"
             ),
-            "messages",
+            prompt_field,
         );
     }
     let max_new = match max_tokens {

@@ -231,6 +231,7 @@ async fn completions_checked(app: &Arc<App>, body: Body) -> Result<Response, Api
         body.max_tokens,
         Some(16),
         prompt.len(),
+        "prompt",
         &app.limits(),
     )?;
     let kind = Kind::Text { logprobs };
@@ -299,6 +300,7 @@ async fn chat_checked(app: &Arc<App>, body: Body) -> Result<Response, ApiError> 
         body.max_completion_tokens.or(body.max_tokens),
         None,
         prompt.len(),
+        "messages",
         &app.limits(),
     )?;
     let include_usage = body

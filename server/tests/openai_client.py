@@ -215,6 +215,8 @@ def test_bad_inputs_are_400(s):
         assert status == 400, (what, status, text)
         error = json.loads(text)["error"]
         assert error["type"] == "invalid_request_error" and error["message"], (what, error)
+        if what == "prompt past the context":
+            assert error["param"] == "prompt", error
     chat_cases = {
         "no messages": {"model": NAME},
         "empty messages": {"model": NAME, "messages": []},
