@@ -41,7 +41,9 @@ use safetensors::tensor::Dtype;
 
 use crate::dtype::{DType, Element, with_dtype};
 use crate::error::{Error, Result};
+use crate::gguf::{self, Gguf};
 use crate::memory::mapped::MappedFile;
+use crate::quant::{self, QuantType};
 use crate::scope::Scope;
 use crate::tensor::Tensor;
 
@@ -66,18 +68,31 @@ enum Step {
 struct Source {
     files: Vec<(PathBuf, MappedFile)>,
     tensors: BTreeMap<String, Entry>,
+    /// The metadata of a GGUF file (`None` for safetensors).
+    gguf: Option<BTreeMap<String, gguf::Value>>,
 }
 
 impl Source {
-    /// Adds the tensors of one safetensors file.
+    fn new() -> Source {
+        Source {
+            files: Vec::new(),
+            tensors: BTreeMap::new(),
+            gguf: None,
+        }
+    }
+
+    /// Adds the tensors of one file, safetensors or GGUF (told apart by GGUF's magic).
     fn add(&mut self, path: PathBuf, map: MappedFile) -> Result<()> {
+        if map.bytes().starts_with(gguf::MAGIC) {
+            return self.add_gguf(path, map);
+        }
         let (header, metadata) =
             SafeTensors::read_metadata(map.bytes()).map_err(|e| format_error(&path, e))?;
         let data_start = 8 + header;
         for (name, info) in metadata.tensors() {
             let entry = Entry {
                 file: self.files.len(),
-                dtype: info.dtype,
+                stored: Stored::Safetensors(info.dtype),
                 shape: info.shape.clone(),
                 bytes: (
                     data_start + info.data_offsets.0,
@@ -94,14 +109,52 @@ impl Source {
         self.files.push((path, map));
         Ok(())
     }
+
+    /// Adds the tensors of one GGUF file, under the file's own names (`blk.0.attn_q.weight`).
+    fn add_gguf(&mut self, path: PathBuf, map: MappedFile) -> Result<()> {
+        let file = Gguf::parse(map.bytes()).map_err(|e| match e {
+            Error::Format { format, reason } => Error::Format {
+                format,
+                reason: format!("{}: {reason}", path.display()),
+            },
+            other => other,
+        })?;
+        if self.gguf.is_some() || !self.files.is_empty() {
+            return Err(Error::io(
+                &path,
+                "a GGUF file holds a whole model: it cannot be one shard among others",
+            ));
+        }
+        for t in file.tensors {
+            self.tensors.insert(
+                t.name,
+                Entry {
+                    file: self.files.len(),
+                    stored: Stored::Ggml(t.ty),
+                    shape: t.shape,
+                    bytes: (t.bytes.start, t.bytes.end),
+                },
+            );
+        }
+        self.gguf = Some(file.metadata);
+        self.files.push((path, map));
+        Ok(())
+    }
 }
 
-/// One tensor of a file: its file, stored dtype and shape, and its bytes' range in the file.
+/// One tensor of a file: its file, stored type and shape, and its bytes' range in the file.
 struct Entry {
     file: usize,
-    dtype: Dtype,
+    stored: Stored,
     shape: Vec<usize>,
     bytes: (usize, usize),
+}
+
+/// How a tensor's bytes code its values.
+#[derive(Clone, Copy)]
+enum Stored {
+    Safetensors(Dtype),
+    Ggml(QuantType),
 }
 
 impl fmt::Debug for Weights {
@@ -148,7 +201,9 @@ pub(crate) fn safetensors_dtype(dtype: DType) -> Dtype {
 }
 
 impl Weights {
-    /// Opens a checkpoint: a `.safetensors` file, a sharded checkpoint's index
+    /// Opens a checkpoint: a `.safetensors` file, a GGUF file (llama.cpp's format: its tensors under
+    /// their GGUF names, block-quantized ones decoded to floats on load, its metadata in
+    /// [`gguf_metadata`](Self::gguf_metadata)), a sharded checkpoint's index
     /// (`*.safetensors.index.json`, whose `weight_map` names each tensor's file), or a directory
     /// holding `model.safetensors` or `model.safetensors.index.json` (a Hugging Face model
     /// directory). Files are memory-mapped; only their headers are read here.
@@ -199,10 +254,7 @@ impl Weights {
         } else {
             vec![path.to_path_buf()]
         };
-        let mut source = Source {
-            files: Vec::new(),
-            tensors: BTreeMap::new(),
-        };
+        let mut source = Source::new();
         for file in files {
             let map = if mapped {
                 MappedFile::open(&file)
@@ -224,10 +276,7 @@ impl Weights {
     /// # Errors
     /// [`Error::Format`] for bytes that are not safetensors.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Weights> {
-        let mut source = Source {
-            files: Vec::new(),
-            tensors: BTreeMap::new(),
-        };
+        let mut source = Source::new();
         source.add(PathBuf::from("<bytes>"), MappedFile::Read(bytes))?;
         Ok(Weights {
             source: Rc::new(source),
@@ -276,6 +325,21 @@ impl Weights {
             };
         }
         name
+    }
+
+    /// The metadata of a GGUF checkpoint (its architecture, hyperparameters and tokenizer), `None`
+    /// for safetensors.
+    pub fn gguf_metadata(&self) -> Option<&BTreeMap<String, gguf::Value>> {
+        self.source.gguf.as_ref()
+    }
+
+    /// How `name` is stored when it is block-quantized (a GGUF tensor in Q4_K, say); `None` for a
+    /// tensor of plain floats or integers. Quantized tensors are decoded on load.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] when the checkpoint lacks it.
+    pub fn quantized(&self, name: &str) -> Result<Option<QuantType>> {
+        Ok(self.entry(name)?.1.quantized())
     }
 
     /// Whether the checkpoint holds `name` (looked up through this view).
@@ -390,10 +454,12 @@ impl Weights {
         let (full, entry) = self.entry(name)?;
         let stored = self.check(&full, entry, param.shape(), param.dtype(), false)?;
         let bytes = self.bytes(entry);
-        if stored == param.dtype() {
-            param.copy_from_le_bytes_(bytes)?;
-        } else {
-            with_dtype!(param.dtype(), T => param.copy_from_slice_(&convert::<T>(stored, bytes)))?;
+        match entry.quantized() {
+            Some(ty) => with_dtype!(param.dtype(), T => param.copy_from_slice_(
+                &dequantized::<T>(ty, bytes, &full)?))?,
+            None if stored == param.dtype() => param.copy_from_le_bytes_(bytes)?,
+            None => with_dtype!(param.dtype(), T => param.copy_from_slice_(
+                &convert::<T>(stored, bytes)))?,
         }
         self.release(entry);
         Ok(())
@@ -411,10 +477,11 @@ impl Weights {
         let (full, entry) = self.entry(name)?;
         let stored = self.check(&full, entry, shape, dtype, transposed)?;
         let bytes = self.bytes(entry);
-        let t = if stored == dtype {
-            scope.tensor_of_le_bytes(bytes, shape, dtype)?
-        } else {
-            with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?)
+        let t = match entry.quantized() {
+            Some(ty) => with_dtype!(dtype, T => scope.from_slice(
+                &dequantized::<T>(ty, bytes, &full)?, shape)?),
+            None if stored == dtype => scope.tensor_of_le_bytes(bytes, shape, dtype)?,
+            None => with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?),
         };
         self.release(entry);
         Ok(self.mark(t, &full))
@@ -490,14 +557,41 @@ impl Weights {
     }
 }
 
+/// The dtype `entry`'s values have as stored, or decode to without loss: `F32` for a
+/// block-quantized tensor.
 fn stored_dtype(full: &str, entry: &Entry) -> Result<DType> {
-    dtype_of(entry.dtype).ok_or_else(|| Error::Format {
-        format: "safetensors",
-        reason: format!(
-            "tensor \"{full}\" has dtype {:?}; ndscope reads F32, F64, I64, BF16 and F16",
-            entry.dtype
-        ),
-    })
+    match entry.stored {
+        Stored::Ggml(QuantType::F16) => Ok(DType::F16),
+        Stored::Ggml(QuantType::BF16) => Ok(DType::BF16),
+        Stored::Ggml(_) => Ok(DType::F32),
+        Stored::Safetensors(dtype) => dtype_of(dtype).ok_or_else(|| Error::Format {
+            format: "safetensors",
+            reason: format!(
+                "tensor \"{full}\" has dtype {dtype:?}; ndscope reads F32, F64, I64, BF16 and F16"
+            ),
+        }),
+    }
+}
+
+impl Entry {
+    /// The block format of a quantized tensor (whose bytes are not plain little-endian floats).
+    fn quantized(&self) -> Option<QuantType> {
+        match self.stored {
+            Stored::Ggml(ty) if ty.is_quantized() => Some(ty),
+            _ => None,
+        }
+    }
+}
+
+/// The values of `bytes`, whole blocks of `ty`, decoded and converted to `T`.
+fn dequantized<T: Element>(ty: QuantType, bytes: &[u8], full: &str) -> Result<Vec<T>> {
+    let values = bytes.len() / ty.block_bytes() * ty.block_size();
+    let mut out = vec![0.0f32; values];
+    quant::dequantize(ty, bytes, &mut out).map_err(|e| Error::Format {
+        format: "GGUF",
+        reason: format!("tensor \"{full}\": {e}"),
+    })?;
+    Ok(out.into_iter().map(|v| T::from_f64(f64::from(v))).collect())
 }
 
 /// The elements of `bytes` (little-endian `stored` values) converted to `T`.
@@ -613,10 +707,7 @@ mod tests {
     #[test]
     fn names_compose_prefixes_and_renames_from_the_inside_out() {
         let w = Weights {
-            source: Rc::new(Source {
-                files: Vec::new(),
-                tensors: BTreeMap::new(),
-            }),
+            source: Rc::new(Source::new()),
             steps: Vec::new(),
             site: None,
         };

@@ -1,0 +1,136 @@
+//! ndscope's block formats against gguf-py's reference quantizers and dequantizers, bit for bit
+//! (`tests/fixtures/quants.safetensors`, written by `tests/fixtures/make_quants.py`), and the
+//! formats' own error bounds.
+
+use ndscope::quant::{self, QuantType};
+use safetensors::SafeTensors;
+
+fn fixture() -> Vec<u8> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/quants.safetensors"
+    );
+    std::fs::read(path).expect("tests/fixtures/quants.safetensors")
+}
+
+fn tensor<'a>(file: &'a SafeTensors<'a>, name: &str) -> &'a [u8] {
+    file.tensor(name)
+        .unwrap_or_else(|e| panic!("{name}: {e}"))
+        .data()
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn ty(name: &str) -> QuantType {
+    *QuantType::all()
+        .iter()
+        .find(|t| t.name() == name)
+        .unwrap_or_else(|| panic!("{name}"))
+}
+
+/// Asserts two f32 sequences have the same bits, naming the first difference.
+fn assert_bits(what: &str, ours: &[f32], theirs: &[f32]) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: lengths");
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{what}: value {i}: ndscope {a:e}, gguf-py {b:e}"
+        );
+    }
+}
+
+#[test]
+fn quantizers_write_the_bytes_gguf_py_writes() {
+    let bytes = fixture();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    for name in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "BF16", "F16"] {
+        let t = ty(name);
+        let input = floats(tensor(&file, &format!("{name}.input")));
+        let expected = tensor(&file, &format!("{name}.quantized"));
+        let ours = quant::quantize(t, &input).unwrap();
+        assert_eq!(ours.len(), expected.len(), "{name}: byte count");
+        if let Some(i) = ours.iter().zip(expected).position(|(a, b)| a != b) {
+            let block = i / t.block_bytes();
+            panic!(
+                "{name}: byte {i} (block {block}, byte {} in it) is {:#04x}, gguf-py wrote {:#04x}; \
+                 the block's input: {:?}",
+                i % t.block_bytes(),
+                ours[i],
+                expected[i],
+                &input[block * t.block_size()..(block + 1) * t.block_size()]
+            );
+        }
+    }
+}
+
+#[test]
+fn dequantizers_give_the_values_gguf_py_gives() {
+    let bytes = fixture();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    for t in QuantType::all().iter().filter(|t| **t != QuantType::F32) {
+        let name = t.name();
+        let blocks = if t.can_quantize() {
+            tensor(&file, &format!("{name}.quantized"))
+        } else {
+            tensor(&file, &format!("{name}.blocks"))
+        };
+        let expected = floats(tensor(&file, &format!("{name}.dequantized")));
+        let mut ours = vec![0.0f32; expected.len()];
+        quant::dequantize(*t, blocks, &mut ours).unwrap();
+        assert_bits(name, &ours, &expected);
+    }
+}
+
+#[test]
+fn round_trips_stay_within_a_step_of_each_block() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    let x: Vec<f32> = (0..32 * 64)
+        .map(|i| (next() * (1 + i % 7) as f64) as f32)
+        .collect();
+    // Steps: Q8_0 amax/127; Q4_0 and Q5_0 code the signed extreme as -8 (-16) steps of amax/8
+    // (amax/16), so the far side, clipped at +7 (+15), may be a whole step off; the _1 formats
+    // split [min, max] into 15 (31) steps.
+    for t in [
+        QuantType::Q8_0,
+        QuantType::Q4_0,
+        QuantType::Q4_1,
+        QuantType::Q5_0,
+        QuantType::Q5_1,
+    ] {
+        let mut back = vec![0.0f32; x.len()];
+        quant::dequantize(t, &quant::quantize(t, &x).unwrap(), &mut back).unwrap();
+        for (xb, bb) in x.chunks(32).zip(back.chunks(32)) {
+            let lo = xb.iter().fold(f32::MAX, |m, v| m.min(*v)) as f64;
+            let hi = xb.iter().fold(f32::MIN, |m, v| m.max(*v)) as f64;
+            let amax = lo.abs().max(hi.abs());
+            let step_error = match t {
+                QuantType::Q8_0 => amax / 127.0 / 2.0,
+                QuantType::Q4_0 => amax / 8.0,
+                QuantType::Q5_0 => amax / 16.0,
+                QuantType::Q4_1 => (hi - lo) / 15.0 / 2.0,
+                _ => (hi - lo) / 31.0 / 2.0,
+            };
+            // f16 rounding of the scale (and minimum) moves a value by up to 2^-11 of the extreme.
+            let bound = step_error * (1.0 + 1e-3) + amax * 2f64.powi(-10);
+            for (a, b) in xb.iter().zip(bb) {
+                let err = (*a as f64 - *b as f64).abs();
+                assert!(
+                    err <= bound,
+                    "{t}: {a} came back as {b} (error {err:e}, bound {bound:e})"
+                );
+            }
+        }
+    }
+}
