@@ -56,6 +56,48 @@ pub struct Weights {
     /// Where tensors loaded through this view say they were created (a model loader's caller);
     /// `None`: the line that asked for them.
     site: Option<&'static Location<'static>>,
+    /// How a stored tensor (by full name and stored shape) is rearranged into the one asked for:
+    /// another format's layout of the same parameter (GGUF's Q and K rows, its `[out, in]` GPT-2
+    /// matrices).
+    adapt: Option<Rc<AdaptFn>>,
+}
+
+/// Picks the rearrangement of a stored tensor from its full name and stored shape.
+pub(crate) type AdaptFn = dyn Fn(&str, &[usize]) -> Option<Adapt>;
+
+/// A rearrangement applied to a stored tensor's values as it is loaded.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Adapt {
+    /// Row `i` of the loaded matrix is stored row `rows[i]`.
+    Rows(Vec<usize>),
+    /// The loaded matrix is the stored one's transpose.
+    Transpose,
+}
+
+impl Adapt {
+    /// The shape a tensor stored as `stored` is loaded with.
+    fn shape(&self, stored: &[usize]) -> Vec<usize> {
+        match self {
+            Adapt::Rows(_) => stored.to_vec(),
+            Adapt::Transpose => stored.iter().rev().copied().collect(),
+        }
+    }
+
+    /// `values`, stored with `stored` shape, rearranged.
+    fn apply<T: Copy>(&self, values: Vec<T>, stored: &[usize]) -> Vec<T> {
+        let rows = stored.first().copied().unwrap_or(1).max(1);
+        let width = values.len() / rows;
+        match self {
+            Adapt::Rows(order) => order
+                .iter()
+                .flat_map(|&r| values[r * width..(r + 1) * width].iter().copied())
+                .collect(),
+            Adapt::Transpose => (0..width)
+                .flat_map(|c| (0..rows).map(move |r| (r, c)))
+                .map(|(r, c)| values[r * width + c])
+                .collect(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -268,13 +310,14 @@ impl Weights {
             source: Rc::new(source),
             steps: Vec::new(),
             site: None,
+            adapt: None,
         })
     }
 
-    /// A checkpoint from the bytes of one safetensors file (already in memory).
+    /// A checkpoint from the bytes of one safetensors or GGUF file (already in memory).
     ///
     /// # Errors
-    /// [`Error::Format`] for bytes that are not safetensors.
+    /// [`Error::Format`] for bytes that are neither.
     pub fn from_bytes(bytes: Vec<u8>) -> Result<Weights> {
         let mut source = Source::new();
         source.add(PathBuf::from("<bytes>"), MappedFile::Read(bytes))?;
@@ -282,6 +325,7 @@ impl Weights {
             source: Rc::new(source),
             steps: Vec::new(),
             site: None,
+            adapt: None,
         })
     }
 
@@ -312,6 +356,22 @@ impl Weights {
         let mut w = self.clone();
         w.site = Some(site);
         w
+    }
+
+    /// The same checkpoint with each stored tensor rearranged as `adapt` says (by its full name
+    /// and stored shape) when it is loaded.
+    pub(crate) fn adapted(
+        &self,
+        adapt: impl Fn(&str, &[usize]) -> Option<Adapt> + 'static,
+    ) -> Weights {
+        let mut w = self.clone();
+        w.adapt = Some(Rc::new(adapt));
+        w
+    }
+
+    /// The rearrangement of `full`'s stored tensor, if any.
+    fn adaptation(&self, full: &str, entry: &Entry) -> Option<Adapt> {
+        self.adapt.as_ref().and_then(|f| f(full, &entry.shape))
     }
 
     /// The checkpoint's name for `name` looked up through this view.
@@ -452,14 +512,21 @@ impl Weights {
     /// As for [`tensor`](Self::tensor).
     pub fn load_into(&self, param: &mut Tensor<'_>, name: &str) -> Result<()> {
         let (full, entry) = self.entry(name)?;
-        let stored = self.check(&full, entry, param.shape(), param.dtype(), false)?;
+        let adapt = self.adaptation(&full, entry);
+        let stored = self.check(
+            &full,
+            entry,
+            adapt.as_ref(),
+            param.shape(),
+            param.dtype(),
+            false,
+        )?;
         let bytes = self.bytes(entry);
-        match entry.quantized() {
-            Some(ty) => with_dtype!(param.dtype(), T => param.copy_from_slice_(
-                &dequantized::<T>(ty, bytes, &full)?))?,
-            None if stored == param.dtype() => param.copy_from_le_bytes_(bytes)?,
-            None => with_dtype!(param.dtype(), T => param.copy_from_slice_(
-                &convert::<T>(stored, bytes)))?,
+        if adapt.is_none() && entry.quantized().is_none() && stored == param.dtype() {
+            param.copy_from_le_bytes_(bytes)?;
+        } else {
+            with_dtype!(param.dtype(), T => param.copy_from_slice_(
+                &self.values::<T>(&full, entry, adapt.as_ref(), stored)?))?;
         }
         self.release(entry);
         Ok(())
@@ -475,16 +542,48 @@ impl Weights {
         transposed: bool,
     ) -> Result<Tensor<'s>> {
         let (full, entry) = self.entry(name)?;
-        let stored = self.check(&full, entry, shape, dtype, transposed)?;
+        let adapt = self.adaptation(&full, entry);
+        let stored = self.check(&full, entry, adapt.as_ref(), shape, dtype, transposed)?;
         let bytes = self.bytes(entry);
-        let t = match entry.quantized() {
-            Some(ty) => with_dtype!(dtype, T => scope.from_slice(
-                &dequantized::<T>(ty, bytes, &full)?, shape)?),
-            None if stored == dtype => scope.tensor_of_le_bytes(bytes, shape, dtype)?,
-            None => with_dtype!(dtype, T => scope.from_slice(&convert::<T>(stored, bytes), shape)?),
+        let t = if adapt.is_none() && entry.quantized().is_none() && stored == dtype {
+            scope.tensor_of_le_bytes(bytes, shape, dtype)?
+        } else {
+            with_dtype!(dtype, T => scope.from_slice(
+                &self.values::<T>(&full, entry, adapt.as_ref(), stored)?, shape)?)
         };
         self.release(entry);
         Ok(self.mark(t, &full))
+    }
+
+    /// The values of `name` as `f64`s (a model's own small tables, such as GGUF's RoPE divisors).
+    ///
+    /// # Errors
+    /// As for [`tensor`](Self::tensor).
+    pub(crate) fn values_f64(&self, name: &str) -> Result<Vec<f64>> {
+        let (full, entry) = self.entry(name)?;
+        let adapt = self.adaptation(&full, entry);
+        let stored = stored_dtype(&full, entry)?;
+        self.values::<f64>(&full, entry, adapt.as_ref(), stored)
+    }
+
+    /// `entry`'s values decoded (from `stored`, or its block format), converted to `T` and
+    /// rearranged by `adapt`.
+    fn values<T: Element>(
+        &self,
+        full: &str,
+        entry: &Entry,
+        adapt: Option<&Adapt>,
+        stored: DType,
+    ) -> Result<Vec<T>> {
+        let bytes = self.bytes(entry);
+        let values = match entry.quantized() {
+            Some(ty) => dequantized::<T>(ty, bytes, full)?,
+            None => convert::<T>(stored, bytes),
+        };
+        Ok(match adapt {
+            Some(adapt) => adapt.apply(values, &entry.shape),
+            None => values,
+        })
     }
 
     /// The checkpoint's entry for `name`, with its full name.
@@ -505,21 +604,23 @@ impl Weights {
         &self,
         full: &str,
         entry: &Entry,
+        adapt: Option<&Adapt>,
         shape: &[usize],
         dtype: DType,
         transposed: bool,
     ) -> Result<DType> {
         let stored = stored_dtype(full, entry)?;
+        let loaded = adapt.map_or_else(|| entry.shape.clone(), |a| a.shape(&entry.shape));
         let mismatch = |hint: String| Error::TensorMismatch {
             name: full.to_string(),
             expected: format!("{dtype} {shape:?}"),
-            found: format!("{stored} {:?}", entry.shape),
+            found: format!("{stored} {loaded:?}"),
             hint,
         };
-        if entry.shape != shape {
+        if loaded != shape {
             let mut reversed = shape.to_vec();
             reversed.reverse();
-            let hint = if shape.len() == 2 && entry.shape == reversed {
+            let hint = if shape.len() == 2 && loaded == reversed {
                 if transposed {
                     "it is stored as the shape asked for, not transposed: load it with \
                      `Weights::tensor`"
@@ -710,6 +811,7 @@ mod tests {
             source: Rc::new(Source::new()),
             steps: Vec::new(),
             site: None,
+            adapt: None,
         };
         let block = w
             .prefix("transformer")

@@ -1,4 +1,4 @@
-//! Fuzzing on stable: random and mutated inputs for the file loaders (safetensors, IDX, CSV, gzip) and
+//! Fuzzing on stable: random and mutated inputs for the file loaders (safetensors, GGUF, IDX, CSV, gzip) and
 //! random shapes for the shape logic. Every input must give `Ok` or a typed `Err` — never a panic, an
 //! abort or an attempt to allocate what the input merely claims. `PROPTEST_CASES=100000 cargo test
 //! --release --test fuzz` runs a longer campaign.
@@ -141,5 +141,38 @@ proptest! {
             returned(x.permute(&b));
             Ok::<_, Error>(())
         }).unwrap();
+    }
+}
+
+/// A GGUF file made by llama.cpp (the tiny GPT-2 in Q4_0: metadata with its 1,000-token vocabulary,
+/// 28 tensor descriptions, Q4_0 and F32 data), split where its tensor data starts.
+fn gguf_parts() -> (Vec<u8>, Vec<u8>) {
+    let bytes = std::fs::read("data/gguf/gpt2-tiny-Q4_0.gguf").unwrap();
+    let parsed = ndscope::gguf::Gguf::parse(&bytes).unwrap();
+    let data = parsed.tensors.iter().map(|t| t.bytes.start).min().unwrap();
+    (bytes[..data].to_vec(), bytes[data..].to_vec())
+}
+
+proptest! {
+    // PROPTEST_CASES (256 unless set; 64 under valgrind) cases.
+    #![proptest_config(ProptestConfig::default())]
+
+    /// Damage to a GGUF file's header (where every count, length, type and offset lies) gives a
+    /// typed error or a file whose every tensor loads — never a panic or a huge allocation.
+    #[test]
+    fn gguf_files_survive_damage(header in mutated(gguf_parts().0)) {
+        let mut bytes = header;
+        bytes.extend_from_slice(&gguf_parts().1);
+        returned(ndscope::gguf::Gguf::parse(&bytes).map(|_| ()));
+        if let Ok(weights) = ndscope::weights::Weights::from_bytes(bytes) {
+            root(Device::Cpu, |s| {
+                let names: Vec<String> = weights.names().map(String::from).collect();
+                for name in names {
+                    let shape = weights.info(&name)?.1.to_vec();
+                    returned(weights.tensor(s, &name, &shape, ndscope::DType::F32));
+                }
+                Ok::<_, Error>(())
+            }).unwrap();
+        }
     }
 }

@@ -118,6 +118,48 @@ impl ChatTemplate {
         Ok(template)
     }
 
+    /// The template embedded in the GGUF file `path` (`tokenizer.chat_template`), with the bos
+    /// and eos tokens' texts from its tokenizer metadata.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Format`] for a file that is not
+    /// GGUF, has no chat template (a base model), or whose template does not parse.
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<ChatTemplate> {
+        let path = path.as_ref();
+        let weights = crate::weights::Weights::open(path)?;
+        let metadata = weights
+            .gguf_metadata()
+            .ok_or_else(|| template_error(format!("{} is not a GGUF file", path.display())))?;
+        let source = metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| {
+                template_error(format!(
+                    "{} has no \"tokenizer.chat_template\": this model has no chat format (a \
+                     base model); prompt it with plain text",
+                    path.display()
+                ))
+            })?;
+        let token = |key: &str| -> String {
+            let tokens = metadata
+                .get("tokenizer.ggml.tokens")
+                .and_then(|v| v.as_array());
+            metadata
+                .get(key)
+                .and_then(|v| v.as_i64())
+                .and_then(|id| tokens?.get(usize::try_from(id).ok()?)?.as_str())
+                .unwrap_or_default()
+                .to_string()
+        };
+        let template = ChatTemplate {
+            source: source.to_string(),
+            bos_token: token("tokenizer.ggml.bos_token_id"),
+            eos_token: token("tokenizer.ggml.eos_token_id"),
+        };
+        template.environment()?;
+        Ok(template)
+    }
+
     /// The environment transformers renders in: blocks trimmed (`trim_blocks`, `lstrip_blocks`),
     /// `raise_exception` for templates that refuse a conversation.
     fn environment(&self) -> Result<Environment<'_>> {

@@ -24,6 +24,7 @@
 
 mod chat;
 mod csv;
+mod gguf_vocab;
 mod idx;
 mod loader;
 mod tokenizer;

@@ -43,6 +43,29 @@ impl Tokenizer {
         Ok(Tokenizer { inner })
     }
 
+    /// The tokenizer embedded in the GGUF file `path` (`tokenizer.ggml.*`): its vocabulary,
+    /// merges, special tokens, pre-tokenizer and the bos its prompts start with, tokenizing as
+    /// the model's own `tokenizer.json` does.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a file that cannot be read; [`Error::Format`] for one that is not GGUF
+    /// or has no tokenizer; [`Error::UnsupportedConfig`] naming the key of a tokenizer ndscope
+    /// does not rebuild (a SentencePiece vocabulary, an unknown pre-tokenizer).
+    pub fn from_gguf(path: impl AsRef<Path>) -> Result<Tokenizer> {
+        let path = path.as_ref();
+        let weights = crate::weights::Weights::open(path)?;
+        let metadata = weights.gguf_metadata().ok_or_else(|| Error::Format {
+            format: "GGUF",
+            reason: format!("{} is not a GGUF file", path.display()),
+        })?;
+        let inner = super::gguf_vocab::tokenizer_json(metadata)?
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| {
+                format_error(format!("{}: the embedded tokenizer: {e}", path.display()))
+            })?;
+        Ok(Tokenizer { inner })
+    }
+
     /// The ids of `text`'s tokens, without special tokens added.
     ///
     /// # Errors

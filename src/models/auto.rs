@@ -57,7 +57,8 @@ const MODEL_TYPES: &str = "gpt2, llama, mistral and qwen2";
 
 impl<'m> AutoModel<'m> {
     /// Loads the Hugging Face directory `dir` (`config.json`, `model.safetensors` or its shards)
-    /// as `dtype` in `scope`, with the model its `config.json`'s `model_type` names.
+    /// as `dtype` in `scope`, with the model its `config.json`'s `model_type` names; a file
+    /// (rather than a directory) loads as GGUF ([`from_gguf`](Self::from_gguf)).
     ///
     /// # Errors
     /// [`Error::Io`](crate::Error::Io) when `config.json` cannot be read;
@@ -71,6 +72,9 @@ impl<'m> AutoModel<'m> {
         dtype: DType,
     ) -> Result<AutoModel<'m>> {
         let dir = dir.as_ref();
+        if dir.is_file() {
+            return AutoModel::from_gguf(scope, dir, dtype);
+        }
         let model_type = read_config(&dir.join("config.json"), |text| {
             let raw: Value = serde_json::from_str(text).map_err(|e| config_error(e.to_string()))?;
             match &raw["model_type"] {
@@ -91,6 +95,29 @@ impl<'m> AutoModel<'m> {
         } else {
             AutoModel::Llama(Llama::from_pretrained(scope, dir, dtype)?)
         })
+    }
+
+    /// Loads the GGUF file `path` as `dtype` in `scope`, with the model its
+    /// `general.architecture` names (`gpt2`, `llama` or `qwen2`); see [`Gpt2::from_gguf`] and
+    /// [`Llama::from_gguf`].
+    ///
+    /// # Errors
+    /// As for [`Gpt2::from_gguf`] and [`Llama::from_gguf`];
+    /// [`Error::UnsupportedConfig`](crate::Error::UnsupportedConfig) for another architecture.
+    #[track_caller]
+    pub fn from_gguf(
+        scope: &Scope<'m>,
+        path: impl AsRef<Path>,
+        dtype: DType,
+    ) -> Result<AutoModel<'m>> {
+        let path = path.as_ref();
+        let weights = crate::weights::Weights::open(path)?;
+        let arch = super::gguf::architecture(super::gguf::metadata(&weights)?)?.to_string();
+        drop(weights);
+        match arch.as_str() {
+            "gpt2" => Ok(AutoModel::Gpt2(Gpt2::from_gguf(scope, path, dtype)?)),
+            _ => Ok(AutoModel::Llama(Llama::from_gguf(scope, path, dtype)?)),
+        }
     }
 
     /// The checkpoint's `model_type`: `gpt2`, `llama`, `mistral` or `qwen2`.

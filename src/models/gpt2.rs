@@ -373,6 +373,33 @@ impl<'m> Gpt2<'m> {
         Gpt2::load(scope, &Weights::open(dir)?, config, dtype)
     }
 
+    /// Loads a GGUF file of architecture `gpt2` (llama.cpp's converter and `llama-quantize`
+    /// write them) as `dtype` in `scope`: its metadata as the config, block-quantized tensors
+    /// decoded to `dtype` on load, names and layouts mapped back to transformers'.
+    ///
+    /// ```
+    /// use ndscope::models::Gpt2;
+    /// use ndscope::{DType, Device, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let gpt2 = Gpt2::from_gguf(m, "tests/fixtures/gpt2-tiny-Q4_0.gguf", DType::F32)?;
+    ///     assert_eq!(gpt2.config().n_layer, 2);
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Io`] and [`Error::Format`] for a file that cannot be read or is not GGUF;
+    /// [`Error::UnsupportedConfig`](crate::Error::UnsupportedConfig) naming a metadata key the
+    /// model does not compute; as for [`load`](Self::load).
+    #[track_caller]
+    pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Gpt2<'m>> {
+        let weights = Weights::open(path)?;
+        let config = super::gguf::gpt2_config(&weights)?;
+        Gpt2::load(scope, &super::gguf::gpt2_weights(&weights), config, dtype)
+    }
+
     /// The model of `config` with its parameters from `weights` (named as Hugging Face names
     /// them), as `dtype` in `scope`.
     ///

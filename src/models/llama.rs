@@ -102,6 +102,37 @@ impl<'m> Llama<'m> {
         Llama::load(scope, &Weights::open(dir)?, config, dtype)
     }
 
+    /// Loads a GGUF file of architecture `llama` (Llama 2 and 3, Mistral, SmolLM, TinyLlama) or
+    /// `qwen2`, as llama.cpp's converter and `llama-quantize` write them, as `dtype` in `scope`:
+    /// its metadata as the config (see [`config`](Self::config)), block-quantized tensors decoded
+    /// to `dtype` on load, names and layouts mapped back to transformers'. The tokenizer is
+    /// [`Tokenizer::from_gguf`](crate::data::Tokenizer::from_gguf).
+    ///
+    /// ```
+    /// use ndscope::models::Llama;
+    /// use ndscope::{DType, Device, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let llama = Llama::from_gguf(m, "tests/fixtures/llama-tiny-Q8_0.gguf", DType::F32)?;
+    ///     assert_eq!(llama.config().num_key_value_heads, 2);
+    ///     assert_eq!(llama.config().eos_token_ids, [1, 4]); // eos, and <|eot_id|> as llama.cpp
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Io`] and [`Error::Format`](crate::Error::Format) for a file that cannot be read
+    /// or is not GGUF; [`Error::UnsupportedConfig`](crate::Error::UnsupportedConfig) naming a
+    /// metadata key the model does not compute; as for [`load`](Self::load).
+    #[track_caller]
+    pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Llama<'m>> {
+        let weights = Weights::open(path)?;
+        let config = super::gguf::llama_config(&weights)?;
+        let weights = super::gguf::llama_weights(&weights, &config);
+        Llama::load(scope, &weights, config, dtype)
+    }
+
     /// The model of `config` with its parameters from `weights` (transformers' names), as `dtype`.
     ///
     /// # Errors

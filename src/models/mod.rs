@@ -2,6 +2,7 @@
 //! trained, check it, fine-tune it, save it back for that library.
 
 mod auto;
+mod gguf;
 mod gpt2;
 mod llama;
 mod llama_config;

@@ -181,7 +181,7 @@ impl QuantType {
     /// Bytes of `values` values of this type, `None` unless `values` is a whole number of blocks
     /// (or the size overflows).
     pub fn bytes_for(self, values: usize) -> Option<usize> {
-        if values % self.block_size() != 0 {
+        if !values.is_multiple_of(self.block_size()) {
             return None;
         }
         (values / self.block_size()).checked_mul(self.block_bytes())
@@ -211,7 +211,7 @@ fn shape_error(op: &'static str, ty: QuantType, values: usize, bytes: usize) -> 
                 .map_or_else(|| "no whole number of".into(), |b| b.to_string()),
             ty.block_bytes(),
             ty.block_size(),
-            if values % ty.block_size() == 0 {
+            if values.is_multiple_of(ty.block_size()) {
                 String::new()
             } else {
                 format!(

@@ -1,0 +1,89 @@
+"""Writes the GGUF fixtures of tests/gguf.rs: ../shared/data's llama-tiny and gpt2-tiny converted by
+llama.cpp's own converter (F32, Q8_0) and quantized by its `llama-quantize` (Q4_0, Q4_K_M), with
+llama.cpp's logits (`*-llama-cpp-logits.safetensors`: `ids`, and one `[positions, vocabulary]`
+tensor per file) for the first row of the model's reference batch (`llama_logits.c`, against libllama).
+
+    python3 tests/fixtures/make_gguf.py LLAMA_CPP_DIR
+
+LLAMA_CPP_DIR is a llama.cpp source tree built with cmake (build/bin/llama-quantize and
+build/bin/libllama.so), for example the one vendored in the `llama-cpp-python` source
+distribution; the converter needs torch, transformers, sentencepiece and gguf.
+
+The converter recognises a BPE pre-tokenizer by hashing its tokens of a test text, which works for
+published vocabularies only; both tiny tokenizers use GPT-2's byte-level pre-tokenizer, so the
+converter is told `gpt-2`. Published GPT-2 configs carry `n_ctx` beside `n_positions`, which the
+converter reads; the tiny one gets it added in a copy.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DATA = os.path.join(HERE, "..", "..", "..", "shared", "data")
+
+CONVERT = """
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+import convert_hf_to_gguf as convert
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+convert.main()
+"""
+
+
+def main(llama_cpp):
+    bin_dir = os.path.join(llama_cpp, "build", "bin")
+    logits_tool = os.path.join(tempfile.mkdtemp(), "llama_logits")
+    subprocess.run(["cc", "-O2", "-o", logits_tool, os.path.join(HERE, "llama_logits.c"),
+                    "-I", os.path.join(llama_cpp, "include"), "-I", os.path.join(llama_cpp, "ggml", "include"),
+                    "-L", bin_dir, "-lllama", "-Wl,-rpath," + bin_dir], check=True)
+    for model in ["llama-tiny", "gpt2-tiny"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, model)
+            shutil.copytree(os.path.join(DATA, model), src)
+            config_path = os.path.join(src, "config.json")
+            config = json.load(open(config_path))
+            if config["model_type"] == "gpt2" and "n_ctx" not in config:
+                config["n_ctx"] = config["n_positions"]
+                os.chmod(config_path, 0o644)
+                json.dump(config, open(config_path, "w"), indent=1)
+            for outtype in ["f32", "q8_0"]:
+                out = os.path.join(HERE, f"{model}-{outtype.upper()}.gguf")
+                subprocess.run([sys.executable, "-c", CONVERT, llama_cpp, src, "--outfile", out,
+                                "--outtype", outtype], check=True, capture_output=True)
+        f32 = os.path.join(HERE, f"{model}-F32.gguf")
+        for kind in ["Q4_0", "Q4_K_M"]:
+            out = os.path.join(HERE, f"{model}-{kind}.gguf")
+            subprocess.run([os.path.join(bin_dir, "llama-quantize"), f32, out, kind], check=True,
+                           capture_output=True)
+        reference = json.load(open(os.path.join(DATA, model, "reference.json")))
+        ids = reference_ids(model, reference)
+        logits = {"ids": np.array(ids, dtype=np.int64)}
+        for kind in ["F32", "Q8_0", "Q4_0", "Q4_K_M"]:
+            path = os.path.join(HERE, f"{model}-{kind}.gguf")
+            run = subprocess.run([logits_tool, path] + [str(i) for i in ids], check=True,
+                                 capture_output=True, text=True)
+            logits[kind] = np.array([[float(v) for v in line.split()] for line in run.stdout.splitlines()],
+                                    dtype=np.float32)
+        save_file(logits, os.path.join(HERE, f"{model}-llama-cpp-logits.safetensors"))
+        print(model, "done")
+
+
+def reference_ids(model, reference):
+    """The token ids of the model's reference batch's first row (transformers' input)."""
+    tensors = load_file(os.path.join(DATA, model, "reference.safetensors"))
+    return [int(i) for i in tensors["input_ids"][0]]
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    main(sys.argv[1])
