@@ -30,7 +30,8 @@ chat: a conversation with a Llama-family chat model, its KV cache kept across tu
 
 usage: cargo run --release --example chat -- [options]
 
-  --model DIR       a Llama/Mistral/Qwen2 directory with a chat template   [default: data/llama-tiny]
+  --model PATH      a Llama/Mistral/Qwen2 directory with a chat template, or a GGUF file with one
+                                                                        [default: data/llama-tiny]
   --system TEXT     a system message first
   --say TEXT        a user turn (repeatable); without any, one turn per line of stdin
   --max-new N       tokens per reply at most                               [default: 24]
@@ -109,8 +110,8 @@ fn turns(o: &Options) -> Box<dyn Iterator<Item = String>> {
 }
 
 fn run(o: &Options) -> Result<()> {
-    let tokenizer = Tokenizer::from_file(o.model.join("tokenizer.json"))?;
-    let template = ChatTemplate::from_dir(&o.model)?;
+    let tokenizer = Tokenizer::for_model(&o.model)?;
+    let template = ChatTemplate::for_model(&o.model)?;
     root(o.device, |m| {
         let model = Llama::from_pretrained(m, &o.model, DType::F32)?;
         let max_positions = model.max_positions();

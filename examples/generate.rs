@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example generate                          # the bundled tiny GPT-2
 //! cargo run --release --example generate -- --model data/llama-tiny  # the bundled tiny Llama
+//! cargo run --release --example generate -- --model data/gguf/llama-tiny-Q4_K_M.gguf  # as GGUF
 //! cargo run --release --example generate -- --prompt "def main():" --temperature 0.8 --top-p 0.9
 //! cargo run --release --example generate -- --serve 64            # 64 requests of mixed lengths
 //! ```
@@ -30,8 +31,9 @@ generate: text from a Hugging Face GPT-2 or Llama-family directory, one prompt o
 
 usage: cargo run --release --example generate -- [options]
 
-  --model DIR       a GPT-2 or Llama/Mistral/Qwen2 directory (config.json, model.safetensors,
-                    tokenizer.json)                                    [default: data/gpt2-tiny]
+  --model PATH      a GPT-2 or Llama/Mistral/Qwen2 directory (config.json, model.safetensors,
+                    tokenizer.json), or a GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+                    Q5_1, Q2_K..Q6_K: decoded to f32 on load)          [default: data/gpt2-tiny]
   --prompt TEXT     what to continue                                   [default: \"A scope owns every tensor\"]
   --max-new N       tokens to generate at most                         [default: 48]
   --temperature T   0 is greedy                                        [default: 0]
@@ -118,9 +120,10 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
 }
 
 fn run(o: &Options) -> Result<()> {
-    let tokenizer = Tokenizer::from_file(o.model.join("tokenizer.json"))?;
+    let tokenizer = Tokenizer::for_model(&o.model)?;
     root(o.device, |m| {
-        // GPT-2 or the Llama family, as config.json's model_type says.
+        // GPT-2 or the Llama family, as config.json's model_type (or the GGUF file's
+        // general.architecture) says.
         let model = AutoModel::from_pretrained(m, &o.model, DType::F32)?;
         serve(o, m, &tokenizer, &model, model.end_tokens())
     })

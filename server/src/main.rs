@@ -33,11 +33,11 @@ use routes::App;
 const USAGE: &str = "\
 ndscope-server: an OpenAI-compatible HTTP server for a Hugging Face GPT-2 or Llama-family directory
 
-usage: cargo run --release -p ndscope-server -- --model DIR [options]
+usage: cargo run --release -p ndscope-server -- --model PATH [options]
 
-  --model DIR        config.json, model.safetensors, tokenizer.json (and a chat template for
-                     /v1/chat/completions)
-  --name NAME        the model's id in requests                [default: the directory's name]
+  --model PATH       a directory with config.json, model.safetensors, tokenizer.json (and a chat
+                     template for /v1/chat/completions), or a GGUF file
+  --name NAME        the model's id in requests                [default: the path's last name]
   --host ADDR        the address to listen on                  [default: 127.0.0.1]
   --port N           the port (0: any free one)                [default: 8000]
   --dtype T          f32, bf16 or f16                          [default: f32]
@@ -113,7 +113,7 @@ fn parse(mut args: impl Iterator<Item = String>) -> Result<Options, String> {
             _ => return Err(format!("unknown option {flag}")),
         }
     }
-    let model = model.ok_or("--model DIR is needed")?;
+    let model = model.ok_or("--model PATH is needed")?;
     if core.max_batch == 0 || block_tokens == 0 {
         return Err("--batch and --block must be at least 1".into());
     }
@@ -157,9 +157,9 @@ fn main() {
 
 fn run(o: Options) -> Result<(), String> {
     let dir = &o.settings.model;
-    let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(|e| e.to_string())?;
+    let tokenizer = Tokenizer::for_model(dir).map_err(|e| e.to_string())?;
     // A base model has no chat template: /v1/chat/completions then says so.
-    let template = ChatTemplate::from_dir(dir).ok();
+    let template = ChatTemplate::for_model(dir).ok();
     let name = o.name.clone().unwrap_or_else(|| {
         dir.canonicalize()
             .ok()

@@ -118,6 +118,20 @@ impl ChatTemplate {
         Ok(template)
     }
 
+    /// The chat template of the model at `path`: a Hugging Face directory's
+    /// ([`from_dir`](Self::from_dir)) or a GGUF file's ([`from_gguf`](Self::from_gguf)).
+    ///
+    /// # Errors
+    /// As for [`from_dir`](Self::from_dir) and [`from_gguf`](Self::from_gguf).
+    pub fn for_model(path: impl AsRef<Path>) -> Result<ChatTemplate> {
+        let path = path.as_ref();
+        if path.is_file() {
+            ChatTemplate::from_gguf(path)
+        } else {
+            ChatTemplate::from_dir(path)
+        }
+    }
+
     /// The template embedded in the GGUF file `path` (`tokenizer.chat_template`), with the bos
     /// and eos tokens' texts from its tokenizer metadata.
     ///

@@ -43,6 +43,20 @@ impl Tokenizer {
         Ok(Tokenizer { inner })
     }
 
+    /// The tokenizer of the model at `path`: a Hugging Face directory's `tokenizer.json`, or the
+    /// one embedded in a GGUF file ([`from_gguf`](Self::from_gguf)).
+    ///
+    /// # Errors
+    /// As for [`from_file`](Self::from_file) and [`from_gguf`](Self::from_gguf).
+    pub fn for_model(path: impl AsRef<Path>) -> Result<Tokenizer> {
+        let path = path.as_ref();
+        if path.is_file() {
+            Tokenizer::from_gguf(path)
+        } else {
+            Tokenizer::from_file(path.join("tokenizer.json"))
+        }
+    }
+
     /// The tokenizer embedded in the GGUF file `path` (`tokenizer.ggml.*`): its vocabulary,
     /// merges, special tokens, pre-tokenizer and the bos its prompts start with, tokenizing as
     /// the model's own `tokenizer.json` does.

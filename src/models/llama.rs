@@ -87,7 +87,8 @@ pub struct Llama<'m> {
 
 impl<'m> Llama<'m> {
     /// Loads a Hugging Face directory (`config.json` and `model.safetensors` or its shards) as
-    /// `dtype` in `scope`.
+    /// `dtype` in `scope`; a file (rather than a directory) loads as GGUF
+    /// ([`from_gguf`](Self::from_gguf)).
     ///
     /// # Errors
     /// As for [`LlamaConfig::from_file`] and [`load`](Self::load); [`Error::Io`].
@@ -98,6 +99,9 @@ impl<'m> Llama<'m> {
         dtype: DType,
     ) -> Result<Llama<'m>> {
         let dir = dir.as_ref();
+        if dir.is_file() {
+            return Llama::from_gguf(scope, dir, dtype);
+        }
         let config = LlamaConfig::from_file(dir.join("config.json"))?;
         Llama::load(scope, &Weights::open(dir)?, config, dtype)
     }
