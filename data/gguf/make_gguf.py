@@ -1,13 +1,14 @@
-"""Writes the GGUF fixtures of tests/gguf.rs: ../shared/data's llama-tiny and gpt2-tiny converted by
+"""Writes the GGUF fixtures of tests/gguf.rs: data/llama-tiny and data/gpt2-tiny converted by
 llama.cpp's own converter (F32, Q8_0) and quantized by its `llama-quantize` (Q4_0, Q4_K_M), with
 llama.cpp's logits (`*-llama-cpp-logits.safetensors`: `ids`, and one `[positions, vocabulary]`
 tensor per file) for the first row of the model's reference batch (`llama_logits.c`, against libllama).
 
-    python3 tests/fixtures/make_gguf.py LLAMA_CPP_DIR
+    python3 data/gguf/make_gguf.py LLAMA_CPP_DIR
 
 LLAMA_CPP_DIR is a llama.cpp source tree built with cmake (build/bin/llama-quantize and
-build/bin/libllama.so), for example the one vendored in the `llama-cpp-python` source
-distribution; the converter needs torch, transformers, sentencepiece and gguf.
+build/bin/libllama.so), for example the one vendored in the `llama-cpp-python` source distribution
+(the shipped files came from llama-cpp-python 0.3.36's); the converter needs torch, transformers,
+sentencepiece and gguf. Running it again writes the same bytes.
 
 The converter recognises a BPE pre-tokenizer by hashing its tokens of a test text, which works for
 published vocabularies only; both tiny tokenizers use GPT-2's byte-level pre-tokenizer, so the
@@ -26,7 +27,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, "..", "..", "..", "shared", "data")
+DATA = os.path.join(HERE, "..")
 
 CONVERT = """
 import sys
@@ -64,8 +65,7 @@ def main(llama_cpp):
             out = os.path.join(HERE, f"{model}-{kind}.gguf")
             subprocess.run([os.path.join(bin_dir, "llama-quantize"), f32, out, kind], check=True,
                            capture_output=True)
-        reference = json.load(open(os.path.join(DATA, model, "reference.json")))
-        ids = reference_ids(model, reference)
+        ids = reference_ids(model)
         logits = {"ids": np.array(ids, dtype=np.int64)}
         for kind in ["F32", "Q8_0", "Q4_0", "Q4_K_M"]:
             path = os.path.join(HERE, f"{model}-{kind}.gguf")
@@ -77,7 +77,7 @@ def main(llama_cpp):
         print(model, "done")
 
 
-def reference_ids(model, reference):
+def reference_ids(model):
     """The token ids of the model's reference batch's first row (transformers' input)."""
     tensors = load_file(os.path.join(DATA, model, "reference.safetensors"))
     return [int(i) for i in tensors["input_ids"][0]]

@@ -382,7 +382,7 @@ impl<'m> Gpt2<'m> {
     /// use ndscope::{DType, Device, root};
     ///
     /// root(Device::Cpu, |m| {
-    ///     let gpt2 = Gpt2::from_gguf(m, "tests/fixtures/gpt2-tiny-Q4_0.gguf", DType::F32)?;
+    ///     let gpt2 = Gpt2::from_gguf(m, "data/gguf/gpt2-tiny-Q4_0.gguf", DType::F32)?;
     ///     assert_eq!(gpt2.config().n_layer, 2);
     ///     Ok::<_, ndscope::Error>(())
     /// })?;

@@ -117,7 +117,7 @@ impl<'m> Llama<'m> {
     /// use ndscope::{DType, Device, root};
     ///
     /// root(Device::Cpu, |m| {
-    ///     let llama = Llama::from_gguf(m, "tests/fixtures/llama-tiny-Q8_0.gguf", DType::F32)?;
+    ///     let llama = Llama::from_gguf(m, "data/gguf/llama-tiny-Q8_0.gguf", DType::F32)?;
     ///     assert_eq!(llama.config().num_key_value_heads, 2);
     ///     assert_eq!(llama.config().eos_token_ids, [1, 4]); // eos, and <|eot_id|> as llama.cpp
     ///     Ok::<_, ndscope::Error>(())
