@@ -42,4 +42,4 @@ pub use rng::DEFAULT_SEED;
 pub use scope::{
     Child, EventKind, Fault, MemoryEvent, Movable, MoveOut, Scope, Timeline, root, system_stats,
 };
-pub use tensor::Tensor;
+pub use tensor::{QuantTensor, Tensor};

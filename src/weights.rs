@@ -45,7 +45,7 @@ use crate::gguf::{self, Gguf};
 use crate::memory::mapped::MappedFile;
 use crate::quant::{self, QuantType};
 use crate::scope::Scope;
-use crate::tensor::Tensor;
+use crate::tensor::{QuantTensor, Tensor};
 
 /// A checkpoint's tensors by name, over one or more memory-mapped safetensors files.
 #[derive(Clone)]
@@ -553,6 +553,67 @@ impl Weights {
         };
         self.release(entry);
         Ok(self.mark(t, &full))
+    }
+
+    /// The block-quantized matrix `name`, which must be stored with `shape` in a block format
+    /// (a GGUF tensor in Q4_K, say), as its blocks in `scope`: no decoding, a quarter to an eighth
+    /// of the bytes of `f32`. Products read it with
+    /// [`Tensor::matmul_quantized_t`](crate::Tensor::matmul_quantized_t).
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`]; [`Error::TensorMismatch`] for another shape, or a tensor stored
+    /// as plain floats (load those with [`tensor`](Self::tensor)); allocation errors.
+    #[track_caller]
+    pub fn quantized_tensor<'s>(
+        &self,
+        scope: &Scope<'s>,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<QuantTensor<'s>> {
+        let (full, entry) = self.entry(name)?;
+        let adapt = self.adaptation(&full, entry);
+        let found = || {
+            let ty = match entry.stored {
+                Stored::Ggml(ty) => ty.to_string(),
+                Stored::Safetensors(dtype) => format!("{dtype:?}"),
+            };
+            format!("{ty} {:?}", entry.shape)
+        };
+        let mismatch = |hint: &str| Error::TensorMismatch {
+            name: full.clone(),
+            expected: format!("a block-quantized matrix {shape:?}"),
+            found: found(),
+            hint: hint.to_string(),
+        };
+        let Some(ty) = entry.quantized() else {
+            return Err(mismatch(
+                "it is stored as plain values: load it with `Weights::tensor`",
+            ));
+        };
+        if entry.shape != shape {
+            return Err(mismatch(
+                "was the file made from a model of another configuration?",
+            ));
+        }
+        let bytes = self.bytes(entry);
+        let t = match adapt {
+            None => QuantTensor::from_blocks(scope, bytes, ty, shape)?,
+            Some(Adapt::Rows(order)) => {
+                let row = bytes.len() / shape[0].max(1);
+                let moved: Vec<u8> = order
+                    .iter()
+                    .flat_map(|&r| bytes[r * row..(r + 1) * row].iter().copied())
+                    .collect();
+                QuantTensor::from_blocks(scope, &moved, ty, shape)?
+            }
+            Some(Adapt::Transpose) => {
+                return Err(mismatch(
+                    "this format stores the matrix transposed, across its blocks: load it decoded                      with `Weights::tensor`",
+                ));
+            }
+        };
+        self.release(entry);
+        Ok(t.named(&full))
     }
 
     /// The values of `name` as `f64`s (a model's own small tables, such as GGUF's RoPE divisors).

@@ -457,6 +457,18 @@ pub(crate) trait Backend: Sync {
         tf32: bool,
     ) -> Result<()>;
 
+    /// `out = x Ŵᵀ` for the contiguous `f32` rows `x` (`m × k`), the `n` contiguous stored rows
+    /// `w` of the block format `ty` (`k` values each) and the contiguous `f32` `out` (`m × n`),
+    /// with `x` rounded to 8 bits per block of 32 first (see `cpu::quant_product`).
+    fn quant_matmul(
+        &self,
+        ty: crate::quant::QuantType,
+        x: Src,
+        w: Src,
+        mkn: (usize, usize, usize),
+        out: Dst,
+    ) -> Result<()>;
+
     /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape;
     /// `powers` is the contiguous `f64` `[b1^t, b2^t]` an Adam update reads (`None` for SGD).
     fn fused_update(

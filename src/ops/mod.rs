@@ -12,6 +12,7 @@ mod join;
 mod mask;
 mod matmul;
 pub(crate) mod paged;
+mod quantized;
 mod reduce;
 mod rotary;
 mod scan;

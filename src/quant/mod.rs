@@ -223,6 +223,17 @@ fn shape_error(op: &'static str, ty: QuantType, values: usize, bytes: usize) -> 
     }
 }
 
+/// The error for a type [`quantize`] does not write.
+pub(crate) fn no_quantizer(op: &'static str, ty: QuantType) -> Error {
+    Error::InvalidArgument {
+        op,
+        reason: format!(
+            "ndscope has no quantizer for {ty}; make K-quantized files with llama.cpp's \
+             `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"
+        ),
+    }
+}
+
 /// Decodes `bytes` (whole blocks of `ty`) into `out`, one value per element.
 ///
 /// # Errors
@@ -263,13 +274,7 @@ pub fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
 /// [`QuantType::can_quantize`]) or a length that is not a whole number of blocks.
 pub fn quantize(ty: QuantType, values: &[f32]) -> Result<Vec<u8>> {
     if !ty.can_quantize() {
-        return Err(Error::InvalidArgument {
-            op: "quant::quantize",
-            reason: format!(
-                "ndscope has no quantizer for {ty}; make K-quantized files with llama.cpp's \
-                 `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"
-            ),
-        });
+        return Err(no_quantizer("quant::quantize", ty));
     }
     let Some(len) = ty.bytes_for(values.len()) else {
         return Err(shape_error("quant::quantize", ty, values.len(), 0));

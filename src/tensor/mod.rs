@@ -3,6 +3,9 @@
 mod collective;
 mod create;
 mod display;
+mod quantized;
+
+pub use quantized::QuantTensor;
 
 pub(crate) use collective::{GpuCommunicator, GpuReduce};
 

@@ -12,6 +12,7 @@ mod fused;
 mod index;
 mod matmul;
 mod paged;
+pub(crate) mod quant_product;
 mod reduce;
 mod rotary;
 mod rows;
@@ -314,6 +315,27 @@ impl Backend for Cpu {
         _tf32: bool, // the host has no TF32 units: products are full f32
     ) -> Result<()> {
         matmul::matmul(dtype, a, b, batch, mkn, out);
+        Ok(())
+    }
+
+    fn quant_matmul(
+        &self,
+        ty: crate::quant::QuantType,
+        x: Src,
+        w: Src,
+        mkn: (usize, usize, usize),
+        out: Dst,
+    ) -> Result<()> {
+        // The blocks are held as 16-bit words: their view's bytes.
+        let (at, words) = (w.layout.offset(), w.layout.numel());
+        quant_product::product(
+            quant_product::Kernel::detect(),
+            ty,
+            x.contiguous_host::<f32>(),
+            &w.buf.bytes()[2 * at..2 * (at + words)],
+            mkn,
+            out.contiguous_host::<f32>(),
+        );
         Ok(())
     }
 

@@ -658,6 +658,21 @@ impl Backend for Gpu {
         blas::matmul(self, dtype, (a, b), batch, mkn, out, tf32)
     }
 
+    fn quant_matmul(
+        &self,
+        _ty: crate::quant::QuantType,
+        _x: Src,
+        _w: Src,
+        _mkn: (usize, usize, usize),
+        _out: Dst,
+    ) -> Result<()> {
+        // Quantized products on the GPU are not built yet: a model loads its weights decoded.
+        Err(crate::error::Error::UnsupportedOnDevice {
+            op: "matmul_quantized",
+            device: format!("cuda:{}", self.ordinal),
+        })
+    }
+
     fn fused_update(
         &self,
         dtype: DType,

@@ -1,0 +1,518 @@
+//! Products of `f32` rows by block-quantized weights, `out = x Ŵᵀ` with `Ŵ` `[n, k]` stored as
+//! GGUF blocks (`quant`): decoding's `Linear` on a quantized model, reading 2 to 8 times fewer
+//! weight bytes than `f32`.
+//!
+//! **Semantics.** As llama.cpp computes them: each row of `x` is first rounded to 8 bits per block
+//! of 32 values (`d = max|x| / 127` kept in `f32`, `q = round(x / d)` half away from zero: `x̂ =
+//! d · q`), and `out[t][j] = Σ_i ŵ_ji · x̂_ti` with `ŵ` the weight's decoded values; the integer
+//! products of a block are exact, the blocks' scaled sums are added in `f32`. So a quantized
+//! model's product is exact up to `f32` rounding given `x̂`, and `x̂` differs from `x` by at most half
+//! a step of its block (`max|x| / 254`).
+//!
+//! **Schedule.** The weight is streamed once per call, whatever the number of rows of `x`: rows are
+//! split into tasks of about 256 KiB of blocks, one rayon task each; a task decodes one weight row
+//! at a time into 8-bit levels with a scale (and an offset, for the formats with minimums) per 16
+//! values — every format to the same form, so one dot-product kernel serves all — then multiplies
+//! that row into every row of `x`. Decoding is plain fixed-size byte loops the compiler vectorizes;
+//! the dot product is AVX2 (`vpmaddubsw`/`vpmaddwd`, 32 values per step), else a portable loop
+//! (CPUs without AVX2; forced in tests so both are checked).
+
+use rayon::prelude::*;
+
+use crate::quant::{QK_K, QuantType};
+
+/// Values per activation block (and per weight block of the 32-value formats).
+const BLOCK: usize = 32;
+/// Weight bytes per rayon task.
+const TASK_BYTES: usize = 256 << 10;
+/// Products whose weight is smaller than this run on the calling thread.
+const PARALLEL_BYTES: usize = 128 << 10;
+
+/// The dot-product kernel, found once per call (`std` caches the detection).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Kernel {
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+impl Kernel {
+    pub(crate) fn detect() -> Kernel {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return Kernel::Avx2;
+        }
+        Kernel::Portable
+    }
+}
+
+/// Rows of `x` rounded to 8 bits per block of 32: levels, each block's scale, and each 16 values'
+/// sum `d · Σ q` (what a weight's offset multiplies).
+struct Activations {
+    q: Vec<i8>,
+    d: Vec<f32>,
+    sums: Vec<f32>,
+}
+
+fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
+    let mut a = Activations {
+        q: vec![0; m * k],
+        d: vec![0.0; m * k / BLOCK],
+        sums: vec![0.0; m * k / 16],
+    };
+    for (b, ((xs, qs), d)) in x[..m * k]
+        .chunks_exact(BLOCK)
+        .zip(a.q.chunks_exact_mut(BLOCK))
+        .zip(a.d.iter_mut())
+        .enumerate()
+    {
+        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *d = amax / 127.0;
+        let id = if *d == 0.0 { 0.0 } else { 1.0 / *d };
+        for (q, &v) in qs.iter_mut().zip(xs) {
+            *q = (v * id).round() as i8;
+        }
+        for half in 0..2 {
+            let s: i32 = qs[16 * half..16 * half + 16]
+                .iter()
+                .map(|&q| i32::from(q))
+                .sum();
+            a.sums[2 * b + half] = *d * s as f32;
+        }
+    }
+    a
+}
+
+/// One weight row decoded: a level per value, and per 16 values a scale and an offset (the row's
+/// value `i` is `scale[i / 16] · q[i] + offset[i / 16]`).
+struct Row {
+    q: Vec<i8>,
+    scale: Vec<f32>,
+    offset: Vec<f32>,
+    /// Whether any offset is non-zero (the formats with minimums).
+    offsets: bool,
+}
+
+impl Row {
+    fn new(k: usize) -> Row {
+        Row {
+            q: vec![0; k],
+            scale: vec![0.0; k / 16],
+            offset: vec![0.0; k / 16],
+            offsets: false,
+        }
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Fills `row` from one stored weight row (`k / block_size` blocks of `ty`).
+fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
+    let Row {
+        q,
+        scale,
+        offset,
+        offsets,
+    } = row;
+    *offsets = matches!(
+        ty,
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K
+    );
+    let blocks = bytes.chunks_exact(ty.block_bytes());
+    match ty {
+        QuantType::Q8_0 => {
+            for (i, b) in blocks.enumerate() {
+                let d = f16_at(b, 0);
+                scale[2 * i..2 * i + 2].fill(d);
+                for (q, &v) in q[i * 32..i * 32 + 32].iter_mut().zip(&b[2..34]) {
+                    *q = v as i8;
+                }
+            }
+        }
+        QuantType::Q4_0 | QuantType::Q4_1 => {
+            let at = if ty == QuantType::Q4_0 { 2 } else { 4 };
+            let bias = if ty == QuantType::Q4_0 { 8 } else { 0 };
+            for (i, b) in blocks.enumerate() {
+                scale[2 * i..2 * i + 2].fill(f16_at(b, 0));
+                if ty == QuantType::Q4_1 {
+                    offset[2 * i..2 * i + 2].fill(f16_at(b, 2));
+                }
+                let (lo, hi) = q[i * 32..i * 32 + 32].split_at_mut(16);
+                for j in 0..16 {
+                    lo[j] = (b[at + j] & 0x0f) as i8 - bias;
+                    hi[j] = (b[at + j] >> 4) as i8 - bias;
+                }
+            }
+        }
+        QuantType::Q5_0 | QuantType::Q5_1 => {
+            let at = if ty == QuantType::Q5_0 { 2 } else { 4 };
+            let bias = if ty == QuantType::Q5_0 { 16 } else { 0 };
+            for (i, b) in blocks.enumerate() {
+                scale[2 * i..2 * i + 2].fill(f16_at(b, 0));
+                if ty == QuantType::Q5_1 {
+                    offset[2 * i..2 * i + 2].fill(f16_at(b, 2));
+                }
+                let high = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+                let qs = &b[at + 4..at + 20];
+                let out = &mut q[i * 32..i * 32 + 32];
+                for j in 0..16 {
+                    let h0 = ((high >> j) & 1) as u8;
+                    let h1 = ((high >> (j + 16)) & 1) as u8;
+                    out[j] = ((qs[j] & 0x0f) | (h0 << 4)) as i8 - bias;
+                    out[j + 16] = ((qs[j] >> 4) | (h1 << 4)) as i8 - bias;
+                }
+            }
+        }
+        QuantType::Q4_K | QuantType::Q5_K => {
+            for (i, b) in blocks.enumerate() {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let (qh, qs) = if ty == QuantType::Q5_K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
+                for s in 0..8 {
+                    let (sc, m) = scale_min_k4(scales, s);
+                    let at = (i * QK_K + s * 32) / 16;
+                    scale[at..at + 2].fill(d * f32::from(sc));
+                    offset[at..at + 2].fill(-(dmin * f32::from(m)));
+                    let out = &mut q[i * QK_K + s * 32..][..32];
+                    let nibbles = &qs[(s / 2) * 32..][..32];
+                    let shift = 4 * (s % 2);
+                    for j in 0..32 {
+                        let mut v = (nibbles[j] >> shift) & 0x0f;
+                        if let Some(qh) = qh {
+                            v |= ((qh[j] >> s) & 1) << 4;
+                        }
+                        out[j] = v as i8;
+                    }
+                }
+            }
+        }
+        QuantType::Q6_K => {
+            for (i, b) in blocks.enumerate() {
+                let (ql, qh, scales) = (&b[..128], &b[128..192], &b[192..208]);
+                let d = f16_at(b, 208);
+                for (s, sc) in scales.iter().enumerate() {
+                    scale[i * 16 + s] = d * f32::from(*sc as i8);
+                }
+                let out = &mut q[i * QK_K..][..QK_K];
+                for a in 0..2 {
+                    for r in 0..4 {
+                        let low = &ql[a * 64 + (r % 2) * 32..][..32];
+                        let high = &qh[a * 32..][..32];
+                        let dst = &mut out[a * 128 + r * 32..][..32];
+                        for j in 0..32 {
+                            let l = (low[j] >> (4 * (r / 2))) & 0x0f;
+                            let h = (high[j] >> (2 * r)) & 0x03;
+                            dst[j] = (l | (h << 4)) as i8 - 32;
+                        }
+                    }
+                }
+            }
+        }
+        QuantType::Q2_K => {
+            for (i, b) in blocks.enumerate() {
+                let (scales, qs) = (&b[..16], &b[16..80]);
+                let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for (s, sc) in scales.iter().enumerate() {
+                    scale[i * 16 + s] = d * f32::from(sc & 0x0f);
+                    offset[i * 16 + s] = -(dmin * f32::from(sc >> 4));
+                }
+                let out = &mut q[i * QK_K..][..QK_K];
+                for a in 0..2 {
+                    for s in 0..4 {
+                        let dst = &mut out[a * 128 + s * 32..][..32];
+                        for j in 0..32 {
+                            dst[j] = ((qs[a * 32 + j] >> (2 * s)) & 3) as i8;
+                        }
+                    }
+                }
+            }
+        }
+        QuantType::Q3_K => {
+            for (i, b) in blocks.enumerate() {
+                let (hmask, qs, packed) = (&b[..32], &b[32..96], &b[96..108]);
+                let d = f16_at(b, 108);
+                for s in 0..16 {
+                    let low = (packed[s % 8] >> (4 * (s / 8))) & 0x0f;
+                    let high = (packed[8 + s % 4] >> (2 * (s / 4))) & 0x03;
+                    scale[i * 16 + s] = d * f32::from((low | (high << 4)) as i8 - 32);
+                }
+                let out = &mut q[i * QK_K..][..QK_K];
+                for (v, o) in out.iter_mut().enumerate() {
+                    let (a, s, j) = (v / 128, (v / 32) % 4, v % 32);
+                    let low = ((qs[a * 32 + j] >> (2 * s)) & 3) as i8;
+                    let high = ((hmask[j] >> (v / 32)) & 1) ^ 1;
+                    *o = low - ((high << 2) as i8);
+                }
+            }
+        }
+        QuantType::F32 | QuantType::F16 | QuantType::BF16 => {
+            unreachable!("float weights take the float products")
+        }
+    }
+}
+
+/// The 6-bit scale and minimum of sub-block `i` of Q4_K and Q5_K (as `quant::kquants`).
+fn scale_min_k4(scales: &[u8], i: usize) -> (u8, u8) {
+    let (d, m, md) = (&scales[..4], &scales[4..8], &scales[8..12]);
+    if i < 4 {
+        (d[i] & 0x3f, m[i] & 0x3f)
+    } else {
+        let k = i - 4;
+        (
+            (md[k] & 0x0f) | ((d[k] >> 2) & 0x30),
+            (md[k] >> 4) | ((m[k] >> 2) & 0x30),
+        )
+    }
+}
+
+/// `out = x Ŵᵀ` for `x` `m × k` (contiguous), `w` the `n` stored rows of `ty` (contiguous, `k /
+/// block_size` blocks each) and `out` contiguous `m × n`, with `k` a multiple of `ty`'s block.
+///
+/// # Panics
+/// When a slice does not fit its shape or `ty` is a float type (caller bugs: the op checks them).
+pub(crate) fn product(
+    kernel: Kernel,
+    ty: QuantType,
+    x: &[f32],
+    w: &[u8],
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    let row_bytes = ty.bytes_for(k).expect("whole blocks per row");
+    assert!(
+        ty.is_quantized()
+            && k % BLOCK == 0
+            && x.len() >= m * k
+            && w.len() >= n * row_bytes
+            && out.len() == m * n,
+        "quantized product: operands do not fit their shape"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let a = quantize_activations(x, m, k);
+    let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
+    // Each task fills its rows' outputs row-major (`[row][token]`): disjoint slices.
+    let block = |j0: usize, dst: &mut [f32]| {
+        let mut row = Row::new(k);
+        for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
+            let j = j0 + r;
+            decode_row(ty, &w[j * row_bytes..(j + 1) * row_bytes], &mut row);
+            for (t, s) in sums.iter_mut().enumerate() {
+                *s = dot(kernel, &row, &a, t, k);
+            }
+        }
+    };
+    let mut transposed = if m == 1 { Vec::new() } else { vec![0.0; n * m] };
+    let dst: &mut [f32] = if m == 1 { out } else { &mut transposed };
+    if n * row_bytes < PARALLEL_BYTES {
+        block(0, dst);
+    } else {
+        dst.par_chunks_mut(rows_per_task * m)
+            .enumerate()
+            .for_each(|(i, chunk)| block(i * rows_per_task, chunk));
+    }
+    if m > 1 {
+        for (j, sums) in transposed.chunks_exact(m).enumerate() {
+            for (t, &s) in sums.iter().enumerate() {
+                out[t * n + j] = s;
+            }
+        }
+    }
+}
+
+/// Row `t` of the activations times the decoded weight row.
+fn dot(kernel: Kernel, row: &Row, a: &Activations, t: usize, k: usize) -> f32 {
+    let xq = &a.q[t * k..(t + 1) * k];
+    let xd = &a.d[t * k / BLOCK..(t + 1) * k / BLOCK];
+    let scaled = match kernel {
+        // SAFETY: `Kernel::detect` returned `Avx2` only where the CPU has AVX2 and FMA; every
+        // slice holds `k` values (or `k / 16`, `k / 32` scales), which is all the kernel reads.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::dot(&row.q, &row.scale, xq, xd) },
+        Kernel::Portable => portable_dot(&row.q, &row.scale, xq, xd),
+    };
+    if !row.offsets {
+        return scaled;
+    }
+    let sums = &a.sums[t * k / 16..(t + 1) * k / 16];
+    scaled + row.offset.iter().zip(sums).map(|(o, s)| o * s).sum::<f32>()
+}
+
+/// `Σ_b xd[b] · Σ_{h<2} scale[2b + h] · Σ_{i in half h} q_i · x_i`, one block at a time.
+fn portable_dot(q: &[i8], scale: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
+    let mut total = 0.0f32;
+    for (b, (&d, (qs, xs))) in xd
+        .iter()
+        .zip(q.chunks_exact(BLOCK).zip(xq.chunks_exact(BLOCK)))
+        .enumerate()
+    {
+        let mut block = 0.0f32;
+        for h in 0..2 {
+            let s: i32 = qs[16 * h..16 * h + 16]
+                .iter()
+                .zip(&xs[16 * h..16 * h + 16])
+                .map(|(&a, &b)| i32::from(a) * i32::from(b))
+                .sum();
+            block += scale[2 * b + h] * s as f32;
+        }
+        total += d * block;
+    }
+    total
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::BLOCK;
+
+    /// As `portable_dot`, 32 values per step: `|q| · sign(x, q)` multiplied and paired to 16-bit
+    /// sums (`vpmaddubsw`: at most 2 · 127 · 128, no saturation), paired again to 32-bit sums
+    /// (`vpmaddwd`), the four lanes of each 16 values scaled by that half's scale and the block's
+    /// activation scale, accumulated in 8 `f32` lanes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `q` and `xq` hold `32 · xd.len()` values and `scale`
+    /// `2 · xd.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(q: &[i8], scale: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
+        let blocks = xd.len();
+        assert!(
+            q.len() >= blocks * BLOCK && xq.len() >= blocks * BLOCK && scale.len() >= 2 * blocks
+        );
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = _mm256_setzero_ps();
+        for b in 0..blocks {
+            // SAFETY: the assertion keeps each 32-byte load and 2-float read inside the slices;
+            // unaligned loads (`loadu`) take any address.
+            unsafe {
+                let w = _mm256_loadu_si256(q.as_ptr().add(b * BLOCK).cast());
+                let x = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
+                let products = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+                let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+                let d = *xd.get_unchecked(b);
+                let lo = _mm_set1_ps(*scale.get_unchecked(2 * b) * d);
+                let hi = _mm_set1_ps(*scale.get_unchecked(2 * b + 1) * d);
+                acc = _mm256_fmadd_ps(sums, _mm256_set_m128(hi, lo), acc);
+            }
+        }
+        let half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant;
+
+    /// Random floats from a seed (xorshift), spread over a few magnitudes.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|i| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let u = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
+                (u * [0.02, 1.0, 3.0][i % 3]) as f32
+            })
+            .collect()
+    }
+
+    /// Random bytes with finite `f16` scales where each format keeps them.
+    fn blocks(ty: QuantType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+        if ty.can_quantize() {
+            return quant::quantize(ty, &values(rows * k, seed)).unwrap();
+        }
+        let mut s = seed | 1;
+        let mut bytes: Vec<u8> = (0..ty.bytes_for(rows * k).unwrap())
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s as u8
+            })
+            .collect();
+        let halves: &[usize] = match ty {
+            QuantType::Q2_K => &[80, 82],
+            QuantType::Q3_K => &[108],
+            QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+            _ => &[208],
+        };
+        for (i, block) in bytes.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            for &at in halves {
+                let v = half::f16::from_f32(0.001 * (1 + (i + at) % 7) as f32);
+                block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        bytes
+    }
+
+    /// `x̂`: `x` rounded to 8 bits per block as the kernel documents.
+    fn rounded(x: &[f32]) -> Vec<f64> {
+        let a = quantize_activations(x, 1, x.len());
+        a.q.iter()
+            .enumerate()
+            .map(|(i, &q)| f64::from(a.d[i / BLOCK]) * f64::from(q))
+            .collect()
+    }
+
+    #[test]
+    fn every_format_and_kernel_matches_an_f64_product_of_the_decoded_weight() {
+        let mut kernels = vec![Kernel::Portable];
+        if Kernel::detect() != Kernel::Portable {
+            kernels.push(Kernel::detect());
+        }
+        for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
+            for (m, k, n) in [(1, 256, 3), (3, 512, 5), (16, 256, 2)] {
+                let w = blocks(ty, n, k, 7 + n as u64);
+                let mut decoded = vec![0.0f32; n * k];
+                quant::dequantize(ty, &w, &mut decoded).unwrap();
+                let x = values(m * k, 99 + m as u64);
+                for &kernel in &kernels {
+                    let mut out = vec![0.0f32; m * n];
+                    product(kernel, ty, &x, &w, (m, k, n), &mut out);
+                    for t in 0..m {
+                        let xr = rounded(&x[t * k..(t + 1) * k]);
+                        for j in 0..n {
+                            let wr = &decoded[j * k..(j + 1) * k];
+                            let want: f64 =
+                                wr.iter().zip(&xr).map(|(&w, &x)| f64::from(w) * x).sum();
+                            let scale: f64 = wr
+                                .iter()
+                                .zip(&xr)
+                                .map(|(&w, &x)| (f64::from(w) * x).abs())
+                                .sum();
+                            let got = f64::from(out[t * n + j]);
+                            assert!(
+                                (got - want).abs() <= 1e-5 * scale + 1e-30,
+                                "{ty} {kernel:?} m={m} k={k} n={n} [{t}][{j}]: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rounding_the_activations_moves_them_by_at_most_half_a_step() {
+        let x = values(4 * 32, 5);
+        let xr = rounded(&x);
+        for (xb, rb) in x.chunks(32).zip(xr.chunks(32)) {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            for (a, b) in xb.iter().zip(rb) {
+                assert!((f64::from(*a) - b).abs() <= amax / 254.0 * (1.0 + 1e-6));
+            }
+        }
+    }
+}

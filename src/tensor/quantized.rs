@@ -1,0 +1,222 @@
+//! Block-quantized matrices held in a scope: GGUF's formats as storage, for weights read 2 to 8
+//! times fewer bytes at a time than `f32`.
+
+use std::fmt;
+use std::panic::Location;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::quant::{self, QuantType};
+use crate::scope::{Movable, Scope};
+use crate::tensor::Tensor;
+
+/// A matrix `[rows, cols]` of block-quantized values ([`QuantType`]: Q8_0, Q4_0, Q4_K, …) owned by
+/// a scope like any tensor, each row whole blocks of its format. Blocks have no strides inside
+/// them, so a quantized matrix has no views: it is multiplied whole
+/// ([`Tensor::matmul_quantized_t`](crate::Tensor::matmul_quantized_t), a `Linear`'s `x Wᵀ`) or
+/// decoded ([`dequantize`](Self::dequantize)).
+///
+/// ```
+/// use ndscope::quant::QuantType;
+/// use ndscope::{DType, Device, QuantTensor, root};
+///
+/// root(Device::Cpu, |s| {
+///     let w = s.from_slice(&(0..4 * 64).map(|i| (i % 13) as f32 / 13.0).collect::<Vec<_>>(), &[4, 64])?;
+///     let q = QuantTensor::quantize(&w, QuantType::Q8_0)?;
+///     assert_eq!((q.shape(), q.nbytes()), ([4, 64], 4 * 2 * 34)); // 8.5 bits per value
+///     let back = q.dequantize(DType::F32)?.to_vec::<f32>()?;
+///     let w = w.to_vec::<f32>()?;
+///     assert!(w.iter().zip(&back).all(|(a, b)| (a - b).abs() <= 1.0 / 127.0));
+///     Ok::<_, ndscope::Error>(())
+/// })?;
+/// # Ok::<(), ndscope::Error>(())
+/// ```
+pub struct QuantTensor<'s> {
+    /// The blocks' bytes, held as a 1-D tensor of 16-bit words (every format's block is an even
+    /// number of bytes) so that the scope owns, counts, dumps and moves them as any tensor; never
+    /// read as `f16` values.
+    blocks: Tensor<'s>,
+    ty: QuantType,
+    shape: [usize; 2],
+}
+
+impl fmt::Debug for QuantTensor<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QuantTensor")
+            .field("ty", &self.ty)
+            .field("shape", &self.shape)
+            .field("bytes", &self.nbytes())
+            .finish()
+    }
+}
+
+fn check_shape(op: &'static str, ty: QuantType, shape: &[usize]) -> Result<usize> {
+    let &[rows, cols] = shape else {
+        return Err(Error::InvalidShape {
+            op,
+            shape: shape.to_vec(),
+            reason: "a quantized tensor is a matrix [rows, cols]".into(),
+        });
+    };
+    if !ty.is_quantized() {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("{ty} is a float type, not a block format; keep it as a Tensor"),
+        });
+    }
+    if cols == 0 || rows == 0 || !cols.is_multiple_of(ty.block_size()) {
+        return Err(Error::InvalidShape {
+            op,
+            shape: shape.to_vec(),
+            reason: format!(
+                "{ty} codes rows in blocks of {} values: the row length must be a positive \
+                 multiple of it",
+                ty.block_size()
+            ),
+        });
+    }
+    ty.bytes_for(cols)
+        .and_then(|b| b.checked_mul(rows))
+        .ok_or_else(|| Error::InvalidShape {
+            op,
+            shape: shape.to_vec(),
+            reason: "too many bytes".into(),
+        })
+}
+
+impl<'s> QuantTensor<'s> {
+    /// `values` (a float matrix `[rows, cols]`) quantized to `ty` in its scope, as
+    /// [`quant::quantize`] rounds (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] unless `values` is a matrix whose rows are whole blocks;
+    /// [`Error::InvalidArgument`] for a type without a quantizer; [`Error::UnsupportedDType`] for
+    /// integers; allocation errors.
+    #[track_caller]
+    pub fn quantize(values: &Tensor<'s>, ty: QuantType) -> Result<QuantTensor<'s>> {
+        const OP: &str = "QuantTensor::quantize";
+        if ty.is_quantized() && !ty.can_quantize() {
+            return Err(quant::no_quantizer(OP, ty));
+        }
+        check_shape(OP, ty, values.shape())?;
+        if !values.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: values.dtype(),
+                expected: "a float dtype",
+            });
+        }
+        let host: Vec<f32> = values.to_vec_f64()?.into_iter().map(|v| v as f32).collect();
+        let bytes = quant::quantize(ty, &host)?;
+        let shape = [values.shape()[0], values.shape()[1]];
+        let mut blocks = Tensor::output_of(
+            &[values],
+            DType::F16,
+            &[bytes.len() / 2],
+            Location::caller(),
+        )?;
+        blocks.upload_bytes(&bytes)?;
+        Ok(QuantTensor { blocks, ty, shape })
+    }
+
+    /// The matrix of `shape` whose stored blocks of `ty` are `bytes` (rows one after another), in
+    /// `scope`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidShape`] or [`Error::InvalidArgument`] for a shape that is not whole blocks
+    /// of a block format; [`Error::DataLength`] when `bytes` is not its size; allocation errors.
+    #[track_caller]
+    pub fn from_blocks(
+        scope: &Scope<'s>,
+        bytes: &[u8],
+        ty: QuantType,
+        shape: &[usize],
+    ) -> Result<QuantTensor<'s>> {
+        const OP: &str = "QuantTensor::from_blocks";
+        let len = check_shape(OP, ty, shape)?;
+        if bytes.len() != len {
+            return Err(Error::DataLength {
+                op: OP,
+                expected: len,
+                got: bytes.len(),
+            });
+        }
+        let blocks = scope.tensor_of_le_bytes(bytes, &[len / 2], DType::F16)?;
+        Ok(QuantTensor {
+            blocks,
+            ty,
+            shape: [shape[0], shape[1]],
+        })
+    }
+
+    /// The block format.
+    pub fn ty(&self) -> QuantType {
+        self.ty
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> [usize; 2] {
+        self.shape
+    }
+
+    /// Bytes of storage.
+    pub fn nbytes(&self) -> usize {
+        self.blocks.numel() * 2
+    }
+
+    /// The values decoded to a `[rows, cols]` tensor of `dtype` in the same scope.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] for an integer dtype; allocation errors.
+    #[track_caller]
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor<'s>> {
+        if !dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "QuantTensor::dequantize",
+                dtype,
+                expected: "a float dtype",
+            });
+        }
+        let mut bytes = vec![0u8; self.nbytes()];
+        self.blocks
+            .download_into("QuantTensor::dequantize", &mut bytes)?;
+        let mut values = vec![0.0f32; self.shape[0] * self.shape[1]];
+        quant::dequantize(self.ty, &bytes, &mut values)?;
+        let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut t =
+            Tensor::output_of(&[&self.blocks], DType::F32, &self.shape, Location::caller())?;
+        t.upload_bytes(&le)?;
+        if dtype == DType::F32 {
+            Ok(t)
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    /// The stored blocks, as the tensor holding them (for the product op).
+    pub(crate) fn blocks(&self) -> &Tensor<'s> {
+        &self.blocks
+    }
+
+    /// The same matrix named `name` in dumps.
+    pub fn named(self, name: &str) -> QuantTensor<'s> {
+        QuantTensor {
+            blocks: self
+                .blocks
+                .named_path(&format!("{name} ({} blocks)", self.ty)),
+            ..self
+        }
+    }
+}
+
+impl<'a> Movable<'a> for QuantTensor<'a> {
+    type Moved<'b> = QuantTensor<'b>;
+
+    fn move_into<'b>(self, target: &Scope<'b>) -> Result<QuantTensor<'b>> {
+        Ok(QuantTensor {
+            blocks: self.blocks.move_into(target)?,
+            ty: self.ty,
+            shape: self.shape,
+        })
+    }
+}

@@ -1,0 +1,182 @@
+//! Products with block-quantized matrices (`QuantTensor`, `Tensor::matmul_quantized_t`): every
+//! quantized tensor of llama.cpp-made GGUF files against an f64 product of its decoded values,
+//! within the bound the activations' 8-bit rounding allows; shapes, dtypes, errors and the memory a
+//! scope holds for them. (The kernels' exact arithmetic, every format and both the AVX2 and the
+//! portable path, is held in `backend::cpu::quant_product`'s unit tests.)
+
+use ndscope::quant::QuantType;
+use ndscope::weights::Weights;
+use ndscope::{DType, Device, Error, QuantTensor, Result, Scope, root};
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
+}
+
+/// Asserts `got` (`[m, n]`) is `x wᵀ` (f64) within the rounding of `x` to 8 bits per block of 32:
+/// `Σ_blocks Σ|w| · max|x_block| / 254`, plus `f32` summation.
+fn assert_product(got: &[f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize), what: &str) {
+    for t in 0..m {
+        let xr = &x[t * k..(t + 1) * k];
+        for j in 0..n {
+            let wr = &w[j * k..(j + 1) * k];
+            let exact: f64 = xr
+                .iter()
+                .zip(wr)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+            let mut bound = 0.0f64;
+            for (xb, wb) in xr.chunks(32).zip(wr.chunks(32)) {
+                let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+                let wsum: f64 = wb.iter().map(|v| f64::from(v.abs())).sum();
+                let magnitude: f64 = xb
+                    .iter()
+                    .zip(wb)
+                    .map(|(a, b)| f64::from(a.abs() * b.abs()))
+                    .sum();
+                bound += wsum * amax / 254.0 * (1.0 + 1e-6) + magnitude * 1e-6;
+            }
+            let g = f64::from(got[t * n + j]);
+            assert!(
+                (g - exact).abs() <= bound + 1e-30,
+                "{what} [{t}][{j}]: {g} vs exact {exact} (bound {bound:e})"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_quantized_tensor_of_llama_cpp_files_multiplies_as_its_decoded_values() -> Result<()> {
+    let mut checked = std::collections::HashSet::new();
+    for file in [
+        "data/gguf/llama-tiny-Q8_0.gguf",
+        "data/gguf/llama-tiny-Q4_0.gguf",
+        "data/gguf/llama-tiny-Q4_K_M.gguf",
+        "data/gguf/gpt2-tiny-Q4_K_M.gguf",
+    ] {
+        let weights = Weights::open(file)?;
+        root(Device::Cpu, |s| {
+            let names: Vec<String> = weights.names().map(String::from).collect();
+            for name in names {
+                let Some(ty) = weights.quantized(&name)? else {
+                    continue;
+                };
+                let shape = weights.info(&name)?.1.to_vec();
+                let (n, k) = (shape[0], shape[1]);
+                let q = weights.quantized_tensor(s, &name, &shape)?;
+                assert_eq!((q.ty(), q.shape()), (ty, [n, k]));
+                let decoded = weights
+                    .tensor(s, &name, &shape, DType::F32)?
+                    .to_vec::<f32>()?;
+                for m in [1, 5] {
+                    let x = values(m * k, (m * n) as u64);
+                    let got = s
+                        .from_slice(&x, &[m, k])?
+                        .matmul_quantized_t(&q)?
+                        .to_vec::<f32>()?;
+                    assert_product(
+                        &got,
+                        &x,
+                        &decoded,
+                        (m, k, n),
+                        &format!("{file} {name} {ty}"),
+                    );
+                }
+                checked.insert(ty);
+            }
+            Ok::<_, Error>(())
+        })?;
+    }
+    // The files hold Q8_0, Q4_0 and Q5_0 (llama-quantize's fallback for rows of 64 in Q4_K_M).
+    assert!(checked.len() >= 3, "{checked:?}");
+    Ok(())
+}
+
+#[test]
+fn leading_axes_and_16_bit_rows_keep_their_shape_and_dtype() -> Result<()> {
+    root(Device::Cpu, |s| {
+        let (k, n) = (64, 3);
+        let w = s.from_slice(&values(n * k, 3), &[n, k])?;
+        let q = QuantTensor::quantize(&w, QuantType::Q4_0)?;
+        let x = s.from_slice(&values(2 * 2 * k, 4), &[2, 2, k])?;
+        let y = x.matmul_quantized_t(&q)?;
+        assert_eq!((y.shape(), y.dtype()), (&[2, 2, n][..], DType::F32));
+        let flat = x.reshape(&[4, k])?.matmul_quantized_t(&q)?;
+        assert_eq!(y.to_vec::<f32>()?, flat.to_vec::<f32>()?);
+        // A row viewed out of a bigger tensor (a nonzero offset) multiplies as the copied row.
+        let row = x.reshape(&[4, k])?.narrow(0, 3, 1)?;
+        assert_eq!(
+            row.matmul_quantized_t(&q)?.to_vec::<f32>()?,
+            flat.to_vec::<f32>()?[3 * n..]
+        );
+        let yb = x.to_dtype(DType::BF16)?.matmul_quantized_t(&q)?;
+        assert_eq!((yb.shape(), yb.dtype()), (&[2, 2, n][..], DType::BF16));
+        Ok(())
+    })
+}
+
+#[test]
+fn bad_operands_are_typed_errors_that_say_what_to_do() -> Result<()> {
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&values(2 * 64, 5), &[2, 64])?;
+        let q = QuantTensor::quantize(&w, QuantType::Q8_0)?;
+        let err = s
+            .from_slice(&values(32, 6), &[1, 32])?
+            .matmul_quantized_t(&q)
+            .unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
+        assert!(err.to_string().contains("row length"), "{err}");
+        let err = s
+            .from_slice(&[1i64; 64], &[1, 64])?
+            .matmul_quantized_t(&q)
+            .unwrap_err();
+        assert!(matches!(err, Error::UnsupportedDType { .. }), "{err}");
+        let odd = s.from_slice(&values(2 * 40, 7), &[2, 40])?;
+        let err = QuantTensor::quantize(&odd, QuantType::Q4_0).unwrap_err();
+        assert!(err.to_string().contains("blocks of 32"), "{err}");
+        let err = QuantTensor::quantize(&w, QuantType::Q4_K).unwrap_err();
+        assert!(err.to_string().contains("llama-quantize"), "{err}");
+        let err = QuantTensor::quantize(&w, QuantType::F16).unwrap_err();
+        assert!(err.to_string().contains("float type"), "{err}");
+        // A GGUF tensor stored as plain floats is not a quantized matrix.
+        let weights = Weights::open("data/gguf/llama-tiny-Q4_K_M.gguf")?;
+        let err = weights
+            .quantized_tensor(s, "blk.0.ffn_down.weight", &[64, 176])
+            .unwrap_err();
+        assert!(err.to_string().contains("Weights::tensor"), "{err}");
+        let err = weights
+            .quantized_tensor(s, "blk.0.attn_q.weight", &[32, 64])
+            .unwrap_err();
+        assert!(matches!(err, Error::TensorMismatch { .. }), "{err}");
+        Ok(())
+    })
+}
+
+#[test]
+fn a_scope_counts_quantized_bytes_and_returns_them() -> Result<()> {
+    root(Device::Cpu, |outer: &Scope<'_>| {
+        let before = outer.stats().live_bytes;
+        let kept = outer.scope(|inner| {
+            let w = inner.from_slice(&values(64 * 256, 8), &[64, 256])?;
+            let q = QuantTensor::quantize(&w, QuantType::Q4_0)?;
+            assert_eq!(q.nbytes(), 64 * 8 * 18);
+            assert!(inner.stats().live_bytes >= q.nbytes() + 64 * 256 * 4);
+            inner.ret(q)
+        })?;
+        // Moved out: the outer scope now holds the blocks (at least their bytes), the inner is gone.
+        assert!(outer.stats().live_bytes - before >= kept.nbytes());
+        let x = outer.from_slice(&values(256, 9), &[1, 256])?;
+        assert_eq!(x.matmul_quantized_t(&kept)?.shape(), &[1, 64]);
+        drop(kept);
+        drop(x);
+        assert_eq!(outer.stats().live_bytes, before);
+        Ok(())
+    })
+}
