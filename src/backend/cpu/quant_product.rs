@@ -39,7 +39,10 @@ pub(crate) enum Kernel {
 impl Kernel {
     pub(crate) fn detect() -> Kernel {
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
             return Kernel::Avx2;
         }
         Kernel::Portable
@@ -299,11 +302,17 @@ pub(crate) fn product(
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     // Each task fills its rows' outputs row-major (`[row][token]`): disjoint slices.
+    let fused = fused_kernel(kernel, ty);
     let block = |j0: usize, dst: &mut [f32]| {
-        let mut row = Row::new(k);
+        let mut row = Row::new(if fused.is_some() { 0 } else { k });
         for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
             let j = j0 + r;
-            decode_row(ty, &w[j * row_bytes..(j + 1) * row_bytes], &mut row);
+            let stored = &w[j * row_bytes..(j + 1) * row_bytes];
+            if let Some(fused) = fused {
+                fused(stored, &a, k, sums);
+                continue;
+            }
+            decode_row(ty, stored, &mut row);
             for (t, s) in sums.iter_mut().enumerate() {
                 *s = dot(kernel, &row, &a, t, k);
             }
@@ -324,6 +333,37 @@ pub(crate) fn product(
                 out[t * n + j] = s;
             }
         }
+    }
+}
+
+/// A kernel that decodes one stored row in registers and multiplies it into every row of the
+/// activations (`sums[t]`), for the formats that have one on this CPU.
+type Fused = fn(&[u8], &Activations, usize, &mut [f32]);
+
+fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
+    match (kernel, ty) {
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q8_0) => Some(|w, a, k, sums| {
+            // SAFETY: `Kernel::Avx2` is detected with AVX2, FMA and F16C; `product` checked that `w`
+            // holds `k / 32` blocks and the activations `sums.len()` rows of `k`.
+            unsafe { avx2::row::<false>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q4_0) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0.
+            unsafe { avx2::row::<true>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q4_K) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0 (`k / 256` blocks of 144 bytes).
+            unsafe { avx2::row_q4_k(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q6_K) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0 (`k / 256` blocks of 210 bytes).
+            unsafe { avx2::row_q6_k(w, a, k, sums) }
+        }),
+        _ => None,
     }
 }
 
@@ -371,7 +411,227 @@ fn portable_dot(q: &[i8], scale: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::BLOCK;
+    use super::{Activations, BLOCK};
+
+    /// Tokens whose accumulators stay in registers during one pass over a weight row.
+    const TOKENS: usize = 8;
+
+    /// One Q8_0 (`NIBBLES` false: 34-byte blocks, `d` and 32 `i8`) or Q4_0 (`NIBBLES` true:
+    /// 18-byte blocks, `d` and 16 bytes of 4-bit levels offset by 8) weight row times every row of
+    /// the activations: each block decoded once into 32 `i8` in a register, then multiplied into
+    /// up to 8 tokens' accumulators (as `dot`: `vpmaddubsw`, `vpmaddwd`, scaled by `d_w · d_x`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `w` holds `k / 32` blocks and `a` `sums.len()` rows
+    /// of `k` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn row<const NIBBLES: bool>(
+        w: &[u8],
+        a: &Activations,
+        k: usize,
+        sums: &mut [f32],
+    ) {
+        let block_bytes = if NIBBLES { 18 } else { 34 };
+        let blocks = k / BLOCK;
+        let m = sums.len();
+        assert!(w.len() >= blocks * block_bytes && a.q.len() >= m * k && a.d.len() >= m * blocks);
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm_set1_epi8(0x0f);
+        let eight = _mm256_set1_epi8(8);
+        for t0 in (0..m).step_by(TOKENS) {
+            let tokens = TOKENS.min(m - t0);
+            let mut acc = [_mm256_setzero_ps(); TOKENS];
+            for b in 0..blocks {
+                // SAFETY: the assertion keeps every load inside `w`, `a.q` and `a.d` (block `b` <
+                // `blocks`, token `t0 + t` < `m`); `loadu` takes any alignment.
+                unsafe {
+                    let at = w.as_ptr().add(b * block_bytes);
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                        u16::from_le_bytes([*at, *at.add(1)]),
+                    ))));
+                    let q = if NIBBLES {
+                        let bytes = _mm_loadu_si128(at.add(2).cast());
+                        let lo = _mm_and_si128(bytes, low);
+                        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                        _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+                    } else {
+                        _mm256_loadu_si256(at.add(2).cast())
+                    };
+                    let magnitude = _mm256_sign_epi8(q, q);
+                    for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
+                        let row = t0 + t;
+                        let x = _mm256_loadu_si256(a.q.as_ptr().add(row * k + b * BLOCK).cast());
+                        let products = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q));
+                        let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+                        let scale = d * *a.d.get_unchecked(row * blocks + b);
+                        *acc = _mm256_fmadd_ps(s, _mm256_set1_ps(scale), *acc);
+                    }
+                }
+            }
+            for (t, acc) in acc.iter().enumerate().take(tokens) {
+                sums[t0 + t] = horizontal_sum(*acc);
+            }
+        }
+    }
+
+    /// The `f16` at `at`, widened.
+    ///
+    /// # Safety
+    /// `at` and `at + 1` must be readable; the CPU must have F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    unsafe fn f16_at(at: *const u8) -> f32 {
+        // SAFETY: the caller's contract.
+        let bits = unsafe { u16::from_le_bytes([*at, *at.add(1)]) };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    }
+
+    /// One Q4_K weight row times every row of the activations: per block of 256, the 8
+    /// sub-blocks' 4-bit levels taken from registers (`vpmaddubsw` of the unsigned levels and the
+    /// signed activations), each scaled by `d · sc · d_x`, and the minimums subtracted as `dmin ·
+    /// m` times the activations' block sums.
+    ///
+    /// # Safety
+    /// As for [`row`]: `w` holds `k / 256` blocks of 144 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn row_q4_k(w: &[u8], a: &Activations, k: usize, sums: &mut [f32]) {
+        const BYTES: usize = 144;
+        let blocks = k / 256;
+        let m = sums.len();
+        assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.sums.len() >= m * k / 16);
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0f);
+        for t0 in (0..m).step_by(TOKENS) {
+            let tokens = TOKENS.min(m - t0);
+            let mut acc = [_mm256_setzero_ps(); TOKENS];
+            let mut offsets = [0.0f32; TOKENS];
+            for b in 0..blocks {
+                let block = &w[b * BYTES..(b + 1) * BYTES];
+                // SAFETY: the block's 144 bytes are in `w` (the assertion).
+                let (d, dmin) = unsafe { (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2))) };
+                let scales: [(u8, u8); 8] =
+                    std::array::from_fn(|i| super::scale_min_k4(&block[4..16], i));
+                for pair in 0..4 {
+                    // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; every activation
+                    // index below is < m · k (the assertion).
+                    unsafe {
+                        let bytes = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * pair).cast());
+                        let levels = [
+                            _mm256_and_si256(bytes, low),
+                            _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
+                        ];
+                        for (h, q) in levels.into_iter().enumerate() {
+                            let sub = 2 * pair + h;
+                            let (sc, mn) = scales[sub];
+                            let (scale, minimum) = (d * f32::from(sc), dmin * f32::from(mn));
+                            let x_block = (b * 256 + sub * 32) / BLOCK;
+                            for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
+                                let row = t0 + t;
+                                let x = _mm256_loadu_si256(
+                                    a.q.as_ptr().add(row * k + x_block * BLOCK).cast(),
+                                );
+                                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(q, x),
+                                    ones,
+                                ));
+                                let xd = *a.d.get_unchecked(row * (k / BLOCK) + x_block);
+                                *acc = _mm256_fmadd_ps(s, _mm256_set1_ps(scale * xd), *acc);
+                                let at = row * (k / 16) + 2 * x_block;
+                                offsets[t] += minimum
+                                    * (*a.sums.get_unchecked(at) + *a.sums.get_unchecked(at + 1));
+                            }
+                        }
+                    }
+                }
+            }
+            for t in 0..tokens {
+                sums[t0 + t] = horizontal_sum(acc[t]) - offsets[t];
+            }
+        }
+    }
+
+    /// One Q6_K weight row times every row of the activations: per block of 256, 6-bit levels
+    /// assembled in registers from their low 4 and high 2 bits, offset by −32, and each 16
+    /// values scaled by their own `i8` scale (`d · sc · d_x`, the four 32-bit lanes of a half).
+    ///
+    /// # Safety
+    /// As for [`row`]: `w` holds `k / 256` blocks of 210 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn row_q6_k(w: &[u8], a: &Activations, k: usize, sums: &mut [f32]) {
+        const BYTES: usize = 210;
+        let blocks = k / 256;
+        let m = sums.len();
+        assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.d.len() >= m * k / BLOCK);
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0f);
+        let two = _mm256_set1_epi8(0x03);
+        let offset = _mm256_set1_epi8(32);
+        for t0 in (0..m).step_by(TOKENS) {
+            let tokens = TOKENS.min(m - t0);
+            let mut acc = [_mm256_setzero_ps(); TOKENS];
+            for b in 0..blocks {
+                let block = &w[b * BYTES..(b + 1) * BYTES];
+                // SAFETY: the block's 210 bytes are in `w` (the assertion).
+                let d = unsafe { f16_at(block.as_ptr().add(208)) };
+                for half in 0..2 {
+                    // SAFETY: the loads read bytes 64·half .. + 64 of `ql`, 128 + 32·half .. + 32
+                    // of `qh`, inside the block; activation indices are < m · k.
+                    unsafe {
+                        let ql0 = _mm256_loadu_si256(block.as_ptr().add(64 * half).cast());
+                        let ql1 = _mm256_loadu_si256(block.as_ptr().add(64 * half + 32).cast());
+                        let qh = _mm256_loadu_si256(block.as_ptr().add(128 + 32 * half).cast());
+                        let lows = [
+                            _mm256_and_si256(ql0, low),
+                            _mm256_and_si256(ql1, low),
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low),
+                        ];
+                        let highs = [
+                            _mm256_and_si256(qh, two),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), two),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 4), two),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 6), two),
+                        ];
+                        for r in 0..4 {
+                            let q = _mm256_sub_epi8(
+                                _mm256_or_si256(lows[r], _mm256_slli_epi16(highs[r], 4)),
+                                offset,
+                            );
+                            let magnitude = _mm256_sign_epi8(q, q);
+                            let sub = half * 8 + 2 * r; // the first of this 32's two 16-scales
+                            let (s0, s1) = (
+                                f32::from(block[192 + sub] as i8) * d,
+                                f32::from(block[192 + sub + 1] as i8) * d,
+                            );
+                            let x_block = (b * 256 + half * 128 + r * 32) / BLOCK;
+                            for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
+                                let row = t0 + t;
+                                let x = _mm256_loadu_si256(
+                                    a.q.as_ptr().add(row * k + x_block * BLOCK).cast(),
+                                );
+                                let p = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q));
+                                let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                                let xd = *a.d.get_unchecked(row * (k / BLOCK) + x_block);
+                                let scale =
+                                    _mm256_set_m128(_mm_set1_ps(s1 * xd), _mm_set1_ps(s0 * xd));
+                                *acc = _mm256_fmadd_ps(s, scale, *acc);
+                            }
+                        }
+                    }
+                }
+            }
+            for t in 0..tokens {
+                sums[t0 + t] = horizontal_sum(acc[t]);
+            }
+        }
+    }
+
+    /// The sum of the 8 lanes.
+    #[target_feature(enable = "avx2")]
+    fn horizontal_sum(v: __m256) -> f32 {
+        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
 
     /// As `portable_dot`, 32 values per step: `|q| · sign(x, q)` multiplied and paired to 16-bit
     /// sums (`vpmaddubsw`: at most 2 · 127 · 128, no saturation), paired again to 32-bit sums
@@ -403,9 +663,7 @@ mod avx2 {
                 acc = _mm256_fmadd_ps(sums, _mm256_set_m128(hi, lo), acc);
             }
         }
-        let half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+        horizontal_sum(acc)
     }
 }
 

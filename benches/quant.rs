@@ -1,0 +1,83 @@
+//! Products with block-quantized weights (`Tensor::matmul_quantized_t`) against the `f32` product
+//! of the same shape, on Llama-3.2-1B's MLP shapes: `x [m, 2048] · W [8192, 2048]ᵀ` (gate and up)
+//! and `x [m, 8192] · W [2048, 8192]ᵀ` (down), for one decoding row and for a batch of 8. The
+//! throughput is the weight's stored bytes per second (what decoding is bound by). Run with
+//! `cargo bench --bench quant -- --noplot`.
+
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use ndscope::quant::QuantType;
+use ndscope::{Device, QuantTensor, Result, Scope, Tensor, root};
+
+/// A `[n, k]` matrix of `ty` with random levels and scales of a trained model's size (the K
+/// formats, which ndscope does not quantize to, from random blocks with such scales).
+fn weight<'s>(s: &Scope<'s>, ty: QuantType, n: usize, k: usize) -> Result<QuantTensor<'s>> {
+    if ty.can_quantize() {
+        return QuantTensor::quantize(&s.randn(&[n, k])?.mul_scalar(0.02)?, ty);
+    }
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut bytes: Vec<u8> = (0..ty.bytes_for(n * k).expect("whole blocks"))
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let scales: &[usize] = match ty {
+        QuantType::Q4_K | QuantType::Q5_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+        QuantType::Q3_K => &[108],
+        _ => &[80, 82],
+    };
+    let d = half::f16::from_f32(0.001).to_le_bytes();
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &at in scales {
+            block[at..at + 2].copy_from_slice(&d);
+        }
+    }
+    QuantTensor::from_blocks(s, &bytes, ty, &[n, k])
+}
+
+fn products(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quantized_product");
+    group.sample_size(20);
+    root(Device::Cpu, |s| -> Result<()> {
+        for (n, k) in [(8192usize, 2048usize), (2048, 8192)] {
+            let dense: Tensor<'_> = s.randn(&[n, k])?.mul_scalar(0.02)?;
+            for m in [1usize, 8] {
+                let x = s.randn(&[m, k])?;
+                let shape = format!("{m}x{k}x{n}");
+                group.throughput(Throughput::Bytes((n * k * 4) as u64));
+                group.bench_function(BenchmarkId::new("f32", &shape), |b| {
+                    b.iter(|| {
+                        s.scope(|_| black_box(x.matmul(&dense.t()?)).map(drop))
+                            .unwrap()
+                    })
+                });
+                for ty in [
+                    QuantType::Q8_0,
+                    QuantType::Q4_0,
+                    QuantType::Q4_K,
+                    QuantType::Q6_K,
+                ] {
+                    let w = weight(s, ty, n, k)?;
+                    group.throughput(Throughput::Bytes(w.nbytes() as u64));
+                    group.bench_function(BenchmarkId::new(ty.name(), &shape), |b| {
+                        b.iter(|| {
+                            s.scope(|_| black_box(x.matmul_quantized_t(&w)).map(drop))
+                                .unwrap()
+                        })
+                    });
+                }
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
+criterion_group!(benches, products);
+criterion_main!(benches);
