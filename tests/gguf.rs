@@ -102,6 +102,39 @@ fn f32_files_are_the_directories_models_parameter_for_parameter() {
 }
 
 #[test]
+fn qwen2_and_mistral_files_are_their_directories_models() {
+    let reference = reference_of("data/qwen2-tiny");
+    let (shape, ids) = &reference["input_ids"];
+    let ids: Vec<i64> = ids[..shape[1]].iter().map(|&v| v as i64).collect();
+    root(Device::Cpu, |s| {
+        for model in ["qwen2-tiny", "mistral-tiny"] {
+            let dir = Llama::from_pretrained(s, format!("data/{model}"), DType::F32)?;
+            let gguf = Llama::from_gguf(s, file(model, "F32"), DType::F32)?;
+            let mut want = Vec::new();
+            dir.visit("", &mut |_, p| want.push(p.to_vec_f64().unwrap()));
+            let mut got = Vec::new();
+            gguf.visit("", &mut |_, p| got.push(p.to_vec_f64().unwrap()));
+            assert_eq!(got, want, "{model}: parameters");
+            let mut expected = dir.config().clone();
+            if model == "mistral-tiny" {
+                // llama.cpp's converter writes Mistral as the llama architecture, which has no
+                // window: the file is the model without it, and so is what ndscope loads.
+                assert_eq!(expected.sliding_window, Some(16));
+                expected.sliding_window = None;
+                expected.model_type = "llama".into();
+            }
+            assert_eq!(gguf.config(), &expected, "{model}: config");
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+    // Qwen2: q/k/v biases, a tied head, theta 1e6, Q and K stored unpermuted.
+    let got = logits(&file("qwen2-tiny", "F32"), &ids);
+    let err = relative_error(&got, &reference["logits"].1[..shape[1] * 1000]);
+    assert!(err <= 1e-5, "qwen2-tiny: {err:e}");
+}
+
+#[test]
 fn llama_config_from_gguf_metadata_is_the_directorys() {
     root(Device::Cpu, |s| {
         let dir = Llama::from_pretrained(s, "data/llama-tiny", DType::F32)?;

