@@ -261,6 +261,7 @@ fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
 }
 
 /// The 6-bit scale and minimum of sub-block `i` of Q4_K and Q5_K (as `quant::kquants`).
+#[inline(always)]
 fn scale_min_k4(scales: &[u8], i: usize) -> (u8, u8) {
     let (d, m, md) = (&scales[..4], &scales[4..8], &scales[8..12]);
     if i < 4 {
@@ -508,8 +509,22 @@ mod avx2 {
                 let block = &w[b * BYTES..(b + 1) * BYTES];
                 // SAFETY: the block's 144 bytes are in `w` (the assertion).
                 let (d, dmin) = unsafe { (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2))) };
-                let scales: [(u8, u8); 8] =
-                    std::array::from_fn(|i| super::scale_min_k4(&block[4..16], i));
+                // Each sub-block's scale `d · sc` and minimum `dmin · m`, decoded once per block;
+                // the minimums times the activations' sums, once per token.
+                let (mut scale, mut minimum) = ([0.0f32; 8], [0.0f32; 8]);
+                for i in 0..8 {
+                    let (sc, mn) = super::scale_min_k4(&block[4..16], i);
+                    scale[i] = d * f32::from(sc);
+                    minimum[i] = dmin * f32::from(mn);
+                }
+                let first = b * 256 / BLOCK;
+                for (t, offset) in offsets.iter_mut().enumerate().take(tokens) {
+                    let at = (t0 + t) * (k / 16) + 2 * first;
+                    let sums = &a.sums[at..at + 16];
+                    for i in 0..8 {
+                        *offset += minimum[i] * (sums[2 * i] + sums[2 * i + 1]);
+                    }
+                }
                 for pair in 0..4 {
                     // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; every activation
                     // index below is < m · k (the assertion).
@@ -521,9 +536,8 @@ mod avx2 {
                         ];
                         for (h, q) in levels.into_iter().enumerate() {
                             let sub = 2 * pair + h;
-                            let (sc, mn) = scales[sub];
-                            let (scale, minimum) = (d * f32::from(sc), dmin * f32::from(mn));
-                            let x_block = (b * 256 + sub * 32) / BLOCK;
+                            let scale = scale[sub];
+                            let x_block = first + sub;
                             for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
                                 let row = t0 + t;
                                 let x = _mm256_loadu_si256(
@@ -535,9 +549,6 @@ mod avx2 {
                                 ));
                                 let xd = *a.d.get_unchecked(row * (k / BLOCK) + x_block);
                                 *acc = _mm256_fmadd_ps(s, _mm256_set1_ps(scale * xd), *acc);
-                                let at = row * (k / 16) + 2 * x_block;
-                                offsets[t] += minimum
-                                    * (*a.sums.get_unchecked(at) + *a.sums.get_unchecked(at + 1));
                             }
                         }
                     }
