@@ -37,7 +37,7 @@ usage: cargo run --release -p ndscope-server -- --model PATH [options]
 
   --model PATH       a directory with config.json, model.safetensors, tokenizer.json (and a chat
                      template for /v1/chat/completions), or a GGUF file
-  --name NAME        the model's id in requests                [default: the path's last name]
+  --name NAME        the model's id in requests                [default: the directory's or file's name]
   --host ADDR        the address to listen on                  [default: 127.0.0.1]
   --port N           the port (0: any free one)                [default: 8000]
   --dtype T          f32, bf16 or f16                          [default: f32]
@@ -163,7 +163,15 @@ fn run(o: Options) -> Result<(), String> {
     let name = o.name.clone().unwrap_or_else(|| {
         dir.canonicalize()
             .ok()
-            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            // A directory's name, or a GGUF file's without its extension.
+            .and_then(|d| {
+                let name = if d.is_file() {
+                    d.file_stem()
+                } else {
+                    d.file_name()
+                };
+                name.map(|n| n.to_string_lossy().into_owned())
+            })
             .unwrap_or_else(|| "model".into())
     });
     let metrics = Arc::new(Metrics::default());
