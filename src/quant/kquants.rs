@@ -52,7 +52,8 @@ pub(super) fn dequantize_q3_k(block: &[u8], out: &mut [f32]) {
 /// The 6-bit scale and minimum of sub-block `i` (< 8) of Q4_K and Q5_K, from their 12 bytes: for
 /// `i` < 4 the low 6 bits of bytes `i` and `4 + i`; above, a nibble of byte `8 + i − 4` with the
 /// top two bits of bytes `i − 4` and `i`.
-fn scale_min_k4(scales: &[u8], i: usize) -> (u8, u8) {
+#[inline(always)]
+pub(crate) fn scale_min_k4(scales: &[u8], i: usize) -> (u8, u8) {
     let (d, m, md) = (&scales[..4], &scales[4..8], &scales[8..12]);
     if i < 4 {
         (d[i] & 0x3f, m[i] & 0x3f)

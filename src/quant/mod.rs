@@ -34,6 +34,8 @@ mod kquants;
 
 use std::fmt;
 
+pub(crate) use kquants::scale_min_k4;
+
 use crate::error::{Error, Result};
 
 /// A tensor type of GGUF files: plain floats or a block-quantized format.

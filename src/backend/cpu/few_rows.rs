@@ -97,18 +97,33 @@ pub(super) fn product(
     // Each task fills its weight rows' outputs token-major within the block (`[row][token]`), so
     // tasks own disjoint slices; one token's outputs are then `out` itself.
     let rows_per_task = (TASK_BYTES / (4 * k)).max(1).next_multiple_of(ROWS);
-    let block = |j0: usize, dst: &mut [f32]| {
+    let parallel = n * k * 4 >= PARALLEL_BYTES;
+    by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
         let rows = dst.len() / m;
         block_product(isa, &packed, k, m, &w[j0 * ldw..], ldw, rows, dst);
-    };
+    });
+}
+
+/// Fills `out` (`m × n`, contiguous) by tasks of `rows_per_task` weight rows — on rayon's threads
+/// when `parallel` —, each calling `block(first_row, dst)` to write its rows' sums token-major
+/// within the row (`dst[r * m + t]`), so tasks own disjoint slices; one token's outputs are then
+/// `out` itself, several tokens' are transposed into it at the end. Shared by the products that
+/// stream a weight once for every token (`f32` here, the quantized formats in `quant_product`).
+pub(super) fn by_weight_rows(
+    (m, n): (usize, usize),
+    rows_per_task: usize,
+    parallel: bool,
+    out: &mut [f32],
+    block: impl Fn(usize, &mut [f32]) + Sync,
+) {
     let mut transposed = if m == 1 { Vec::new() } else { vec![0.0; n * m] };
     let dst: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    if n * k * 4 < PARALLEL_BYTES {
-        block(0, dst);
-    } else {
+    if parallel {
         dst.par_chunks_mut(rows_per_task * m)
             .enumerate()
             .for_each(|(i, chunk)| block(i * rows_per_task, chunk));
+    } else {
+        block(0, dst);
     }
     if m > 1 {
         for (j, sums) in transposed.chunks_exact(m).enumerate() {

@@ -17,8 +17,6 @@
 //! the dot product is AVX2 (`vpmaddubsw`/`vpmaddwd`, 32 values per step), else a portable loop
 //! (CPUs without AVX2; forced in tests so both are checked).
 
-use rayon::prelude::*;
-
 use crate::quant::{QK_K, QuantType};
 
 /// Values per activation block (and per weight block of the 32-value formats).
@@ -178,7 +176,7 @@ fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
                     (None, &b[16..144])
                 };
                 for s in 0..8 {
-                    let (sc, m) = scale_min_k4(scales, s);
+                    let (sc, m) = crate::quant::scale_min_k4(scales, s);
                     let at = (i * QK_K + s * 32) / 16;
                     scale[at..at + 2].fill(d * f32::from(sc));
                     offset[at..at + 2].fill(-(dmin * f32::from(m)));
@@ -260,21 +258,6 @@ fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
     }
 }
 
-/// The 6-bit scale and minimum of sub-block `i` of Q4_K and Q5_K (as `quant::kquants`).
-#[inline(always)]
-fn scale_min_k4(scales: &[u8], i: usize) -> (u8, u8) {
-    let (d, m, md) = (&scales[..4], &scales[4..8], &scales[8..12]);
-    if i < 4 {
-        (d[i] & 0x3f, m[i] & 0x3f)
-    } else {
-        let k = i - 4;
-        (
-            (md[k] & 0x0f) | ((d[k] >> 2) & 0x30),
-            (md[k] >> 4) | ((m[k] >> 2) & 0x30),
-        )
-    }
-}
-
 /// `out = x Ŵᵀ` for `x` `m × k` (contiguous), `w` the `n` stored rows of `ty` (contiguous, `k /
 /// block_size` blocks each) and `out` contiguous `m × n`, with `k` a multiple of `ty`'s block.
 ///
@@ -302,9 +285,9 @@ pub(crate) fn product(
     }
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
-    // Each task fills its rows' outputs row-major (`[row][token]`): disjoint slices.
     let fused = fused_kernel(kernel, ty);
-    let block = |j0: usize, dst: &mut [f32]| {
+    let parallel = n * row_bytes >= PARALLEL_BYTES;
+    super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
         let mut row = Row::new(if fused.is_some() { 0 } else { k });
         for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
             let j = j0 + r;
@@ -318,23 +301,7 @@ pub(crate) fn product(
                 *s = dot(kernel, &row, &a, t, k);
             }
         }
-    };
-    let mut transposed = if m == 1 { Vec::new() } else { vec![0.0; n * m] };
-    let dst: &mut [f32] = if m == 1 { out } else { &mut transposed };
-    if n * row_bytes < PARALLEL_BYTES {
-        block(0, dst);
-    } else {
-        dst.par_chunks_mut(rows_per_task * m)
-            .enumerate()
-            .for_each(|(i, chunk)| block(i * rows_per_task, chunk));
-    }
-    if m > 1 {
-        for (j, sums) in transposed.chunks_exact(m).enumerate() {
-            for (t, &s) in sums.iter().enumerate() {
-                out[t * n + j] = s;
-            }
-        }
-    }
+    });
 }
 
 /// A kernel that decodes one stored row in registers and multiplies it into every row of the
@@ -513,7 +480,7 @@ mod avx2 {
                 // the minimums times the activations' sums, once per token.
                 let (mut scale, mut minimum) = ([0.0f32; 8], [0.0f32; 8]);
                 for i in 0..8 {
-                    let (sc, mn) = super::scale_min_k4(&block[4..16], i);
+                    let (sc, mn) = crate::quant::scale_min_k4(&block[4..16], i);
                     scale[i] = d * f32::from(sc);
                     minimum[i] = dmin * f32::from(mn);
                 }
