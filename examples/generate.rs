@@ -146,9 +146,13 @@ fn serve<'m, M: CausalLm<'m>>(
     {
         let positions = model.max_positions();
         let Some(n) = o.serve else {
-            let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, positions)?;
             // With the special tokens the tokenizer adds (Llama's <|begin_of_text|>; none for GPT-2).
             let prompt = tokenizer.encode_with_special_tokens(&o.prompt)?;
+            // Room for this request only: a pool for the whole context of a long-context model
+            // (Llama 3.2's 131,072 positions: 8 GiB of f32 keys and values for a 1B model) would
+            // cost more than the model.
+            let tokens = positions.min(prompt.len() + o.max_new);
+            let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, tokens)?;
             let options = with_stops(GenerateOptions::sampled(o.max_new, o.sampling, o.seed));
             let started = Instant::now();
             let out = generate(model, m, &pool, &prompt, &options)?;
