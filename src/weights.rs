@@ -387,6 +387,11 @@ impl Weights {
         name
     }
 
+    /// The files the checkpoint was read from.
+    pub(crate) fn files(&self) -> impl Iterator<Item = &Path> {
+        self.source.files.iter().map(|(p, _)| p.as_path())
+    }
+
     /// The metadata of a GGUF checkpoint (its architecture, hyperparameters and tokenizer), `None`
     /// for safetensors.
     pub fn gguf_metadata(&self) -> Option<&BTreeMap<String, gguf::Value>> {

@@ -61,7 +61,14 @@ fn missing(key: &str) -> Error {
 pub(crate) fn metadata(weights: &Weights) -> Result<&Metadata> {
     weights.gguf_metadata().ok_or_else(|| Error::Format {
         format: "GGUF",
-        reason: format!("{weights:?} is not a GGUF file"),
+        reason: format!(
+            "{} is not a GGUF file (it does not start with the magic \"GGUF\")",
+            weights
+                .files()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     })
 }
 
