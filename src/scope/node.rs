@@ -834,8 +834,14 @@ impl ScopeNode {
         let make_room = |device| {
             self.tree().with_pool(device, |pool| pool.empty());
         };
-        let ended = self.with_own_arena(|ws| (ws.end_cycle(make_room), ws.device()));
-        if let Some((true, device)) = ended {
+        // The device of an arena that had to grow, if any. (Not an `Option<(bool, Device)>`: with
+        // the enum's niche in `Device`, the `None` case leaves the `bool` uninitialised, and at
+        // opt-level 1 the test of `true` can read it first — valgrind then reports a jump on an
+        // uninitialised value, though the result is right.)
+        let grown: Option<Device> = self
+            .with_own_arena(|ws| ws.end_cycle(make_room).then(|| ws.device()))
+            .flatten();
+        if let Some(device) = grown {
             let mut stats = self.stats.borrow_mut();
             match device {
                 Device::Cpu => stats.system_allocations += 1,
