@@ -603,13 +603,9 @@ impl Weights {
         let bytes = self.bytes(entry);
         let t = match adapt {
             None => QuantTensor::from_blocks(scope, bytes, ty, shape)?,
-            Some(Adapt::Rows(order)) => {
-                let row = bytes.len() / shape[0].max(1);
-                let moved: Vec<u8> = order
-                    .iter()
-                    .flat_map(|&r| bytes[r * row..(r + 1) * row].iter().copied())
-                    .collect();
-                QuantTensor::from_blocks(scope, &moved, ty, shape)?
+            // Whole stored rows move, so the rows of bytes rearrange as the rows of values would.
+            Some(rows @ Adapt::Rows(_)) => {
+                QuantTensor::from_blocks(scope, &rows.apply(bytes.to_vec(), shape), ty, shape)?
             }
             Some(Adapt::Transpose) => {
                 return Err(mismatch(

@@ -110,13 +110,15 @@ impl<'m> AutoModel<'m> {
         path: impl AsRef<Path>,
         dtype: DType,
     ) -> Result<AutoModel<'m>> {
-        let path = path.as_ref();
-        let weights = crate::weights::Weights::open(path)?;
-        let arch = super::gguf::architecture(super::gguf::metadata(&weights)?)?.to_string();
-        drop(weights);
-        match arch.as_str() {
-            "gpt2" => Ok(AutoModel::Gpt2(Gpt2::from_gguf(scope, path, dtype)?)),
-            _ => Ok(AutoModel::Llama(Llama::from_gguf(scope, path, dtype)?)),
+        // Opened (and its metadata parsed) once, for the architecture and the model both.
+        let weights = crate::weights::Weights::open(path.as_ref())?;
+        match super::gguf::architecture(super::gguf::metadata(&weights)?)? {
+            "gpt2" => Ok(AutoModel::Gpt2(Gpt2::from_gguf_weights(
+                scope, &weights, dtype,
+            )?)),
+            _ => Ok(AutoModel::Llama(Llama::from_gguf_weights(
+                scope, &weights, dtype,
+            )?)),
         }
     }
 

@@ -366,6 +366,21 @@ pub(crate) fn llama_config(weights: &Weights) -> Result<LlamaConfig> {
     LlamaConfig::from_json(&Value::Object(raw).to_string())
 }
 
+/// The GGUF name of a transformers parameter: a block's (`{layers}N.{theirs}…`) as
+/// `blk.N.{ours}…` through `block`, any other through `top`, and a name neither maps unchanged.
+fn gguf_name(name: &str, layers: &str, block: &[(&str, &str)], top: &[(&str, &str)]) -> String {
+    if let Some((i, rest)) = name.strip_prefix(layers).and_then(|r| r.split_once('.')) {
+        for (theirs, ours) in block {
+            if let Some(suffix) = rest.strip_prefix(theirs) {
+                return format!("blk.{i}.{ours}{suffix}");
+            }
+        }
+    }
+    top.iter()
+        .find(|(theirs, _)| *theirs == name)
+        .map_or_else(|| name.to_string(), |(_, ours)| ours.to_string())
+}
+
 /// The GGUF name of a transformers Llama parameter.
 fn llama_name(name: &str) -> String {
     const BLOCK: [(&str, &str); 9] = [
@@ -379,22 +394,12 @@ fn llama_name(name: &str) -> String {
         ("mlp.up_proj", "ffn_up"),
         ("mlp.down_proj", "ffn_down"),
     ];
-    if let Some((i, rest)) = name
-        .strip_prefix("model.layers.")
-        .and_then(|r| r.split_once('.'))
-    {
-        for (theirs, ours) in BLOCK {
-            if let Some(suffix) = rest.strip_prefix(theirs) {
-                return format!("blk.{i}.{ours}{suffix}");
-            }
-        }
-    }
-    match name {
-        "model.embed_tokens.weight" => "token_embd.weight".into(),
-        "model.norm.weight" => "output_norm.weight".into(),
-        "lm_head.weight" => "output.weight".into(),
-        other => other.into(),
-    }
+    const TOP: [(&str, &str); 3] = [
+        ("model.embed_tokens.weight", "token_embd.weight"),
+        ("model.norm.weight", "output_norm.weight"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    gguf_name(name, "model.layers.", &BLOCK, &TOP)
 }
 
 /// The stored row of each row of a Q or K projection in transformers' order: within a head of
@@ -466,24 +471,14 @@ fn gpt2_name(name: &str) -> String {
         ("mlp.c_fc", "ffn_up"),
         ("mlp.c_proj", "ffn_down"),
     ];
-    if let Some((i, rest)) = name
-        .strip_prefix("transformer.h.")
-        .and_then(|r| r.split_once('.'))
-    {
-        for (theirs, ours) in BLOCK {
-            if let Some(suffix) = rest.strip_prefix(theirs) {
-                return format!("blk.{i}.{ours}{suffix}");
-            }
-        }
-    }
-    match name {
-        "transformer.wte.weight" => "token_embd.weight".into(),
-        "transformer.wpe.weight" => "position_embd.weight".into(),
-        "transformer.ln_f.weight" => "output_norm.weight".into(),
-        "transformer.ln_f.bias" => "output_norm.bias".into(),
-        "lm_head.weight" => "output.weight".into(),
-        other => other.into(),
-    }
+    const TOP: [(&str, &str); 5] = [
+        ("transformer.wte.weight", "token_embd.weight"),
+        ("transformer.wpe.weight", "position_embd.weight"),
+        ("transformer.ln_f.weight", "output_norm.weight"),
+        ("transformer.ln_f.bias", "output_norm.bias"),
+        ("lm_head.weight", "output.weight"),
+    ];
+    gguf_name(name, "transformer.h.", &BLOCK, &TOP)
 }
 
 /// `weights` (a GGUF file) under transformers' GPT-2 names, its block matrices transposed back

@@ -395,9 +395,18 @@ impl<'m> Gpt2<'m> {
     /// model does not compute; as for [`load`](Self::load).
     #[track_caller]
     pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Gpt2<'m>> {
-        let weights = Weights::open(path)?;
-        let config = super::gguf::gpt2_config(&weights)?;
-        Gpt2::load(scope, &super::gguf::gpt2_weights(&weights), config, dtype)
+        Gpt2::from_gguf_weights(scope, &Weights::open(path)?, dtype)
+    }
+
+    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`.
+    #[track_caller]
+    pub(crate) fn from_gguf_weights(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        dtype: DType,
+    ) -> Result<Gpt2<'m>> {
+        let config = super::gguf::gpt2_config(weights)?;
+        Gpt2::load(scope, &super::gguf::gpt2_weights(weights), config, dtype)
     }
 
     /// The model of `config` with its parameters from `weights` (named as Hugging Face names

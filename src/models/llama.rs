@@ -131,9 +131,18 @@ impl<'m> Llama<'m> {
     /// metadata key the model does not compute; as for [`load`](Self::load).
     #[track_caller]
     pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Llama<'m>> {
-        let weights = Weights::open(path)?;
-        let config = super::gguf::llama_config(&weights)?;
-        let weights = super::gguf::llama_weights(&weights, &config);
+        Llama::from_gguf_weights(scope, &Weights::open(path)?, dtype)
+    }
+
+    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`.
+    #[track_caller]
+    pub(crate) fn from_gguf_weights(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        dtype: DType,
+    ) -> Result<Llama<'m>> {
+        let config = super::gguf::llama_config(weights)?;
+        let weights = super::gguf::llama_weights(weights, &config);
         Llama::load(scope, &weights, config, dtype)
     }
 
