@@ -563,7 +563,8 @@ impl Weights {
     /// The block-quantized matrix `name`, which must be stored with `shape` in a block format
     /// (a GGUF tensor in Q4_K, say), as its blocks in `scope`: no decoding, a quarter to an eighth
     /// of the bytes of `f32`. Products read it with
-    /// [`Tensor::matmul_quantized_t`](crate::Tensor::matmul_quantized_t).
+    /// [`Tensor::matmul_quantized_t`](crate::Tensor::matmul_quantized_t). The rows are the
+    /// file's (`[out, in]` in GGUF), also where a view would transpose the decoded values.
     ///
     /// # Errors
     /// [`Error::MissingTensor`]; [`Error::TensorMismatch`] for another shape, or a tensor stored
@@ -602,15 +603,13 @@ impl Weights {
         }
         let bytes = self.bytes(entry);
         let t = match adapt {
-            None => QuantTensor::from_blocks(scope, bytes, ty, shape)?,
+            // A transposing view maps the file's `[out, in]` to a dense `[in, out]` layout (GPT-2's
+            // Conv1D); blocks run along the file's rows, and a quantized matrix is always the
+            // `W` of `x Wᵀ`, so they are kept as stored.
+            None | Some(Adapt::Transpose) => QuantTensor::from_blocks(scope, bytes, ty, shape)?,
             // Whole stored rows move, so the rows of bytes rearrange as the rows of values would.
             Some(rows @ Adapt::Rows(_)) => {
                 QuantTensor::from_blocks(scope, &rows.apply(bytes.to_vec(), shape), ty, shape)?
-            }
-            Some(Adapt::Transpose) => {
-                return Err(mismatch(
-                    "this format stores the matrix transposed, across its blocks: load it decoded                      with `Weights::tensor`",
-                ));
             }
         };
         self.release(entry);

@@ -307,3 +307,52 @@ fn damaged_files_are_typed_errors_naming_the_problem() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The logits of `ids` (one row) by the GGUF file `path` loaded with its quantized matrices kept
+/// in their blocks.
+fn quantized_logits(path: &str, ids: &[i64]) -> Vec<f64> {
+    root(Device::Cpu, |s| {
+        let model = AutoModel::from_gguf_quantized(s, path, DType::F32)?;
+        s.scope(|batch| {
+            let input = batch.from_slice(ids, &[1, ids.len()])?;
+            let tape = Tape::no_grad(batch);
+            model
+                .forward(&tape, &input, Mode::Eval)?
+                .value()
+                .to_vec_f64()
+        })
+    })
+    .unwrap()
+}
+
+#[test]
+fn models_computing_on_quantized_blocks_are_llama_cpps_computation() {
+    // llama.cpp rounds the activations to 8 bits per 32 values for its products, as
+    // `matmul_quantized_t` does: computing on the blocks brings ndscope closer to llama.cpp than the
+    // decoded model is, and within half of llama.cpp's distance to the float model. (What remains:
+    // llama.cpp rounds activations per 256 for the K formats and to f16 for F16 matrices.)
+    for model in ["llama-tiny", "gpt2-tiny"] {
+        let (ids, float) = llama_cpp(model, "F32");
+        let ours_f32 = logits(&file(model, "F32"), &ids);
+        eprintln!(
+            "{model} F32: |ndscope - llama.cpp| {:.5}",
+            max_abs(&ours_f32, &float)
+        );
+        for kind in &KINDS[1..] {
+            let (_, theirs) = llama_cpp(model, kind);
+            let ours = quantized_logits(&file(model, kind), &ids);
+            let decoded = logits(&file(model, kind), &ids);
+            let to_llama_cpp = max_abs(&ours, &theirs);
+            let decoded_to_llama_cpp = max_abs(&decoded, &theirs);
+            let llama_cpp_to_float = max_abs(&theirs, &float);
+            eprintln!(
+                "{model} {kind}: |blocks - llama.cpp| {to_llama_cpp:.5}, |decoded - llama.cpp| \
+                 {decoded_to_llama_cpp:.5}, |llama.cpp - f32| {llama_cpp_to_float:.5}"
+            );
+            assert!(
+                to_llama_cpp < decoded_to_llama_cpp && to_llama_cpp <= 0.5 * llama_cpp_to_float,
+                "{model} {kind}: {to_llama_cpp} from llama.cpp"
+            );
+        }
+    }
+}

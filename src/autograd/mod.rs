@@ -29,6 +29,7 @@ mod conv;
 mod loss;
 mod norm;
 mod ops;
+mod quantized;
 mod recompute;
 mod reduce_to;
 

@@ -110,14 +110,38 @@ impl<'m> AutoModel<'m> {
         path: impl AsRef<Path>,
         dtype: DType,
     ) -> Result<AutoModel<'m>> {
+        AutoModel::from_gguf_with(scope, path.as_ref(), dtype, false)
+    }
+
+    /// Loads the GGUF file `path` with its block-quantized matrices kept in their blocks (see
+    /// [`Llama::from_gguf_quantized`] and [`Gpt2::from_gguf_quantized`]); the rest as `dtype`.
+    ///
+    /// # Errors
+    /// As for [`from_gguf`](Self::from_gguf).
+    #[track_caller]
+    pub fn from_gguf_quantized(
+        scope: &Scope<'m>,
+        path: impl AsRef<Path>,
+        dtype: DType,
+    ) -> Result<AutoModel<'m>> {
+        AutoModel::from_gguf_with(scope, path.as_ref(), dtype, true)
+    }
+
+    #[track_caller]
+    fn from_gguf_with(
+        scope: &Scope<'m>,
+        path: &Path,
+        dtype: DType,
+        quantized: bool,
+    ) -> Result<AutoModel<'m>> {
         // Opened (and its metadata parsed) once, for the architecture and the model both.
-        let weights = crate::weights::Weights::open(path.as_ref())?;
+        let weights = crate::weights::Weights::open(path)?;
         match super::gguf::architecture(super::gguf::metadata(&weights)?)? {
             "gpt2" => Ok(AutoModel::Gpt2(Gpt2::from_gguf_weights(
-                scope, &weights, dtype,
+                scope, &weights, dtype, quantized,
             )?)),
             _ => Ok(AutoModel::Llama(Llama::from_gguf_weights(
-                scope, &weights, dtype,
+                scope, &weights, dtype, quantized,
             )?)),
         }
     }

@@ -322,6 +322,9 @@ pub struct Gpt2<'m> {
     config: Gpt2Config,
     /// Whether [`forward`](Gpt2::forward) recomputes each block on a recording tape.
     recompute: bool,
+    /// Whether some block matrices are block-quantized
+    /// ([`from_gguf_quantized`](Gpt2::from_gguf_quantized)): frozen, and not saved as safetensors.
+    quantized: bool,
 }
 
 impl<'m> Gpt2<'m> {
@@ -352,6 +355,7 @@ impl<'m> Gpt2<'m> {
             },
             config,
             recompute: false,
+            quantized: false,
         })
     }
 
@@ -395,18 +399,50 @@ impl<'m> Gpt2<'m> {
     /// model does not compute; as for [`load`](Self::load).
     #[track_caller]
     pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Gpt2<'m>> {
-        Gpt2::from_gguf_weights(scope, &Weights::open(path)?, dtype)
+        Gpt2::from_gguf_weights(scope, &Weights::open(path)?, dtype, false)
     }
 
-    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`.
+    /// Loads a GGUF file as [`from_gguf`](Self::from_gguf) does, but keeps the blocks' quantized
+    /// matrices in their blocks ([`Linear::from_quantized`](crate::nn::Linear::from_quantized));
+    /// the embeddings (looked up row by row, and the tied output head), norms and biases load as
+    /// `dtype`. The quantized matrices are frozen; [`save_pretrained`](Self::save_pretrained)
+    /// refuses the model.
+    ///
+    /// ```
+    /// use ndscope::models::Gpt2;
+    /// use ndscope::{DType, Device, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let gpt2 = Gpt2::from_gguf_quantized(m, "data/gguf/gpt2-tiny-Q8_0.gguf", DType::F32)?;
+    ///     assert!(gpt2.blocks[0].fc1.quantized_weight().is_some());
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`from_gguf`](Self::from_gguf).
+    #[track_caller]
+    pub fn from_gguf_quantized(
+        scope: &Scope<'m>,
+        path: impl AsRef<Path>,
+        dtype: DType,
+    ) -> Result<Gpt2<'m>> {
+        Gpt2::from_gguf_weights(scope, &Weights::open(path)?, dtype, true)
+    }
+
+    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`, its blocks'
+    /// quantized matrices kept in their blocks if `quantized`.
     #[track_caller]
     pub(crate) fn from_gguf_weights(
         scope: &Scope<'m>,
         weights: &Weights,
         dtype: DType,
+        quantized: bool,
     ) -> Result<Gpt2<'m>> {
         let config = super::gguf::gpt2_config(weights)?;
-        Gpt2::load(scope, &super::gguf::gpt2_weights(weights), config, dtype)
+        let weights = super::gguf::gpt2_weights(weights);
+        Gpt2::load_with(scope, &weights, config, dtype, quantized)
     }
 
     /// The model of `config` with its parameters from `weights` (named as Hugging Face names
@@ -421,6 +457,19 @@ impl<'m> Gpt2<'m> {
         weights: &Weights,
         config: Gpt2Config,
         dtype: DType,
+    ) -> Result<Gpt2<'m>> {
+        Gpt2::load_with(scope, weights, config, dtype, false)
+    }
+
+    /// [`load`](Self::load), keeping the blocks' quantized matrices in their blocks if
+    /// `quantized`.
+    #[track_caller]
+    fn load_with(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        config: Gpt2Config,
+        dtype: DType,
+        quantized: bool,
     ) -> Result<Gpt2<'m>> {
         let c = &config;
         // Dumps list the parameters at the caller's line, each under its checkpoint name.
@@ -439,7 +488,7 @@ impl<'m> Gpt2<'m> {
         let blocks = (0..c.n_layer)
             .map(|i| {
                 let block = body.prefix(&format!("h.{i}")).renamed(hf_block_name);
-                TransformerBlock::load(scope, &block, &c.block(), dtype)
+                TransformerBlock::load_keeping_blocks(scope, &block, &c.block(), dtype, quantized)
             })
             .collect::<Result<Vec<_>>>()?;
         let ln_f = LayerNorm::load(
@@ -467,6 +516,7 @@ impl<'m> Gpt2<'m> {
             lm_head,
             config,
             recompute: false,
+            quantized,
         })
     }
 
@@ -481,6 +531,7 @@ impl<'m> Gpt2<'m> {
     /// [`Error::Io`] when the directory or its files cannot be written.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        super::refuse_quantized_save("Gpt2::save_pretrained", self.quantized)?;
         let io = |e: std::io::Error| Error::io(dir, e);
         std::fs::create_dir_all(dir).map_err(io)?;
         // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
@@ -714,6 +765,7 @@ impl<'m> Movable<'m> for Gpt2<'m> {
             lm_head: self.lm_head.move_into(target)?,
             config: self.config,
             recompute: self.recompute,
+            quantized: self.quantized,
         })
     }
 }
@@ -729,6 +781,7 @@ impl<'m> MoveOut<'m> for Gpt2<'m> {
             lm_head: self.lm_head.move_out()?,
             config: self.config,
             recompute: self.recompute,
+            quantized: self.quantized,
         })
     }
 }

@@ -7,6 +7,7 @@
 use std::panic::Location;
 use std::path::Path;
 
+use super::token_table::TokenTable;
 use super::{next_token_loss, output_head};
 use crate::autograd::{Segment, Tape, Var};
 use crate::checkpoint;
@@ -74,7 +75,7 @@ layer_parts!(Block {
 /// A Llama-family causal language model with its parameters in the model scope `'m`.
 #[derive(Debug, Clone)]
 pub struct Llama<'m> {
-    embed: Embedding<'m>,
+    embed: TokenTable<'m>,
     blocks: Vec<Block<'m>>,
     norm: RmsNorm<'m>,
     /// The output head; `None` when tied to the embedding.
@@ -83,6 +84,9 @@ pub struct Llama<'m> {
     config: LlamaConfig,
     /// Whether [`forward`](Llama::forward) recomputes each block in the backward pass.
     recompute: bool,
+    /// Whether some weights are block-quantized (loaded by
+    /// [`from_gguf_quantized`](Llama::from_gguf_quantized)): frozen, and not saved as safetensors.
+    quantized: bool,
 }
 
 impl<'m> Llama<'m> {
@@ -131,19 +135,55 @@ impl<'m> Llama<'m> {
     /// metadata key the model does not compute; as for [`load`](Self::load).
     #[track_caller]
     pub fn from_gguf(scope: &Scope<'m>, path: impl AsRef<Path>, dtype: DType) -> Result<Llama<'m>> {
-        Llama::from_gguf_weights(scope, &Weights::open(path)?, dtype)
+        Llama::from_gguf_weights(scope, &Weights::open(path)?, dtype, false)
     }
 
-    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`.
+    /// Loads a GGUF file as [`from_gguf`](Self::from_gguf) does, but keeps every block-quantized
+    /// matrix (the projections, the token table, the output head) in its blocks: a Q4_0 model
+    /// holds about an eighth of the bytes of `f32`, and its products read them
+    /// ([`Linear::from_quantized`]). Tensors stored as plain floats (the norms; a matrix whose rows
+    /// are not whole blocks, which llama-quantize leaves in F16) load as `dtype`, the dtype the
+    /// model computes in. The quantized weights are frozen: the model runs inference, or trains
+    /// the layers that are not quantized; [`save_pretrained`](Self::save_pretrained) refuses it.
+    ///
+    /// ```
+    /// use ndscope::models::Llama;
+    /// use ndscope::nn::Parameters;
+    /// use ndscope::{DType, Device, root};
+    ///
+    /// root(Device::Cpu, |m| {
+    ///     let decoded = Llama::from_gguf(m, "data/gguf/llama-tiny-Q8_0.gguf", DType::F32)?;
+    ///     let llama = Llama::from_gguf_quantized(m, "data/gguf/llama-tiny-Q8_0.gguf", DType::F32)?;
+    ///     // Only the norms remain parameters; the matrices are Q8_0 blocks.
+    ///     assert!(llama.parameter_elements() < decoded.parameter_elements() / 100);
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`from_gguf`](Self::from_gguf).
+    #[track_caller]
+    pub fn from_gguf_quantized(
+        scope: &Scope<'m>,
+        path: impl AsRef<Path>,
+        dtype: DType,
+    ) -> Result<Llama<'m>> {
+        Llama::from_gguf_weights(scope, &Weights::open(path)?, dtype, true)
+    }
+
+    /// [`from_gguf`](Self::from_gguf) of a GGUF file already open as `weights`, its quantized
+    /// matrices kept in their blocks if `quantized`.
     #[track_caller]
     pub(crate) fn from_gguf_weights(
         scope: &Scope<'m>,
         weights: &Weights,
         dtype: DType,
+        quantized: bool,
     ) -> Result<Llama<'m>> {
         let config = super::gguf::llama_config(weights)?;
         let weights = super::gguf::llama_weights(weights, &config);
-        Llama::load(scope, &weights, config, dtype)
+        Llama::load_with(scope, &weights, config, dtype, quantized)
     }
 
     /// The model of `config` with its parameters from `weights` (transformers' names), as `dtype`.
@@ -158,6 +198,18 @@ impl<'m> Llama<'m> {
         config: LlamaConfig,
         dtype: DType,
     ) -> Result<Llama<'m>> {
+        Llama::load_with(scope, weights, config, dtype, false)
+    }
+
+    /// [`load`](Self::load), keeping block-quantized matrices in their blocks if `quantized`.
+    #[track_caller]
+    fn load_with(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        config: LlamaConfig,
+        dtype: DType,
+        quantized: bool,
+    ) -> Result<Llama<'m>> {
         // A window as long as the context changes nothing: computed as no window.
         let window = config
             .sliding_window
@@ -171,27 +223,31 @@ impl<'m> Llama<'m> {
             c.head_dim,
         );
         let body = weights.prefix("model");
+        // Whether the matrix `name` (under `w`) stays in its blocks.
+        let kept = std::cell::Cell::new(false);
+        let keep = |w: &Weights, name: &str| -> Result<bool> {
+            let keep = quantized && w.quantized(name)?.is_some();
+            kept.set(kept.get() || keep);
+            Ok(keep)
+        };
         let linear = |w: &Weights, name: &str, inputs: usize, outputs: usize, bias: bool| {
-            Linear::load(
-                scope,
-                &w.prefix(name),
-                inputs,
-                outputs,
-                bias,
-                WeightLayout::OutIn,
-                dtype,
-            )
+            let w = w.prefix(name);
+            let layout = WeightLayout::OutIn;
+            let keep = keep(&w, "weight")?;
+            Linear::load_keeping_blocks(scope, &w, inputs, outputs, bias, layout, dtype, keep)
         };
         let norm = |w: &Weights, name: &str| {
             RmsNorm::load(scope, &w.prefix(name), hidden, c.rms_norm_eps, dtype)
         };
-        let embed = Embedding::load(
-            scope,
-            &body.prefix("embed_tokens"),
-            c.vocab_size,
-            hidden,
-            dtype,
-        )?;
+        let table = body.prefix("embed_tokens");
+        let embed = if keep(&table, "weight")? {
+            TokenTable::Quantized {
+                table: table.quantized_tensor(scope, "weight", &[c.vocab_size, hidden])?,
+                dtype,
+            }
+        } else {
+            TokenTable::Dense(Embedding::load(scope, &table, c.vocab_size, hidden, dtype)?)
+        };
         let mut blocks = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let b = body.prefix(&format!("layers.{i}"));
@@ -218,17 +274,43 @@ impl<'m> Llama<'m> {
         }
         let final_norm = norm(&body, "norm")?;
         let rope = rotary_tables(scope, c, dtype)?;
+        let vocab = c.vocab_size;
         let mut config = config;
-        let lm_head = output_head(
-            scope,
-            weights,
-            "lm_head.weight",
-            &embed.weight,
-            &mut config.tie_word_embeddings,
-            dtype,
-        )?
-        .map(|w| Linear::from_tensors(w, None, WeightLayout::OutIn))
-        .transpose()?;
+        let lm_head = match &embed {
+            // A quantized file holds an output head of its own exactly when it is untied (the
+            // converter writes no copy of a tied table).
+            _ if weights.contains("lm_head.weight") && keep(weights, "lm_head.weight")? => {
+                config.tie_word_embeddings = false;
+                Some(Linear::from_quantized(
+                    weights.quantized_tensor(scope, "lm_head.weight", &[vocab, hidden])?,
+                    None,
+                )?)
+            }
+            TokenTable::Dense(e) => output_head(
+                scope,
+                weights,
+                "lm_head.weight",
+                &e.weight,
+                &mut config.tie_word_embeddings,
+                dtype,
+            )?
+            .map(|w| Linear::from_tensors(w, None, WeightLayout::OutIn))
+            .transpose()?,
+            TokenTable::Quantized { .. } if weights.contains("lm_head.weight") => {
+                config.tie_word_embeddings = false;
+                Some(Linear::load(
+                    scope,
+                    &weights.prefix("lm_head"),
+                    hidden,
+                    vocab,
+                    false,
+                    WeightLayout::OutIn,
+                    dtype,
+                )?)
+            }
+            TokenTable::Quantized { .. } => None,
+        };
+
         Ok(Llama {
             embed,
             blocks,
@@ -237,6 +319,7 @@ impl<'m> Llama<'m> {
             rope,
             config,
             recompute: false,
+            quantized: kept.get(),
         })
     }
 
@@ -253,11 +336,12 @@ impl<'m> Llama<'m> {
     /// [`Error::Io`] when the directory or its files cannot be written.
     pub fn save_pretrained(&self, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        super::refuse_quantized_save("Llama::save_pretrained", self.quantized)?;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
         // checks every tensor's shape against the config, so a mismatch is an error, not a mix.
         checkpoint::save(self, dir.join("model.safetensors"))?;
-        let config = self.config.to_json_stored_as(self.embed.weight.dtype());
+        let config = self.config.to_json_stored_as(self.embed.dtype());
         checkpoint::write_atomically(dir.join("config.json"), config.as_bytes())
     }
 
@@ -404,7 +488,7 @@ impl<'m> Llama<'m> {
     {
         match &self.lm_head {
             Some(head) => head.forward(x, mode),
-            None => x.matmul(&x.tape().param(&self.embed.weight).t()?),
+            None => self.embed.tied_head(x),
         }
     }
 }
@@ -529,7 +613,7 @@ impl<'m> CausalLm<'m> for Llama<'m> {
             layers: c.num_hidden_layers,
             heads: c.num_key_value_heads,
             head_width: c.head_dim,
-            dtype: self.embed.weight.dtype(),
+            dtype: self.embed.dtype(),
         }
     }
 
@@ -616,6 +700,7 @@ impl<'m> Movable<'m> for Llama<'m> {
             rope: self.rope.move_into(target)?,
             config: self.config,
             recompute: self.recompute,
+            quantized: self.quantized,
         })
     }
 }
@@ -631,6 +716,7 @@ impl<'m> MoveOut<'m> for Llama<'m> {
             rope: self.rope.move_out()?,
             config: self.config,
             recompute: self.recompute,
+            quantized: self.quantized,
         })
     }
 }

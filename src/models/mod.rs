@@ -6,6 +6,7 @@ mod gguf;
 mod gpt2;
 mod llama;
 mod llama_config;
+mod token_table;
 
 pub use auto::AutoModel;
 pub use gpt2::{Gpt2, Gpt2Config};
@@ -135,4 +136,19 @@ fn output_head<'m>(
     );
     *tied = false;
     Ok(Some(head))
+}
+
+/// A model holding block-quantized weights cannot be written as safetensors (which has no block
+/// formats) without decoding them, which would silently grow the file four to eight times.
+fn refuse_quantized_save(op: &'static str, quantized: bool) -> Result<()> {
+    if quantized {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: "the model holds block-quantized weights (loaded by `from_gguf_quantized`), \
+                     which safetensors cannot store; load the file with `from_gguf` (decoded) to \
+                     save it"
+                .into(),
+        });
+    }
+    Ok(())
 }

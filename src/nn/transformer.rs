@@ -151,10 +151,32 @@ impl<'m> TransformerBlock<'m> {
         config: &TransformerConfig,
         dtype: DType,
     ) -> Result<TransformerBlock<'m>> {
+        TransformerBlock::load_keeping_blocks(scope, weights, config, dtype, false)
+    }
+
+    /// [`load`](Self::load), keeping the matrices stored block-quantized in their blocks if
+    /// `keep_blocks` (see [`Linear::from_quantized`]).
+    #[track_caller]
+    pub(crate) fn load_keeping_blocks(
+        scope: &Scope<'m>,
+        weights: &Weights,
+        config: &TransformerConfig,
+        dtype: DType,
+        keep_blocks: bool,
+    ) -> Result<TransformerBlock<'m>> {
         let c = config;
         let linear = |name: &str, inputs, outputs| {
             let w = weights.prefix(name);
-            Linear::load(scope, &w, inputs, outputs, c.bias, c.layout, dtype)
+            Linear::load_keeping_blocks(
+                scope,
+                &w,
+                inputs,
+                outputs,
+                c.bias,
+                c.layout,
+                dtype,
+                keep_blocks,
+            )
         };
         let norm = |name: &str| {
             LayerNorm::load(

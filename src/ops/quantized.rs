@@ -11,8 +11,8 @@ impl<'s> Tensor<'s> {
     /// `self Wᵀ` for `self` `[.., k]` (a float dtype) and the quantized matrix `w` `[n, k]`: the
     /// product a `Linear` layer computes with the weight stored in `[out, in]` layout, reading
     /// `w`'s blocks once for every row of `self`. Computed as llama.cpp computes it: each row of
-    /// `self` rounded to 8 bits per block of 32 values (scale `max|x| / 127`), then exact integer
-    /// products per block, summed in `f32` with the blocks' scales. The result has `self`'s dtype
+    /// `self` rounded to 8 bits per block of 32 values (scale `max|x| / 127`, kept in `f16` as
+    /// llama.cpp's Q8_0 blocks keep it), then exact integer products per block, summed in `f32` with the blocks' scales. The result has `self`'s dtype
     /// and shape `[.., n]`.
     ///
     /// ```

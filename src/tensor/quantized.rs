@@ -31,6 +31,7 @@ use crate::tensor::Tensor;
 /// })?;
 /// # Ok::<(), ndscope::Error>(())
 /// ```
+#[derive(Clone)]
 pub struct QuantTensor<'s> {
     /// The blocks' bytes, held as a 1-D tensor of 16-bit words (every format's block is an even
     /// number of bytes) so that the scope owns, counts, dumps and moves them as any tensor; never
@@ -193,6 +194,75 @@ impl<'s> QuantTensor<'s> {
         }
     }
 
+    /// Rows `ids` (`i64`, any shape) decoded to `dtype`: `[ids.numel(), cols]`, an embedding
+    /// lookup that reads only the rows it returns.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`] for integer ids that are not `i64` or an integer `dtype`;
+    /// [`Error::IndexOutOfRange`] for an id outside `0..rows`; allocation errors.
+    #[track_caller]
+    pub fn index_select(&self, ids: &Tensor<'s>, dtype: DType) -> Result<Tensor<'s>> {
+        const OP: &str = "QuantTensor::index_select";
+        if ids.dtype() != DType::I64 {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: ids.dtype(),
+                expected: "i64 ids",
+            });
+        }
+        if !dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype,
+                expected: "a float dtype for the decoded rows",
+            });
+        }
+        let [rows, cols] = self.shape;
+        let row_bytes = self
+            .ty
+            .bytes_for(cols)
+            .expect("checked when the blocks were made");
+        let ids = ids.to_vec::<i64>()?;
+        let mut values = vec![0.0f32; ids.len() * cols];
+        let mut bytes = vec![0u8; row_bytes];
+        for (&id, out) in ids.iter().zip(values.chunks_exact_mut(cols)) {
+            let row =
+                usize::try_from(id)
+                    .ok()
+                    .filter(|&r| r < rows)
+                    .ok_or(Error::IndexOutOfRange {
+                        op: OP,
+                        index: id,
+                        size: rows,
+                    })?;
+            // Rows are whole blocks of an even number of bytes: word offsets.
+            self.blocks
+                .narrow(0, row * row_bytes / 2, row_bytes / 2)?
+                .download_into(OP, &mut bytes)?;
+            quant::dequantize(self.ty, &bytes, out)?;
+        }
+        let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut t = Tensor::output_of(
+            &[&self.blocks],
+            DType::F32,
+            &[ids.len(), cols],
+            Location::caller(),
+        )?;
+        t.upload_bytes(&le)?;
+        if dtype == DType::F32 {
+            Ok(t)
+        } else {
+            t.to_dtype(dtype)
+        }
+    }
+
+    /// An empty `f32` tensor (`[0]`) beside the blocks: what a quantized `Linear` holds in its
+    /// dense `weight` field.
+    #[track_caller]
+    pub(crate) fn empty_like_f32(&self) -> Result<Tensor<'s>> {
+        Tensor::output_of(&[&self.blocks], DType::F32, &[0], Location::caller())
+    }
+
     /// The stored blocks, as the tensor holding them (for the product op).
     pub(crate) fn blocks(&self) -> &Tensor<'s> {
         &self.blocks
@@ -215,6 +285,16 @@ impl<'a> Movable<'a> for QuantTensor<'a> {
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<QuantTensor<'b>> {
         Ok(QuantTensor {
             blocks: self.blocks.move_into(target)?,
+            ty: self.ty,
+            shape: self.shape,
+        })
+    }
+}
+
+impl<'a> crate::scope::MoveOut<'a> for QuantTensor<'a> {
+    fn move_out(self) -> Result<QuantTensor<'static>> {
+        Ok(QuantTensor {
+            blocks: self.blocks.move_out()?,
             ty: self.ty,
             shape: self.shape,
         })

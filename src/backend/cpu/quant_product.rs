@@ -3,11 +3,12 @@
 //! weight bytes than `f32`.
 //!
 //! **Semantics.** As llama.cpp computes them: each row of `x` is first rounded to 8 bits per block
-//! of 32 values (`d = max|x| / 127` kept in `f32`, `q = round(x / d)` half away from zero: `x̂ =
-//! d · q`), and `out[t][j] = Σ_i ŵ_ji · x̂_ti` with `ŵ` the weight's decoded values; the integer
-//! products of a block are exact, the blocks' scaled sums are added in `f32`. So a quantized
-//! model's product is exact up to `f32` rounding given `x̂`, and `x̂` differs from `x` by at most half
-//! a step of its block (`max|x| / 254`).
+//! of 32 values as llama.cpp's Q8_0 blocks hold them (`d = max|x| / 127`, `q = round(x · (1/d))`
+//! half away from zero, and `d` stored rounded to `f16` where `f16` holds it to 11 bits: `x̂ =
+//! f16(d) · q`), and `out[t][j] = Σ_i ŵ_ji · x̂_ti` with `ŵ` the weight's decoded values; the
+//! integer products of a block are exact, the blocks' scaled sums are added in `f32`. So a quantized model's product is exact up to `f32`
+//! rounding given `x̂`, and `q` differs from `x / d` by at most half a step. (llama.cpp rounds the
+//! activations of the K formats per 256 values instead, `Q8_K`; the per-32 rounding is finer.)
 //!
 //! **Schedule.** The weight is streamed once per call, whatever the number of rows of `x`: rows are
 //! split into tasks of about 256 KiB of blocks, one rayon task each; a task decodes one weight row
@@ -68,11 +69,12 @@ fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
         .enumerate()
     {
         let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        *d = amax / 127.0;
-        let id = if *d == 0.0 { 0.0 } else { 1.0 / *d };
+        let exact = amax / 127.0;
+        let id = if exact == 0.0 { 0.0 } else { 1.0 / exact };
         for (q, &v) in qs.iter_mut().zip(xs) {
             *q = (v * id).round() as i8;
         }
+        *d = stored_scale(exact);
         for half in 0..2 {
             let s: i32 = qs[16 * half..16 * half + 16]
                 .iter()
@@ -82,6 +84,18 @@ fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
         }
     }
     a
+}
+
+/// An activation block's scale as llama.cpp's Q8_0 block stores it, rounded to `f16` — except
+/// where `f16` would lose it (above 65504 it is infinite, below 2^-14 it has fewer bits): there
+/// the `f32` scale is kept, where llama.cpp's products would overflow or lose precision.
+fn stored_scale(d: f32) -> f32 {
+    let h = half::f16::from_f32(d);
+    if h.is_finite() && (d == 0.0 || h.is_normal()) {
+        h.to_f32()
+    } else {
+        d
+    }
 }
 
 /// One weight row decoded: a level per value, and per 16 values a scale and an offset (the row's
@@ -743,12 +757,25 @@ mod tests {
     #[test]
     fn rounding_the_activations_moves_them_by_at_most_half_a_step() {
         let x = values(4 * 32, 5);
-        let xr = rounded(&x);
-        for (xb, rb) in x.chunks(32).zip(xr.chunks(32)) {
-            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
-            for (a, b) in xb.iter().zip(rb) {
-                assert!((f64::from(*a) - b).abs() <= amax / 254.0 * (1.0 + 1e-6));
+        let a = quantize_activations(&x, 1, x.len());
+        for (b, (xb, qb)) in x.chunks(32).zip(a.q.chunks(32)).enumerate() {
+            let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            // llama.cpp's Q8_0 block: the scale stored in f16, the levels from the exact scale.
+            let d = amax / 127.0;
+            assert_eq!(a.d[b], half::f16::from_f32(d).to_f32());
+            assert_eq!(a.d[b], stored_scale(d));
+            for (&v, &q) in xb.iter().zip(qb) {
+                assert_eq!(q, (v * (1.0 / d)).round() as i8);
+                assert!(
+                    (f64::from(v) - f64::from(d) * f64::from(q)).abs()
+                        <= f64::from(d) * 0.5 * (1.0 + 1e-6)
+                );
             }
         }
+        // Scales f16 cannot hold stay f32: no infinite products from huge activations.
+        for d in [1e6f32, 3e-6, 1e-30] {
+            assert_eq!(stored_scale(d), d);
+        }
+        assert_eq!(stored_scale(0.0), 0.0);
     }
 }
