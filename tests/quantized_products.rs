@@ -21,7 +21,8 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Asserts `got` (`[m, n]`) is `x wᵀ` (f64) within the rounding of `x` to 8 bits per block of 32:
-/// `Σ_blocks Σ|w| · max|x_block| / 254`, plus `f32` summation.
+/// half a step `d = max|x_block| / 127` per value, plus up to 127 times `d`'s own rounding to
+/// `f16` (2^-11 of it), times `Σ|w|` per block, plus `f32` summation.
 fn assert_product(got: &[f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize), what: &str) {
     for t in 0..m {
         let xr = &x[t * k..(t + 1) * k];
@@ -41,7 +42,8 @@ fn assert_product(got: &[f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, u
                     .zip(wb)
                     .map(|(a, b)| f64::from(a.abs() * b.abs()))
                     .sum();
-                bound += wsum * amax / 254.0 * (1.0 + 1e-6) + magnitude * 1e-6;
+                let step = amax / 127.0;
+                bound += wsum * step * (0.5 + 127.0 / 2048.0) * (1.0 + 1e-6) + magnitude * 1e-6;
             }
             let g = f64::from(got[t * n + j]);
             assert!(
@@ -177,6 +179,132 @@ fn a_scope_counts_quantized_bytes_and_returns_them() -> Result<()> {
         drop(kept);
         drop(x);
         assert_eq!(outer.stats().live_bytes, before);
+        Ok(())
+    })
+}
+
+#[test]
+fn a_quantized_linear_computes_on_its_blocks_and_trains_what_is_under_it() -> Result<()> {
+    use ndscope::nn::{Linear, Mode, Module, Parameters};
+    use ndscope::{Movable, Tape};
+    let (m, k, n) = (3, 64, 5);
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&values(n * k, 3), &[n, k])?;
+        let q = QuantTensor::quantize(&w, QuantType::Q4_0)?;
+        let decoded = q.dequantize(DType::F32)?;
+        let bias = s.from_slice(&values(n, 4), &[n])?;
+        let layer = Linear::from_quantized(q.clone(), Some(bias.clone()))?;
+        assert_eq!((layer.in_features(), layer.out_features()), (k, n));
+        assert_eq!(layer.weight.shape(), [0]); // the dense field is empty
+        assert_eq!(
+            layer.quantized_weight().map(QuantTensor::ty),
+            Some(QuantType::Q4_0)
+        );
+        // The bias is the layer's only parameter: optimizers and checkpoints never see the blocks.
+        let mut names = Vec::new();
+        layer.visit("", &mut |name, _| names.push(name.to_string()));
+        assert_eq!(names, ["bias"]);
+
+        let x = s.from_slice(&values(m * k, 5), &[m, k])?;
+        let g = s.from_slice(&values(m * n, 6), &[m, n])?;
+        let tape = Tape::new(s);
+        let input = tape.param(&x);
+        let y = layer.forward(&input, Mode::Train)?;
+        // Forward: the quantized product plus the bias.
+        let want = x.matmul_quantized_t(&q)?.add(&bias)?;
+        assert_eq!(y.value().to_vec::<f32>()?, want.to_vec::<f32>()?);
+        // Backward: the input's gradient is g W with W the decoded blocks; the bias's is Σ g.
+        let loss = y.mul(&tape.constant(&g))?.sum_all()?;
+        let grads = tape.backward(&loss)?;
+        let gx = grads.get(&x).expect("x is a parameter").to_vec::<f32>()?;
+        let (gv, wv) = (g.to_vec::<f32>()?, decoded.to_vec::<f32>()?);
+        for t in 0..m {
+            for i in 0..k {
+                let want: f64 = (0..n)
+                    .map(|j| f64::from(gv[t * n + j]) * f64::from(wv[j * k + i]))
+                    .sum();
+                assert!(
+                    (f64::from(gx[t * k + i]) - want).abs() <= 1e-5,
+                    "[{t}][{i}]"
+                );
+            }
+        }
+        let gb = grads
+            .get(&bias)
+            .expect("the bias is a parameter")
+            .to_vec::<f32>()?;
+        for j in 0..n {
+            let want: f32 = (0..m).map(|t| gv[t * n + j]).sum();
+            assert!((gb[j] - want).abs() <= 1e-5);
+        }
+        // The layer moves with its blocks.
+        let moved = s.scope(|inner| {
+            let copy = layer.clone().move_into(inner)?;
+            let ty = copy.quantized_weight().map(|q| q.nbytes());
+            Ok::<_, Error>(ty)
+        })?;
+        assert_eq!(moved, Some(q.nbytes()));
+        Ok(())
+    })
+}
+
+#[test]
+fn quantized_rows_decode_only_the_rows_asked_for() -> Result<()> {
+    root(Device::Cpu, |s| {
+        let w = s.from_slice(&values(6 * 32, 8), &[6, 32])?;
+        let q = QuantTensor::quantize(&w, QuantType::Q8_0)?;
+        let all = q.dequantize(DType::F32)?.to_vec::<f32>()?;
+        let ids = s.from_slice(&[4i64, 0, 4], &[3])?;
+        let rows = q.index_select(&ids, DType::F32)?;
+        assert_eq!(rows.shape(), [3, 32]);
+        let got = rows.to_vec::<f32>()?;
+        for (r, &id) in [4usize, 0, 4].iter().enumerate() {
+            assert_eq!(got[r * 32..(r + 1) * 32], all[id * 32..(id + 1) * 32]);
+        }
+        assert_eq!(q.index_select(&ids, DType::BF16)?.dtype(), DType::BF16);
+        let bad = s.from_slice(&[6i64], &[1])?;
+        assert!(matches!(
+            q.index_select(&bad, DType::F32),
+            Err(Error::IndexOutOfRange {
+                index: 6,
+                size: 6,
+                ..
+            })
+        ));
+        let floats = s.from_slice(&[1.0f32], &[1])?;
+        assert!(matches!(
+            q.index_select(&floats, DType::F32),
+            Err(Error::UnsupportedDType { .. })
+        ));
+        Ok(())
+    })
+}
+
+#[test]
+fn a_quantized_model_holds_its_file_in_blocks_and_refuses_to_save_as_safetensors() -> Result<()> {
+    use ndscope::models::{Gpt2, Llama};
+    use ndscope::nn::Parameters;
+    let file = "data/gguf/llama-tiny-Q4_0.gguf";
+    root(Device::Cpu, |s| {
+        let before = s.stats().live_bytes;
+        let llama = Llama::from_gguf_quantized(s, file, DType::F32)?;
+        let held = s.stats().live_bytes - before;
+        // The blocks as stored (the norms and the F16 matrices llama-quantize leaves in F16
+        // decoded to f32): well under the decoded model's bytes.
+        let decoded = Llama::from_gguf(s, file, DType::F32)?;
+        let dense = decoded.parameter_elements() * 4;
+        assert!(
+            held * 2 < dense,
+            "{held} bytes held quantized, {dense} decoded"
+        );
+        let dir =
+            std::env::temp_dir().join(format!("ndscope-quantized-save-{}", std::process::id()));
+        let err = llama.save_pretrained(&dir).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+        assert!(err.to_string().contains("from_gguf"), "{err}");
+        assert!(!dir.join("model.safetensors").exists());
+        let gpt2 = Gpt2::from_gguf_quantized(s, "data/gguf/gpt2-tiny-Q4_0.gguf", DType::F32)?;
+        assert!(gpt2.save_pretrained(&dir).is_err());
         Ok(())
     })
 }

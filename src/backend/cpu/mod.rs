@@ -13,6 +13,8 @@ mod index;
 mod matmul;
 mod paged;
 pub(crate) mod quant_product;
+#[cfg(target_arch = "x86_64")]
+mod quant_vnni;
 mod reduce;
 mod rotary;
 mod rows;

@@ -21,7 +21,7 @@
 use crate::quant::{QK_K, QuantType};
 
 /// Values per activation block (and per weight block of the 32-value formats).
-const BLOCK: usize = 32;
+pub(super) const BLOCK: usize = 32;
 /// Weight bytes per rayon task.
 const TASK_BYTES: usize = 256 << 10;
 /// Products whose weight is smaller than this run on the calling thread.
@@ -30,6 +30,10 @@ const PARALLEL_BYTES: usize = 128 << 10;
 /// The dot-product kernel, found once per call (`std` caches the detection).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Kernel {
+    /// AVX2 with AVX-512 F/BW and VNNI: `vpdpbusd` for Q8_0, Q4_0, Q4_K and Q6_K
+    /// (`quant_vnni`), AVX2 for the other formats.
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     Portable,
@@ -42,18 +46,41 @@ impl Kernel {
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
         {
+            if std::is_x86_feature_detected!("avx512f")
+                && std::is_x86_feature_detected!("avx512bw")
+                && std::is_x86_feature_detected!("avx512vnni")
+            {
+                return Kernel::Avx512Vnni;
+            }
             return Kernel::Avx2;
         }
         Kernel::Portable
+    }
+
+    /// Every kernel this CPU runs, the portable one first (for tests that check them all).
+    #[cfg(test)]
+    fn available() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            let best = Kernel::detect();
+            if best != Kernel::Portable {
+                all.push(Kernel::Avx2);
+            }
+            if best == Kernel::Avx512Vnni {
+                all.push(best);
+            }
+        }
+        all
     }
 }
 
 /// Rows of `x` rounded to 8 bits per block of 32: levels, each block's scale, and each 16 values'
 /// sum `d · Σ q` (what a weight's offset multiplies).
-struct Activations {
-    q: Vec<i8>,
-    d: Vec<f32>,
-    sums: Vec<f32>,
+pub(super) struct Activations {
+    pub(super) q: Vec<i8>,
+    pub(super) d: Vec<f32>,
+    pub(super) sums: Vec<f32>,
 }
 
 fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
@@ -299,8 +326,18 @@ pub(crate) fn product(
     }
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
-    let fused = fused_kernel(kernel, ty);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
+    #[cfg(target_arch = "x86_64")]
+    if let Some((vnni, lanes)) = vnni_kernel(kernel, ty, k, &a, m) {
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+            for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
+                let j = j0 + r;
+                vnni(&w[j * row_bytes..(j + 1) * row_bytes], &a, &lanes, k, sums);
+            }
+        });
+        return;
+    }
+    let fused = fused_kernel(kernel, ty);
     super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
         let mut row = Row::new(if fused.is_some() { 0 } else { k });
         for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
@@ -318,11 +355,61 @@ pub(crate) fn product(
     });
 }
 
+/// A VNNI kernel: one stored row times every row of the activations, with their lanes.
+#[cfg(target_arch = "x86_64")]
+type Vnni = fn(&[u8], &Activations, &super::quant_vnni::Lanes, usize, &mut [f32]);
+
+/// The VNNI kernel for `ty` where the CPU has one (and `k` is whole pairs of blocks), with the
+/// activations' lanes it reads.
+#[cfg(target_arch = "x86_64")]
+fn vnni_kernel(
+    kernel: Kernel,
+    ty: QuantType,
+    k: usize,
+    a: &Activations,
+    m: usize,
+) -> Option<(Vnni, super::quant_vnni::Lanes)> {
+    use super::quant_vnni::{self as vnni, Lanes};
+    if kernel != Kernel::Avx512Vnni || !k.is_multiple_of(64) {
+        return None;
+    }
+    // SAFETY (every closure): `Kernel::Avx512Vnni` is detected with AVX-512 F/BW, VNNI, AVX2 and
+    // F16C; `product` checked that `w` holds the row's blocks and the activations `sums.len()`
+    // rows of `k`, a multiple of 64; the lanes hold the unsigned levels where the kernel reads
+    // them.
+    let (f, unsigned): (Vnni, bool) = match ty {
+        QuantType::Q8_0 => (
+            |w, a, l, k, s| unsafe { vnni::row::<false>(w, a, l, k, s) },
+            true,
+        ),
+        QuantType::Q4_0 => (
+            |w, a, l, k, s| unsafe { vnni::row::<true>(w, a, l, k, s) },
+            true,
+        ),
+        QuantType::Q4_K => (
+            |w, a, l, k, s| unsafe { vnni::row_q4_k(w, a, l, k, s) },
+            false,
+        ),
+        QuantType::Q6_K => (
+            |w, a, l, k, s| unsafe { vnni::row_q6_k(w, a, l, k, s) },
+            true,
+        ),
+        _ => return None,
+    };
+    Some((f, Lanes::new(a, m, k, unsigned)))
+}
+
 /// A kernel that decodes one stored row in registers and multiplies it into every row of the
 /// activations (`sums[t]`), for the formats that have one on this CPU.
 type Fused = fn(&[u8], &Activations, usize, &mut [f32]);
 
 fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
+    #[cfg(target_arch = "x86_64")]
+    let kernel = if kernel == Kernel::Avx512Vnni {
+        Kernel::Avx2
+    } else {
+        kernel
+    };
     match (kernel, ty) {
         #[cfg(target_arch = "x86_64")]
         (Kernel::Avx2, QuantType::Q8_0) => Some(|w, a, k, sums| {
@@ -357,7 +444,7 @@ fn dot(kernel: Kernel, row: &Row, a: &Activations, t: usize, k: usize) -> f32 {
         // SAFETY: `Kernel::detect` returned `Avx2` only where the CPU has AVX2 and FMA; every
         // slice holds `k` values (or `k / 16`, `k / 32` scales), which is all the kernel reads.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 => unsafe { avx2::dot(&row.q, &row.scale, xq, xd) },
+        Kernel::Avx2 | Kernel::Avx512Vnni => unsafe { avx2::dot(&row.q, &row.scale, xq, xd) },
         Kernel::Portable => portable_dot(&row.q, &row.scale, xq, xd),
     };
     if !row.offsets {
@@ -718,10 +805,7 @@ mod tests {
 
     #[test]
     fn every_format_and_kernel_matches_an_f64_product_of_the_decoded_weight() {
-        let mut kernels = vec![Kernel::Portable];
-        if Kernel::detect() != Kernel::Portable {
-            kernels.push(Kernel::detect());
-        }
+        let kernels = Kernel::available();
         for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
             for (m, k, n) in [(1, 256, 3), (3, 512, 5), (16, 256, 2)] {
                 let w = blocks(ty, n, k, 7 + n as u64);

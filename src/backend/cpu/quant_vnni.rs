@@ -1,0 +1,407 @@
+//! The quantized products' AVX-512 VNNI kernels: 64 multiply-adds of 8-bit levels per
+//! `vpdpbusd` (unsigned by signed bytes, summed by four into 32-bit lanes), against the AVX2
+//! kernels' 32 per three instructions. Semantics as `quant_product`'s (the same rounded
+//! activations, exact integer sums per block, one `f32` scale per 4 values); only the instruction
+//! sequence differs.
+//!
+//! `vpdpbusd` multiplies unsigned bytes by signed ones. Where the weight's levels are signed
+//! (Q8_0's, and Q4_0's `q − 8` and Q6_K's `q − 32` once offset) the activations go in unsigned
+//! (`x + 128`, [`Lanes`]) and the `128 · Σ w` that adds is subtracted once per weight block, for
+//! every token: each lane starts from `−128 · Σ` of its four weights. Q4_K's levels are unsigned
+//! and plain, so they go in as stored against the signed activations (its minimums are subtracted
+//! through the activations' sums, as in the AVX2 kernel). Per token, a step reads 64 activation
+//! bytes and two block scales: what the weight's rows share, when several tokens are multiplied.
+
+use std::arch::x86_64::*;
+
+use super::quant_product::{Activations, BLOCK};
+
+/// Splits `m` tokens into chunks of 8, 4, 2 and 1 (`run(first, len)`): each chunk's accumulators
+/// are a fixed-size array the compiler keeps in registers.
+fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
+    let mut t0 = 0;
+    while t0 < m {
+        let n = [8, 4, 2, 1]
+            .into_iter()
+            .find(|&n| n <= m - t0)
+            .expect("1 <= m - t0");
+        run(t0, n);
+        t0 += n;
+    }
+}
+
+/// The activations' levels plus 128, as unsigned bytes, for the signed weights (empty for Q4_K).
+pub(super) struct Lanes {
+    unsigned: Vec<u8>,
+}
+
+impl Lanes {
+    /// The unsigned levels of `a` (`m` rows of `k`) if `unsigned`.
+    pub(super) fn new(a: &Activations, m: usize, k: usize, unsigned: bool) -> Lanes {
+        let unsigned = if unsigned {
+            a.q[..m * k].iter().map(|&v| (v as u8) ^ 0x80).collect()
+        } else {
+            Vec::new()
+        };
+        Lanes { unsigned }
+    }
+}
+
+/// `−128 · Σ` of each lane's 4 signed weights: where a lane of `(x + 128) · w` starts.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+fn signed_start(q: __m512i) -> __m512i {
+    let bias = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(-128), q);
+    _mm512_sub_epi32(_mm512_setzero_si512(), bias)
+}
+
+/// The `f16` at `at`, widened.
+///
+/// # Safety
+/// `at` and `at + 1` must be readable; the CPU must have F16C.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_at(at: *const u8) -> f32 {
+    // SAFETY: the caller's contract.
+    let bits = unsafe { u16::from_le_bytes([*at, *at.add(1)]) };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// Lanes 0..8 `a`, lanes 8..16 `b`: two 32-value blocks' scales over their 8 lanes each.
+#[target_feature(enable = "avx512f")]
+fn halves(a: f32, b: f32) -> __m512 {
+    _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(a), _mm512_set1_ps(b))
+}
+
+/// The accumulation every kernel shares: for tokens `t0..t0 + N`, the 64 values at `at` (a
+/// multiple of 64 within a row of `k`) times the weight's levels `q` (64 bytes, signed if
+/// `SIGNED`, against the unsigned activations, else unsigned), each lane started from `start`
+/// (the weight's own correction), scaled by `scale` (the weight's, per lane) times the
+/// activations' two block scales.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and VNNI; `at + 64 <= k`; tokens `t0..t0 + N` are rows of `a`
+/// and (if `SIGNED`) of `lanes`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate<const SIGNED: bool, const N: usize>(
+    acc: &mut [__m512; N],
+    t0: usize,
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    at: usize,
+    q: __m512i,
+    start: __m512i,
+    scale: __m512,
+) {
+    // The first scale over lanes 0..8, the second over 8..16.
+    let spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (t, acc) in acc.iter_mut().enumerate() {
+        let row = (t0 + t) * k + at;
+        // SAFETY: the caller's contract keeps the 64 bytes at `row` and the two scales at
+        // `row / 32` inside the activations; `loadu` takes any alignment.
+        unsafe {
+            let dp = if SIGNED {
+                let x = _mm512_loadu_si512(lanes.unsigned.as_ptr().add(row).cast());
+                _mm512_dpbusd_epi32(start, x, q)
+            } else {
+                let x = _mm512_loadu_si512(a.q.as_ptr().add(row).cast());
+                _mm512_dpbusd_epi32(start, q, x)
+            };
+            let pair = _mm_castpd_ps(_mm_load_sd(a.d.as_ptr().add(row / BLOCK).cast()));
+            let xd = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(pair));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(xd, scale), *acc);
+        }
+    }
+}
+
+/// One Q8_0 (`NIBBLES` false) or Q4_0 (`NIBBLES` true) weight row times every row of the
+/// activations, two blocks (64 values) per step.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW, VNNI and F16C; `k` a multiple of 64; `w` holds `k / 32`
+/// blocks; `a` and `lanes` `sums.len()` rows of `k` (`lanes` with the unsigned levels).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) unsafe fn row<const NIBBLES: bool>(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    sums: &mut [f32],
+) {
+    let block_bytes = if NIBBLES { 18 } else { 34 };
+    let m = sums.len();
+    assert!(k.is_multiple_of(64) && w.len() >= k / BLOCK * block_bytes && a.q.len() >= m * k);
+    assert!(lanes.unsigned.len() >= m * k && a.d.len() >= m * k / BLOCK);
+    by_token_chunks(m, |t0, n| {
+        let sums = &mut sums[t0..t0 + n];
+        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
+        unsafe {
+            match n {
+                8 => row_n::<NIBBLES, 8>(w, a, lanes, k, t0, sums),
+                4 => row_n::<NIBBLES, 4>(w, a, lanes, k, t0, sums),
+                2 => row_n::<NIBBLES, 2>(w, a, lanes, k, t0, sums),
+                _ => row_n::<NIBBLES, 1>(w, a, lanes, k, t0, sums),
+            }
+        }
+    });
+}
+
+/// [`row`] for the `N` tokens from `t0` (`sums` their outputs).
+///
+/// # Safety
+/// As for [`row`], with tokens `t0..t0 + N` in `a` and `lanes`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn row_n<const NIBBLES: bool, const N: usize>(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    t0: usize,
+    sums: &mut [f32],
+) {
+    let block_bytes = if NIBBLES { 18 } else { 34 };
+    let low = _mm256_set1_epi8(0x0f);
+    let eight = _mm512_set1_epi8(8);
+    {
+        let mut acc = [_mm512_setzero_ps(); N];
+        for pair in 0..k / 64 {
+            // SAFETY: blocks 2·pair and 2·pair + 1 lie in `w` (the assertion); `loadu` takes any
+            // alignment; `accumulate`'s contract follows from the assertions.
+            unsafe {
+                let first = w.as_ptr().add(2 * pair * block_bytes);
+                let second = first.add(block_bytes);
+                let scale = halves(f16_at(first), f16_at(second));
+                let q = if NIBBLES {
+                    let bytes = _mm256_set_m128i(
+                        _mm_loadu_si128(second.add(2).cast()),
+                        _mm_loadu_si128(first.add(2).cast()),
+                    );
+                    let lo = _mm256_and_si256(bytes, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                    // [first's lows, second's lows, first's highs, second's highs] in 128-bit
+                    // lanes, reordered to the values' order: lanes 0, 2, 1, 3.
+                    let z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    _mm512_sub_epi8(_mm512_shuffle_i64x2(z, z, 0b11_01_10_00), eight)
+                } else {
+                    _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(first.add(2).cast())),
+                        _mm256_loadu_si256(second.add(2).cast()),
+                        1,
+                    )
+                };
+                let start = signed_start(q);
+                accumulate::<true, N>(&mut acc, t0, a, lanes, k, pair * 64, q, start, scale);
+            }
+        }
+        for (sum, acc) in sums.iter_mut().zip(acc) {
+            *sum = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+
+/// One Q6_K weight row times every row of the activations: per block of 256, the 6-bit levels
+/// assembled 64 at a time from their low 4 and high 2 bits and offset by −32, each 16 values
+/// scaled by their `i8` scale times `d`.
+///
+/// # Safety
+/// As for [`row`]: `w` holds `k / 256` blocks of 210 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) unsafe fn row_q6_k(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    sums: &mut [f32],
+) {
+    const BYTES: usize = 210;
+    let blocks = k / 256;
+    let m = sums.len();
+    assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && lanes.unsigned.len() >= m * k);
+    assert!(a.d.len() >= m * k / BLOCK);
+    by_token_chunks(m, |t0, n| {
+        let sums = &mut sums[t0..t0 + n];
+        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
+        unsafe {
+            match n {
+                8 => row_q6_k_n::<8>(w, a, lanes, k, t0, sums),
+                4 => row_q6_k_n::<4>(w, a, lanes, k, t0, sums),
+                2 => row_q6_k_n::<2>(w, a, lanes, k, t0, sums),
+                _ => row_q6_k_n::<1>(w, a, lanes, k, t0, sums),
+            }
+        }
+    });
+}
+
+/// [`row_q6_k`] for the `N` tokens from `t0`.
+///
+/// # Safety
+/// As for [`row_q6_k`], with tokens `t0..t0 + N` in `a` and `lanes`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn row_q6_k_n<const N: usize>(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    t0: usize,
+    sums: &mut [f32],
+) {
+    const BYTES: usize = 210;
+    let blocks = k / 256;
+    let low = _mm512_set1_epi8(0x0f);
+    let two = _mm512_set1_epi8(0x03);
+    let offset = _mm512_set1_epi8(32);
+    // Each of 4 scales over its 4 lanes (16 values).
+    let spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    {
+        let mut acc = [_mm512_setzero_ps(); N];
+        for b in 0..blocks {
+            // SAFETY: the block's 210 bytes are in `w` (the assertion): `ql` at 64·half, `qh` at
+            // 128 + 32·half, the scales at 192 + 8·half + 4·r, `d` at 208; `accumulate`'s
+            // contract follows from the assertions.
+            unsafe {
+                let block = w.as_ptr().add(b * BYTES);
+                let d = _mm512_set1_ps(f16_at(block.add(208)));
+                for half in 0..2 {
+                    let ql = _mm512_loadu_si512(block.add(64 * half).cast());
+                    let qh = _mm256_loadu_si256(block.add(128 + 32 * half).cast());
+                    let qh =
+                        _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+                    let levels = [
+                        _mm512_or_si512(
+                            _mm512_and_si512(ql, low),
+                            _mm512_slli_epi16(_mm512_and_si512(qh, two), 4),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16(ql, 4), low),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), two), 4),
+                        ),
+                    ];
+                    for (r, q) in levels.into_iter().enumerate() {
+                        let at = block.add(192 + 8 * half + 4 * r);
+                        let four = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(
+                            i32::from_le_bytes([*at, *at.add(1), *at.add(2), *at.add(3)]),
+                        )));
+                        let scale = _mm512_mul_ps(
+                            _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four)),
+                            d,
+                        );
+                        let q = _mm512_sub_epi8(q, offset);
+                        accumulate::<true, N>(
+                            &mut acc,
+                            t0,
+                            a,
+                            lanes,
+                            k,
+                            b * 256 + half * 128 + r * 64,
+                            q,
+                            signed_start(q),
+                            scale,
+                        );
+                    }
+                }
+            }
+        }
+        for (sum, acc) in sums.iter_mut().zip(acc) {
+            *sum = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+
+/// One Q4_K weight row times every row of the activations: per block of 256, two sub-blocks of
+/// 32 (one byte row's low and high nibbles) per step, each scaled by `d · sc`; the minimums
+/// `dmin · m` times the activations' sums subtracted per token, as in the AVX2 kernel.
+///
+/// # Safety
+/// As for [`row`]: `w` holds `k / 256` blocks of 144 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+pub(super) unsafe fn row_q4_k(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    sums: &mut [f32],
+) {
+    const BYTES: usize = 144;
+    let blocks = k / 256;
+    let m = sums.len();
+    assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.sums.len() >= m * k / 16);
+    assert!(a.d.len() >= m * k / BLOCK);
+    by_token_chunks(m, |t0, n| {
+        let sums = &mut sums[t0..t0 + n];
+        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
+        unsafe {
+            match n {
+                8 => row_q4_k_n::<8>(w, a, lanes, k, t0, sums),
+                4 => row_q4_k_n::<4>(w, a, lanes, k, t0, sums),
+                2 => row_q4_k_n::<2>(w, a, lanes, k, t0, sums),
+                _ => row_q4_k_n::<1>(w, a, lanes, k, t0, sums),
+            }
+        }
+    });
+}
+
+/// [`row_q4_k`] for the `N` tokens from `t0`.
+///
+/// # Safety
+/// As for [`row_q4_k`], with tokens `t0..t0 + N` in `a` and `lanes`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+unsafe fn row_q4_k_n<const N: usize>(
+    w: &[u8],
+    a: &Activations,
+    lanes: &Lanes,
+    k: usize,
+    t0: usize,
+    sums: &mut [f32],
+) {
+    const BYTES: usize = 144;
+    let blocks = k / 256;
+    let low = _mm256_set1_epi8(0x0f);
+    {
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut offsets = [0.0f32; N];
+        for b in 0..blocks {
+            let block = &w[b * BYTES..(b + 1) * BYTES];
+            // SAFETY: the block's 144 bytes are in `w` (the assertion).
+            let (d, dmin) = unsafe { (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2))) };
+            let (mut scale, mut minimum) = ([0.0f32; 8], [0.0f32; 8]);
+            for i in 0..8 {
+                let (sc, mn) = crate::quant::scale_min_k4(&block[4..16], i);
+                scale[i] = d * f32::from(sc);
+                minimum[i] = dmin * f32::from(mn);
+            }
+            for (t, offset) in offsets.iter_mut().enumerate() {
+                let at = (t0 + t) * (k / 16) + b * 16;
+                let sums = &a.sums[at..at + 16];
+                for i in 0..8 {
+                    *offset += minimum[i] * (sums[2 * i] + sums[2 * i + 1]);
+                }
+            }
+            for pair in 0..4 {
+                // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; `accumulate`'s
+                // contract follows from the assertions.
+                unsafe {
+                    let bytes = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * pair).cast());
+                    let q = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
+                        _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
+                        1,
+                    );
+                    accumulate::<false, N>(
+                        &mut acc,
+                        t0,
+                        a,
+                        lanes,
+                        k,
+                        b * 256 + pair * 64,
+                        q,
+                        _mm512_setzero_si512(),
+                        halves(scale[2 * pair], scale[2 * pair + 1]),
+                    );
+                }
+            }
+        }
+        for ((sum, acc), offset) in sums.iter_mut().zip(acc).zip(offsets) {
+            *sum = _mm512_reduce_add_ps(acc) - offset;
+        }
+    }
+}
