@@ -373,24 +373,28 @@ fn vnni_kernel(
     if kernel != Kernel::Avx512Vnni || !k.is_multiple_of(64) {
         return None;
     }
-    // SAFETY (every closure): `Kernel::Avx512Vnni` is detected with AVX-512 F/BW, VNNI, AVX2 and
+    // Every kernel's contract: `Kernel::Avx512Vnni` is detected with AVX-512 F/BW, VNNI, AVX2 and
     // F16C; `product` checked that `w` holds the row's blocks and the activations `sums.len()`
     // rows of `k`, a multiple of 64; the lanes hold the unsigned levels where the kernel reads
-    // them.
+    // them (`unsigned` below).
     let (f, unsigned): (Vnni, bool) = match ty {
         QuantType::Q8_0 => (
+            // SAFETY: the contract above.
             |w, a, l, k, s| unsafe { vnni::row::<false>(w, a, l, k, s) },
             true,
         ),
         QuantType::Q4_0 => (
+            // SAFETY: the contract above.
             |w, a, l, k, s| unsafe { vnni::row::<true>(w, a, l, k, s) },
             true,
         ),
         QuantType::Q4_K => (
+            // SAFETY: the contract above.
             |w, a, l, k, s| unsafe { vnni::row_q4_k(w, a, l, k, s) },
             false,
         ),
         QuantType::Q6_K => (
+            // SAFETY: the contract above.
             |w, a, l, k, s| unsafe { vnni::row_q6_k(w, a, l, k, s) },
             true,
         ),
