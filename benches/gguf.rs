@@ -4,7 +4,7 @@
 //! the engine and the resident memory a quantized load adds against the file's tensor bytes.
 //!
 //! The files are a Llama-3.2-1B-shaped model and the GPT-2 small shape with random weights,
-//! converted and quantized by llama.cpp (`benches/gguf_files.sh` writes them to `target/`); a file
+//! converted and quantized by llama.cpp (`benches/gguf_files.py` writes them to `target/`); a file
 //! that is missing is skipped with a message.
 //!
 //! ```text
@@ -166,7 +166,7 @@ fn main() -> Result<()> {
         }
         if !path.is_file() {
             eprintln!(
-                "gguf bench: no {}; make it with `benches/gguf_files.sh`",
+                "gguf bench: no {}; make it with `python3 benches/gguf_files.py LLAMA_CPP_DIR`",
                 path.display()
             );
             continue;

@@ -34,7 +34,7 @@ mod kquants;
 
 use std::fmt;
 
-pub(crate) use kquants::scale_min_k4;
+pub(crate) use kquants::{scale_min_k4, scales_mins_k4};
 
 use crate::error::{Error, Result};
 

@@ -84,33 +84,61 @@ pub(super) struct Activations {
 }
 
 fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
+    use rayon::prelude::*;
     let mut a = Activations {
         q: vec![0; m * k],
         d: vec![0.0; m * k / BLOCK],
         sums: vec![0.0; m * k / 16],
     };
-    for (b, ((xs, qs), d)) in x[..m * k]
-        .chunks_exact(BLOCK)
-        .zip(a.q.chunks_exact_mut(BLOCK))
-        .zip(a.d.iter_mut())
-        .enumerate()
-    {
-        let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let exact = amax / 127.0;
-        let id = if exact == 0.0 { 0.0 } else { 1.0 / exact };
-        for (q, &v) in qs.iter_mut().zip(xs) {
-            *q = (v * id).round() as i8;
+    // A prompt's rows (hundreds of thousands of values) on every thread; a decoding row on this one.
+    const BLOCKS_PER_TASK: usize = 1024;
+    let x = &x[..m * k];
+    // Levels, scales and half sums of whole blocks, from their values.
+    let one_task = |q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]| {
+        for (((xs, qs), d), sums) in x
+            .chunks_exact(BLOCK)
+            .zip(q.chunks_exact_mut(BLOCK))
+            .zip(d.iter_mut())
+            .zip(sums.chunks_exact_mut(2))
+        {
+            quantize_block(xs, qs, d, sums);
         }
-        *d = stored_scale(exact);
-        for half in 0..2 {
-            let s: i32 = qs[16 * half..16 * half + 16]
-                .iter()
-                .map(|&q| i32::from(q))
-                .sum();
-            a.sums[2 * b + half] = *d * s as f32;
-        }
+    };
+    if m * k <= BLOCKS_PER_TASK * BLOCK {
+        one_task(&mut a.q, &mut a.d, &mut a.sums, x);
+    } else {
+        a.q.par_chunks_mut(BLOCKS_PER_TASK * BLOCK)
+            .zip(a.d.par_chunks_mut(BLOCKS_PER_TASK))
+            .zip(a.sums.par_chunks_mut(2 * BLOCKS_PER_TASK))
+            .zip(x.par_chunks(BLOCKS_PER_TASK * BLOCK))
+            .for_each(|(((q, d), sums), x)| one_task(q, d, sums, x));
     }
     a
+}
+
+/// One block of 32 activations: levels, scale, and each half's `d · Σ q`.
+fn quantize_block(xs: &[f32], qs: &mut [i8], d: &mut f32, sums: &mut [f32]) {
+    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let exact = amax / 127.0;
+    let id = if exact == 0.0 { 0.0 } else { 1.0 / exact };
+    for (q, &v) in qs.iter_mut().zip(xs) {
+        *q = round_half_away(v * id) as i8;
+    }
+    *d = stored_scale(exact);
+    for (half, sum) in sums.iter_mut().enumerate() {
+        let s: i32 = qs[16 * half..16 * half + 16]
+            .iter()
+            .map(|&q| i32::from(q))
+            .sum();
+        *sum = *d * s as f32;
+    }
+}
+
+/// `y.round()` (half away from zero) for `|y| < 2^23`, in two instructions rather than a call:
+/// adding the largest `f32` below 0.5 with `y`'s sign rounds a half up to the next whole number
+/// (the sum's own rounding) and anything below a half short of it, then the cast truncates.
+fn round_half_away(y: f32) -> f32 {
+    (y + 0.499_999_97f32.copysign(y)).trunc()
 }
 
 /// An activation block's scale as llama.cpp's Q8_0 block stores it, rounded to `f16` — except
@@ -330,9 +358,15 @@ pub(crate) fn product(
     #[cfg(target_arch = "x86_64")]
     if let Some((vnni, lanes)) = vnni_kernel(kernel, ty, k, &a, m) {
         super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
-            for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
-                let j = j0 + r;
-                vnni(&w[j * row_bytes..(j + 1) * row_bytes], &a, &lanes, k, sums);
+            // A group of tokens at a time through all of the task's weight rows, so that a
+            // prompt's activations are read from L1 rather than from L2 once per weight row.
+            for t0 in (0..m).step_by(TOKEN_GROUP) {
+                let tokens = TOKEN_GROUP.min(m - t0);
+                for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
+                    let j = j0 + r;
+                    let row = &w[j * row_bytes..(j + 1) * row_bytes];
+                    vnni(row, &a, &lanes, k, t0, &mut sums[t0..t0 + tokens]);
+                }
             }
         });
         return;
@@ -355,9 +389,15 @@ pub(crate) fn product(
     });
 }
 
-/// A VNNI kernel: one stored row times every row of the activations, with their lanes.
+/// A VNNI kernel: one stored row times the rows `first..` of the activations (one per output), with
+/// their lanes.
 #[cfg(target_arch = "x86_64")]
-type Vnni = fn(&[u8], &Activations, &super::quant_vnni::Lanes, usize, &mut [f32]);
+type Vnni = fn(&[u8], &Activations, &super::quant_vnni::Lanes, usize, usize, &mut [f32]);
+
+/// Tokens multiplied into a task's weight rows before the next tokens: 16 rows of activations
+/// (32 KiB at k = 2048) stay in L1.
+#[cfg(target_arch = "x86_64")]
+const TOKEN_GROUP: usize = 16;
 
 /// The VNNI kernel for `ty` where the CPU has one (and `k` is whole pairs of blocks), with the
 /// activations' lanes it reads.
@@ -374,28 +414,28 @@ fn vnni_kernel(
         return None;
     }
     // Every kernel's contract: `Kernel::Avx512Vnni` is detected with AVX-512 F/BW, VNNI, AVX2 and
-    // F16C; `product` checked that `w` holds the row's blocks and the activations `sums.len()`
-    // rows of `k`, a multiple of 64; the lanes hold the unsigned levels where the kernel reads
+    // F16C; `product` checked that `w` holds the row's blocks and the activations `m` rows of `k`
+    // (a multiple of 64), and calls with `first + sums.len() <= m`; the lanes hold the unsigned levels where the kernel reads
     // them (`unsigned` below).
     let (f, unsigned): (Vnni, bool) = match ty {
         QuantType::Q8_0 => (
             // SAFETY: the contract above.
-            |w, a, l, k, s| unsafe { vnni::row::<false>(w, a, l, k, s) },
+            |w, a, l, k, t, s| unsafe { vnni::row::<false>(w, a, l, k, t, s) },
             true,
         ),
         QuantType::Q4_0 => (
             // SAFETY: the contract above.
-            |w, a, l, k, s| unsafe { vnni::row::<true>(w, a, l, k, s) },
+            |w, a, l, k, t, s| unsafe { vnni::row::<true>(w, a, l, k, t, s) },
             true,
         ),
         QuantType::Q4_K => (
             // SAFETY: the contract above.
-            |w, a, l, k, s| unsafe { vnni::row_q4_k(w, a, l, k, s) },
+            |w, a, l, k, t, s| unsafe { vnni::row_q4_k(w, a, l, k, t, s) },
             false,
         ),
         QuantType::Q6_K => (
             // SAFETY: the contract above.
-            |w, a, l, k, s| unsafe { vnni::row_q6_k(w, a, l, k, s) },
+            |w, a, l, k, t, s| unsafe { vnni::row_q6_k(w, a, l, k, t, s) },
             true,
         ),
         _ => return None,
@@ -811,7 +851,7 @@ mod tests {
     fn every_format_and_kernel_matches_an_f64_product_of_the_decoded_weight() {
         let kernels = Kernel::available();
         for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
-            for (m, k, n) in [(1, 256, 3), (3, 512, 5), (16, 256, 2)] {
+            for (m, k, n) in [(1, 256, 3), (3, 512, 5), (16, 256, 2), (23, 256, 3)] {
                 let w = blocks(ty, n, k, 7 + n as u64);
                 let mut decoded = vec![0.0f32; n * k];
                 quant::dequantize(ty, &w, &mut decoded).unwrap();
@@ -839,6 +879,21 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_fast_rounding_rounds_half_away_from_zero() {
+        let mut specials = vec![
+            0.0f32, -0.0, 0.5, -0.5, 1.5, 2.5, -2.5, 126.5, -127.5, 127.0,
+        ];
+        for whole in -128..128 {
+            let half = whole as f32 + 0.5;
+            specials.extend([half, half.next_up(), half.next_down()]);
+        }
+        specials.extend(values(100_000, 17).iter().map(|v| v * 40.0));
+        for y in specials {
+            assert_eq!(round_half_away(y), y.round(), "{y:e}");
         }
     }
 

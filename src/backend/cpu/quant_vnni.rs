@@ -30,20 +30,31 @@ fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
     }
 }
 
-/// The activations' levels plus 128, as unsigned bytes, for the signed weights (empty for Q4_K).
+/// What a kernel reads of the activations beyond their levels and scales: the levels plus 128 as
+/// unsigned bytes (for the signed weights), or each block's `d · Σ q` (for Q4_K's minimums).
 pub(super) struct Lanes {
     unsigned: Vec<u8>,
+    block_sums: Vec<f32>,
 }
 
 impl Lanes {
-    /// The unsigned levels of `a` (`m` rows of `k`) if `unsigned`.
+    /// For `a` (`m` rows of `k`): the unsigned levels if `unsigned`, else the block sums.
     pub(super) fn new(a: &Activations, m: usize, k: usize, unsigned: bool) -> Lanes {
-        let unsigned = if unsigned {
-            a.q[..m * k].iter().map(|&v| (v as u8) ^ 0x80).collect()
-        } else {
-            Vec::new()
-        };
-        Lanes { unsigned }
+        if unsigned {
+            let unsigned = a.q[..m * k].iter().map(|&v| (v as u8) ^ 0x80).collect();
+            return Lanes {
+                unsigned,
+                block_sums: Vec::new(),
+            };
+        }
+        let block_sums = a.sums[..m * k / 16]
+            .chunks_exact(2)
+            .map(|h| h[0] + h[1])
+            .collect();
+        Lanes {
+            unsigned: Vec::new(),
+            block_sums,
+        }
     }
 }
 
@@ -114,26 +125,27 @@ unsafe fn accumulate<const SIGNED: bool, const N: usize>(
     }
 }
 
-/// One Q8_0 (`NIBBLES` false) or Q4_0 (`NIBBLES` true) weight row times every row of the
-/// activations, two blocks (64 values) per step.
+/// One Q8_0 (`NIBBLES` false) or Q4_0 (`NIBBLES` true) weight row times the rows `first..first +
+/// sums.len()` of the activations, two blocks (64 values) per step.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW, VNNI and F16C; `k` a multiple of 64; `w` holds `k / 32`
-/// blocks; `a` and `lanes` `sums.len()` rows of `k` (`lanes` with the unsigned levels).
+/// blocks; `a` and `lanes` `first + sums.len()` rows of `k` (`lanes` with the unsigned levels).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
 pub(super) unsafe fn row<const NIBBLES: bool>(
     w: &[u8],
     a: &Activations,
     lanes: &Lanes,
     k: usize,
+    first: usize,
     sums: &mut [f32],
 ) {
     let block_bytes = if NIBBLES { 18 } else { 34 };
-    let m = sums.len();
+    let m = first + sums.len();
     assert!(k.is_multiple_of(64) && w.len() >= k / BLOCK * block_bytes && a.q.len() >= m * k);
     assert!(lanes.unsigned.len() >= m * k && a.d.len() >= m * k / BLOCK);
-    by_token_chunks(m, |t0, n| {
-        let sums = &mut sums[t0..t0 + n];
+    by_token_chunks(sums.len(), |t0, n| {
+        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
         // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
         unsafe {
             match n {
@@ -199,7 +211,7 @@ unsafe fn row_n<const NIBBLES: bool, const N: usize>(
     }
 }
 
-/// One Q6_K weight row times every row of the activations: per block of 256, the 6-bit levels
+/// One Q6_K weight row times the rows `first..first + sums.len()` of the activations: per block of 256, the 6-bit levels
 /// assembled 64 at a time from their low 4 and high 2 bits and offset by −32, each 16 values
 /// scaled by their `i8` scale times `d`.
 ///
@@ -211,15 +223,16 @@ pub(super) unsafe fn row_q6_k(
     a: &Activations,
     lanes: &Lanes,
     k: usize,
+    first: usize,
     sums: &mut [f32],
 ) {
     const BYTES: usize = 210;
     let blocks = k / 256;
-    let m = sums.len();
+    let m = first + sums.len();
     assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && lanes.unsigned.len() >= m * k);
     assert!(a.d.len() >= m * k / BLOCK);
-    by_token_chunks(m, |t0, n| {
-        let sums = &mut sums[t0..t0 + n];
+    by_token_chunks(sums.len(), |t0, n| {
+        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
         // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
         unsafe {
             match n {
@@ -307,7 +320,7 @@ unsafe fn row_q6_k_n<const N: usize>(
     }
 }
 
-/// One Q4_K weight row times every row of the activations: per block of 256, two sub-blocks of
+/// One Q4_K weight row times the rows `first..first + sums.len()` of the activations: per block of 256, two sub-blocks of
 /// 32 (one byte row's low and high nibbles) per step, each scaled by `d · sc`; the minimums
 /// `dmin · m` times the activations' sums subtracted per token, as in the AVX2 kernel.
 ///
@@ -319,15 +332,16 @@ pub(super) unsafe fn row_q4_k(
     a: &Activations,
     lanes: &Lanes,
     k: usize,
+    first: usize,
     sums: &mut [f32],
 ) {
     const BYTES: usize = 144;
     let blocks = k / 256;
-    let m = sums.len();
-    assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.sums.len() >= m * k / 16);
-    assert!(a.d.len() >= m * k / BLOCK);
-    by_token_chunks(m, |t0, n| {
-        let sums = &mut sums[t0..t0 + n];
+    let m = first + sums.len();
+    assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.d.len() >= m * k / BLOCK);
+    assert!(lanes.block_sums.len() >= m * k / BLOCK);
+    by_token_chunks(sums.len(), |t0, n| {
+        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
         // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
         unsafe {
             match n {
@@ -358,27 +372,34 @@ unsafe fn row_q4_k_n<const N: usize>(
     let low = _mm256_set1_epi8(0x0f);
     {
         let mut acc = [_mm512_setzero_ps(); N];
-        let mut offsets = [0.0f32; N];
+        let mut offsets = [_mm256_setzero_ps(); N];
         for b in 0..blocks {
             let block = &w[b * BYTES..(b + 1) * BYTES];
-            // SAFETY: the block's 144 bytes are in `w` (the assertion).
-            let (d, dmin) = unsafe { (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2))) };
-            let (mut scale, mut minimum) = ([0.0f32; 8], [0.0f32; 8]);
-            for i in 0..8 {
-                let (sc, mn) = crate::quant::scale_min_k4(&block[4..16], i);
-                scale[i] = d * f32::from(sc);
-                minimum[i] = dmin * f32::from(mn);
-            }
-            for (t, offset) in offsets.iter_mut().enumerate() {
-                let at = (t0 + t) * (k / 16) + b * 16;
-                let sums = &a.sums[at..at + 16];
-                for i in 0..8 {
-                    *offset += minimum[i] * (sums[2 * i] + sums[2 * i + 1]);
+            let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+            let (scales, mins) = crate::quant::scales_mins_k4(packed);
+            // SAFETY: the block's 144 bytes are in `w` and the block sums of tokens t0..t0 + N
+            // in `lanes` (the caller's contract); the 8-byte loads read the local arrays.
+            let scale = unsafe {
+                let (d, dmin) = (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2)));
+                let widen = |bytes: &[u8; 8]| {
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.as_ptr().cast())))
+                };
+                let minimum = _mm256_mul_ps(widen(&mins), _mm256_set1_ps(dmin));
+                for (t, offset) in offsets.iter_mut().enumerate() {
+                    let at = (t0 + t) * (k / BLOCK) + b * 8;
+                    let sums = _mm256_loadu_ps(lanes.block_sums.as_ptr().add(at));
+                    *offset = _mm256_fmadd_ps(minimum, sums, *offset);
                 }
-            }
+                let mut scale = [0.0f32; 8];
+                _mm256_storeu_ps(
+                    scale.as_mut_ptr(),
+                    _mm256_mul_ps(widen(&scales), _mm256_set1_ps(d)),
+                );
+                scale
+            };
             for pair in 0..4 {
                 // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; `accumulate`'s
-                // contract follows from the assertions.
+                // contract follows from the caller's.
                 unsafe {
                     let bytes = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * pair).cast());
                     let q = _mm512_inserti64x4(
@@ -401,7 +422,15 @@ unsafe fn row_q4_k_n<const N: usize>(
             }
         }
         for ((sum, acc), offset) in sums.iter_mut().zip(acc).zip(offsets) {
-            *sum = _mm512_reduce_add_ps(acc) - offset;
+            *sum = _mm512_reduce_add_ps(acc) - horizontal_sum(offset);
         }
     }
+}
+
+/// The sum of the 8 lanes.
+#[target_feature(enable = "avx2")]
+fn horizontal_sum(v: __m256) -> f32 {
+    let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
 }
