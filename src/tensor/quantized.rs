@@ -183,15 +183,7 @@ impl<'s> QuantTensor<'s> {
             .download_into("QuantTensor::dequantize", &mut bytes)?;
         let mut values = vec![0.0f32; self.shape[0] * self.shape[1]];
         quant::dequantize(self.ty, &bytes, &mut values)?;
-        let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut t =
-            Tensor::output_of(&[&self.blocks], DType::F32, &self.shape, Location::caller())?;
-        t.upload_bytes(&le)?;
-        if dtype == DType::F32 {
-            Ok(t)
-        } else {
-            t.to_dtype(dtype)
-        }
+        self.decoded(&values, &self.shape, dtype, Location::caller())
     }
 
     /// Rows `ids` (`i64`, any shape) decoded to `dtype`: `[ids.numel(), cols]`, an embedding
@@ -241,13 +233,19 @@ impl<'s> QuantTensor<'s> {
                 .download_into(OP, &mut bytes)?;
             quant::dequantize(self.ty, &bytes, out)?;
         }
+        self.decoded(&values, &[ids.len(), cols], dtype, Location::caller())
+    }
+
+    /// Decoded `values` as a tensor of `shape` and `dtype` beside the blocks, made `at`.
+    fn decoded(
+        &self,
+        values: &[f32],
+        shape: &[usize],
+        dtype: DType,
+        at: &'static Location<'static>,
+    ) -> Result<Tensor<'s>> {
         let le: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let mut t = Tensor::output_of(
-            &[&self.blocks],
-            DType::F32,
-            &[ids.len(), cols],
-            Location::caller(),
-        )?;
+        let mut t = Tensor::output_of(&[&self.blocks], DType::F32, shape, at)?;
         t.upload_bytes(&le)?;
         if dtype == DType::F32 {
             Ok(t)

@@ -16,8 +16,27 @@ use std::arch::x86_64::*;
 
 use super::quant_product::{Activations, BLOCK};
 
-/// Splits `m` tokens into chunks of 8, 4, 2 and 1 (`run(first, len)`): each chunk's accumulators
-/// are a fixed-size array the compiler keeps in registers.
+/// `$kernel::<[$c,] N>(w, a, lanes, k, t0, sums)` over the tokens `first..first + sums.len()`, in
+/// chunks of N = 8, 4, 2 and 1 tokens: each chunk's accumulators are a fixed-size array the
+/// compiler keeps in registers. The caller's assertions must cover every token.
+macro_rules! in_token_chunks {
+    ($kernel:ident [$($c:ident)?] ($w:expr, $a:expr, $lanes:expr, $k:expr, $first:expr, $sums:expr)) => {
+        by_token_chunks($sums.len(), |t0, n| {
+            let (sums, t0) = (&mut $sums[t0..t0 + n], $first + t0);
+            // SAFETY: the caller asserted the contract of `$kernel` for every token of `sums`.
+            unsafe {
+                match n {
+                    8 => $kernel::<$($c,)? 8>($w, $a, $lanes, $k, t0, sums),
+                    4 => $kernel::<$($c,)? 4>($w, $a, $lanes, $k, t0, sums),
+                    2 => $kernel::<$($c,)? 2>($w, $a, $lanes, $k, t0, sums),
+                    _ => $kernel::<$($c,)? 1>($w, $a, $lanes, $k, t0, sums),
+                }
+            }
+        })
+    };
+}
+
+/// Splits `m` tokens into chunks of 8, 4, 2 and 1 (`run(first, len)`).
 fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
     let mut t0 = 0;
     while t0 < m {
@@ -144,18 +163,8 @@ pub(super) unsafe fn row<const NIBBLES: bool>(
     let m = first + sums.len();
     assert!(k.is_multiple_of(64) && w.len() >= k / BLOCK * block_bytes && a.q.len() >= m * k);
     assert!(lanes.unsigned.len() >= m * k && a.d.len() >= m * k / BLOCK);
-    by_token_chunks(sums.len(), |t0, n| {
-        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
-        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
-        unsafe {
-            match n {
-                8 => row_n::<NIBBLES, 8>(w, a, lanes, k, t0, sums),
-                4 => row_n::<NIBBLES, 4>(w, a, lanes, k, t0, sums),
-                2 => row_n::<NIBBLES, 2>(w, a, lanes, k, t0, sums),
-                _ => row_n::<NIBBLES, 1>(w, a, lanes, k, t0, sums),
-            }
-        }
-    });
+    // SAFETY (inside the macro): the assertions above, for tokens t0..t0 + n <= m.
+    in_token_chunks!(row_n[NIBBLES](w, a, lanes, k, first, sums));
 }
 
 /// [`row`] for the `N` tokens from `t0` (`sums` their outputs).
@@ -231,18 +240,8 @@ pub(super) unsafe fn row_q6_k(
     let m = first + sums.len();
     assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && lanes.unsigned.len() >= m * k);
     assert!(a.d.len() >= m * k / BLOCK);
-    by_token_chunks(sums.len(), |t0, n| {
-        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
-        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
-        unsafe {
-            match n {
-                8 => row_q6_k_n::<8>(w, a, lanes, k, t0, sums),
-                4 => row_q6_k_n::<4>(w, a, lanes, k, t0, sums),
-                2 => row_q6_k_n::<2>(w, a, lanes, k, t0, sums),
-                _ => row_q6_k_n::<1>(w, a, lanes, k, t0, sums),
-            }
-        }
-    });
+    // SAFETY (inside the macro): the assertions above, for tokens t0..t0 + n <= m.
+    in_token_chunks!(row_q6_k_n[](w, a, lanes, k, first, sums));
 }
 
 /// [`row_q6_k`] for the `N` tokens from `t0`.
@@ -340,18 +339,8 @@ pub(super) unsafe fn row_q4_k(
     let m = first + sums.len();
     assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.d.len() >= m * k / BLOCK);
     assert!(lanes.block_sums.len() >= m * k / BLOCK);
-    by_token_chunks(sums.len(), |t0, n| {
-        let (sums, t0) = (&mut sums[t0..t0 + n], first + t0);
-        // SAFETY: the assertions above, for tokens t0..t0 + n <= m.
-        unsafe {
-            match n {
-                8 => row_q4_k_n::<8>(w, a, lanes, k, t0, sums),
-                4 => row_q4_k_n::<4>(w, a, lanes, k, t0, sums),
-                2 => row_q4_k_n::<2>(w, a, lanes, k, t0, sums),
-                _ => row_q4_k_n::<1>(w, a, lanes, k, t0, sums),
-            }
-        }
-    });
+    // SAFETY (inside the macro): the assertions above, for tokens t0..t0 + n <= m.
+    in_token_chunks!(row_q4_k_n[](w, a, lanes, k, first, sums));
 }
 
 /// [`row_q4_k`] for the `N` tokens from `t0`.
