@@ -240,10 +240,9 @@ impl<'m> Linear<'m> {
     /// layer's input through it (the gradient `g W` uses the decoded weight).
     ///
     /// ```
-    /// use ndscope::autograd::Tape;
     /// use ndscope::nn::{Linear, Mode, Module, Parameters};
     /// use ndscope::quant::QuantType;
-    /// use ndscope::{Device, QuantTensor, root};
+    /// use ndscope::{Device, QuantTensor, Tape, root};
     ///
     /// root(Device::Cpu, |s| {
     ///     let w = s.from_slice(&(0..3 * 32).map(|i| (i % 9) as f32 / 8.0).collect::<Vec<_>>(), &[3, 32])?;
