@@ -482,7 +482,16 @@ impl<'m> Gpt2<'m> {
             weights.clone()
         };
         // In the checkpoint's order, so a mismatch names the first tensor that differs.
-        let wte = Embedding::load(scope, &body.prefix("wte"), c.vocab_size, c.n_embd, dtype)?;
+        let table = body.prefix("wte");
+        let keep_table = quantized && table.quantized("weight")?.is_some();
+        let wte = Embedding::load_keeping_blocks(
+            scope,
+            &table,
+            c.vocab_size,
+            c.n_embd,
+            dtype,
+            keep_table,
+        )?;
         let wpe =
             PositionalEmbedding::load(scope, &body.prefix("wpe"), c.n_positions, c.n_embd, dtype)?;
         let blocks = (0..c.n_layer)
@@ -499,15 +508,27 @@ impl<'m> Gpt2<'m> {
             true,
             dtype,
         )?;
+        let head_shape = [c.vocab_size, c.n_embd];
         let mut config = config;
-        let lm_head = output_head(
-            scope,
-            weights,
-            "lm_head.weight",
-            &wte.weight,
-            &mut config.tie_word_embeddings,
-            dtype,
-        )?;
+        let lm_head = if wte.quantized_weight().is_none() {
+            output_head(
+                scope,
+                weights,
+                "lm_head.weight",
+                &wte.weight,
+                &mut config.tie_word_embeddings,
+                dtype,
+            )?
+        } else if weights.contains("lm_head.weight") {
+            // A quantized file's converter writes no copy of a tied table: this head is untied
+            // (and decoded: the public field is a dense tensor).
+            config.tie_word_embeddings = false;
+            Some(weights.tensor(scope, "lm_head.weight", &head_shape, dtype)?)
+        } else {
+            None
+        };
+        let quantized = wte.quantized_weight().is_some()
+            || blocks.iter().any(TransformerBlock::holds_quantized_weights);
         Ok(Gpt2 {
             wte,
             wpe,
@@ -609,9 +630,7 @@ impl<'m> Gpt2<'m> {
             .ln_f
             .forward(&x, mode)?
             .reshape(&[batch * len, self.config.n_embd])?;
-        // The head is the embedding itself (one parameter, one gradient), or its own matrix.
-        let head = tape.param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
-        x.matmul(&head.t()?)?
+        self.head(&x)?
             .reshape(&[batch, len, self.config.vocab_size])
     }
 
@@ -671,6 +690,18 @@ impl<'m> Gpt2<'m> {
         }
         Ok(tokens)
     }
+
+    /// The output head over rows `[n, width]` (normalised): its own matrix, or the embedding
+    /// itself (one parameter, one gradient).
+    fn head<'t, 's>(&self, x: &Var<'t, 's>) -> Result<Var<'t, 's>>
+    where
+        'm: 's,
+    {
+        match &self.lm_head {
+            Some(head) => x.matmul(&x.tape().param(head).t()?),
+            None => self.wte.project(x),
+        }
+    }
 }
 
 /// Decoding against KV caches: only the new tokens run through the model; each layer's attention
@@ -708,8 +739,8 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
     {
         let embedded = self
             .wte
-            .weight
-            .index_select(0, ids)?
+            .forward(&Tape::no_grad(tape.scope()), ids)?
+            .value()
             .add(&self.wpe.weight.index_select(0, positions)?)?;
         let mut x = tape.constant(&embedded);
         for (layer, block) in self.blocks.iter().enumerate() {
@@ -722,11 +753,7 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
     where
         'm: 's,
     {
-        let x = self.ln_f.forward(hidden, Mode::Eval)?;
-        let head_weight = hidden
-            .tape()
-            .param(self.lm_head.as_ref().unwrap_or(&self.wte.weight));
-        x.matmul(&head_weight.t()?)
+        self.head(&self.ln_f.forward(hidden, Mode::Eval)?)
     }
 }
 

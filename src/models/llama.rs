@@ -7,7 +7,6 @@
 use std::panic::Location;
 use std::path::Path;
 
-use super::token_table::TokenTable;
 use super::{next_token_loss, output_head};
 use crate::autograd::{Segment, Tape, Var};
 use crate::checkpoint;
@@ -75,7 +74,7 @@ layer_parts!(Block {
 /// A Llama-family causal language model with its parameters in the model scope `'m`.
 #[derive(Debug, Clone)]
 pub struct Llama<'m> {
-    embed: TokenTable<'m>,
+    embed: Embedding<'m>,
     blocks: Vec<Block<'m>>,
     norm: RmsNorm<'m>,
     /// The output head; `None` when tied to the embedding.
@@ -242,14 +241,9 @@ impl<'m> Llama<'m> {
             RmsNorm::load(scope, &w.prefix(name), hidden, c.rms_norm_eps, dtype)
         };
         let table = body.prefix("embed_tokens");
-        let embed = if keep(&table, "weight")? {
-            TokenTable::Quantized {
-                table: table.quantized_tensor(scope, "weight", &[c.vocab_size, hidden])?,
-                dtype,
-            }
-        } else {
-            TokenTable::Dense(Embedding::load(scope, &table, c.vocab_size, hidden, dtype)?)
-        };
+        let keep_table = keep(&table, "weight")?;
+        let embed =
+            Embedding::load_keeping_blocks(scope, &table, c.vocab_size, hidden, dtype, keep_table)?;
         let mut blocks = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let b = body.prefix(&format!("layers.{i}"));
@@ -278,39 +272,25 @@ impl<'m> Llama<'m> {
         let rope = rotary_tables(scope, c, dtype)?;
         let vocab = c.vocab_size;
         let mut config = config;
-        let lm_head = match &embed {
-            // A quantized file holds an output head of its own exactly when it is untied (the
-            // converter writes no copy of a tied table).
-            _ if weights.contains("lm_head.weight") && keep(weights, "lm_head.weight")? => {
-                config.tie_word_embeddings = false;
-                Some(Linear::from_quantized(
-                    weights.quantized_tensor(scope, "lm_head.weight", &[vocab, hidden])?,
-                    None,
-                )?)
-            }
-            TokenTable::Dense(e) => output_head(
+        // A file holding an output head of its own is untied; a quantized file's converter writes
+        // no copy of a tied table, a safetensors checkpoint may (compared by `output_head`).
+        let head_kept = weights.contains("lm_head.weight") && keep(weights, "lm_head.weight")?;
+        let lm_head = if embed.quantized_weight().is_none() && !head_kept {
+            output_head(
                 scope,
                 weights,
                 "lm_head.weight",
-                &e.weight,
+                &embed.weight,
                 &mut config.tie_word_embeddings,
                 dtype,
             )?
             .map(|w| Linear::from_tensors(w, None, WeightLayout::OutIn))
-            .transpose()?,
-            TokenTable::Quantized { .. } if weights.contains("lm_head.weight") => {
-                config.tie_word_embeddings = false;
-                Some(Linear::load(
-                    scope,
-                    &weights.prefix("lm_head"),
-                    hidden,
-                    vocab,
-                    false,
-                    WeightLayout::OutIn,
-                    dtype,
-                )?)
-            }
-            TokenTable::Quantized { .. } => None,
+            .transpose()?
+        } else if weights.contains("lm_head.weight") {
+            config.tie_word_embeddings = false;
+            Some(linear(weights, "lm_head", hidden, vocab, false)?)
+        } else {
+            None
         };
 
         Ok(Llama {
@@ -490,7 +470,7 @@ impl<'m> Llama<'m> {
     {
         match &self.lm_head {
             Some(head) => head.forward(x, mode),
-            None => self.embed.tied_head(x),
+            None => self.embed.project(x),
         }
     }
 }

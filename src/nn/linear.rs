@@ -269,7 +269,7 @@ impl<'m> Linear<'m> {
             crate::ops::same_device(op, weight.blocks(), b)?;
         }
         Ok(Linear {
-            weight: weight.empty_like_f32()?,
+            weight: weight.empty_like(DType::F32)?,
             quantized: Some(weight),
             bias,
             layout: WeightLayout::OutIn,

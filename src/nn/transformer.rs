@@ -154,6 +154,13 @@ impl<'m> TransformerBlock<'m> {
         TransformerBlock::load_keeping_blocks(scope, weights, config, dtype, false)
     }
 
+    /// Whether some matrix of the block is block-quantized ([`Linear::from_quantized`]).
+    pub(crate) fn holds_quantized_weights(&self) -> bool {
+        [&self.attn.qkv, &self.attn.proj, &self.fc1, &self.fc2]
+            .iter()
+            .any(|l| l.quantized_weight().is_some())
+    }
+
     /// [`load`](Self::load), keeping the matrices stored block-quantized in their blocks if
     /// `keep_blocks` (see [`Linear::from_quantized`]).
     #[track_caller]

@@ -254,11 +254,11 @@ impl<'s> QuantTensor<'s> {
         }
     }
 
-    /// An empty `f32` tensor (`[0]`) beside the blocks: what a quantized `Linear` holds in its
-    /// dense `weight` field.
+    /// An empty tensor (`[0]`) of `dtype` beside the blocks: what a quantized `Linear` or
+    /// `Embedding` holds in its dense `weight` field.
     #[track_caller]
-    pub(crate) fn empty_like_f32(&self) -> Result<Tensor<'s>> {
-        Tensor::output_of(&[&self.blocks], DType::F32, &[0], Location::caller())
+    pub(crate) fn empty_like(&self, dtype: DType) -> Result<Tensor<'s>> {
+        Tensor::output_of(&[&self.blocks], dtype, &[0], Location::caller())
     }
 
     /// The stored blocks, as the tensor holding them (for the product op).
