@@ -154,6 +154,8 @@ fn decoding<'m>(m: &Scope<'m>, model: &AutoModel<'m>, name: &str, batch8: bool) 
 }
 
 fn main() -> Result<()> {
+    // The main thread computes as one of the workers, as llama.cpp's does in its pool.
+    ndscope::threads::work_on_this_thread(None)?;
     // Criterion-style arguments: `--bench` is ignored; a filter keeps the figures whose
     // "<file>/<figure>" holds it (figures: load, pp512, tg128, engine).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));

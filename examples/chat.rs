@@ -198,7 +198,7 @@ fn main() {
             std::process::exit(if message.is_empty() { 0 } else { 2 });
         }
     };
-    if let Err(e) = run(&options) {
+    if let Err(e) = ndscope::threads::work_on_this_thread(None).and_then(|_| run(&options)) {
         eprintln!("chat: {e}");
         std::process::exit(1);
     }

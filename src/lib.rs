@@ -25,6 +25,7 @@ mod rng;
 mod scope;
 pub mod serve;
 mod tensor;
+pub mod threads;
 pub mod weights;
 
 pub use autograd::{Gradients, Segment, Tape, Var};

@@ -327,3 +327,12 @@ fn a_quantized_model_holds_its_file_in_blocks_and_refuses_to_save_as_safetensors
         Ok(())
     })
 }
+
+#[test]
+fn joining_the_pool_after_it_was_built_is_a_typed_error() {
+    // Any op may build rayon's global pool; after that the calling thread cannot join it.
+    assert!(rayon::current_num_threads() >= 1);
+    let err = ndscope::threads::work_on_this_thread(None).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert!(err.to_string().contains("first thing in main"), "{err}");
+}

@@ -1,8 +1,9 @@
 //! What the training examples share: the command-line entry point.
 
 /// Parses the command line with `parse`, prints `usage` for `--help` (an empty error) or after a
-/// parse error (exit status 2), and runs `run`, printing its error and exiting with status 1 on
-/// failure.
+/// parse error (exit status 2), and runs `run` with the main thread computing as one of the CPU
+/// backend's workers ([`ndscope::threads::work_on_this_thread`]), printing its error and exiting
+/// with status 1 on failure.
 pub fn main_with<O>(
     usage: &str,
     parse: impl FnOnce(std::iter::Skip<std::env::Args>) -> Result<O, String>,
@@ -19,7 +20,7 @@ pub fn main_with<O>(
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(&options) {
+    if let Err(e) = ndscope::threads::work_on_this_thread(None).and_then(|_| run(&options)) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
