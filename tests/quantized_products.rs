@@ -22,9 +22,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// Asserts `got` (`[m, n]`) is `x wᵀ` (f64) within the rounding of `x` to 8 bits per block of 32:
 /// half a step `d = max|x_block| / 127` per value, plus up to 127 times `d`'s own rounding to
-/// `f16` (2^-11 of it), times `Σ|w|` per block, plus `f32` summation. A prompt's product (from 32
-/// rows, on CPUs with AVX-512 BF16) rounds `x` and `w` to `bf16` instead: at most `2^-8 |x| |w|` per
-/// term, which `|x| <= max|x_block|` keeps inside the same bound.
+/// `f16` (2^-11 of it), times `Σ|w|` per block, plus `f32` summation.
 fn assert_product(got: &[f32], x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize), what: &str) {
     for t in 0..m {
         let xr = &x[t * k..(t + 1) * k];
@@ -79,7 +77,7 @@ fn every_quantized_tensor_of_llama_cpp_files_multiplies_as_its_decoded_values() 
                 let decoded = weights
                     .tensor(s, &name, &shape, DType::F32)?
                     .to_vec::<f32>()?;
-                for m in [1, 5, 40] {
+                for m in [1, 5] {
                     let x = values(m * k, (m * n) as u64);
                     let got = s
                         .from_slice(&x, &[m, k])?

@@ -12,11 +12,8 @@ impl<'s> Tensor<'s> {
     /// product a `Linear` layer computes with the weight stored in `[out, in]` layout, reading
     /// `w`'s blocks once for every row of `self`. Computed as llama.cpp computes it: each row of
     /// `self` rounded to 8 bits per block of 32 values (scale `max|x| / 127`, kept in `f16` as
-    /// llama.cpp's Q8_0 blocks keep it), then exact integer products per block, summed in `f32`
-    /// with the blocks' scales. From 32 rows (a prompt's pass) on a CPU with AVX-512 BF16, the rows
-    /// and the decoded weight are rounded to `bf16` instead and multiplied by the `bf16` GEMM,
-    /// summing in `f32` (at most `2^-8 |x| |w|` per term, within the 8-bit rounding's bound). The
-    /// result has `self`'s dtype and shape `[.., n]`.
+    /// llama.cpp's Q8_0 blocks keep it), then exact integer products per block, summed in `f32` with the blocks' scales. The result has `self`'s dtype
+    /// and shape `[.., n]`.
     ///
     /// ```
     /// use ndscope::quant::QuantType;

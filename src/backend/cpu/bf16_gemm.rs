@@ -158,54 +158,6 @@ fn weight_stationary(
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
 ) {
-    let weight_rows = |j0: usize, rows: &mut [bf16]| {
-        for (r, row) in rows.chunks_exact_mut(k).enumerate() {
-            let j = j0 + r;
-            row.copy_from_slice(&b.data[j * b.cols..j * b.cols + k]);
-        }
-    };
-    rows_from(dot, a, (m, k, n), weight_rows, out);
-}
-
-/// `out = x Wᵀ` for `x` `m × k` (`bf16`, contiguous), an even `k`, and a weight `[n, k]` whose rows
-/// `decode(j0, rows)` writes as `bf16` (`rows.len() / k` rows from `j0`, at most [`MR`]): a
-/// block-quantized weight decoded a few rows at a time, so that it is never held decoded whole.
-/// `out` (`m × n`, contiguous) gets the `f32` sums unrounded. The schedule is
-/// [`weight_stationary`]'s.
-///
-/// # Panics
-/// When `x` or `out` does not hold `m × k` or `m × n` elements, or `k` is odd.
-pub(super) fn decoded_weight(
-    dot: Bf16Dot,
-    x: &[bf16],
-    (m, k, n): (usize, usize, usize),
-    decode: impl Fn(usize, &mut [bf16]) + Sync,
-    out: &mut [f32],
-) {
-    assert!(
-        x.len() == m * k && out.len() == m * n && k.is_multiple_of(2),
-        "bf16 product of a decoded weight: operands do not fit their shape"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    let a = Matrix {
-        data: x,
-        rows: k,
-        cols: 1,
-    };
-    rows_from(dot, a, (m, k, n), decode, out);
-}
-
-/// [`weight_stationary`]'s schedule over weight rows `rows(j0, dst)` writes (`dst.len() / k` rows
-/// from `j0`), rounding each output element once to `T`.
-fn rows_from<T: Rounded>(
-    dot: Bf16Dot,
-    a: Matrix<'_>,
-    (m, k, n): (usize, usize, usize),
-    rows_of: impl Fn(usize, &mut [bf16]) + Sync,
-    out: &mut [T],
-) {
     let pairs = k / 2;
     let token_panels = m.div_ceil(NR);
     // aᵀ as right panels: [panel][pair][token][2].
@@ -222,21 +174,20 @@ fn rows_from<T: Rounded>(
             }
         });
     let out_rows = OutRows::new(out, n);
+    let weight_row = |j: usize| &b.data[j * b.cols..j * b.cols + k];
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|task| {
             let mut tile = [[0.0f32; NR]; MR];
             let mut left = vec![0u32; pairs * MR];
-            let mut weight = vec![bf16::from_bits(0); MR * k];
             let mut column = [0.0f32; MR];
             let end = n.min((task + 1) * ROWS_PER_TASK);
             for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
                 let rows = MR.min(n - j0);
-                rows_of(j0, &mut weight[..rows * k]);
                 // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past `n` stay 0.
                 left.fill(0);
-                for (r, row) in weight.chunks_exact(k).take(rows).enumerate() {
-                    for (p, pair) in row.chunks_exact(2).enumerate() {
+                for r in 0..rows {
+                    for (p, pair) in weight_row(j0 + r).chunks_exact(2).enumerate() {
                         left[p * MR + r] =
                             u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
                     }
@@ -402,43 +353,26 @@ fn dot_rows_avx512<const T: usize, const R: usize>(
     }
 }
 
-/// An output element type: the `f32` sums rounded once into it.
-trait Rounded: Copy + Send + Sync {
-    fn of_f32(v: f32) -> Self;
-}
-
-impl Rounded for bf16 {
-    fn of_f32(v: f32) -> bf16 {
-        bf16_of_f32(v)
-    }
-}
-
-impl Rounded for f32 {
-    fn of_f32(v: f32) -> f32 {
-        v
-    }
-}
-
 /// The output, written by the column-block tasks: each task writes only its own columns. It holds
 /// the exclusive borrow of the output for `'a`, so it cannot outlive it.
 #[derive(Clone, Copy)]
-struct OutRows<'a, T> {
-    ptr: *mut T,
+struct OutRows<'a> {
+    ptr: *mut bf16,
     len: usize,
     n: usize,
-    _out: PhantomData<&'a mut [T]>,
+    _out: PhantomData<&'a mut [bf16]>,
 }
 
 // SAFETY: the tasks that share an `OutRows` write disjoint columns of it (see `store`), and the
-// borrow of the output outlives them (`'a`; `matmul` and `rows_from` return after their parallel
-// loops). `T` itself crosses threads only as the values stored (`Rounded: Send`).
-unsafe impl<T: Rounded> Send for OutRows<'_, T> {}
+// borrow of the output outlives them (`'a`; `matmul` and `weight_stationary` return after their
+// parallel loops).
+unsafe impl Send for OutRows<'_> {}
 // SAFETY: as above.
-unsafe impl<T: Rounded> Sync for OutRows<'_, T> {}
+unsafe impl Sync for OutRows<'_> {}
 
-impl<'a, T: Rounded> OutRows<'a, T> {
+impl<'a> OutRows<'a> {
     /// The rows of `n` elements of `out`.
-    fn new(out: &'a mut [T], n: usize) -> OutRows<'a, T> {
+    fn new(out: &'a mut [bf16], n: usize) -> OutRows<'a> {
         OutRows {
             ptr: out.as_mut_ptr(),
             len: out.len(),
@@ -461,7 +395,7 @@ impl<'a, T: Rounded> OutRows<'a, T> {
         };
         dst.iter_mut()
             .zip(values)
-            .for_each(|(o, &v)| *o = T::of_f32(v));
+            .for_each(|(o, &v)| *o = bf16_of_f32(v));
     }
 }
 

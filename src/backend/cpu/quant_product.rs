@@ -16,15 +16,7 @@
 //! values — every format to the same form, so one dot-product kernel serves all — then multiplies
 //! that row into every row of `x`. Decoding is plain fixed-size byte loops the compiler vectorizes;
 //! the dot product is AVX2 (`vpmaddubsw`/`vpmaddwd`, 32 values per step), else a portable loop
-//! (CPUs without AVX2; forced in tests so both are checked); AVX-512 VNNI kernels (`quant_vnni`)
-//! multiply the stored blocks directly.
-//!
-//! **Prompts.** From [`PROMPT_TOKENS`] rows on a CPU with AVX-512 BF16 the integer kernels lose to
-//! a GEMM: they spend seven instructions per token and 64 values, most of them on scales, where a
-//! register-tiled GEMM shares each weight load among 32 tokens. So a prompt's `x` and the weight's
-//! decoded rows are rounded to `bf16` and multiplied by `bf16_gemm` (summing in `f32`); the weight
-//! is decoded 8 rows at a time, never whole. The semantics differ from the 8-bit path's by
-//! `bf16`'s rounding of both operands, which stays inside the 8-bit rounding's bound.
+//! (CPUs without AVX2; forced in tests so both are checked).
 
 use crate::quant::{QK_K, QuantType};
 
@@ -360,12 +352,6 @@ pub(crate) fn product(
     if m == 0 || n == 0 {
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if kernel == Kernel::Avx512Vnni && m >= PROMPT_TOKENS {
-        if let Some(dot) = super::bf16_gemm::Bf16Dot::detect() {
-            return prompt_product(dot, ty, &x[..m * k], w, (m, k, n), out);
-        }
-    }
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
@@ -401,56 +387,6 @@ pub(crate) fn product(
             }
         }
     });
-}
-
-/// Rows of `x` from which a product runs as a `bf16` GEMM of decoded weight rows (a prompt's pass),
-/// where the CPU has AVX-512 BF16.
-#[cfg(target_arch = "x86_64")]
-pub(crate) const PROMPT_TOKENS: usize = 32;
-
-/// `out = x Ŵᵀ` for a prompt's rows: `x` rounded to `bf16`, the weight decoded a few rows at a time
-/// and rounded to `bf16`, and the `bf16` GEMM's register tiles (16 `f32` accumulators of 8 weight
-/// rows × 32 tokens, `vdpbf16ps`) summing in `f32`. The integer kernels multiply each 64 values of a
-/// token and a weight row with seven instructions, most of them for the scales; here 32 tokens
-/// share every weight load and the scales are applied once, when the row is decoded.
-#[cfg(target_arch = "x86_64")]
-fn prompt_product(
-    dot: super::bf16_gemm::Bf16Dot,
-    ty: QuantType,
-    x: &[f32],
-    w: &[u8],
-    (m, k, n): (usize, usize, usize),
-    out: &mut [f32],
-) {
-    use crate::dtype::{bf16, bf16_of_f32};
-    use rayon::prelude::*;
-    let mut xb = vec![bf16::from_bits(0); m * k];
-    xb.par_chunks_mut(k)
-        .zip(x.par_chunks(k))
-        .for_each(|(dst, src)| {
-            for (d, &v) in dst.iter_mut().zip(src) {
-                *d = bf16_of_f32(v);
-            }
-        });
-    let row_bytes = ty.bytes_for(k).expect("whole blocks per row");
-    let decode = |j0: usize, rows: &mut [bf16]| {
-        let mut row = Row::new(k);
-        for (r, dst) in rows.chunks_exact_mut(k).enumerate() {
-            let j = j0 + r;
-            decode_row(ty, &w[j * row_bytes..(j + 1) * row_bytes], &mut row);
-            for (i, (d, q)) in dst
-                .chunks_exact_mut(16)
-                .zip(row.q.chunks_exact(16))
-                .enumerate()
-            {
-                let (scale, offset) = (row.scale[i], row.offset[i]);
-                for (d, &q) in d.iter_mut().zip(q) {
-                    *d = bf16_of_f32(scale * f32::from(q) + offset);
-                }
-            }
-        }
-    };
-    super::bf16_gemm::decoded_weight(dot, &xb, (m, k, n), decode, out);
 }
 
 /// A VNNI kernel: one stored row times the rows `first..` of the activations (one per output), with
@@ -940,44 +876,6 @@ mod tests {
                                 "{ty} {kernel:?} m={m} k={k} n={n} [{t}][{j}]: {got} vs {want}"
                             );
                         }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn prompts_multiply_bf16_rows_by_the_bf16_decoded_weight() {
-        use crate::dtype::bf16_of_f32;
-        if Kernel::detect() != Kernel::Avx512Vnni
-            || super::super::bf16_gemm::Bf16Dot::detect().is_none()
-        {
-            eprintln!("skipped: this CPU has no AVX-512 BF16, so prompts take the 8-bit kernels");
-            return;
-        }
-        let bf16 = |v: f32| f64::from(bf16_of_f32(v).to_f32());
-        for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
-            for (m, k, n) in [(PROMPT_TOKENS, 256, 3), (41, 512, 9), (70, 256, 17)] {
-                let w = blocks(ty, n, k, 3 + n as u64);
-                let mut decoded = vec![0.0f32; n * k];
-                quant::dequantize(ty, &w, &mut decoded).unwrap();
-                let x = values(m * k, 5 + m as u64);
-                let mut out = vec![0.0f32; m * n];
-                product(Kernel::Avx512Vnni, ty, &x, &w, (m, k, n), &mut out);
-                for t in 0..m {
-                    for j in 0..n {
-                        let terms = x[t * k..(t + 1) * k]
-                            .iter()
-                            .zip(&decoded[j * k..(j + 1) * k])
-                            .map(|(&x, &w)| bf16(x) * bf16(w));
-                        let (want, scale) =
-                            terms.fold((0.0, 0.0), |(s, a), v| (s + v, a + v.abs()));
-                        let got = f64::from(out[t * n + j]);
-                        assert!(
-                            (got - want).abs() <= 1e-5 * scale + 1e-30,
-                            "{ty} m={m} k={k} n={n} [{t}][{j}]: {got} vs {want}"
-                        );
                     }
                 }
             }
