@@ -307,7 +307,7 @@ fn a_quantized_model_holds_its_file_in_blocks_and_refuses_to_save_as_safetensors
         // GPT-2's tied table stays in its blocks too: a lookup decodes its rows, the head computes
         // on them, and it is no parameter.
         assert_eq!(
-            gpt2.wte.quantized_weight().map(QuantTensor::ty),
+            gpt2.wte_blocks().map(QuantTensor::ty),
             Some(QuantType::Q8_0)
         );
         assert_eq!(gpt2.wte.weight.shape(), [0]);
@@ -320,7 +320,7 @@ fn a_quantized_model_holds_its_file_in_blocks_and_refuses_to_save_as_safetensors
         assert!(gpt2.save_pretrained(&dir).is_err());
         // A file without quantized tensors holds no blocks: its model saves.
         let plain = Gpt2::from_gguf_quantized(s, "data/gguf/gpt2-tiny-F32.gguf", DType::F32)?;
-        assert!(plain.wte.quantized_weight().is_none());
+        assert!(plain.wte_blocks().is_none());
         plain.save_pretrained(&dir)?;
         assert!(dir.join("model.safetensors").exists());
         std::fs::remove_dir_all(&dir).ok();

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value};
 
+use super::token_table::{self, TokenTable};
 use super::{
     config_error, next_token_loss, output_head, read_config, torch_dtype_name, unsupported,
 };
@@ -19,7 +20,7 @@ use crate::nn::{
     Recomputed, TransformerBlock, TransformerConfig,
 };
 use crate::scope::{Movable, MoveOut, Scope};
-use crate::tensor::Tensor;
+use crate::tensor::{QuantTensor, Tensor};
 use crate::weights::Weights;
 
 /// GPT-2's hyper-parameters, as `config.json` names them.
@@ -309,8 +310,12 @@ fn hf_block_name(name: &str) -> String {
 /// ```
 #[derive(Debug)]
 pub struct Gpt2<'m> {
-    /// Token embedding `[vocab, width]` (and the tied head).
+    /// Token embedding `[vocab, width]` (and the tied head). Empty (`[0]`) in a model loaded by
+    /// [`from_gguf_quantized`](Gpt2::from_gguf_quantized) whose file stores the table
+    /// block-quantized: see [`wte_blocks`](Gpt2::wte_blocks).
     pub wte: Embedding<'m>,
+    /// The token table's blocks, when a GGUF file's is kept quantized (frozen: no parameter).
+    wte_blocks: Option<QuantTensor<'m>>,
     /// Position embedding `[n_positions, width]`.
     pub wpe: PositionalEmbedding<'m>,
     /// The blocks.
@@ -342,6 +347,7 @@ impl<'m> Gpt2<'m> {
             .collect::<Result<Vec<_>>>()?;
         Ok(Gpt2 {
             wte: Embedding::new(scope, c.vocab_size, c.n_embd, init)?,
+            wte_blocks: None,
             wpe: PositionalEmbedding::new(scope, c.n_positions, c.n_embd, init)?,
             blocks,
             ln_f: LayerNorm::with_options(scope, c.n_embd, c.layer_norm_epsilon, true)?,
@@ -482,15 +488,12 @@ impl<'m> Gpt2<'m> {
             weights.clone()
         };
         // In the checkpoint's order, so a mismatch names the first tensor that differs.
-        let table = body.prefix("wte");
-        let keep_table = quantized && table.quantized("weight")?.is_some();
-        let wte = Embedding::load_keeping_blocks(
+        let (wte, wte_blocks) = token_table::load(
             scope,
-            &table,
-            c.vocab_size,
-            c.n_embd,
+            &body.prefix("wte"),
+            (c.vocab_size, c.n_embd),
             dtype,
-            keep_table,
+            quantized,
         )?;
         let wpe =
             PositionalEmbedding::load(scope, &body.prefix("wpe"), c.n_positions, c.n_embd, dtype)?;
@@ -510,7 +513,7 @@ impl<'m> Gpt2<'m> {
         )?;
         let head_shape = [c.vocab_size, c.n_embd];
         let mut config = config;
-        let lm_head = if wte.quantized_weight().is_none() {
+        let lm_head = if wte_blocks.is_none() {
             output_head(
                 scope,
                 weights,
@@ -527,10 +530,11 @@ impl<'m> Gpt2<'m> {
         } else {
             None
         };
-        let quantized = wte.quantized_weight().is_some()
-            || blocks.iter().any(TransformerBlock::holds_quantized_weights);
+        let quantized =
+            wte_blocks.is_some() || blocks.iter().any(TransformerBlock::holds_quantized_weights);
         Ok(Gpt2 {
             wte,
+            wte_blocks,
             wpe,
             blocks,
             ln_f,
@@ -618,7 +622,7 @@ impl<'m> Gpt2<'m> {
                 reason: "needs token ids of shape [batch, len]".into(),
             });
         };
-        let mut x = self.wpe.forward(&self.wte.forward(tape, ids)?)?;
+        let mut x = self.wpe.forward(&self.token_table().forward(tape, ids)?)?;
         for block in &self.blocks {
             x = if self.recompute {
                 Recomputed::new(block.clone()).forward(&x, mode)?
@@ -691,6 +695,21 @@ impl<'m> Gpt2<'m> {
         Ok(tokens)
     }
 
+    /// The token table's blocks (`[vocab, width]`) in a model loaded by
+    /// [`from_gguf_quantized`](Self::from_gguf_quantized) from a file that stores it
+    /// block-quantized; `None` when the table is [`wte`](Self::wte).
+    pub fn wte_blocks(&self) -> Option<&QuantTensor<'m>> {
+        self.wte_blocks.as_ref()
+    }
+
+    /// The token table: dense, or its blocks.
+    fn token_table(&self) -> TokenTable<'_, 'm> {
+        TokenTable {
+            dense: &self.wte,
+            blocks: self.wte_blocks.as_ref(),
+        }
+    }
+
     /// The output head over rows `[n, width]` (normalised): its own matrix, or the embedding
     /// itself (one parameter, one gradient).
     fn head<'t, 's>(&self, x: &Var<'t, 's>) -> Result<Var<'t, 's>>
@@ -699,7 +718,7 @@ impl<'m> Gpt2<'m> {
     {
         match &self.lm_head {
             Some(head) => x.matmul(&x.tape().param(head).t()?),
-            None => self.wte.project(x),
+            None => self.token_table().tied_head(x),
         }
     }
 }
@@ -738,7 +757,7 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
         'm: 's,
     {
         let embedded = self
-            .wte
+            .token_table()
             .forward(&Tape::no_grad(tape.scope()), ids)?
             .value()
             .add(&self.wpe.weight.index_select(0, positions)?)?;
@@ -761,7 +780,9 @@ impl<'m> CausalLm<'m> for Gpt2<'m> {
 impl<'m> Parameters<'m> for Gpt2<'m> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
         let body = format!("{prefix}transformer.");
-        self.wte.visit(&format!("{body}wte."), f);
+        if self.wte_blocks.is_none() {
+            self.wte.visit(&format!("{body}wte."), f);
+        }
         self.wpe.visit(&format!("{body}wpe."), f);
         for (i, block) in self.blocks.iter().enumerate() {
             block.visit("", &mut |name, t| {
@@ -773,7 +794,9 @@ impl<'m> Parameters<'m> for Gpt2<'m> {
     }
 
     fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        self.wte.visit_mut(f)?;
+        if self.wte_blocks.is_none() {
+            self.wte.visit_mut(f)?;
+        }
         self.wpe.visit_mut(f)?;
         self.blocks.visit_mut(f)?;
         self.ln_f.visit_mut(f)?;
@@ -786,6 +809,7 @@ impl<'m> Movable<'m> for Gpt2<'m> {
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Gpt2<'b>> {
         Ok(Gpt2 {
             wte: self.wte.move_into(target)?,
+            wte_blocks: self.wte_blocks.move_into(target)?,
             wpe: self.wpe.move_into(target)?,
             blocks: self.blocks.move_into(target)?,
             ln_f: self.ln_f.move_into(target)?,
@@ -802,6 +826,7 @@ impl<'m> MoveOut<'m> for Gpt2<'m> {
     fn move_out(self) -> Result<Gpt2<'static>> {
         Ok(Gpt2 {
             wte: self.wte.move_out()?,
+            wte_blocks: self.wte_blocks.move_out()?,
             wpe: self.wpe.move_out()?,
             blocks: self.blocks.move_out()?,
             ln_f: self.ln_f.move_out()?,

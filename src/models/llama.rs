@@ -7,6 +7,7 @@
 use std::panic::Location;
 use std::path::Path;
 
+use super::token_table::{self, TokenTable};
 use super::{next_token_loss, output_head};
 use crate::autograd::{Segment, Tape, Var};
 use crate::checkpoint;
@@ -19,7 +20,7 @@ use crate::nn::{
     RopeScaling, RotaryEmbedding, WeightLayout, dynamic_theta, inverse_frequencies, layer_parts,
 };
 use crate::scope::{Movable, MoveOut, Scope};
-use crate::tensor::Tensor;
+use crate::tensor::{QuantTensor, Tensor};
 use crate::weights::Weights;
 
 /// One decoder block: `h = x + attn(norm(x))`, then `h + mlp(norm(h))`.
@@ -74,7 +75,10 @@ layer_parts!(Block {
 /// A Llama-family causal language model with its parameters in the model scope `'m`.
 #[derive(Debug, Clone)]
 pub struct Llama<'m> {
+    /// The token table; an empty one when it is kept in `embed_blocks`.
     embed: Embedding<'m>,
+    /// The token table's blocks, when a GGUF file's is kept quantized.
+    embed_blocks: Option<QuantTensor<'m>>,
     blocks: Vec<Block<'m>>,
     norm: RmsNorm<'m>,
     /// The output head; `None` when tied to the embedding.
@@ -242,8 +246,8 @@ impl<'m> Llama<'m> {
         };
         let table = body.prefix("embed_tokens");
         let keep_table = keep(&table, "weight")?;
-        let embed =
-            Embedding::load_keeping_blocks(scope, &table, c.vocab_size, hidden, dtype, keep_table)?;
+        let (embed, embed_blocks) =
+            token_table::load(scope, &table, (c.vocab_size, hidden), dtype, keep_table)?;
         let mut blocks = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
             let b = body.prefix(&format!("layers.{i}"));
@@ -275,7 +279,7 @@ impl<'m> Llama<'m> {
         // A file holding an output head of its own is untied; a quantized file's converter writes
         // no copy of a tied table, a safetensors checkpoint may (compared by `output_head`).
         let head_kept = weights.contains("lm_head.weight") && keep(weights, "lm_head.weight")?;
-        let lm_head = if embed.quantized_weight().is_none() && !head_kept {
+        let lm_head = if embed_blocks.is_none() && !head_kept {
             output_head(
                 scope,
                 weights,
@@ -295,6 +299,7 @@ impl<'m> Llama<'m> {
 
         Ok(Llama {
             embed,
+            embed_blocks,
             blocks,
             norm: final_norm,
             lm_head,
@@ -323,7 +328,7 @@ impl<'m> Llama<'m> {
         // A crash between the two files leaves one old and one new, each whole; `from_pretrained`
         // checks every tensor's shape against the config, so a mismatch is an error, not a mix.
         checkpoint::save(self, dir.join("model.safetensors"))?;
-        let config = self.config.to_json_stored_as(self.embed.dtype());
+        let config = self.config.to_json_stored_as(self.embed.weight.dtype());
         checkpoint::write_atomically(dir.join("config.json"), config.as_bytes())
     }
 
@@ -389,7 +394,7 @@ impl<'m> Llama<'m> {
                 ),
             });
         }
-        let mut x = self.embed.forward(tape, ids)?;
+        let mut x = self.token_table().forward(tape, ids)?;
         let dynamic = self.dynamic_rope();
         for block in &self.blocks {
             x = if self.recompute {
@@ -463,6 +468,14 @@ impl<'m> Llama<'m> {
         Ok(Some((rope, scope.from_slice(&read, &[read.len()])?)))
     }
 
+    /// The token table: dense, or its blocks.
+    fn token_table(&self) -> TokenTable<'_, 'm> {
+        TokenTable {
+            dense: &self.embed,
+            blocks: self.embed_blocks.as_ref(),
+        }
+    }
+
     /// The output head over rows `[n, hidden]` (normalised): the untied head, or the embedding.
     fn head<'t, 's>(&self, x: &Var<'t, 's>, mode: Mode) -> Result<Var<'t, 's>>
     where
@@ -470,7 +483,7 @@ impl<'m> Llama<'m> {
     {
         match &self.lm_head {
             Some(head) => head.forward(x, mode),
-            None => self.embed.project(x),
+            None => self.token_table().tied_head(x),
         }
     }
 }
@@ -595,7 +608,7 @@ impl<'m> CausalLm<'m> for Llama<'m> {
             layers: c.num_hidden_layers,
             heads: c.num_key_value_heads,
             head_width: c.head_dim,
-            dtype: self.embed.dtype(),
+            dtype: self.embed.weight.dtype(),
         }
     }
 
@@ -618,7 +631,7 @@ impl<'m> CausalLm<'m> for Llama<'m> {
     where
         'm: 's,
     {
-        let mut x = self.embed.forward(tape, ids)?;
+        let mut x = self.token_table().forward(tape, ids)?;
         // Dynamic RoPE: each sequence whose length passes the original context turns its new
         // tokens at its length's frequencies (the cached tokens keep theirs, as in transformers'
         // cache): one table row per token, read at positions 0..rows.
@@ -648,7 +661,9 @@ impl<'m> CausalLm<'m> for Llama<'m> {
 /// transformers' names: `model.{embed_tokens,layers.N,norm}...` and, untied, `lm_head.weight`.
 impl<'m> Parameters<'m> for Llama<'m> {
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor<'m>)) {
-        self.embed.visit(&format!("{prefix}model.embed_tokens."), f);
+        if self.embed_blocks.is_none() {
+            self.embed.visit(&format!("{prefix}model.embed_tokens."), f);
+        }
         for (i, b) in self.blocks.iter().enumerate() {
             b.visit(&format!("{prefix}model.layers.{i}."), f);
         }
@@ -659,7 +674,9 @@ impl<'m> Parameters<'m> for Llama<'m> {
     }
 
     fn visit_mut(&mut self, f: &mut dyn FnMut(&mut Tensor<'m>) -> Result<()>) -> Result<()> {
-        self.embed.visit_mut(f)?;
+        if self.embed_blocks.is_none() {
+            self.embed.visit_mut(f)?;
+        }
         for b in &mut self.blocks {
             b.visit_mut(f)?;
         }
@@ -676,6 +693,7 @@ impl<'m> Movable<'m> for Llama<'m> {
     fn move_into<'b>(self, target: &Scope<'b>) -> Result<Llama<'b>> {
         Ok(Llama {
             embed: self.embed.move_into(target)?,
+            embed_blocks: self.embed_blocks.move_into(target)?,
             blocks: self.blocks.move_into(target)?,
             norm: self.norm.move_into(target)?,
             lm_head: self.lm_head.move_into(target)?,
@@ -692,6 +710,7 @@ impl<'m> MoveOut<'m> for Llama<'m> {
     fn move_out(self) -> Result<Llama<'static>> {
         Ok(Llama {
             embed: self.embed.move_out()?,
+            embed_blocks: self.embed_blocks.move_out()?,
             blocks: self.blocks.move_out()?,
             norm: self.norm.move_out()?,
             lm_head: self.lm_head.move_out()?,

@@ -6,6 +6,7 @@ mod gguf;
 mod gpt2;
 mod llama;
 mod llama_config;
+mod token_table;
 
 pub use auto::AutoModel;
 pub use gpt2::{Gpt2, Gpt2Config};

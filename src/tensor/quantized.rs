@@ -254,8 +254,8 @@ impl<'s> QuantTensor<'s> {
         }
     }
 
-    /// An empty tensor (`[0]`) of `dtype` beside the blocks: what a quantized `Linear` or
-    /// `Embedding` holds in its dense `weight` field.
+    /// An empty tensor (`[0]`) of `dtype` beside the blocks: what a quantized `Linear`, or a
+    /// model's quantized token table, holds in its dense `weight` field.
     #[track_caller]
     pub(crate) fn empty_like(&self, dtype: DType) -> Result<Tensor<'s>> {
         Tensor::output_of(&[&self.blocks], dtype, &[0], Location::caller())
