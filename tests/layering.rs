@@ -11,7 +11,7 @@ const LAYERS: &[&[&str]] = &[
     &["fastmath"],
     &["dtype"],
     &["error"],
-    &["layout", "device", "rng", "quant"],
+    &["layout", "device", "rng", "quant", "threads"],
     &["gguf"],
     &["backend"],
     &["memory"],

@@ -126,9 +126,16 @@ pub(super) fn by_weight_rows(
         block(0, dst);
     }
     if m > 1 {
-        for (j, sums) in transposed.chunks_exact(m).enumerate() {
-            for (t, &s) in sums.iter().enumerate() {
-                out[t * n + j] = s;
+        // By 64 weight rows, so that each token's outputs are written as contiguous runs and the
+        // 64 rows read stay in L1 (a prompt's `m × n` written column by column missed the cache at
+        // every store).
+        const COLUMNS: usize = 64;
+        for j0 in (0..n).step_by(COLUMNS) {
+            let rows = &transposed[j0 * m..(j0 + COLUMNS).min(n) * m];
+            for (t, dst) in out.chunks_exact_mut(n).enumerate() {
+                for (o, sums) in dst[j0..].iter_mut().zip(rows.chunks_exact(m)) {
+                    *o = sums[t];
+                }
             }
         }
     }

@@ -12,6 +12,8 @@ mod fused;
 mod index;
 mod matmul;
 mod paged;
+#[cfg(target_arch = "x86_64")]
+mod quant_gemm;
 pub(crate) mod quant_product;
 #[cfg(target_arch = "x86_64")]
 mod quant_vnni;

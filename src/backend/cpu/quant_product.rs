@@ -134,11 +134,12 @@ fn quantize_block(xs: &[f32], qs: &mut [i8], d: &mut f32, sums: &mut [f32]) {
     }
 }
 
-/// `y.round()` (half away from zero) for `|y| < 2^23`, in two instructions rather than a call:
+/// `y.round()` (half away from zero) for `|y| < 2^31`, in a few instructions rather than a call:
 /// adding the largest `f32` below 0.5 with `y`'s sign rounds a half up to the next whole number
-/// (the sum's own rounding) and anything below a half short of it, then the cast truncates.
+/// (the sum's own rounding) and anything below a half short of it, then the conversion to `i32`
+/// truncates (`f32::trunc` is a call to libm's `truncf` without SSE4.1).
 fn round_half_away(y: f32) -> f32 {
-    (y + 0.499_999_97f32.copysign(y)).trunc()
+    (y + 0.499_999_97f32.copysign(y)) as i32 as f32
 }
 
 /// An activation block's scale as llama.cpp's Q8_0 block stores it, rounded to `f16` — except
@@ -155,16 +156,16 @@ fn stored_scale(d: f32) -> f32 {
 
 /// One weight row decoded: a level per value, and per 16 values a scale and an offset (the row's
 /// value `i` is `scale[i / 16] · q[i] + offset[i / 16]`).
-struct Row {
-    q: Vec<i8>,
-    scale: Vec<f32>,
-    offset: Vec<f32>,
+pub(super) struct Row {
+    pub(super) q: Vec<i8>,
+    pub(super) scale: Vec<f32>,
+    pub(super) offset: Vec<f32>,
     /// Whether any offset is non-zero (the formats with minimums).
-    offsets: bool,
+    pub(super) offsets: bool,
 }
 
 impl Row {
-    fn new(k: usize) -> Row {
+    pub(super) fn new(k: usize) -> Row {
         Row {
             q: vec![0; k],
             scale: vec![0.0; k / 16],
@@ -179,7 +180,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 }
 
 /// Fills `row` from one stored weight row (`k / block_size` blocks of `ty`).
-fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
+pub(super) fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
     let Row {
         q,
         scale,
@@ -356,6 +357,26 @@ pub(crate) fn product(
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
     #[cfg(target_arch = "x86_64")]
+    if kernel == Kernel::Avx512Vnni && m >= PANEL_TOKENS {
+        use super::quant_gemm::{LANES, Panel, panel_product};
+        let unsigned: Vec<u8> = a.q.iter().map(|&v| (v as u8) ^ 0x80).collect();
+        let rows_per_task = rows_per_task.div_ceil(LANES) * LANES;
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+            let (mut panel, mut row) = (Panel::new(k), Row::new(k));
+            for (p, dst) in dst.chunks_mut(LANES * m).enumerate() {
+                let (first, rows) = (j0 + p * LANES, dst.len() / m);
+                panel.fill(
+                    ty,
+                    &w[first * row_bytes..(first + rows) * row_bytes],
+                    row_bytes,
+                    &mut row,
+                );
+                panel_product(&panel, &a, &unsigned, (m, k), rows, dst);
+            }
+        });
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if let Some((vnni, lanes)) = vnni_kernel(kernel, ty, k, &a, m) {
         super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
             // A group of tokens at a time through all of the task's weight rows, so that a
@@ -388,6 +409,11 @@ pub(crate) fn product(
         }
     });
 }
+
+/// Rows of `x` from which the AVX-512 VNNI products decode the weight into 16-row panels
+/// (`quant_gemm`) instead of multiplying each stored row into the tokens (`quant_vnni`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const PANEL_TOKENS: usize = 8;
 
 /// A VNNI kernel: one stored row times the rows `first..` of the activations (one per output), with
 /// their lanes.
@@ -851,7 +877,13 @@ mod tests {
     fn every_format_and_kernel_matches_an_f64_product_of_the_decoded_weight() {
         let kernels = Kernel::available();
         for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
-            for (m, k, n) in [(1, 256, 3), (3, 512, 5), (16, 256, 2), (23, 256, 3)] {
+            for (m, k, n) in [
+                (1, 256, 3),
+                (3, 512, 5),
+                (16, 256, 2),
+                (23, 256, 3),
+                (9, 512, 37),
+            ] {
                 let w = blocks(ty, n, k, 7 + n as u64);
                 let mut decoded = vec![0.0f32; n * k];
                 quant::dequantize(ty, &w, &mut decoded).unwrap();
