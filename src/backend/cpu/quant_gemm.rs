@@ -27,7 +27,8 @@ const TOKENS: usize = 8;
 /// and Q2_K), per row, `−128 · Σ q` (where the unsigned activations' sums start), the scale, and
 /// the offset.
 pub(super) struct Panel {
-    levels: Vec<i8>,
+    /// `[k / 4][16]`: each row's 4 levels as one word.
+    levels: Vec<u32>,
     start: Vec<i32>,
     scale: Vec<f32>,
     offset: Vec<f32>,
@@ -38,7 +39,7 @@ pub(super) struct Panel {
 impl Panel {
     pub(super) fn new(k: usize) -> Panel {
         Panel {
-            levels: vec![0; k * LANES],
+            levels: vec![0; k / 4 * LANES],
             start: vec![0; k / HALF * LANES],
             scale: vec![0.0; k / HALF * LANES],
             offset: vec![0.0; k / HALF * LANES],
@@ -50,7 +51,7 @@ impl Panel {
     /// Fills the panel from `rows` (at most 16) stored rows of `ty`, `row_bytes` each; lanes past
     /// them are zero (their outputs are not kept).
     pub(super) fn fill(&mut self, ty: QuantType, rows: &[u8], row_bytes: usize, row: &mut Row) {
-        let k = self.levels.len() / LANES;
+        let k = self.levels.len() / LANES * 4;
         let count = rows.len() / row_bytes;
         assert!(count <= LANES && rows.len() == count * row_bytes && row.q.len() == k);
         self.levels.fill(0);
@@ -67,7 +68,12 @@ impl Panel {
             decode_row(ty, stored, row);
             self.offsets |= row.offsets;
             for (g, four) in row.q.chunks_exact(4).enumerate() {
-                self.levels[g * 64 + r * 4..g * 64 + r * 4 + 4].copy_from_slice(four);
+                self.levels[g * LANES + r] = u32::from_le_bytes([
+                    four[0] as u8,
+                    four[1] as u8,
+                    four[2] as u8,
+                    four[3] as u8,
+                ]);
             }
             for (b, q) in row.q.chunks_exact(self.sub).enumerate() {
                 let sum: i32 = q.iter().map(|&v| i32::from(v)).sum();
@@ -105,7 +111,7 @@ pub(super) fn panel_product(
 ) {
     assert!(
         k.is_multiple_of(BLOCK)
-            && panel.levels.len() == k * LANES
+            && panel.levels.len() == k / 4 * LANES
             && a.q.len() >= m * k
             && unsigned.len() >= m * k
             && a.d.len() >= m * k / BLOCK
@@ -163,7 +169,7 @@ unsafe fn tokens<const N: usize, const GROUPS: usize>(
     let (levels, start) = (panel.levels.as_ptr(), panel.start.as_ptr());
     let (scale, offset) = (panel.scale.as_ptr(), panel.offset.as_ptr());
     for b in 0..k / sub {
-        // SAFETY (this block): the caller's contract: block `b` of every array lies in the panel
+        // SAFETY: the caller's contract: block `b` of every array lies in the panel
         // (`k / sub` blocks of 16 lanes, `k / 4` groups of 64 bytes), values `sub · b..sub · (b + 1)`
         // of each token in `unsigned`, and their scales and sums in `a`; `loadu` takes any
         // alignment.
@@ -171,7 +177,7 @@ unsafe fn tokens<const N: usize, const GROUPS: usize>(
             let st = _mm512_loadu_si512(start.add(b * LANES).cast());
             let sc = _mm512_loadu_ps(scale.add(b * LANES));
             let w: [__m512i; GROUPS] = std::array::from_fn(|g| {
-                _mm512_loadu_si512(levels.add((GROUPS * b + g) * 64).cast())
+                _mm512_loadu_si512(levels.add((GROUPS * b + g) * LANES).cast())
             });
             for (t, acc) in acc.iter_mut().enumerate() {
                 let token = t0 + t;
