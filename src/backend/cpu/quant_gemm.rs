@@ -13,6 +13,7 @@
 use std::arch::x86_64::*;
 
 use super::quant_product::{Activations, BLOCK, Row, decode_row};
+use super::quant_vnni::by_token_chunks;
 use crate::quant::QuantType;
 
 /// Weight rows per panel: one per `f32` lane of a `zmm`.
@@ -120,12 +121,7 @@ pub(super) fn panel_product(
             && dst.len() == rows * m,
         "quantized panel product: operands do not fit their shape"
     );
-    let mut t0 = 0;
-    while t0 < m {
-        let run = [8, 4, 2, 1]
-            .into_iter()
-            .find(|&c| c <= m - t0)
-            .expect("1 <= m - t0");
+    by_token_chunks(m, |t0, run| {
         let mut sums = [[0.0f32; LANES]; TOKENS];
         // SAFETY: `Kernel::Avx512Vnni` (the caller's condition) is detected with AVX-512 F/BW and
         // VNNI; the assertion keeps every read inside the panel and the tokens t0..t0 + run <= m.
@@ -146,8 +142,7 @@ pub(super) fn panel_product(
                 dst[r * m + t0 + t] = v;
             }
         }
-        t0 += run;
-    }
+    });
 }
 
 /// The panel times tokens `t0..t0 + N` into `sums[..N]`, its scale blocks `4 · GROUPS` values long.

@@ -37,7 +37,7 @@ macro_rules! in_token_chunks {
 }
 
 /// Splits `m` tokens into chunks of 8, 4, 2 and 1 (`run(first, len)`).
-fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
+pub(super) fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
     let mut t0 = 0;
     while t0 < m {
         let n = [8, 4, 2, 1]
