@@ -311,6 +311,7 @@ fn a_quantized_model_holds_its_file_in_blocks_and_refuses_to_save_as_safetensors
             Some(QuantType::Q8_0)
         );
         assert_eq!(gpt2.wte.weight.shape(), [0]);
+        assert_eq!((gpt2.wte.num(), gpt2.wte.dim()), (0, 0));
         let mut names = Vec::new();
         gpt2.visit("", &mut |name, _| names.push(name.to_string()));
         assert!(

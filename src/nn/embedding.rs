@@ -60,9 +60,9 @@ impl<'m> Embedding<'m> {
         self.weight.shape()[0]
     }
 
-    /// Width of each row.
+    /// Width of each row (0 for an empty table, as a model holds beside a quantized one).
     pub fn dim(&self) -> usize {
-        self.weight.shape()[1]
+        self.weight.shape().get(1).copied().unwrap_or(0)
     }
 
     /// The rows of `ids` (`i64`, any shape): a result of shape `ids.shape() + [dim]`, recorded on
