@@ -457,12 +457,22 @@ pub(crate) trait Backend: Sync {
         tf32: bool,
     ) -> Result<()>;
 
+    /// Whether this backend's quantized products read matrices of `ty` in strips of 16 interleaved
+    /// rows (`quant::strips`) rather than in row order: a quantized matrix is stored in the order
+    /// its device's kernel reads.
+    fn quant_strips(&self, ty: crate::quant::QuantType) -> bool {
+        let _ = ty;
+        false
+    }
+
     /// `out = x Ŵᵀ` for the contiguous `f32` rows `x` (`m × k`), the `n` contiguous stored rows
-    /// `w` of the block format `ty` (`k` values each) and the contiguous `f32` `out` (`m × n`),
-    /// with `x` rounded to 8 bits per block of 32 first (see `cpu::quant_product`).
+    /// `w` of the block format `ty` (`k` values each; in strips if `in_strips`, see
+    /// [`quant_strips`](Self::quant_strips)) and the contiguous `f32` `out` (`m × n`), with `x`
+    /// rounded to 8 bits per block of 32 first (see `cpu::quant_product`).
     fn quant_matmul(
         &self,
         ty: crate::quant::QuantType,
+        in_strips: bool,
         x: Src,
         w: Src,
         mkn: (usize, usize, usize),

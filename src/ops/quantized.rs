@@ -69,8 +69,14 @@ impl<'s> Tensor<'s> {
         let mut shape = self.shape().to_vec();
         *shape.last_mut().expect("rank >= 1") = n;
         let mut out = Tensor::output_of(&[&x, w.blocks()], DType::F32, &shape, Location::caller())?;
-        x.backend()?
-            .quant_matmul(w.ty(), x.src(), w.blocks().src(), (m, k, n), out.dst())?;
+        x.backend()?.quant_matmul(
+            w.ty(),
+            w.in_strips(),
+            x.src(),
+            w.blocks().src(),
+            (m, k, n),
+            out.dst(),
+        )?;
         if self.dtype() == DType::F32 {
             Ok(out)
         } else {

@@ -31,6 +31,7 @@
 
 mod blocks;
 mod kquants;
+pub(crate) mod strips;
 
 use std::fmt;
 

@@ -6,6 +6,7 @@ use std::panic::Location;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::quant::strips::STRIP_ROWS;
 use crate::quant::{self, QuantType};
 use crate::scope::{Movable, Scope};
 use crate::tensor::Tensor;
@@ -39,6 +40,10 @@ pub struct QuantTensor<'s> {
     blocks: Tensor<'s>,
     ty: QuantType,
     shape: [usize; 2],
+    /// Whether the blocks are in strips of 16 interleaved rows (`quant::strips`) rather than row
+    /// after row: the order the device's product kernel reads, chosen by its backend when the
+    /// blocks are stored.
+    in_strips: bool,
 }
 
 impl fmt::Debug for QuantTensor<'_> {
@@ -85,6 +90,15 @@ fn check_shape(op: &'static str, ty: QuantType, shape: &[usize]) -> Result<usize
         })
 }
 
+/// `bytes` (a matrix of `shape` in row order) in strips if `in_strips`.
+fn in_order(ty: QuantType, bytes: Vec<u8>, shape: [usize; 2], in_strips: bool) -> Vec<u8> {
+    if in_strips {
+        quant::strips::to_strips(ty, &bytes, shape[0], shape[1])
+    } else {
+        bytes
+    }
+}
+
 impl<'s> QuantTensor<'s> {
     /// `values` (a float matrix `[rows, cols]`) quantized to `ty` in its scope, as
     /// [`quant::quantize`] rounds (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1).
@@ -108,8 +122,9 @@ impl<'s> QuantTensor<'s> {
             });
         }
         let host: Vec<f32> = values.to_vec_f64()?.into_iter().map(|v| v as f32).collect();
-        let bytes = quant::quantize(ty, &host)?;
         let shape = [values.shape()[0], values.shape()[1]];
+        let in_strips = values.backend()?.quant_strips(ty);
+        let bytes = in_order(ty, quant::quantize(ty, &host)?, shape, in_strips);
         let mut blocks = Tensor::output_of(
             &[values],
             DType::F16,
@@ -117,7 +132,12 @@ impl<'s> QuantTensor<'s> {
             Location::caller(),
         )?;
         blocks.upload_bytes(&bytes)?;
-        Ok(QuantTensor { blocks, ty, shape })
+        Ok(QuantTensor {
+            blocks,
+            ty,
+            shape,
+            in_strips,
+        })
     }
 
     /// The matrix of `shape` whose stored blocks of `ty` are `bytes` (rows one after another), in
@@ -142,11 +162,19 @@ impl<'s> QuantTensor<'s> {
                 got: bytes.len(),
             });
         }
-        let blocks = scope.tensor_of_le_bytes(bytes, &[len / 2], DType::F16)?;
+        let shape = [shape[0], shape[1]];
+        let in_strips = crate::backend::of(scope.device())?.quant_strips(ty);
+        let blocks = if in_strips {
+            let strips = quant::strips::to_strips(ty, bytes, shape[0], shape[1]);
+            scope.tensor_of_le_bytes(&strips, &[strips.len() / 2], DType::F16)?
+        } else {
+            scope.tensor_of_le_bytes(bytes, &[len / 2], DType::F16)?
+        };
         Ok(QuantTensor {
             blocks,
             ty,
-            shape: [shape[0], shape[1]],
+            shape,
+            in_strips,
         })
     }
 
@@ -181,6 +209,9 @@ impl<'s> QuantTensor<'s> {
         let mut bytes = vec![0u8; self.nbytes()];
         self.blocks
             .download_into("QuantTensor::dequantize", &mut bytes)?;
+        if self.in_strips {
+            bytes = quant::strips::from_strips(self.ty, &bytes, self.shape[0], self.shape[1]);
+        }
         let mut values = vec![0.0f32; self.shape[0] * self.shape[1]];
         quant::dequantize(self.ty, &bytes, &mut values)?;
         self.decoded(&values, &self.shape, dtype, Location::caller())
@@ -217,6 +248,16 @@ impl<'s> QuantTensor<'s> {
         let ids = ids.to_vec::<i64>()?;
         let mut values = vec![0.0f32; ids.len() * cols];
         let mut bytes = vec![0u8; row_bytes];
+        // In strips, the rows of whole strips come out of their strip; the rest are in row order
+        // after the strips.
+        let (strip_rows, strip_bytes) = if self.in_strips {
+            let bytes = quant::strips::strips_len(self.ty, STRIP_ROWS, cols)
+                .expect("checked when the blocks were made");
+            (rows / STRIP_ROWS * STRIP_ROWS, bytes)
+        } else {
+            (0, 0)
+        };
+        let mut strip = vec![0u8; strip_bytes];
         for (&id, out) in ids.iter().zip(values.chunks_exact_mut(cols)) {
             let row =
                 usize::try_from(id)
@@ -227,10 +268,20 @@ impl<'s> QuantTensor<'s> {
                         index: id,
                         size: rows,
                     })?;
-            // Rows are whole blocks of an even number of bytes: word offsets.
-            self.blocks
-                .narrow(0, row * row_bytes / 2, row_bytes / 2)?
-                .download_into(OP, &mut bytes)?;
+            // Rows and strips are an even number of bytes: word offsets.
+            if row < strip_rows {
+                // The row's strip, read whole, then the row taken out of it.
+                self.blocks
+                    .narrow(0, row / STRIP_ROWS * strip_bytes / 2, strip_bytes / 2)?
+                    .download_into(OP, &mut strip)?;
+                let r = row % STRIP_ROWS;
+                quant::strips::strip_row(self.ty, &strip, cols, r, &mut bytes);
+            } else {
+                let at = strip_rows / STRIP_ROWS * strip_bytes + (row - strip_rows) * row_bytes;
+                self.blocks
+                    .narrow(0, at / 2, row_bytes / 2)?
+                    .download_into(OP, &mut bytes)?;
+            }
             quant::dequantize(self.ty, &bytes, out)?;
         }
         self.decoded(&values, &[ids.len(), cols], dtype, Location::caller())
@@ -266,6 +317,11 @@ impl<'s> QuantTensor<'s> {
         &self.blocks
     }
 
+    /// Whether [`blocks`](Self::blocks) are in strips (`quant::strips`) rather than in row order.
+    pub(crate) fn in_strips(&self) -> bool {
+        self.in_strips
+    }
+
     /// The same matrix named `name` in dumps.
     pub fn named(self, name: &str) -> QuantTensor<'s> {
         QuantTensor {
@@ -285,6 +341,7 @@ impl<'a> Movable<'a> for QuantTensor<'a> {
             blocks: self.blocks.move_into(target)?,
             ty: self.ty,
             shape: self.shape,
+            in_strips: self.in_strips,
         })
     }
 }
@@ -295,6 +352,7 @@ impl<'a> crate::scope::MoveOut<'a> for QuantTensor<'a> {
             blocks: self.blocks.move_out()?,
             ty: self.ty,
             shape: self.shape,
+            in_strips: self.in_strips,
         })
     }
 }

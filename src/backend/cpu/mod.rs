@@ -16,6 +16,8 @@ mod paged;
 mod quant_gemm;
 pub(crate) mod quant_product;
 #[cfg(target_arch = "x86_64")]
+mod quant_strips;
+#[cfg(target_arch = "x86_64")]
 mod quant_vnni;
 mod reduce;
 mod rotary;
@@ -322,9 +324,14 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn quant_strips(&self, ty: crate::quant::QuantType) -> bool {
+        quant_product::Kernel::detect().reads_strips(ty)
+    }
+
     fn quant_matmul(
         &self,
         ty: crate::quant::QuantType,
+        in_strips: bool,
         x: Src,
         w: Src,
         mkn: (usize, usize, usize),
@@ -335,6 +342,7 @@ impl Backend for Cpu {
         quant_product::product(
             quant_product::Kernel::detect(),
             ty,
+            in_strips,
             x.contiguous_host::<f32>(),
             &w.buf.bytes()[2 * at..2 * (at + words)],
             mkn,

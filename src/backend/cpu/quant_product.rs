@@ -60,6 +60,16 @@ impl Kernel {
         Kernel::Portable
     }
 
+    /// Whether the kernel reads matrices of `ty` in strips (`quant::strips`, `quant_strips`).
+    pub(crate) fn reads_strips(self, ty: QuantType) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Kernel::Avx512Vnni {
+            return crate::quant::strips::has_strips(ty);
+        }
+        let _ = ty;
+        false
+    }
+
     /// Every kernel this CPU runs, the portable one first (for tests that check them all).
     #[cfg(test)]
     fn available() -> Vec<Kernel> {
@@ -339,6 +349,7 @@ pub(super) fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
 pub(crate) fn product(
     kernel: Kernel,
     ty: QuantType,
+    in_strips: bool,
     x: &[f32],
     w: &[u8],
     (m, k, n): (usize, usize, usize),
@@ -356,9 +367,48 @@ pub(crate) fn product(
     if m == 0 || n == 0 {
         return;
     }
+    if in_strips && !kernel.reads_strips(ty) {
+        // A kernel that reads rows (tests force each one): the blocks back in row order.
+        let rows = crate::quant::strips::from_strips(ty, w, n, k);
+        return product(kernel, ty, false, x, &rows, (m, k, n), out);
+    }
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
+    #[cfg(target_arch = "x86_64")]
+    if in_strips {
+        use super::quant_strips::{BlockSums, strip_product};
+        use crate::quant::strips::{STRIP_ROWS, strips_len};
+        let sums = BlockSums::new(ty, &a);
+        let strip_rows = n / STRIP_ROWS * STRIP_ROWS;
+        let strip_bytes = strips_len(ty, STRIP_ROWS, k).expect("a format with strips");
+        let rows_at = strip_rows / STRIP_ROWS * strip_bytes;
+        assert!(
+            strips_len(ty, n, k) == Some(w.len()),
+            "quantized product: the strips do not fit their shape"
+        );
+        let rows_per_task = rows_per_task.div_ceil(STRIP_ROWS) * STRIP_ROWS;
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+            let mut row = Row::new(k);
+            for (p, dst) in dst.chunks_mut(STRIP_ROWS * m).enumerate() {
+                let first = j0 + p * STRIP_ROWS;
+                if first < strip_rows {
+                    let at = first / STRIP_ROWS * strip_bytes;
+                    strip_product(ty, &w[at..at + strip_bytes], &a, &sums, (m, k), dst);
+                    continue;
+                }
+                // The rows past the last whole strip, stored in row order after the strips.
+                for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
+                    let at = rows_at + (first + r - strip_rows) * row_bytes;
+                    decode_row(ty, &w[at..at + row_bytes], &mut row);
+                    for (t, s) in sums.iter_mut().enumerate() {
+                        *s = dot(kernel, &row, &a, t, k);
+                    }
+                }
+            }
+        });
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512Vnni && m >= PANEL_TOKENS {
         use super::quant_gemm::{LANES, Panel, panel_product};
@@ -888,15 +938,27 @@ mod tests {
                 (16, 256, 2),
                 (23, 256, 3),
                 (9, 512, 37),
+                (1, 512, 32),
+                (5, 256, 48),
                 (PANEL_TOKENS + 3, 256, 37),
             ] {
                 let w = blocks(ty, n, k, 7 + n as u64);
                 let mut decoded = vec![0.0f32; n * k];
                 quant::dequantize(ty, &w, &mut decoded).unwrap();
                 let x = values(m * k, 99 + m as u64);
-                for &kernel in &kernels {
+                // Every kernel on the rows, and on the strips where the format has them (read
+                // directly by the kernel that reads strips, put back in row order for the others).
+                let strips =
+                    quant::strips::has_strips(ty).then(|| quant::strips::to_strips(ty, &w, n, k));
+                let orders = [Some(&w), strips.as_ref()];
+                for (&kernel, (in_strips, w)) in kernels.iter().flat_map(|k| {
+                    orders
+                        .iter()
+                        .enumerate()
+                        .filter_map(move |(i, w)| Some((k, (i == 1, (*w)?))))
+                }) {
                     let mut out = vec![0.0f32; m * n];
-                    product(kernel, ty, &x, &w, (m, k, n), &mut out);
+                    product(kernel, ty, in_strips, &x, w, (m, k, n), &mut out);
                     for t in 0..m {
                         let xr = rounded(&x[t * k..(t + 1) * k]);
                         for j in 0..n {
@@ -911,7 +973,7 @@ mod tests {
                             let got = f64::from(out[t * n + j]);
                             assert!(
                                 (got - want).abs() <= 1e-5 * scale + 1e-30,
-                                "{ty} {kernel:?} m={m} k={k} n={n} [{t}][{j}]: {got} vs {want}"
+                                "{ty} {kernel:?} strips {in_strips} m={m} k={k} n={n} [{t}][{j}]: {got} vs {want}"
                             );
                         }
                     }

@@ -661,6 +661,7 @@ impl Backend for Gpu {
     fn quant_matmul(
         &self,
         _ty: crate::quant::QuantType,
+        _in_strips: bool,
         _x: Src,
         _w: Src,
         _mkn: (usize, usize, usize),

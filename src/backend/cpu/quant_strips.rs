@@ -1,0 +1,254 @@
+//! Quantized products on AVX-512 VNNI reading weights stored in strips of 16 interleaved rows
+//! (`quant::strips`, Q4_0, Q8_0 and Q4_K): each `zmm` lane is one weight row, so a 64-byte load is 4
+//! levels of 16 rows, `vpdpbusd` against 4 of a token's bytes broadcast sums them, and one
+//! conversion, multiply and FMA per block scale 16 rows. Semantics as `quant_product`'s (the same
+//! rounded activations, exact integer sums per block of 32, one `f32` scale per block); only the
+//! instruction sequence differs.
+//!
+//! Per token, a block of 32 values of 16 rows is eight `vpdpbusd` and four vector instructions,
+//! shared by all 16 rows, where the per-row kernels (`quant_vnni`) spend about seven per row and 64
+//! values: a quarter of the instructions at one token, which is what lets decoding run at the
+//! memory's pace. Against `quant_gemm`'s panels the strips need no decoding per call: the weight
+//! was arranged once, when it was stored.
+//!
+//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q8_0's level plus 128,
+//! value `d · (u − 128)`), the tokens' levels signed, so each lane starts from `−bias · Σ x` of the
+//! token's block (`bias` 8 or 128) and `vpdpbusd` adds `Σ u · x`. Q4_K's levels are plain
+//! (`(d · sc) · q − dmin · m`): its minimums are subtracted through the token's block sum
+//! `d_x · Σ x`, as the other kernels do.
+
+use std::arch::x86_64::*;
+
+use super::quant_product::{Activations, BLOCK};
+use super::quant_vnni::by_token_chunks;
+use crate::quant::strips::{STRIP_ROWS, strip_block_bytes};
+use crate::quant::{QK_K, QuantType};
+
+/// Tokens whose accumulators stay in registers through one strip.
+const TOKENS: usize = 8;
+
+/// What the strip kernels read of the tokens besides their levels and scales, per block of 32:
+/// `Σ q` for the formats with a bias (Q4_0, Q8_0), `d · Σ q` for Q4_K's minimums.
+pub(super) struct BlockSums {
+    levels: Vec<i32>,
+    values: Vec<f32>,
+}
+
+impl BlockSums {
+    pub(super) fn new(ty: QuantType, a: &Activations) -> BlockSums {
+        if ty == QuantType::Q4_K {
+            let values = a.sums.chunks_exact(2).map(|h| h[0] + h[1]).collect();
+            return BlockSums {
+                levels: Vec::new(),
+                values,
+            };
+        }
+        let levels =
+            a.q.chunks_exact(BLOCK)
+                .map(|b| b.iter().map(|&v| i32::from(v)).sum())
+                .collect();
+        BlockSums {
+            levels,
+            values: Vec::new(),
+        }
+    }
+}
+
+/// `dst[r · m + t] = x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of `ty`, `k` values per row)
+/// and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
+///
+/// # Panics
+/// When `ty` has no strips or the operands do not fit (`k` whole blocks of `ty`, `m` tokens of `k`
+/// in `a`, `dst` `16 × m`).
+pub(super) fn strip_product(
+    ty: QuantType,
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    (m, k): (usize, usize),
+    dst: &mut [f32],
+) {
+    assert!(
+        k.is_multiple_of(ty.block_size())
+            && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
+            && a.q.len() >= m * k
+            && a.d.len() >= m * k / BLOCK
+            && (sums.levels.len() >= m * k / BLOCK || sums.values.len() >= m * k / BLOCK)
+            && dst.len() == STRIP_ROWS * m,
+        "quantized strip product: operands do not fit their shape"
+    );
+    assert!(
+        ty == QuantType::Q4_K || sums.levels.len() >= m * k / BLOCK,
+        "quantized strip product: the sums are another format's"
+    );
+    assert!(
+        ty != QuantType::Q4_K || sums.values.len() >= m * k / BLOCK,
+        "quantized strip product: the sums are another format's"
+    );
+    assert!(
+        std::is_x86_feature_detected!("avx512f")
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vnni"),
+        "the strip kernels need AVX-512 F/BW and VNNI"
+    );
+    by_token_chunks(m, |t0, run| {
+        let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
+        // SAFETY: the CPU has AVX-512 F/BW and VNNI (asserted); the assertions above keep every
+        // read inside the strip and the tokens t0..t0 + run <= m, with the sums `ty` reads.
+        unsafe {
+            match (run, ty) {
+                (8, QuantType::Q4_0) => tokens::<8, true>(strip, a, sums, k, t0, &mut out),
+                (4, QuantType::Q4_0) => tokens::<4, true>(strip, a, sums, k, t0, &mut out),
+                (2, QuantType::Q4_0) => tokens::<2, true>(strip, a, sums, k, t0, &mut out),
+                (_, QuantType::Q4_0) => tokens::<1, true>(strip, a, sums, k, t0, &mut out),
+                (8, QuantType::Q8_0) => tokens::<8, false>(strip, a, sums, k, t0, &mut out),
+                (4, QuantType::Q8_0) => tokens::<4, false>(strip, a, sums, k, t0, &mut out),
+                (2, QuantType::Q8_0) => tokens::<2, false>(strip, a, sums, k, t0, &mut out),
+                (_, QuantType::Q8_0) => tokens::<1, false>(strip, a, sums, k, t0, &mut out),
+                (8, QuantType::Q4_K) => tokens_q4_k::<8>(strip, a, sums, k, t0, &mut out),
+                (4, QuantType::Q4_K) => tokens_q4_k::<4>(strip, a, sums, k, t0, &mut out),
+                (2, QuantType::Q4_K) => tokens_q4_k::<2>(strip, a, sums, k, t0, &mut out),
+                (_, QuantType::Q4_K) => tokens_q4_k::<1>(strip, a, sums, k, t0, &mut out),
+                _ => panic!("{ty} has no strip kernel"),
+            }
+        }
+        for (t, s) in out.iter().enumerate().take(run) {
+            for (r, &v) in s.iter().enumerate() {
+                dst[r * m + t0 + t] = v;
+            }
+        }
+    });
+}
+
+/// Eight groups of 4 values of 16 rows (the order of a token's 32 values) from 256 bytes of
+/// nibble groups at `at`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW; `at..at + 256` must be readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn nibble_groups(at: *const u8) -> [__m512i; 8] {
+    let low = _mm512_set1_epi8(0x0f);
+    let mut w = [_mm512_setzero_si512(); 8];
+    for c in 0..4 {
+        // SAFETY: the caller's contract; `loadu` takes any alignment.
+        let v = unsafe { _mm512_loadu_si512(at.add(64 * c).cast()) };
+        w[2 * c] = _mm512_and_si512(v, low);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+    }
+    w
+}
+
+/// `Σ` over 32 values of the 16 rows' levels `w` times the token's levels at `x`, from `start`,
+/// in two chains of four, so that a block is not eight latencies deep.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and VNNI; `x..x + 32` must be readable.
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn dot32(w: &[__m512i; 8], x: *const i8, start: __m512i) -> __m512i {
+    // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+    let four = |g: usize| unsafe {
+        _mm512_set1_epi32(std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()))
+    };
+    let (mut even, mut odd) = (start, _mm512_setzero_si512());
+    for g in (0..8).step_by(2) {
+        even = _mm512_dpbusd_epi32(even, w[g], four(g));
+        odd = _mm512_dpbusd_epi32(odd, w[g + 1], four(g + 1));
+    }
+    _mm512_add_epi32(even, odd)
+}
+
+/// The strip times tokens `t0..t0 + N` into `out[..N]` (Q4_0 if `NIBBLES`, else Q8_0).
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 32` blocks of its format; tokens
+/// `t0..t0 + N` lie in `a` and `sums.levels`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tokens<const N: usize, const NIBBLES: bool>(
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let (bytes, bias) = if NIBBLES { (288, 8) } else { (544, 128) };
+    let mut acc = [_mm512_setzero_ps(); N];
+    for b in 0..k / BLOCK {
+        // SAFETY: the caller's contract: block `b` of the strip is `bytes` bytes at `b · bytes`
+        // (32 of scales, then the levels), and values `32 · b..32 · (b + 1)` of each token, its
+        // scale and its sum, lie in `a` and `sums`; `loadu` takes any alignment.
+        unsafe {
+            let block = strip.as_ptr().add(b * bytes);
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+            let levels = block.add(2 * STRIP_ROWS);
+            let w = if NIBBLES {
+                nibble_groups(levels)
+            } else {
+                std::array::from_fn(|g| _mm512_loadu_si512(levels.add(64 * g).cast()))
+            };
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let first = (t0 + t) * k + b * BLOCK;
+                let start = _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first / BLOCK));
+                let dot = _mm512_cvtepi32_ps(dot32(&w, a.q.as_ptr().add(first), start));
+                let d = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
+                *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, d), *acc);
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: a row of `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
+/// The Q4_K strip times tokens `t0..t0 + N` into `out[..N]`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 256` Q4_K strip blocks; tokens
+/// `t0..t0 + N` lie in `a` and `sums.values`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tokens_q4_k<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let bytes = strip_block_bytes(QuantType::Q4_K);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for i in 0..k / QK_K {
+        // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
+        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 × 256 bytes of levels), and values
+        // `256 · i..256 · (i + 1)` of each token, their scales and sums, lie in `a` and `sums`;
+        // `loadu` takes any alignment.
+        unsafe {
+            let block = strip.as_ptr().add(i * bytes);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(32).cast()));
+            for s in 0..QK_K / BLOCK {
+                let bytes16 = |at: usize| {
+                    _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        block.add(at + 16 * s).cast(),
+                    )))
+                };
+                // `(d · sc)` and `dmin · m` of the 16 rows, formed as the dequantizer forms them.
+                let scale = _mm512_mul_ps(d, bytes16(64));
+                let min = _mm512_mul_ps(dmin, bytes16(192));
+                let w = nibble_groups(block.add(320 + 256 * s));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let first = (t0 + t) * k + i * QK_K + s * BLOCK;
+                    let dot = dot32(&w, a.q.as_ptr().add(first), _mm512_setzero_si512());
+                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
+                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first / BLOCK));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, xd), *acc);
+                    *acc = _mm512_fnmadd_ps(min, xsum, *acc);
+                }
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: a row of `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
