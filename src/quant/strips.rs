@@ -22,6 +22,11 @@
 //! - Q4_K (256 values): the rows' `d` (32 bytes), their `dmin` (32 bytes), the 8 sub-blocks'
 //!   scales as bytes, sub-block-major (`[8][16]`, 128 bytes), their minimums likewise (128
 //!   bytes), then each sub-block's 32 levels as nibble groups (8 × 256 bytes): 2,368 bytes.
+//! - Q6_K (256 values): the rows' `d` (32 bytes), the 16 sub-blocks' `i8` scales, sub-block-major
+//!   (`[16][16]`, 256 bytes), then per 32 values the low 4 bits of the 6-bit levels as nibble
+//!   groups (256 bytes) and their high 2 bits (128 bytes: in half `h`, row `r`'s byte `j` at
+//!   `64h + 4r + j` holds at bits `2i` the high bits of value `4 · (4h + i) + j`): 3,360 bytes, the
+//!   stored blocks' own size (level `q`, 0..=63, value `(d · sc) · (q − 32)`).
 
 use super::QuantType;
 
@@ -30,7 +35,10 @@ pub(crate) const STRIP_ROWS: usize = 16;
 
 /// Whether `ty` has a strip order.
 pub(crate) fn has_strips(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4_K)
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+    )
 }
 
 /// Bytes of one strip block (one block of each of 16 rows).
@@ -39,6 +47,7 @@ pub(crate) fn strip_block_bytes(ty: QuantType) -> usize {
         QuantType::Q4_0 => 32 + 256,
         QuantType::Q8_0 => 32 + 512,
         QuantType::Q4_K => 64 + 256 + 8 * 256,
+        QuantType::Q6_K => 32 + 256 + 8 * 384,
         _ => unreachable!("{ty} has no strip order"),
     }
 }
@@ -165,8 +174,38 @@ fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                 put_nibbles(&mut dst[320 + 256 * s..][..256], r, &levels);
             }
         }
+        QuantType::Q6_K => {
+            dst[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+            for sub in 0..16 {
+                dst[32 + sub * STRIP_ROWS + r] = src[192 + sub];
+            }
+            let levels = q6_k_levels(src);
+            for (c, chunk) in levels.chunks_exact(32).enumerate() {
+                let at = 288 + 384 * c;
+                let low = std::array::from_fn(|v| chunk[v] & 0x0f);
+                put_nibbles(&mut dst[at..at + 256], r, &low);
+                for (v, &q) in chunk.iter().enumerate() {
+                    let (h, i, j) = (v / 16, (v / 4) % 4, v % 4);
+                    let byte = &mut dst[at + 256 + 64 * h + 4 * r + j];
+                    *byte = (*byte & !(3 << (2 * i))) | ((q >> 4) << (2 * i));
+                }
+            }
+        }
         _ => unreachable!("{ty} has no strip order"),
     }
+}
+
+/// Q6_K's 256 levels (0..=63) of the stored block `src`: value `v = a·128 + k·32 + j` has its low
+/// 4 bits in nibble `k / 2` of `ql[a·64 + (k % 2)·32 + j]` and its high 2 bits at bit `2k` of
+/// `qh[a·32 + j]`.
+fn q6_k_levels(src: &[u8]) -> [u8; 256] {
+    let (ql, qh) = (&src[..128], &src[128..192]);
+    std::array::from_fn(|v| {
+        let (a, k, j) = (v / 128, (v / 32) % 4, v % 32);
+        let low = (ql[a * 64 + (k % 2) * 32 + j] >> (4 * (k / 2))) & 0x0f;
+        let high = (qh[a * 32 + j] >> (2 * k)) & 0x03;
+        low | (high << 4)
+    })
 }
 
 /// Row `r`'s block of the strip block `src`, as stored, into `dst`.
@@ -208,6 +247,27 @@ fn unpack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                     } else {
                         (dst[at] & 0x0f) | (level << 4)
                     };
+                }
+            }
+        }
+        QuantType::Q6_K => {
+            dst[208..210].copy_from_slice(&src[2 * r..2 * r + 2]);
+            for sub in 0..16 {
+                dst[192 + sub] = src[32 + sub * STRIP_ROWS + r];
+            }
+            let (ql, qh) = dst[..192].split_at_mut(128);
+            ql.fill(0);
+            qh.fill(0);
+            for c in 0..8 {
+                let at = 288 + 384 * c;
+                let low = nibbles(&src[at..at + 256], r);
+                for (j, &low) in low.iter().enumerate() {
+                    let v = 32 * c + j;
+                    let (h, i, b) = (j / 16, (j / 4) % 4, j % 4);
+                    let high = (src[at + 256 + 64 * h + 4 * r + b] >> (2 * i)) & 0x03;
+                    let (a, k, j) = (v / 128, (v / 32) % 4, v % 32);
+                    ql[a * 64 + (k % 2) * 32 + j] |= low << (4 * (k / 2));
+                    qh[a * 32 + j] |= high << (2 * k);
                 }
             }
         }
@@ -259,7 +319,12 @@ mod tests {
 
     #[test]
     fn strips_hold_the_same_blocks_and_come_back_bit_for_bit() {
-        for ty in [QuantType::Q4_0, QuantType::Q8_0, QuantType::Q4_K] {
+        for ty in [
+            QuantType::Q4_0,
+            QuantType::Q8_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ] {
             for rows in [16, 35, 3] {
                 let cols = 512;
                 let stored = bytes(ty, rows, cols);
@@ -275,6 +340,7 @@ mod tests {
         assert_eq!(strips_len(QuantType::Q4_0, 32, 64), Some(32 * 2 * 18));
         assert_eq!(strips_len(QuantType::Q8_0, 17, 32), Some(17 * 34));
         assert_eq!(strips_len(QuantType::Q4_K, 16, 256), Some(16 * 148));
+        assert_eq!(strips_len(QuantType::Q6_K, 16, 256), Some(16 * 210));
     }
 
     #[test]
@@ -308,5 +374,18 @@ mod tests {
             block[320 + 3 * 256 + 64 + 4 * 5 + 1] >> 4,
             src[16 + 32 + 13] >> 4
         );
+        // Q6_K: row 5, value 45 (chunk 1, value 13: low nibble in group 1 byte 1 high, high bits
+        // in half 0, byte 4 · 5 + 1, bits 2 · 3), stored at a = 0, k = 1, j = 13.
+        let ty = QuantType::Q6_K;
+        let stored = bytes(ty, rows, cols);
+        let strips = to_strips(ty, &stored, rows, cols);
+        let src = &stored[5 * (cols / 256 * 210)..][..210];
+        let block = &strips[..3360];
+        let low = (src[32 + 13] & 0x0f, (src[128 + 13] >> 2) & 3);
+        let chunk = &block[288 + 384..];
+        assert_eq!(chunk[64 + 4 * 5 + 1] >> 4, low.0);
+        assert_eq!((chunk[256 + 4 * 5 + 1] >> 6) & 3, low.1);
+        assert_eq!(block[32 + 7 * 16 + 5], src[192 + 7]);
+        assert_eq!(&block[10..12], &src[208..210]);
     }
 }

@@ -1,5 +1,5 @@
 //! Quantized products on AVX-512 VNNI reading weights stored in strips of 16 interleaved rows
-//! (`quant::strips`, Q4_0, Q8_0 and Q4_K): each `zmm` lane is one weight row, so a 64-byte load is 4
+//! (`quant::strips`, Q4_0, Q8_0, Q4_K and Q6_K): each `zmm` lane is one weight row, so a 64-byte load is 4
 //! levels of 16 rows, `vpdpbusd` against 4 of a token's bytes broadcast sums them, and one
 //! conversion, multiply and FMA per block scale 16 rows. Semantics as `quant_product`'s (the same
 //! rounded activations, exact integer sums per block of 32, one `f32` scale per block); only the
@@ -15,7 +15,9 @@
 //! value `d · (u − 128)`), the tokens' levels signed, so each lane starts from `−bias · Σ x` of the
 //! token's block (`bias` 8 or 128) and `vpdpbusd` adds `Σ u · x`. Q4_K's levels are plain
 //! (`(d · sc) · q − dmin · m`): its minimums are subtracted through the token's block sum
-//! `d_x · Σ x`, as the other kernels do.
+//! `d_x · Σ x`, as the other kernels do. Q6_K's 6-bit levels are put together from a nibble and
+//! two high bits (one `vpternlogd` per 4 values of 16 rows) and start from `−32 · Σ x` per
+//! 16 values, its scale block.
 
 use std::arch::x86_64::*;
 
@@ -27,8 +29,9 @@ use crate::quant::{QK_K, QuantType};
 /// Tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 8;
 
-/// What the strip kernels read of the tokens besides their levels and scales, per block of 32:
-/// `Σ q` for the formats with a bias (Q4_0, Q8_0), `d · Σ q` for Q4_K's minimums.
+/// What the strip kernels read of the tokens besides their levels and scales: `Σ q` per block of
+/// 32 for the formats with a bias (Q4_0, Q8_0), per 16 for Q6_K's; `d · Σ q` per 32 for Q4_K's
+/// minimums.
 pub(super) struct BlockSums {
     levels: Vec<i32>,
     values: Vec<f32>,
@@ -43,13 +46,23 @@ impl BlockSums {
                 values,
             };
         }
+        let per = if ty == QuantType::Q6_K { 16 } else { BLOCK };
         let levels =
-            a.q.chunks_exact(BLOCK)
+            a.q.chunks_exact(per)
                 .map(|b| b.iter().map(|&v| i32::from(v)).sum())
                 .collect();
         BlockSums {
             levels,
             values: Vec::new(),
+        }
+    }
+
+    /// Sums per block of `ty`'s kind, for `m · k` values.
+    fn cover(&self, ty: QuantType, values: usize) -> bool {
+        match ty {
+            QuantType::Q4_K => self.values.len() >= values / BLOCK,
+            QuantType::Q6_K => self.levels.len() >= values / 16,
+            _ => self.levels.len() >= values / BLOCK,
         }
     }
 }
@@ -73,17 +86,9 @@ pub(super) fn strip_product(
             && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
             && a.q.len() >= m * k
             && a.d.len() >= m * k / BLOCK
-            && (sums.levels.len() >= m * k / BLOCK || sums.values.len() >= m * k / BLOCK)
+            && sums.cover(ty, m * k)
             && dst.len() == STRIP_ROWS * m,
         "quantized strip product: operands do not fit their shape"
-    );
-    assert!(
-        ty == QuantType::Q4_K || sums.levels.len() >= m * k / BLOCK,
-        "quantized strip product: the sums are another format's"
-    );
-    assert!(
-        ty != QuantType::Q4_K || sums.values.len() >= m * k / BLOCK,
-        "quantized strip product: the sums are another format's"
     );
     assert!(
         std::is_x86_feature_detected!("avx512f")
@@ -109,6 +114,10 @@ pub(super) fn strip_product(
                 (4, QuantType::Q4_K) => tokens_q4_k::<4>(strip, a, sums, k, t0, &mut out),
                 (2, QuantType::Q4_K) => tokens_q4_k::<2>(strip, a, sums, k, t0, &mut out),
                 (_, QuantType::Q4_K) => tokens_q4_k::<1>(strip, a, sums, k, t0, &mut out),
+                (8, QuantType::Q6_K) => tokens_q6_k::<8>(strip, a, sums, k, t0, &mut out),
+                (4, QuantType::Q6_K) => tokens_q6_k::<4>(strip, a, sums, k, t0, &mut out),
+                (2, QuantType::Q6_K) => tokens_q6_k::<2>(strip, a, sums, k, t0, &mut out),
+                (_, QuantType::Q6_K) => tokens_q6_k::<1>(strip, a, sums, k, t0, &mut out),
                 _ => panic!("{ty} has no strip kernel"),
             }
         }
@@ -243,6 +252,79 @@ unsafe fn tokens_q4_k<const N: usize>(
                     let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first / BLOCK));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, xd), *acc);
                     *acc = _mm512_fnmadd_ps(min, xsum, *acc);
+                }
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: a row of `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
+/// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 256` Q6_K strip blocks; tokens
+/// `t0..t0 + N` lie in `a` and `sums.levels` (per 16 values).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tokens_q6_k<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let bytes = strip_block_bytes(QuantType::Q6_K);
+    let high_bits = _mm512_set1_epi8(0x30);
+    let mut acc = [_mm512_setzero_ps(); N];
+    for i in 0..k / QK_K {
+        // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
+        // 16 × 16 scales, then 8 chunks of 256 bytes of low nibbles and 128 of high bits), and
+        // values `256 · i..256 · (i + 1)` of each token, their scales and sums, lie in `a` and
+        // `sums`; `loadu` takes any alignment.
+        unsafe {
+            let block = strip.as_ptr().add(i * bytes);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
+            for c in 0..QK_K / BLOCK {
+                let chunk = block.add(288 + 384 * c);
+                let mut w = nibble_groups(chunk);
+                for h in 0..2 {
+                    let v = _mm512_loadu_si512(chunk.add(256 + 64 * h).cast());
+                    // The high bits of group 4h + i are bits 2i..2i + 2: moved to bits 4..6.
+                    let moved = [
+                        _mm512_slli_epi16::<4>(v),
+                        _mm512_slli_epi16::<2>(v),
+                        v,
+                        _mm512_srli_epi16::<2>(v),
+                    ];
+                    for (i, moved) in moved.into_iter().enumerate() {
+                        let g = &mut w[4 * h + i];
+                        // low | (moved & 0x30)
+                        *g = _mm512_ternarylogic_epi32::<0xF8>(*g, moved, high_bits);
+                    }
+                }
+                let scale = |sub: usize| {
+                    let sc = _mm_loadu_si128(block.add(32 + 16 * sub).cast());
+                    _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
+                };
+                let (first_scale, second_scale) = (scale(2 * c), scale(2 * c + 1));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let first = (t0 + t) * k + i * QK_K + c * BLOCK;
+                    let x = a.q.as_ptr().add(first);
+                    let half = |h: usize| {
+                        let start = -32 * *sums.levels.get_unchecked(first / 16 + h);
+                        let mut dp = _mm512_set1_epi32(start);
+                        for g in 4 * h..4 * h + 4 {
+                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
+                            dp = _mm512_dpbusd_epi32(dp, w[g], _mm512_set1_epi32(four));
+                        }
+                        _mm512_cvtepi32_ps(dp)
+                    };
+                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
+                    *acc = _mm512_fmadd_ps(half(0), _mm512_mul_ps(first_scale, xd), *acc);
+                    *acc = _mm512_fmadd_ps(half(1), _mm512_mul_ps(second_scale, xd), *acc);
                 }
             }
         }
