@@ -69,31 +69,50 @@ pub(crate) fn strips_len(ty: QuantType, rows: usize, cols: usize) -> Option<usiz
 ///
 /// # Panics
 /// When `ty` has no strip order or `bytes` is not `rows` rows of `cols` values (caller bugs).
+#[cfg(test)]
 pub(crate) fn to_strips(ty: QuantType, bytes: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = vec![0u8; strips_len(ty, rows, cols).expect("a type with strips")];
+    to_strips_into(ty, bytes, rows, cols, &mut out);
+    out
+}
+
+/// `bytes` (`rows` stored rows of `cols` values of `ty`) rearranged into strips in `out` (its [`strips_len`]), a strip per rayon task: a model's load
+/// arranges every matrix once, hundreds of megabytes.
+///
+/// # Panics
+/// When `ty` has no strip order, `bytes` is not `rows` rows of `cols` values or `out` not their
+/// strips' length (caller bugs).
+pub(crate) fn to_strips_into(
+    ty: QuantType,
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    out: &mut [u8],
+) {
+    use rayon::prelude::*;
     let row_bytes = ty.bytes_for(cols).expect("whole blocks per row");
     assert!(
-        has_strips(ty) && bytes.len() == rows * row_bytes,
+        has_strips(ty)
+            && bytes.len() == rows * row_bytes
+            && Some(out.len()) == strips_len(ty, rows, cols),
         "strips: {} bytes are not {rows} rows of {cols} {ty} values",
         bytes.len()
     );
     let whole = rows / STRIP_ROWS * STRIP_ROWS;
-    let len = strips_len(ty, rows, cols).expect("the rows' bytes exist");
-    let mut out = vec![0u8; len];
-    let (strips, tail) = out.split_at_mut(len - (rows - whole) * row_bytes);
+    let (strips, tail) = out.split_at_mut(out.len() - (rows - whole) * row_bytes);
     let strip_bytes = strip_block_bytes(ty) * (cols / ty.block_size());
-    for (strip, dst) in bytes
-        .chunks_exact(STRIP_ROWS * row_bytes)
-        .zip(strips.chunks_exact_mut(strip_bytes))
-    {
-        for (b, dst) in dst.chunks_exact_mut(strip_block_bytes(ty)).enumerate() {
-            for r in 0..STRIP_ROWS {
-                let src = &strip[r * row_bytes + b * ty.block_bytes()..][..ty.block_bytes()];
-                pack_block(ty, r, src, dst);
+    bytes
+        .par_chunks_exact(STRIP_ROWS * row_bytes)
+        .zip(strips.par_chunks_exact_mut(strip_bytes))
+        .for_each(|(strip, dst)| {
+            for (b, dst) in dst.chunks_exact_mut(strip_block_bytes(ty)).enumerate() {
+                for r in 0..STRIP_ROWS {
+                    let src = &strip[r * row_bytes + b * ty.block_bytes()..][..ty.block_bytes()];
+                    pack_block(ty, r, src, dst);
+                }
             }
-        }
-    }
+        });
     tail.copy_from_slice(&bytes[whole * row_bytes..]);
-    out
 }
 
 /// Row `r` (within its strip) of the strip `strip` (`cols` values of `ty` per row) in row order,
@@ -184,10 +203,12 @@ fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                 let at = 288 + 384 * c;
                 let low = std::array::from_fn(|v| chunk[v] & 0x0f);
                 put_nibbles(&mut dst[at..at + 256], r, &low);
-                for (v, &q) in chunk.iter().enumerate() {
-                    let (h, i, j) = (v / 16, (v / 4) % 4, v % 4);
-                    let byte = &mut dst[at + 256 + 64 * h + 4 * r + j];
-                    *byte = (*byte & !(3 << (2 * i))) | ((q >> 4) << (2 * i));
+                for h in 0..2 {
+                    for j in 0..4 {
+                        dst[at + 256 + 64 * h + 4 * r + j] = (0..4)
+                            .map(|i| (chunk[4 * (4 * h + i) + j] >> 4) << (2 * i))
+                            .fold(0, |byte, bits| byte | bits);
+                    }
                 }
             }
         }
@@ -283,13 +304,10 @@ fn nibble_at(r: usize, v: usize) -> (usize, bool) {
 
 /// Row `r`'s 32 levels (each below 16) into the nibble groups `groups` (256 bytes).
 fn put_nibbles(groups: &mut [u8], r: usize, levels: &[u8; 32]) {
-    for (v, &level) in levels.iter().enumerate() {
-        let (at, high) = nibble_at(r, v);
-        groups[at] = if high {
-            (groups[at] & 0x0f) | (level << 4)
-        } else {
-            (groups[at] & 0xf0) | level
-        };
+    for c in 0..4 {
+        for j in 0..4 {
+            groups[64 * c + 4 * r + j] = levels[8 * c + j] | (levels[8 * c + 4 + j] << 4);
+        }
     }
 }
 

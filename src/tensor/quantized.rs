@@ -90,13 +90,18 @@ fn check_shape(op: &'static str, ty: QuantType, shape: &[usize]) -> Result<usize
         })
 }
 
-/// `bytes` (a matrix of `shape` in row order) in strips if `in_strips`.
-fn in_order(ty: QuantType, bytes: Vec<u8>, shape: [usize; 2], in_strips: bool) -> Vec<u8> {
-    if in_strips {
-        quant::strips::to_strips(ty, &bytes, shape[0], shape[1])
+/// Bytes of a matrix of `shape` stored in `ty`, in strips if `in_strips` (Q4_K's are larger).
+fn stored_len(ty: QuantType, shape: [usize; 2], in_strips: bool) -> Result<usize> {
+    let len = if in_strips {
+        quant::strips::strips_len(ty, shape[0], shape[1])
     } else {
-        bytes
-    }
+        ty.bytes_for(shape[1]).and_then(|b| b.checked_mul(shape[0]))
+    };
+    len.ok_or_else(|| Error::InvalidShape {
+        op: "QuantTensor",
+        shape: shape.to_vec(),
+        reason: "too many bytes".into(),
+    })
 }
 
 impl<'s> QuantTensor<'s> {
@@ -124,14 +129,15 @@ impl<'s> QuantTensor<'s> {
         let host: Vec<f32> = values.to_vec_f64()?.into_iter().map(|v| v as f32).collect();
         let shape = [values.shape()[0], values.shape()[1]];
         let in_strips = values.backend()?.quant_strips(ty);
-        let bytes = in_order(ty, quant::quantize(ty, &host)?, shape, in_strips);
-        let mut blocks = Tensor::output_of(
-            &[values],
-            DType::F16,
-            &[bytes.len() / 2],
-            Location::caller(),
-        )?;
-        blocks.upload_bytes(&bytes)?;
+        let bytes = quant::quantize(ty, &host)?;
+        let len = stored_len(ty, shape, in_strips)?;
+        let mut blocks = Tensor::output_of(&[values], DType::F16, &[len / 2], Location::caller())?;
+        if in_strips {
+            let out = blocks.host_bytes_mut("QuantTensor::quantize")?;
+            quant::strips::to_strips_into(ty, &bytes, shape[0], shape[1], out);
+        } else {
+            blocks.upload_bytes(&bytes)?;
+        }
         Ok(QuantTensor {
             blocks,
             ty,
@@ -165,8 +171,11 @@ impl<'s> QuantTensor<'s> {
         let shape = [shape[0], shape[1]];
         let in_strips = crate::backend::of(scope.device())?.quant_strips(ty);
         let blocks = if in_strips {
-            let strips = quant::strips::to_strips(ty, bytes, shape[0], shape[1]);
-            scope.tensor_of_le_bytes(&strips, &[strips.len() / 2], DType::F16)?
+            // Arranged straight into the scope's memory: no second copy of the matrix.
+            let mut blocks = scope.empty(&[stored_len(ty, shape, true)? / 2], DType::F16)?;
+            let out = blocks.host_bytes_mut(OP)?;
+            quant::strips::to_strips_into(ty, bytes, shape[0], shape[1], out);
+            blocks
         } else {
             scope.tensor_of_le_bytes(bytes, &[len / 2], DType::F16)?
         };
