@@ -248,6 +248,75 @@ fn a_quantized_linear_computes_on_its_blocks_and_trains_what_is_under_it() -> Re
     })
 }
 
+/// Random blocks of `ty` with finite scales: random bytes, each `f16` scale field set to a small
+/// value.
+fn random_blocks(ty: QuantType, values: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed | 1;
+    let mut bytes: Vec<u8> = (0..ty.bytes_for(values).unwrap())
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s as u8
+        })
+        .collect();
+    let scales: &[usize] = match ty {
+        QuantType::Q4_K => &[0, 2],
+        QuantType::Q6_K => &[208],
+        _ => &[0],
+    };
+    for (i, block) in bytes.chunks_exact_mut(ty.block_bytes()).enumerate() {
+        for &at in scales {
+            let v = half::f16::from_f32(0.01 * (1 + (i + at) % 5) as f32);
+            block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// The formats a CPU with AVX-512 VNNI stores in strips of 16 interleaved rows, with rows past the
+/// last whole strip: what comes back out (decoded, looked up, multiplied) is what the file holds.
+#[test]
+fn blocks_kept_in_the_kernels_order_decode_look_up_and_multiply_as_stored() -> Result<()> {
+    let (n, k) = (35, 512);
+    for ty in [
+        QuantType::Q4_0,
+        QuantType::Q8_0,
+        QuantType::Q4_K,
+        QuantType::Q6_K,
+    ] {
+        let bytes = random_blocks(ty, n * k, ty.ggml() as u64);
+        let mut decoded = vec![0.0f32; n * k];
+        ndscope::quant::dequantize(ty, &bytes, &mut decoded)?;
+        root(Device::Cpu, |s| {
+            let q = QuantTensor::from_blocks(s, &bytes, ty, &[n, k])?;
+            assert_eq!(q.dequantize(DType::F32)?.to_vec::<f32>()?, decoded, "{ty}");
+            let picked = [34usize, 0, 17, 16, 15, 33, 31, 32];
+            let ids: Vec<i64> = picked.iter().map(|&r| r as i64).collect();
+            let rows = q
+                .index_select(&s.from_slice(&ids, &[ids.len()])?, DType::F32)?
+                .to_vec::<f32>()?;
+            for (i, &r) in picked.iter().enumerate() {
+                assert_eq!(
+                    rows[i * k..(i + 1) * k],
+                    decoded[r * k..(r + 1) * k],
+                    "{ty} {r}"
+                );
+            }
+            for m in [1, 3, 9] {
+                let x = values(m * k, m as u64);
+                let got = s
+                    .from_slice(&x, &[m, k])?
+                    .matmul_quantized_t(&q)?
+                    .to_vec::<f32>()?;
+                assert_product(&got, &x, &decoded, (m, k, n), &format!("{ty} m={m}"));
+            }
+            Ok::<_, Error>(())
+        })?;
+    }
+    Ok(())
+}
+
 #[test]
 fn quantized_rows_decode_only_the_rows_asked_for() -> Result<()> {
     root(Device::Cpu, |s| {

@@ -316,9 +316,9 @@ unsafe fn tokens_q6_k<const N: usize>(
                     let half = |h: usize| {
                         let start = -32 * *sums.levels.get_unchecked(first / 16 + h);
                         let mut dp = _mm512_set1_epi32(start);
-                        for g in 4 * h..4 * h + 4 {
+                        for (g, &w) in w.iter().enumerate().skip(4 * h).take(4) {
                             let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
-                            dp = _mm512_dpbusd_epi32(dp, w[g], _mm512_set1_epi32(four));
+                            dp = _mm512_dpbusd_epi32(dp, w, _mm512_set1_epi32(four));
                         }
                         _mm512_cvtepi32_ps(dp)
                     };
