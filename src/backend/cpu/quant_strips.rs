@@ -129,6 +129,15 @@ pub(super) fn strip_product(
     });
 }
 
+/// Each token's 16 row sums into its row of `out`.
+#[target_feature(enable = "avx512f")]
+fn store<const N: usize>(acc: [__m512; N], out: &mut [[f32; STRIP_ROWS]; TOKENS]) {
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: a row of `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}
+
 /// Eight groups of 4 values of 16 rows (the order of a token's 32 values) from 256 bytes of
 /// nibble groups at `at`.
 ///
@@ -204,10 +213,7 @@ unsafe fn tokens<const N: usize, const NIBBLES: bool>(
             }
         }
     }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        // SAFETY: a row of `out` holds 16 floats.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
-    }
+    store(acc, out);
 }
 
 /// The Q4_K strip times tokens `t0..t0 + N` into `out[..N]`.
@@ -256,10 +262,7 @@ unsafe fn tokens_q4_k<const N: usize>(
             }
         }
     }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        // SAFETY: a row of `out` holds 16 floats.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
-    }
+    store(acc, out);
 }
 
 /// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`.
@@ -329,8 +332,5 @@ unsafe fn tokens_q6_k<const N: usize>(
             }
         }
     }
-    for (o, acc) in out.iter_mut().zip(acc) {
-        // SAFETY: a row of `out` holds 16 floats.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
-    }
+    store(acc, out);
 }
