@@ -90,15 +90,10 @@ fn check_shape(op: &'static str, ty: QuantType, shape: &[usize]) -> Result<usize
         })
 }
 
-/// Bytes of a matrix of `shape` stored in `ty`, in strips if `in_strips` (Q4_K's are larger).
-fn stored_len(ty: QuantType, shape: [usize; 2], in_strips: bool) -> Result<usize> {
-    let len = if in_strips {
-        quant::strips::strips_len(ty, shape[0], shape[1])
-    } else {
-        ty.bytes_for(shape[1]).and_then(|b| b.checked_mul(shape[0]))
-    };
-    len.ok_or_else(|| Error::InvalidShape {
-        op: "QuantTensor",
+/// Bytes of a matrix of `shape` of `ty` in strips (Q4_K's are larger than in rows).
+fn strips_len(op: &'static str, ty: QuantType, shape: [usize; 2]) -> Result<usize> {
+    quant::strips::strips_len(ty, shape[0], shape[1]).ok_or_else(|| Error::InvalidShape {
+        op,
         shape: shape.to_vec(),
         reason: "too many bytes".into(),
     })
@@ -118,7 +113,7 @@ impl<'s> QuantTensor<'s> {
         if ty.is_quantized() && !ty.can_quantize() {
             return Err(quant::no_quantizer(OP, ty));
         }
-        check_shape(OP, ty, values.shape())?;
+        let len = check_shape(OP, ty, values.shape())?;
         if !values.dtype().is_float() {
             return Err(Error::UnsupportedDType {
                 op: OP,
@@ -130,7 +125,11 @@ impl<'s> QuantTensor<'s> {
         let shape = [values.shape()[0], values.shape()[1]];
         let in_strips = values.backend()?.quant_strips(ty);
         let bytes = quant::quantize(ty, &host)?;
-        let len = stored_len(ty, shape, in_strips)?;
+        let len = if in_strips {
+            strips_len(OP, ty, shape)?
+        } else {
+            len
+        };
         let mut blocks = Tensor::output_of(&[values], DType::F16, &[len / 2], Location::caller())?;
         if in_strips {
             let out = blocks.host_bytes_mut("QuantTensor::quantize")?;
@@ -172,7 +171,7 @@ impl<'s> QuantTensor<'s> {
         let in_strips = crate::backend::of(scope.device())?.quant_strips(ty);
         let blocks = if in_strips {
             // Arranged straight into the scope's memory: no second copy of the matrix.
-            let mut blocks = scope.empty(&[stored_len(ty, shape, true)? / 2], DType::F16)?;
+            let mut blocks = scope.empty(&[strips_len(OP, ty, shape)? / 2], DType::F16)?;
             let out = blocks.host_bytes_mut(OP)?;
             quant::strips::to_strips_into(ty, bytes, shape[0], shape[1], out);
             blocks

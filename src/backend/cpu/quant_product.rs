@@ -96,6 +96,24 @@ pub(super) struct Activations {
     pub(super) sums: Vec<f32>,
 }
 
+impl Activations {
+    /// The levels plus 128, as unsigned bytes (against a kernel's signed weights), for the first
+    /// `values`.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn unsigned(&self, values: usize) -> Vec<u8> {
+        self.q[..values].iter().map(|&v| (v as u8) ^ 0x80).collect()
+    }
+
+    /// `d · Σ q` per block of 32 (both halves' sums), for the first `values`.
+    #[cfg(target_arch = "x86_64")]
+    pub(super) fn block_sums(&self, values: usize) -> Vec<f32> {
+        self.sums[..values / 16]
+            .chunks_exact(2)
+            .map(|h| h[0] + h[1])
+            .collect()
+    }
+}
+
 fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
     use rayon::prelude::*;
     let mut a = Activations {
@@ -400,10 +418,7 @@ pub(crate) fn product(
                 // The rows past the last whole strip, stored in row order after the strips.
                 for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
                     let at = rows_at + (first + r - strip_rows) * row_bytes;
-                    decode_row(ty, &w[at..at + row_bytes], &mut row);
-                    for (t, s) in sums.iter_mut().enumerate() {
-                        *s = dot(kernel, &row, &a, t, k);
-                    }
+                    decoded_into_tokens(kernel, ty, &w[at..at + row_bytes], &mut row, &a, sums);
                 }
             }
         });
@@ -412,7 +427,7 @@ pub(crate) fn product(
     #[cfg(target_arch = "x86_64")]
     if kernel == Kernel::Avx512Vnni && m >= PANEL_TOKENS {
         use super::quant_gemm::{LANES, Panel, panel_product};
-        let unsigned: Vec<u8> = a.q.iter().map(|&v| (v as u8) ^ 0x80).collect();
+        let unsigned = a.unsigned(m * k);
         let rows_per_task = rows_per_task.div_ceil(LANES) * LANES;
         super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
             let (mut panel, mut row) = (Panel::new(k), Row::new(k));
@@ -455,12 +470,25 @@ pub(crate) fn product(
                 fused(stored, &a, k, sums);
                 continue;
             }
-            decode_row(ty, stored, &mut row);
-            for (t, s) in sums.iter_mut().enumerate() {
-                *s = dot(kernel, &row, &a, t, k);
-            }
+            decoded_into_tokens(kernel, ty, stored, &mut row, &a, sums);
         }
     });
+}
+
+/// `sums[t] = x̂_t · ŵ` for the stored row `stored` (decoded into `row`) and every token `t` of `a`.
+fn decoded_into_tokens(
+    kernel: Kernel,
+    ty: QuantType,
+    stored: &[u8],
+    row: &mut Row,
+    a: &Activations,
+    sums: &mut [f32],
+) {
+    decode_row(ty, stored, row);
+    let k = row.q.len();
+    for (t, s) in sums.iter_mut().enumerate() {
+        *s = dot(kernel, row, a, t, k);
+    }
 }
 
 /// Rows of `x` from which the AVX-512 VNNI products decode the weight into 16-row panels
@@ -948,15 +976,16 @@ mod tests {
                 let x = values(m * k, 99 + m as u64);
                 // Every kernel on the rows, and on the strips where the format has them (read
                 // directly by the kernel that reads strips, put back in row order for the others).
-                let strips =
-                    quant::strips::has_strips(ty).then(|| quant::strips::to_strips(ty, &w, n, k));
-                let orders = [Some(&w), strips.as_ref()];
-                for (&kernel, (in_strips, w)) in kernels.iter().flat_map(|k| {
+                let mut orders = vec![(false, w.clone())];
+                if quant::strips::has_strips(ty) {
+                    orders.push((true, quant::strips::to_strips(ty, &w, n, k)));
+                }
+                let cases = kernels.iter().flat_map(|&kernel| {
                     orders
                         .iter()
-                        .enumerate()
-                        .filter_map(move |(i, w)| Some((k, (i == 1, (*w)?))))
-                }) {
+                        .map(move |(in_strips, w)| (kernel, *in_strips, w))
+                });
+                for (kernel, in_strips, w) in cases {
                     let mut out = vec![0.0f32; m * n];
                     product(kernel, ty, in_strips, &x, w, (m, k, n), &mut out);
                     for t in 0..m {

@@ -40,10 +40,9 @@ pub(super) struct BlockSums {
 impl BlockSums {
     pub(super) fn new(ty: QuantType, a: &Activations) -> BlockSums {
         if ty == QuantType::Q4_K {
-            let values = a.sums.chunks_exact(2).map(|h| h[0] + h[1]).collect();
             return BlockSums {
                 levels: Vec::new(),
-                values,
+                values: a.block_sums(a.q.len()),
             };
         }
         let per = if ty == QuantType::Q6_K { 16 } else { BLOCK };

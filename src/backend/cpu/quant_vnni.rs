@@ -60,19 +60,14 @@ impl Lanes {
     /// For `a` (`m` rows of `k`): the unsigned levels if `unsigned`, else the block sums.
     pub(super) fn new(a: &Activations, m: usize, k: usize, unsigned: bool) -> Lanes {
         if unsigned {
-            let unsigned = a.q[..m * k].iter().map(|&v| (v as u8) ^ 0x80).collect();
             return Lanes {
-                unsigned,
+                unsigned: a.unsigned(m * k),
                 block_sums: Vec::new(),
             };
         }
-        let block_sums = a.sums[..m * k / 16]
-            .chunks_exact(2)
-            .map(|h| h[0] + h[1])
-            .collect();
         Lanes {
             unsigned: Vec::new(),
-            block_sums,
+            block_sums: a.block_sums(m * k),
         }
     }
 }
