@@ -120,11 +120,122 @@ fn paged_attention_matches_reference(dtype: DType, block_tokens: usize, toleranc
 /// with no window, and with sliding windows shorter and longer than a block of 4.
 #[test]
 fn grouped_paged_attention_matches_the_reference() {
+    grouped_paged_attention(4, &[[7, 2], [1, 1], [3, 5]], &[None, Some(3), Some(6)]);
+}
+
+/// Prompts longer than the host kernel's tiles (64 queries, 128 keys): a first chunk of 150 queries
+/// spans three query tiles and two key tiles, a later chunk of 140 attends over 291 cached tokens;
+/// with no window, with a window of 20 (the last query tile's rows start in both key tiles) and one
+/// of 100.
+#[test]
+fn long_prompts_through_the_pages_match_the_reference() {
+    grouped_paged_attention(
+        16,
+        &[[150, 3], [1, 140], [2, 1]],
+        &[None, Some(20), Some(100)],
+    );
+}
+
+/// A token's output is the same bits however its prompt arrives: whole (150 queries: three query
+/// tiles, two key tiles), in chunks, or one token at a time, beside another sequence or alone; with
+/// and without sliding windows, and rows 72 wide (a whole register block and a tail). The whole
+/// prompt also matches the f64 reference.
+#[test]
+fn a_tokens_output_does_not_depend_on_how_its_prompt_is_cut() {
+    let (q_heads, kv_heads, w, tokens) = (2, 1, 72, 150);
+    let shape = KvShape {
+        layers: 1,
+        heads: kv_heads,
+        head_width: w,
+        dtype: DType::F32,
+    };
+    let cuts: [&[usize]; 3] = [&[150], &[70, 1, 79], &[1; 150]];
+    // A window of 130 makes late rows' windows cross a key tile's end: tiles must start at the same
+    // tokens whoever asks.
+    for window in [None, Some(20), Some(130)] {
+        root(Device::Cpu, |m| {
+            m.set_seed(5);
+            let q = m.randn(&[tokens, q_heads, w])?;
+            let kv = m.randn(&[tokens, 2, kv_heads, w])?;
+            let pool = KvPool::new(m, shape, 16, 4 * tokens.div_ceil(16))?;
+            let mut outputs = Vec::new();
+            for cut in cuts {
+                let (mut cache, mut other) = (pool.cache(m, tokens)?, pool.cache(m, tokens)?);
+                let mut got: Vec<f32> = Vec::new();
+                let mut at = 0;
+                for &n in cut {
+                    m.scope(|_| {
+                        // A one-token neighbour in the same call when the prompt comes in chunks.
+                        let beside = usize::from(cut.len() > 1);
+                        let mut step =
+                            KvStep::new(&pool, vec![&mut cache, &mut other], &[n, beside])?;
+                        let (qn, kvn) = (q.narrow(0, at, n)?, kv.narrow(0, at, n)?);
+                        let (q, kv) = if beside == 1 {
+                            (
+                                Tensor::concat(&[&qn, &q.narrow(0, 0, 1)?], 0)?,
+                                Tensor::concat(&[&kvn, &kv.narrow(0, 0, 1)?], 0)?,
+                            )
+                        } else {
+                            (qn, kvn)
+                        };
+                        let out =
+                            step.attend_in_window(0, &q, &kv, 1.0 / (w as f64).sqrt(), window)?;
+                        got.extend(out.narrow(0, 0, n)?.to_vec::<f32>()?);
+                        step.finish();
+                        Ok::<_, Error>(())
+                    })?;
+                    at += n;
+                }
+                outputs.push(got);
+            }
+            for (cut, got) in cuts.iter().zip(&outputs).skip(1) {
+                assert!(
+                    got == &outputs[0],
+                    "window {window:?}: cut into {} pieces differs from the whole prompt",
+                    cut.len()
+                );
+            }
+            let (qs, kvs) = (q.to_vec_f64()?, kv.to_vec_f64()?);
+            let pick = |x: &[f64], which: usize| -> Vec<f64> {
+                x.chunks(kv_heads * w)
+                    .skip(which)
+                    .step_by(2)
+                    .flatten()
+                    .copied()
+                    .collect()
+            };
+            let (keys, values) = (pick(&kvs, 0), pick(&kvs, 1));
+            for h in 0..q_heads {
+                let qh: Vec<f64> = qs
+                    .chunks(w)
+                    .skip(h)
+                    .step_by(q_heads)
+                    .flatten()
+                    .copied()
+                    .collect();
+                let want = reference(&qh, &keys, &values, 1, w, window);
+                let got = outputs[0].chunks(w).skip(h).step_by(q_heads).flatten();
+                for (g, x) in got.zip(&want) {
+                    assert!(
+                        (f64::from(*g) - x).abs() <= 1e-5 * (1.0 + x.abs()),
+                        "window {window:?} head {h}: {g} vs {x}"
+                    );
+                }
+            }
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }
+}
+
+/// Rounds of `[first, second]` sequence's new tokens, in blocks of `block_tokens`, with each window.
+fn grouped_paged_attention(block_tokens: usize, rounds: &[[usize; 2]], windows: &[Option<usize>]) {
     let (q_heads, kv_heads, w) = (6, 2, 8);
     let group = q_heads / kv_heads;
-    let cases = [None, Some(3), Some(6)]
-        .into_iter()
-        .flat_map(|window| [(DType::F64, 1e-12), (DType::F32, 1e-5)].map(|(d, t)| (d, t, window)));
+    let cases = windows
+        .iter()
+        .flat_map(|&window| [(DType::F64, 1e-12), (DType::F32, 1e-5)].map(|(d, t)| (d, t, window)));
+    let longest = rounds.iter().map(|r| r[0].max(r[1])).sum::<usize>();
     for (dtype, tolerance, window) in cases {
         let shape = KvShape {
             layers: 1,
@@ -133,10 +244,10 @@ fn grouped_paged_attention_matches_the_reference() {
             dtype,
         };
         root(Device::Cpu, |m| {
-            let pool = KvPool::new(m, shape, 4, 32)?;
-            let mut caches = [pool.cache(m, 30)?, pool.cache(m, 30)?];
+            let pool = KvPool::new(m, shape, block_tokens, 2 * longest.div_ceil(block_tokens))?;
+            let mut caches = [pool.cache(m, longest)?, pool.cache(m, longest)?];
             let mut history = vec![(Vec::new(), Vec::new()); 2];
-            for counts in [[7usize, 2], [1, 1], [3, 5]] {
+            for &counts in rounds {
                 let rows: usize = counts.iter().sum();
                 m.scope(|s| {
                     let mut step = KvStep::new(&pool, caches.iter_mut().collect(), &counts)?;

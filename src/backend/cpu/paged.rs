@@ -1,12 +1,18 @@
 //! Host attention over a paged KV cache, and the writes that fill the pages ([`PagedAttention`]
 //! states the math; [`PageGeometry`] the page layout).
 //!
-//! One task per sequence, head and query walks the pages of its sequence in order. A page holds a
-//! head's keys (and values) as `tokens × width` consecutive elements, so each page is one short
-//! matrix–vector product against a running maximum: the same online softmax as fused attention, with
-//! the page as the key tile. Decoding reads every cached byte once; that read is the whole cost.
-
-use std::borrow::Cow;
+//! A page holds a head's keys (and values) as `tokens × width` consecutive elements. One task per
+//! head and tile of up to [`QUERY_TILE`] queries of one sequence walks the tokens the tile sees in
+//! key tiles of [`KEY_TILE`], and passes each key tile to every query row in turn while it is in
+//! cache: a decoding step (one query) reads every cached byte once, which is its whole cost; a
+//! prompt (many queries) reads the cache once per query tile rather than once per query.
+//!
+//! Each row's result depends on nothing but the row and the tokens it sees: key tiles start at
+//! multiples of [`KEY_TILE`] in the sequence, each score is one [`rows::dot`], each row keeps its own
+//! online softmax (the maximum and sum of the weights so far, rescaling what it accumulated when the
+//! maximum grows) and adds its weighted values key after key. So a token's output is the same bits
+//! whether it comes alone, in a chunk of its prompt, beside other sequences or in the whole prompt,
+//! and the engine's batching and chunking never change what a request generates.
 
 use rayon::prelude::*;
 
@@ -17,6 +23,14 @@ use crate::dtype::{DType, Element, bf16, f16};
 
 /// Multiply-adds below which one thread does the whole call.
 const PARALLEL_WORK: usize = 1 << 17;
+/// Queries per task: they share each key tile while it is in cache.
+const QUERY_TILE: usize = 64;
+/// Keys per tile: a tile of 64-wide `f32` keys and values is 64 KiB, in L2 while the task's query
+/// rows pass over it.
+const KEY_TILE: usize = 128;
+/// Elements of a row accumulated at once in registers when adding weighted values (four AVX-512
+/// registers of `f32`).
+const BLOCK: usize = 64;
 
 pub(super) fn attention(
     dtype: DType,
@@ -36,7 +50,7 @@ pub(super) fn attention(
 }
 
 /// A page (or the queries) as the kernel reads it: in the compute type already, or stored elements
-/// to widen row by row.
+/// to widen.
 #[derive(Clone, Copy)]
 enum Page<'a, T: Math> {
     Compute(&'a [T::Compute]),
@@ -53,13 +67,25 @@ impl<'a, T: Math> Page<'a, T> {
         }
     }
 
-    /// `len` elements from `at`, in the compute type.
-    fn row(self, at: usize, len: usize) -> Cow<'a, [T::Compute]> {
+    /// Copies `into.len()` elements from `at` into `into`, in the compute type.
+    fn read(self, at: usize, into: &mut [T::Compute]) {
+        let len = into.len();
         match self {
-            Page::Compute(x) => Cow::Borrowed(&x[at..at + len]),
-            Page::Stored(x) => Cow::Owned(x[at..at + len].iter().map(|v| v.load()).collect()),
+            Page::Compute(x) => into.copy_from_slice(&x[at..at + len]),
+            Page::Stored(x) => into
+                .iter_mut()
+                .zip(&x[at..at + len])
+                .for_each(|(i, v)| *i = v.load()),
         }
     }
+}
+
+/// The queries of one task: `rows` consecutive packed rows from `first`, all of sequence `seq`.
+#[derive(Clone, Copy)]
+struct Tile {
+    seq: usize,
+    first: usize,
+    rows: usize,
 }
 
 fn attention_as<T: Math>(
@@ -69,101 +95,316 @@ fn attention_as<T: Math>(
     seqs: PagedSeqs,
     out: Dst,
 ) where
-    T::Compute: Real,
+    T::Compute: Scores,
 {
     let shape = q.layout.shape();
-    let (rows, heads, width) = (shape[0], shape[1], shape[2]);
+    let (heads, width) = (shape[1], shape[2]);
     let (qs, qst, qoff) = (q.buf.host::<T>(), q.layout.strides(), q.layout.offset());
     let pages: Vec<Page<'_, T>> = seqs.pages.iter().map(|&p| Page::of(p)).collect();
     let scale = T::Compute::from_f64(math.scale);
-    // The sequence of each packed query row.
-    let seq_of: Vec<usize> = (0..seqs.lengths.len())
-        .flat_map(|s| std::iter::repeat_n(s, seqs.queries[s + 1] - seqs.queries[s]))
+    let tiles: Vec<Tile> = (0..seqs.lengths.len())
+        .flat_map(|seq| {
+            let (from, to) = (seqs.queries[seq], seqs.queries[seq + 1]);
+            (from..to).step_by(QUERY_TILE).map(move |first| Tile {
+                seq,
+                first,
+                rows: QUERY_TILE.min(to - first),
+            })
+        })
         .collect();
     let task = |t: usize| -> Vec<T::Compute> {
-        let (r, h) = (t / heads, t % heads);
-        let s = seq_of[r];
-        let query = Page::<T>::Stored(qs).row(qoff + r * qst[0] + h * qst[1], width);
+        let (tile, h) = (tiles[t / heads], t % heads);
+        let s = tile.seq;
         let count = seqs.queries[s + 1] - seqs.queries[s];
-        let visible = math.visible(r - seqs.queries[s], count, seqs.lengths[s]);
-        let skip = math.first(r - seqs.queries[s], count, seqs.lengths[s]);
-        let table = &pages[seqs.first[s]..seqs.first[s + 1]];
-        // Grouped-query attention: query head h reads the pages' key and value head h / group.
-        let group = heads / geometry.heads;
-        attend::<T>(
-            math.layer,
+        let mut queries = vec![T::Compute::zero(); tile.rows * width];
+        for (r, query) in queries.chunks_mut(width).enumerate() {
+            Page::<T>::Stored(qs).read(qoff + (tile.first + r) * qst[0] + h * qst[1], query);
+        }
+        let cache = Cached {
             geometry,
-            &query,
-            scale,
-            table,
-            skip..visible,
-            h / group,
-        )
+            layer: math.layer,
+            table: &pages[seqs.first[s]..seqs.first[s + 1]],
+            // Grouped-query attention: query head h reads key and value head h / group.
+            head: h / (heads / geometry.heads),
+        };
+        attend_rows(cache, &queries, scale, |r| {
+            let i = tile.first + r - seqs.queries[s];
+            math.first(i, count, seqs.lengths[s])..math.visible(i, count, seqs.lengths[s])
+        })
     };
-    let work = seq_of.iter().map(|&s| seqs.lengths[s]).sum::<usize>() * heads * width;
+    let work = tiles
+        .iter()
+        .map(|t| t.rows * seqs.lengths[t.seq])
+        .sum::<usize>()
+        * heads
+        * width;
     let results: Vec<Vec<T::Compute>> = if work < PARALLEL_WORK {
-        (0..rows * heads).map(task).collect()
+        (0..tiles.len() * heads).map(task).collect()
     } else {
-        (0..rows * heads).into_par_iter().map(task).collect()
+        (0..tiles.len() * heads).into_par_iter().map(task).collect()
     };
     let o = out.contiguous_host::<T>();
-    for (o, c) in o.iter_mut().zip(results.iter().flatten()) {
-        *o = T::store(*c);
+    for (t, result) in results.iter().enumerate() {
+        let (tile, h) = (tiles[t / heads], t % heads);
+        for (r, row) in result.chunks(width).enumerate() {
+            let at = ((tile.first + r) * heads + h) * width;
+            for (o, &c) in o[at..at + width].iter_mut().zip(row) {
+                *o = T::store(c);
+            }
+        }
     }
 }
 
-/// One query's output over the tokens `seen` of `table` for head `h`.
-fn attend<T: Math>(
+/// Where a task reads its keys and values: one key/value head of one layer in one sequence's pages.
+struct Cached<'p, 'a, T: Math> {
+    geometry: PageGeometry,
     layer: usize,
-    g: PageGeometry,
-    query: &[T::Compute],
+    table: &'p [Page<'a, T>],
+    head: usize,
+}
+
+/// The outputs (`rows × width`) of the queries `queries` (the same layout), row `r` over the tokens
+/// `window(r)`; later rows see no fewer tokens and start no earlier.
+///
+/// The crate is built for any x86-64, so the same loops are also compiled for AVX-512 and AVX2 and
+/// picked at run time. Every version does the same operations in the same order (the compiler
+/// vectorises across independent sums and never reassociates one), so the bits do not depend on the
+/// CPU's vector unit either.
+fn attend_rows<T: Math>(
+    cache: Cached<'_, '_, T>,
+    queries: &[T::Compute],
     scale: T::Compute,
-    table: &[Page<'_, T>],
-    seen: std::ops::Range<usize>,
-    h: usize,
+    window: impl Fn(usize) -> std::ops::Range<usize>,
 ) -> Vec<T::Compute>
 where
-    T::Compute: Real,
+    T::Compute: Scores,
 {
-    let zero = T::Compute::zero();
-    let mut acc = vec![zero; g.width];
-    let (mut max, mut sum) = (T::Compute::lowest(), zero);
-    let mut scores = vec![zero; g.tokens];
-    for (p, page) in table.iter().enumerate() {
-        let from = p * g.tokens;
-        if from >= seen.end {
-            break;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, the only feature the version is compiled for.
+            return unsafe { attend_rows_avx512(cache, queries, scale, window) };
         }
-        if from + g.tokens <= seen.start {
-            continue; // before the sliding window
-        }
-        // The page's slots `skip..count` are in the window.
-        let skip = seen.start.saturating_sub(from);
-        let count = g.tokens.min(seen.end - from);
-        let keys = page.row(g.row(layer, 0, h, skip), (count - skip) * g.width);
-        let values = page.row(g.row(layer, 1, h, skip), (count - skip) * g.width);
-        let scores = &mut scores[..count - skip];
-        for (j, score) in scores.iter_mut().enumerate() {
-            *score = scale * rows::dot(query, &keys[j * g.width..][..g.width]);
-        }
-        let page_max = rows::max(scores);
-        if page_max > max {
-            let rescale = (max - page_max).exp();
-            sum *= rescale;
-            acc.iter_mut().for_each(|a| *a *= rescale);
-            max = page_max;
-        }
-        sum += rows::exp_in_place(scores, max);
-        for (j, &w) in scores.iter().enumerate() {
-            let v = &values[j * g.width..][..g.width];
-            acc.iter_mut().zip(v).for_each(|(a, &v)| *a += w * v);
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, the only feature the version is compiled for.
+            return unsafe { attend_rows_avx2(cache, queries, scale, window) };
         }
     }
-    if sum > zero {
-        let inv = sum.recip();
-        acc.iter_mut().for_each(|a| *a *= inv);
+    attend_rows_with(cache, queries, scale, window)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn attend_rows_avx512<T: Math>(
+    cache: Cached<'_, '_, T>,
+    queries: &[T::Compute],
+    scale: T::Compute,
+    window: impl Fn(usize) -> std::ops::Range<usize>,
+) -> Vec<T::Compute>
+where
+    T::Compute: Scores,
+{
+    attend_rows_with(cache, queries, scale, window)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn attend_rows_avx2<T: Math>(
+    cache: Cached<'_, '_, T>,
+    queries: &[T::Compute],
+    scale: T::Compute,
+    window: impl Fn(usize) -> std::ops::Range<usize>,
+) -> Vec<T::Compute>
+where
+    T::Compute: Scores,
+{
+    attend_rows_with(cache, queries, scale, window)
+}
+
+/// [`attend_rows`]' loops, inlined into each version.
+#[inline(always)]
+fn attend_rows_with<T: Math>(
+    cache: Cached<'_, '_, T>,
+    queries: &[T::Compute],
+    scale: T::Compute,
+    window: impl Fn(usize) -> std::ops::Range<usize>,
+) -> Vec<T::Compute>
+where
+    T::Compute: Scores,
+{
+    let (g, zero) = (cache.geometry, T::Compute::zero());
+    let rows = queries.len() / g.width;
+    let mut out = vec![zero; rows * g.width];
+    let (mut max, mut sum) = (vec![T::Compute::lowest(); rows], vec![zero; rows]);
+    let mut scores = [zero; KEY_TILE];
+    // 16-bit pages are widened a key tile at a time; wider ones are read where they lie.
+    let mut wide = Vec::new();
+    let (start, end) = (window(0).start / KEY_TILE * KEY_TILE, window(rows - 1).end);
+    for j0 in (start..end).step_by(KEY_TILE) {
+        let j1 = (j0 + KEY_TILE).min(end);
+        let (keys, values) = key_tile(&cache, j0..j1, &mut wide);
+        for (r, query) in queries.chunks(g.width).enumerate() {
+            let sees = window(r);
+            let (from, to) = (sees.start.max(j0), sees.end.min(j1));
+            if from >= to {
+                continue;
+            }
+            let (keys, values) = (&keys[from - j0..to - j0], &values[from - j0..to - j0]);
+            let scores = &mut scores[..to - from];
+            T::Compute::scores(query, keys, scale, scores);
+            let tile_max = rows::max(scores);
+            let out = &mut out[r * g.width..(r + 1) * g.width];
+            if tile_max > max[r] {
+                let rescale = (max[r] - tile_max).exp();
+                sum[r] *= rescale;
+                out.iter_mut().for_each(|o| *o *= rescale);
+                max[r] = tile_max;
+            }
+            sum[r] += rows::exp_in_place(scores, max[r]);
+            add_weighted(out, scores, values);
+        }
     }
-    acc
+    for (out, &sum) in out.chunks_mut(g.width).zip(&sum) {
+        if sum > zero {
+            let inv = sum.recip();
+            out.iter_mut().for_each(|o| *o *= inv);
+        }
+    }
+    out
+}
+
+/// The rows of the keys and of the values of tokens `tokens`, in the compute type: slices of the
+/// pages, or of `wide` where 16-bit pages are widened.
+#[allow(clippy::type_complexity)]
+fn key_tile<'w, T: Math>(
+    cache: &Cached<'w, '_, T>,
+    tokens: std::ops::Range<usize>,
+    wide: &'w mut Vec<T::Compute>,
+) -> (Vec<&'w [T::Compute]>, Vec<&'w [T::Compute]>) {
+    let g = cache.geometry;
+    let at = |which: usize, j: usize| {
+        let (page, slot) = (j / g.tokens, j % g.tokens);
+        (page, g.row(cache.layer, which, cache.head, slot))
+    };
+    if !T::DTYPE.is_half() {
+        let row = |which: usize, j: usize| -> &'w [T::Compute] {
+            let (page, at) = at(which, j);
+            match cache.table[page] {
+                Page::Compute(x) => &x[at..at + g.width],
+                Page::Stored(_) => unreachable!("only 16-bit pages are stored to widen"),
+            }
+        };
+        return (
+            tokens.clone().map(|j| row(0, j)).collect(),
+            tokens.map(|j| row(1, j)).collect(),
+        );
+    }
+    wide.resize(2 * tokens.len() * g.width, T::Compute::zero());
+    for (i, j) in tokens.clone().enumerate() {
+        for which in 0..2 {
+            let (page, from) = at(which, j);
+            let into = (which * tokens.len() + i) * g.width;
+            cache.table[page].read(from, &mut wide[into..into + g.width]);
+        }
+    }
+    let (keys, values) = wide.split_at(tokens.len() * g.width);
+    (
+        keys.chunks(g.width).collect(),
+        values.chunks(g.width).collect(),
+    )
+}
+
+/// `out += Σ_j weights[j] · values[j]`, each element summed key after key in order. [`BLOCK`]
+/// elements are summed at once, as independent chains in registers (one chain waits for its last
+/// addition; several hide that wait).
+#[inline(always)]
+fn add_weighted<C: Real>(out: &mut [C], weights: &[C], values: &[&[C]]) {
+    let mut at = 0;
+    for chunk in out.chunks_exact_mut(BLOCK) {
+        let mut acc = [C::zero(); BLOCK];
+        acc.copy_from_slice(chunk);
+        for (&w, v) in weights.iter().zip(values) {
+            let v: &[C; BLOCK] = v[at..at + BLOCK].try_into().unwrap();
+            for l in 0..BLOCK {
+                acc[l] += w * v[l];
+            }
+        }
+        chunk.copy_from_slice(&acc);
+        at += BLOCK;
+    }
+    for (e, o) in out[at..].iter_mut().enumerate() {
+        for (&w, v) in weights.iter().zip(values) {
+            *o += w * v[at + e];
+        }
+    }
+}
+
+/// The compute types' score kernels: `out[j] = scale · query · keys[j]`. A score depends on the
+/// query and key only, never on which other keys come in the same call.
+trait Scores: Real {
+    fn scores(query: &[Self], keys: &[&[Self]], scale: Self, out: &mut [Self]) {
+        for (o, key) in out.iter_mut().zip(keys) {
+            *o = scale * rows::dot(query, key);
+        }
+    }
+}
+
+impl Scores for f64 {}
+
+impl Scores for f32 {
+    fn scores(query: &[f32], keys: &[&[f32]], scale: f32, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, the only feature the kernel is compiled for.
+            unsafe { scores_avx512(query, keys, scale, out) };
+            return;
+        }
+        for (o, key) in out.iter_mut().zip(keys) {
+            *o = scale * rows::dot(query, key);
+        }
+    }
+}
+
+/// [`Scores::scores`] with one 16-float accumulator per key (fused multiply-adds over the row, the
+/// last partial chunk through masked loads), reduced in the fixed order of
+/// `_mm512_reduce_add_ps`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn scores_avx512(query: &[f32], keys: &[&[f32]], scale: f32, out: &mut [f32]) {
+    use std::arch::x86_64::{
+        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps, _mm512_reduce_add_ps,
+        _mm512_setzero_ps,
+    };
+    let width = query.len();
+    let full = width / 16 * 16;
+    let mask = ((1u32 << (width - full)) - 1) as u16;
+    for (o, key) in out.iter_mut().zip(keys) {
+        let key = &key[..width];
+        let mut acc = _mm512_setzero_ps();
+        for c in (0..full).step_by(16) {
+            // SAFETY: `c + 16 <= full <= width`, the length of both slices; `loadu` needs no
+            // alignment.
+            let (q, k) = unsafe {
+                (
+                    _mm512_loadu_ps(query.as_ptr().add(c)),
+                    _mm512_loadu_ps(key.as_ptr().add(c)),
+                )
+            };
+            acc = _mm512_fmadd_ps(q, k, acc);
+        }
+        if full < width {
+            // SAFETY: the mask selects elements `full..width` of each slice; masked-off lanes
+            // touch no memory.
+            let (q, k) = unsafe {
+                (
+                    _mm512_maskz_loadu_ps(mask, query.as_ptr().add(full)),
+                    _mm512_maskz_loadu_ps(mask, key.as_ptr().add(full)),
+                )
+            };
+            acc = _mm512_fmadd_ps(q, k, acc);
+        }
+        *o = scale * _mm512_reduce_add_ps(acc);
+    }
 }
 
 /// Copies each row of `kv` (`[rows, 2, heads, width]`) into its slot of `layer`: bytes, whatever the

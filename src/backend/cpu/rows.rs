@@ -1,7 +1,9 @@
 //! Vectorised loops over one row of floats in the compute type: maxima, sums of exponentials and
 //! scaling, each kept in [`LANES`] independent partial results so that the compiler turns the loop
 //! into SIMD code (a single running sum or maximum is a dependency chain it must not reorder).
-//! Softmax, log-softmax, log-sum-exp and fused attention are built from these.
+//! Softmax, log-softmax, log-sum-exp and fused attention are built from these. The ones paged
+//! attention calls in its loops are `inline(always)`, so that its versions compiled for wider
+//! vector units (`#[target_feature]`) compile them for those units too.
 
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
@@ -32,7 +34,7 @@ fn larger<C: Real>(a: C, b: C) -> C {
 }
 
 /// The largest element (`-inf` for an empty row), NaN if any element is NaN.
-#[inline]
+#[inline(always)]
 pub(super) fn max<C: Real>(xs: &[C]) -> C {
     let mut lanes = [C::lowest(); LANES];
     let mut nan = [false; LANES];
@@ -94,7 +96,7 @@ pub(super) fn exp_into<C: Real>(xs: &[C], out: &mut [C], shift: C) -> C {
 }
 
 /// Replaces each `x` with `e^(x - shift)`; returns their sum.
-#[inline]
+#[inline(always)]
 pub(super) fn exp_in_place<C: Real>(xs: &mut [C], shift: C) -> C {
     let mut lanes = [C::zero(); LANES];
     let mut chunks = xs.chunks_exact_mut(LANES);
@@ -113,7 +115,7 @@ pub(super) fn exp_in_place<C: Real>(xs: &mut [C], shift: C) -> C {
 }
 
 /// `Σ a_i b_i`.
-#[inline]
+#[inline(always)]
 pub(super) fn dot<C: Real>(a: &[C], b: &[C]) -> C {
     let mut lanes = [C::zero(); LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
