@@ -192,6 +192,62 @@ fn decoding_in_pieces(dir: &str) {
     .unwrap();
 }
 
+/// A model that keeps fewer rotary rows than its positions computes the others when a pass
+/// reaches them, the same bits: the whole-sequence pass over 20 tokens and the cached pieces of
+/// the same prompt give equal logits with 5 rows kept and with all of them (Llama 3 scaling, and
+/// dynamic scaling whose original context is 16 positions).
+#[test]
+fn rotary_rows_past_the_kept_table_are_the_same_bits() {
+    use ndscope::kv::{CausalLm, KvPool};
+    for dir in [DIR, DYNAMIC] {
+        let reference = reference_of(dir);
+        let prompt: Vec<i64> = reference["input_ids"].1[..20]
+            .iter()
+            .map(|&v| v as i64)
+            .collect();
+        root(Device::Cpu, |s| {
+            let mut outputs = Vec::new();
+            for kept in [usize::MAX, 5] {
+                let mut model = Llama::from_pretrained(s, dir, DType::F32)?;
+                model.keep_rotary_rows(s, kept)?;
+                let max = model.config().max_position_embeddings;
+                assert_eq!(model.rotary_rows(), kept.min(max));
+                let full = s.scope(|b| {
+                    let ids = b.from_slice(&prompt, &[1, prompt.len()])?;
+                    model
+                        .forward(&Tape::no_grad(b), &ids, Mode::Eval)?
+                        .value()
+                        .to_vec::<f32>()
+                })?;
+                let pool = KvPool::new(s, model.kv_shape(), 4, 16)?;
+                let pieces = s.scope(|request| {
+                    let mut cache = pool.cache(request, 20)?;
+                    let mut all = Vec::new();
+                    for piece in [&prompt[..3], &prompt[3..8], &prompt[8..9], &prompt[9..20]] {
+                        all.extend(request.scope(|step| {
+                            model
+                                .decode(step, &pool, &mut [&mut cache], &[piece])?
+                                .to_vec::<f32>()
+                        })?);
+                    }
+                    Ok::<_, Error>(all)
+                })?;
+                outputs.push((full, pieces));
+            }
+            assert!(
+                outputs[0].0 == outputs[1].0,
+                "{dir}: the whole pass differs"
+            );
+            assert!(
+                outputs[0].1 == outputs[1].1,
+                "{dir}: the cached pieces differ"
+            );
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }
+}
+
 /// The logits of the reference's inputs, as f64.
 fn logits_of<'m>(s: &Scope<'m>, model: &Llama<'m>) -> Result<Vec<f64>> {
     let reference = reference();

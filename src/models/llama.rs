@@ -350,6 +350,44 @@ impl<'m> Llama<'m> {
         self.recompute
     }
 
+    /// Keeps the rotary rows (RoPE cosines and sines) of the first `positions` positions, at most
+    /// `max_position_embeddings`, in `scope` (the model's): a pass whose tokens reach further
+    /// computes the rows it needs, the same bits, each time. A model keeps 8,192 positions when
+    /// loaded (2 MiB at 64-wide heads; Llama 3's 131,072 would be 34 MB): keep more where long
+    /// contexts are the rule, fewer to save memory.
+    ///
+    /// ```
+    /// # use ndscope::{root, DType, Device, Tape, models::Llama, nn::Mode};
+    /// # let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/data/llama-tiny");
+    /// root(Device::Cpu, |m| {
+    ///     let mut llama = Llama::from_pretrained(m, dir, DType::F32)?;
+    ///     llama.keep_rotary_rows(m, 16)?;
+    ///     assert_eq!(llama.rotary_rows(), 16);
+    ///     // 40 tokens pass the table: the rows past 16 are computed for the pass.
+    ///     let ids = m.from_slice(&[1i64; 40], &[1, 40])?;
+    ///     let tape = Tape::no_grad(m);
+    ///     let logits = llama.forward(&tape, &ids, Mode::Eval)?;
+    ///     assert_eq!(logits.shape(), &[1, 40, llama.config().vocab_size]);
+    ///     Ok::<_, ndscope::Error>(())
+    /// })?;
+    /// # Ok::<_, ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub fn keep_rotary_rows(&mut self, scope: &Scope<'m>, positions: usize) -> Result<()> {
+        let c = &self.config;
+        let past = self.past_table()?;
+        let rows = positions.min(c.max_position_embeddings);
+        self.rope = past.table(scope, rows)?;
+        Ok(())
+    }
+
+    /// The positions whose rotary rows the model keeps ([`keep_rotary_rows`](Self::keep_rotary_rows)).
+    pub fn rotary_rows(&self) -> usize {
+        self.rope.max_positions()
+    }
+
     /// The next-token loss of `logits` `[batch, len, vocab]` against `labels = input_ids`
     /// (`[batch, len]`), as transformers computes it: see [`next_token_loss`].
     ///
@@ -396,6 +434,10 @@ impl<'m> Llama<'m> {
         }
         let mut x = self.token_table().forward(tape, ids)?;
         let dynamic = self.dynamic_rope();
+        let past = match len > self.rope.max_positions() {
+            true => Some(self.past_table()?),
+            false => None,
+        };
         for block in &self.blocks {
             x = if self.recompute {
                 // The segment outlives this call (the backward pass runs it): counted handles.
@@ -403,6 +445,7 @@ impl<'m> Llama<'m> {
                     block: block.clone(),
                     rope: self.rope.clone(),
                     dynamic,
+                    past: past.clone(),
                     mode,
                 })?
             } else {
@@ -410,6 +453,7 @@ impl<'m> Llama<'m> {
                     block,
                     rope: &self.rope,
                     dynamic,
+                    past: past.clone(),
                     mode,
                 }
                 .forward(&x)?
@@ -419,6 +463,39 @@ impl<'m> Llama<'m> {
         let rows = x.reshape(&[batch * len, self.config.hidden_size])?;
         self.head(&rows, mode)?
             .reshape(&[batch, len, self.config.vocab_size])
+    }
+
+    /// The angles of the rotary rows past the model's table.
+    fn past_table(&self) -> Result<PastTable> {
+        let c = &self.config;
+        Ok(PastTable {
+            frequencies: f32_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?,
+            attention_scaling: c.rope_scaling.attention_scaling(),
+            dtype: self.rope.cos().dtype(),
+        })
+    }
+
+    /// One rotary row per packed new token (sequence `s` has `new[s]` tokens from position
+    /// `starts[s]`) and the positions `0..rows` that read them, when a token's position is past
+    /// the model's table; `None` when the table serves.
+    fn rows_past_table<'s>(
+        &self,
+        scope: &Scope<'s>,
+        starts: &[usize],
+        new: &[usize],
+    ) -> Result<Option<(RotaryEmbedding<'s>, Tensor<'s>)>> {
+        let end = starts.iter().zip(new).map(|(s, n)| s + n).max();
+        if end.is_none_or(|end| end <= self.rope.max_positions()) {
+            return Ok(None);
+        }
+        let positions: Vec<usize> = starts
+            .iter()
+            .zip(new)
+            .flat_map(|(&s, &n)| s..s + n)
+            .collect();
+        let rope = self.past_table()?.rows(scope, &positions)?;
+        let read: Vec<i64> = (0..positions.len() as i64).collect();
+        Ok(Some((rope, scope.from_slice(&read, &[read.len()])?)))
     }
 
     /// What a pass needs to recompute dynamic RoPE frequencies, when the config asks for them.
@@ -533,6 +610,8 @@ struct InSequence<B, R> {
     block: B,
     rope: R,
     dynamic: Option<DynamicRope>,
+    /// Set when the sequences pass the model's rotary table.
+    past: Option<PastTable>,
     mode: Mode,
 }
 
@@ -566,7 +645,11 @@ where
                     RotaryEmbedding::from_f32_angles(scope, &frequencies, len, 1.0, d.dtype)?;
                 block.run(x, &rope, &positions, self.mode)
             }
-            _ => block.run(x, self.rope.borrow(), &positions, self.mode),
+            _ => match &self.past {
+                // Past the model's table: one of the pass's length, in its scope.
+                Some(past) => block.run(x, &past.table(scope, len)?, &positions, self.mode),
+                None => block.run(x, self.rope.borrow(), &positions, self.mode),
+            },
         }
     }
 }
@@ -576,6 +659,9 @@ where
 /// `float32` product does, and the cosine and sine of that angle rounded once. A `float64` model in
 /// transformers still computes its tables this way (its rotary forward runs in `float32`), so
 /// matching its logits to 1e-10 needs the same angles.
+///
+/// The model keeps the first [`TABLE_POSITIONS`] positions' rows; a pass reaching further computes
+/// its own (`PastTable`).
 fn rotary_tables<'m>(
     scope: &Scope<'m>,
     c: &LlamaConfig,
@@ -585,10 +671,38 @@ fn rotary_tables<'m>(
     RotaryEmbedding::from_f32_angles(
         scope,
         &frequencies,
-        c.max_position_embeddings,
+        c.max_position_embeddings.min(TABLE_POSITIONS),
         c.rope_scaling.attention_scaling(),
         dtype,
     )
+}
+
+/// Positions whose rotary rows a model keeps (2 MiB of `f32` cosines and sines at 64-wide heads).
+/// Llama 3 configs name 131,072 positions: a table of them all would be 34 MB, more than 4 % of a
+/// 1B model quantized to 4 bits, for contexts most uses never reach.
+const TABLE_POSITIONS: usize = 8192;
+
+/// What a pass past the model's rotary table needs to compute its own rows: the angles the table
+/// was made from.
+#[derive(Debug, Clone)]
+struct PastTable {
+    frequencies: Vec<f64>,
+    attention_scaling: f64,
+    dtype: DType,
+}
+
+impl PastTable {
+    /// A table of positions `0..len`, the same bits as the model's table where both reach.
+    fn table<'s>(&self, scope: &Scope<'s>, len: usize) -> Result<RotaryEmbedding<'s>> {
+        let (f, scaling) = (&self.frequencies, self.attention_scaling);
+        RotaryEmbedding::from_f32_angles(scope, f, len, scaling, self.dtype)
+    }
+
+    /// The rows of `positions`, to read at `0..rows`.
+    fn rows<'s>(&self, scope: &Scope<'s>, positions: &[usize]) -> Result<RotaryEmbedding<'s>> {
+        let (f, scaling) = (&self.frequencies, self.attention_scaling);
+        RotaryEmbedding::rows_at(scope, positions, f, scaling, self.dtype)
+    }
 }
 
 /// The inverse frequencies rounded to `f32`, as transformers keeps its `inv_freq`.
@@ -638,6 +752,11 @@ impl<'m> CausalLm<'m> for Llama<'m> {
         let rescaled = match self.dynamic_rope() {
             Some(d) => self.rows_for(tape.scope(), &d, &kv.starts(), kv.new_tokens())?,
             None => None,
+        };
+        // Positions past the model's table: their own rows, the same angles.
+        let rescaled = match rescaled {
+            Some(rows) => Some(rows),
+            None => self.rows_past_table(tape.scope(), &kv.starts(), kv.new_tokens())?,
         };
         for (layer, block) in self.blocks.iter().enumerate() {
             x = block.forward_with(&x, Mode::Eval, |h| match &rescaled {

@@ -205,6 +205,34 @@ impl<'m> RotaryEmbedding<'m> {
         RotaryEmbedding::from_tables(scope, cos, sin, [max_positions, frequencies.len()], dtype)
     }
 
+    /// The rows `positions` of the tables [`from_f32_angles`](Self::from_f32_angles) makes, the
+    /// same bits, as tables of one row per position (apply them with the positions `0..rows`): a
+    /// pass at positions past a model's table computes just its own rows rather than a table of
+    /// every position before them.
+    ///
+    /// # Errors
+    /// As for [`from_frequencies`](Self::from_frequencies).
+    #[track_caller]
+    pub fn rows_at(
+        scope: &Scope<'m>,
+        positions: &[usize],
+        frequencies: &[f64],
+        attention_scaling: f64,
+        dtype: DType,
+    ) -> Result<RotaryEmbedding<'m>> {
+        // The same checks as the tables, on an empty table.
+        RotaryEmbedding::from_frequencies(scope, frequencies, 0, attention_scaling, dtype)?;
+        let scaling = attention_scaling as f32;
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for &p in positions {
+            let (c, s) = angle_tables(frequencies, 1, |_, f| f32_angle(p, f, scaling));
+            cos.extend(c);
+            sin.extend(s);
+        }
+        let shape = [positions.len(), frequencies.len()];
+        RotaryEmbedding::from_tables(scope, cos, sin, shape, dtype)
+    }
+
     /// Tables of one row per token, for a pass whose tokens turn at different frequencies (dynamic
     /// scaling over sequences of different lengths): row `r` holds position `positions[r]`'s
     /// angles under `frequencies[r]`, computed as [`from_f32_angles`](Self::from_f32_angles)
