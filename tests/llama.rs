@@ -156,11 +156,7 @@ fn decoding_in_pieces_equals_the_full_forward_pass() {
 /// further than the fused one.
 fn decoding_in_pieces(dir: &str) {
     use ndscope::kv::{CausalLm, KvPool};
-    let reference = reference_of(dir);
-    let prompt: Vec<i64> = reference["input_ids"].1[..20]
-        .iter()
-        .map(|&v| v as i64)
-        .collect();
+    let prompt = first_input_ids(dir, 20);
     root(Device::Cpu, |s| {
         let model = Llama::from_pretrained(s, dir, DType::F64)?;
         let full = s.scope(|b| {
@@ -200,11 +196,7 @@ fn decoding_in_pieces(dir: &str) {
 fn rotary_rows_past_the_kept_table_are_the_same_bits() {
     use ndscope::kv::{CausalLm, KvPool};
     for dir in [DIR, DYNAMIC] {
-        let reference = reference_of(dir);
-        let prompt: Vec<i64> = reference["input_ids"].1[..20]
-            .iter()
-            .map(|&v| v as i64)
-            .collect();
+        let prompt = first_input_ids(dir, 20);
         root(Device::Cpu, |s| {
             let mut outputs = Vec::new();
             for kept in [usize::MAX, 5] {
@@ -246,6 +238,14 @@ fn rotary_rows_past_the_kept_table_are_the_same_bits() {
         })
         .unwrap();
     }
+}
+
+/// The first `n` token ids of `dir`'s reference inputs.
+fn first_input_ids(dir: &str, n: usize) -> Vec<i64> {
+    reference_of(dir)["input_ids"].1[..n]
+        .iter()
+        .map(|&v| v as i64)
+        .collect()
 }
 
 /// The logits of the reference's inputs, as f64.

@@ -193,33 +193,27 @@ where
     attend_rows_with(cache, queries, scale, window)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn attend_rows_avx512<T: Math>(
-    cache: Cached<'_, '_, T>,
-    queries: &[T::Compute],
-    scale: T::Compute,
-    window: impl Fn(usize) -> std::ops::Range<usize>,
-) -> Vec<T::Compute>
-where
-    T::Compute: Scores,
-{
-    attend_rows_with(cache, queries, scale, window)
+/// [`attend_rows_with`] compiled for a vector unit: `$name` with `$features`.
+macro_rules! attend_rows_for {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        fn $name<T: Math>(
+            cache: Cached<'_, '_, T>,
+            queries: &[T::Compute],
+            scale: T::Compute,
+            window: impl Fn(usize) -> std::ops::Range<usize>,
+        ) -> Vec<T::Compute>
+        where
+            T::Compute: Scores,
+        {
+            attend_rows_with(cache, queries, scale, window)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn attend_rows_avx2<T: Math>(
-    cache: Cached<'_, '_, T>,
-    queries: &[T::Compute],
-    scale: T::Compute,
-    window: impl Fn(usize) -> std::ops::Range<usize>,
-) -> Vec<T::Compute>
-where
-    T::Compute: Scores,
-{
-    attend_rows_with(cache, queries, scale, window)
-}
+attend_rows_for!(attend_rows_avx512, "avx512f");
+attend_rows_for!(attend_rows_avx2, "avx2");
 
 /// [`attend_rows`]' loops, inlined into each version.
 #[inline(always)]
