@@ -376,10 +376,8 @@ impl<'m> Llama<'m> {
     /// # Errors
     /// Allocation errors.
     pub fn keep_rotary_rows(&mut self, scope: &Scope<'m>, positions: usize) -> Result<()> {
-        let c = &self.config;
-        let past = self.past_table()?;
-        let rows = positions.min(c.max_position_embeddings);
-        self.rope = past.table(scope, rows)?;
+        let rows = positions.min(self.config.max_position_embeddings);
+        self.rope = self.rope_angles()?.table(scope, rows)?;
         Ok(())
     }
 
@@ -435,7 +433,7 @@ impl<'m> Llama<'m> {
         let mut x = self.token_table().forward(tape, ids)?;
         let dynamic = self.dynamic_rope();
         let past = match len > self.rope.max_positions() {
-            true => Some(self.past_table()?),
+            true => Some(self.rope_angles()?),
             false => None,
         };
         for block in &self.blocks {
@@ -465,14 +463,9 @@ impl<'m> Llama<'m> {
             .reshape(&[batch, len, self.config.vocab_size])
     }
 
-    /// The angles of the rotary rows past the model's table.
-    fn past_table(&self) -> Result<PastTable> {
-        let c = &self.config;
-        Ok(PastTable {
-            frequencies: f32_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?,
-            attention_scaling: c.rope_scaling.attention_scaling(),
-            dtype: self.rope.cos().dtype(),
-        })
+    /// The angles of the model's rotary rows, for rows past its table.
+    fn rope_angles(&self) -> Result<RopeAngles> {
+        RopeAngles::of(&self.config, self.rope.cos().dtype())
     }
 
     /// One rotary row per packed new token (sequence `s` has `new[s]` tokens from position
@@ -493,7 +486,7 @@ impl<'m> Llama<'m> {
             .zip(new)
             .flat_map(|(&s, &n)| s..s + n)
             .collect();
-        let rope = self.past_table()?.rows(scope, &positions)?;
+        let rope = self.rope_angles()?.rows(scope, &positions)?;
         let read: Vec<i64> = (0..positions.len() as i64).collect();
         Ok(Some((rope, scope.from_slice(&read, &[read.len()])?)))
     }
@@ -611,7 +604,7 @@ struct InSequence<B, R> {
     rope: R,
     dynamic: Option<DynamicRope>,
     /// Set when the sequences pass the model's rotary table.
-    past: Option<PastTable>,
+    past: Option<RopeAngles>,
     mode: Mode,
 }
 
@@ -661,20 +654,13 @@ where
 /// matching its logits to 1e-10 needs the same angles.
 ///
 /// The model keeps the first [`TABLE_POSITIONS`] positions' rows; a pass reaching further computes
-/// its own (`PastTable`).
+/// its own (`RopeAngles`).
 fn rotary_tables<'m>(
     scope: &Scope<'m>,
     c: &LlamaConfig,
     dtype: DType,
 ) -> Result<RotaryEmbedding<'m>> {
-    let frequencies = f32_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?;
-    RotaryEmbedding::from_f32_angles(
-        scope,
-        &frequencies,
-        c.max_position_embeddings.min(TABLE_POSITIONS),
-        c.rope_scaling.attention_scaling(),
-        dtype,
-    )
+    RopeAngles::of(c, dtype)?.table(scope, c.max_position_embeddings.min(TABLE_POSITIONS))
 }
 
 /// Positions whose rotary rows a model keeps (2 MiB of `f32` cosines and sines at 64-wide heads).
@@ -682,16 +668,25 @@ fn rotary_tables<'m>(
 /// 1B model quantized to 4 bits, for contexts most uses never reach.
 const TABLE_POSITIONS: usize = 8192;
 
-/// What a pass past the model's rotary table needs to compute its own rows: the angles the table
-/// was made from.
+/// The angles a model's rotary rows are made from: its table when loaded, and the rows a pass past
+/// that table computes for itself.
 #[derive(Debug, Clone)]
-struct PastTable {
+struct RopeAngles {
     frequencies: Vec<f64>,
     attention_scaling: f64,
     dtype: DType,
 }
 
-impl PastTable {
+impl RopeAngles {
+    /// The angles of config `c`, for tables of `dtype`.
+    fn of(c: &LlamaConfig, dtype: DType) -> Result<RopeAngles> {
+        Ok(RopeAngles {
+            frequencies: f32_frequencies(c.head_dim, c.rope_theta, &c.rope_scaling)?,
+            attention_scaling: c.rope_scaling.attention_scaling(),
+            dtype,
+        })
+    }
+
     /// A table of positions `0..len`, the same bits as the model's table where both reach.
     fn table<'s>(&self, scope: &Scope<'s>, len: usize) -> Result<RotaryEmbedding<'s>> {
         let (f, scaling) = (&self.frequencies, self.attention_scaling);

@@ -337,9 +337,15 @@ fn add_weighted<C: Real>(out: &mut [C], weights: &[C], values: &[&[C]]) {
 /// query and key only, never on which other keys come in the same call.
 trait Scores: Real {
     fn scores(query: &[Self], keys: &[&[Self]], scale: Self, out: &mut [Self]) {
-        for (o, key) in out.iter_mut().zip(keys) {
-            *o = scale * rows::dot(query, key);
-        }
+        dot_scores(query, keys, scale, out);
+    }
+}
+
+/// [`Scores::scores`] on any CPU: one [`rows::dot`] per key.
+#[inline(always)]
+fn dot_scores<C: Real>(query: &[C], keys: &[&[C]], scale: C, out: &mut [C]) {
+    for (o, key) in out.iter_mut().zip(keys) {
+        *o = scale * rows::dot(query, key);
     }
 }
 
@@ -353,9 +359,7 @@ impl Scores for f32 {
             unsafe { scores_avx512(query, keys, scale, out) };
             return;
         }
-        for (o, key) in out.iter_mut().zip(keys) {
-            *o = scale * rows::dot(query, key);
-        }
+        dot_scores(query, keys, scale, out);
     }
 }
 
