@@ -85,6 +85,8 @@ def requested_kernels():
         for base in re.findall(r'float_family!\("([a-z0-9_]+)"\)', text):
             names.update(f"{base}_{d}" for d in FLOATS)
     names.update(f"cast_{a}_{b}" for a in DTYPES for b in DTYPES)
+    # The quantized products' kernels are named one by one (src/backend/cuda/quant.rs).
+    names.update(re.findall(r'"(quant_[a-z0-9_]+)"', (ROOT / "src/backend/cuda/quant.rs").read_text()))
     return names
 
 

@@ -1,7 +1,9 @@
 //! GPU benchmarks (`--features cuda`, on a machine with an NVIDIA GPU): the MLP training step of the
 //! digits/MNIST size (eager, and through a `StepGraph` eager and captured), a wide MLP's step in f32,
-//! TF32, bf16 and f16 autocast, and large matrix products (f32, TF32, bf16, f16), with the numbers
-//! PyTorch's `benches/pytorch_reference.py` prints for the same work on the same GPU.
+//! TF32, bf16 and f16 autocast, large matrix products (f32, TF32, bf16, f16), with the numbers
+//! PyTorch's `benches/pytorch_reference.py` prints for the same work on the same GPU, and the
+//! quantized products of a Llama-3.2-1B-shaped layer's matrices for one and eight rows (bytes of
+//! weight read per second, beside the same product with the weight in `f32` and `bf16`).
 //!
 //! `cargo bench --features cuda --bench cuda`. Besides criterion's timings it prints the step's GPU
 //! allocator calls (after warm-up), the tree's peak bytes and the driver-level peak of reserved GPU
@@ -259,6 +261,79 @@ fn matmul(c: &mut Criterion) -> Result<()> {
     })
 }
 
+/// Stored blocks of `ty` for an `n × k` matrix: random levels, and every block's `f16` scale and
+/// minimum fields set to a small finite value (random bits could be infinities or NaN).
+fn blocks_of(ty: ndscope::quant::QuantType, n: usize, k: usize) -> Vec<u8> {
+    use ndscope::quant::QuantType as Q;
+    let fields: &[usize] = match ty {
+        Q::Q4_K => &[0, 2],
+        Q::Q6_K => &[208],
+        _ => &[0],
+    };
+    let len = ty.bytes_for(n * k).expect("whole blocks");
+    let mut bytes: Vec<u8> = (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
+        .collect();
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &at in fields {
+            block[at..at + 2].copy_from_slice(&half_bits(0.004).to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// The `f16` bits of a value `f16` holds exactly (a power of two times a short significand).
+fn half_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let exponent = ((bits >> 23) & 0xff) as i32 - 127 + 15;
+    ((exponent as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
+}
+
+/// `x Wᵀ` for a Llama-3.2-1B layer's matrix shapes (q/o, gate/up, down) and 1, 8 or 128 rows of
+/// `x`: the weight in Q8_0, Q4_0, Q4_K, Q6_K blocks (`matmul_quantized_t`), and in `f32` and
+/// `bf16` through cuBLAS. Throughput is the weight's bytes, so criterion's rate is the bandwidth
+/// the product reads its weight at.
+fn quant_product(c: &mut Criterion) -> Result<()> {
+    use ndscope::QuantTensor;
+    use ndscope::quant::QuantType as Q;
+    root(GPU, |s| {
+        let mut group = c.benchmark_group("cuda_quant_product");
+        for (n, k) in [(2048usize, 2048usize), (8192, 2048), (2048, 8192)] {
+            for m in [1usize, 8, 128] {
+                let x = s.randn(&[m, k])?;
+                for ty in [Q::Q8_0, Q::Q4_0, Q::Q4_K, Q::Q6_K] {
+                    let w = QuantTensor::from_blocks(s, &blocks_of(ty, n, k), ty, &[n, k])?;
+                    group.throughput(Throughput::Bytes(w.nbytes() as u64));
+                    let id = BenchmarkId::new(ty.name(), format!("{n}x{k}/m{m}"));
+                    group.bench_function(id, |bench| {
+                        bench.iter(|| {
+                            drop(x.matmul_quantized_t(&w).expect("the product runs"));
+                            GPU.synchronize().expect("the GPU finishes");
+                        })
+                    });
+                }
+                for dtype in [DType::F32, DType::BF16] {
+                    let w = s.randn(&[n, k])?.to_dtype(dtype)?;
+                    let xd = x.to_dtype(dtype)?;
+                    group.throughput(Throughput::Bytes((n * k * dtype.size()) as u64));
+                    let id = BenchmarkId::new(dtype.to_string(), format!("{n}x{k}/m{m}"));
+                    group.bench_function(id, |bench| {
+                        bench.iter(|| {
+                            drop(
+                                xd.matmul(&w.t().expect("a view"))
+                                    .expect("the product runs"),
+                            );
+                            GPU.synchronize().expect("the GPU finishes");
+                        })
+                    });
+                }
+            }
+        }
+        group.finish();
+        Ok::<_, Error>(())
+    })
+}
+
 fn main() {
     if let Err(e) = GPU.check_available() {
         eprintln!("benches/cuda: nothing measured: {e}");
@@ -273,6 +348,7 @@ fn main() {
         ("mlp_step", mlp_step as fn(&mut Criterion) -> Result<()>),
         ("graph_step", graph_step),
         ("matmul", matmul),
+        ("quant_product", quant_product),
     ] {
         if let Err(e) = run(&mut c) {
             eprintln!("benches/cuda: {name} failed: {e}");

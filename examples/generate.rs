@@ -33,9 +33,9 @@ usage: cargo run --release --example generate -- [options]
 
   --model PATH      a GPT-2 or Llama/Mistral/Qwen2 directory (config.json, model.safetensors,
                     tokenizer.json), or a GGUF file (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-                    Q5_1, Q2_K..Q6_K; on the CPU the model computes on the quantized blocks)
+                    Q5_1, Q2_K..Q6_K; the model computes on the quantized blocks)
                                                                        [default: data/gpt2-tiny]
-  --decoded         decode a GGUF file's quantized weights to f32 on load (always on a GPU)
+  --decoded         decode a GGUF file's quantized weights to f32 on load
   --prompt TEXT     what to continue                                   [default: \"A scope owns every tensor\"]
   --max-new N       tokens to generate at most                         [default: 48]
   --temperature T   0 is greedy                                        [default: 0]
@@ -132,9 +132,8 @@ fn run(o: &Options) -> Result<()> {
     root(o.device, |m| {
         // GPT-2 or the Llama family, as config.json's model_type (or the GGUF file's
         // general.architecture) says.
-        // A GGUF file's quantized matrices stay in their blocks on the CPU (the GPU has no
-        // quantized products yet).
-        let blocks = o.model.is_file() && !o.decoded && o.device == Device::Cpu;
+        // A GGUF file's quantized matrices stay in their blocks, on the CPU and on a GPU.
+        let blocks = o.model.is_file() && !o.decoded;
         let model = if blocks {
             AutoModel::from_gguf_quantized(m, &o.model, DType::F32)?
         } else {

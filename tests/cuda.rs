@@ -1441,3 +1441,103 @@ fn collectives_on_gpu_tensors_go_through_nccl() {
     })
     .unwrap();
 }
+
+/// Blocks of `ty` for an `n × k` matrix: random levels and scale bits, every block's `f16` scale
+/// (and minimum) replaced by a small finite value so that no block decodes to infinities.
+fn random_blocks(ty: ndscope::quant::QuantType, n: usize, k: usize, seed: u64) -> Vec<u8> {
+    use ndscope::quant::QuantType as Q;
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let len = ty.bytes_for(n * k).expect("whole blocks");
+    let mut bytes: Vec<u8> = (0..len).map(|_| next() as u8).collect();
+    // Where each format keeps its f16 scale and minimum inside a block.
+    let scales: &[usize] = match ty {
+        Q::Q4_0 | Q::Q5_0 | Q::Q8_0 => &[0],
+        Q::Q4_1 | Q::Q5_1 | Q::Q4_K | Q::Q5_K => &[0, 2],
+        Q::Q2_K => &[80, 82],
+        Q::Q3_K => &[108],
+        Q::Q6_K => &[208],
+        _ => unreachable!("a block format"),
+    };
+    for block in bytes.chunks_exact_mut(ty.block_bytes()) {
+        for &at in scales {
+            // f16 values in [2^-10, 2^-6): exponent bits 5..8, random mantissa.
+            let bits = (((5 + next() % 4) as u16) << 10) | (next() as u16 & 0x3ff);
+            block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// The GPU's quantized products against the host's, for every block format: one to 17 rows (the
+/// kernel takes 8 at a time), a weight row count no launch shape divides, rows of 512 values (two K
+/// blocks), `bf16` and 3-D activations, and a row of zeros (a block whose scale is 0).
+#[test]
+fn quantized_products_agree_with_the_host() {
+    use ndscope::QuantTensor;
+    use ndscope::quant::QuantType as Q;
+    let types = [
+        Q::Q4_0,
+        Q::Q4_1,
+        Q::Q5_0,
+        Q::Q5_1,
+        Q::Q8_0,
+        Q::Q2_K,
+        Q::Q3_K,
+        Q::Q4_K,
+        Q::Q5_K,
+        Q::Q6_K,
+    ];
+    for (i, ty) in types.into_iter().enumerate() {
+        let (n, k) = (37, 512);
+        let bytes = random_blocks(ty, n, k, i as u64 + 1);
+        agree(&format!("{} products", ty.name()), 1e-4, &move |s| {
+            let w = QuantTensor::from_blocks(s, &bytes, ty, &[n, k])?;
+            let mut outs = Vec::new();
+            for m in [1, 3, 9, 17] {
+                let mut x = s.randn(&[m, k])?.to_vec::<f32>()?;
+                x[..k].fill(0.0);
+                let x = s.from_slice(&x, &[m, k])?;
+                outs.push(x.matmul_quantized_t(&w)?);
+            }
+            let x = s.randn(&[2, 3, k])?.to_dtype(DType::BF16)?;
+            outs.push(x.matmul_quantized_t(&w)?);
+            Ok(outs)
+        });
+    }
+}
+
+/// A GGUF file's Llama computing on its quantized blocks on the GPU (Q4_K_M: Q4_K and Q6_K
+/// matrices) gives the host's logits, over a whole sequence and decoding against a cache.
+#[test]
+fn a_quantized_llama_agrees_with_the_host() {
+    use ndscope::kv::{CausalLm, KvPool};
+    use ndscope::models::Llama;
+    for file in [
+        "data/gguf/llama-tiny-Q4_K_M.gguf",
+        "data/gguf/llama-tiny-Q8_0.gguf",
+    ] {
+        agree(file, 1e-4, &move |s| {
+            let llama = Llama::from_gguf_quantized(s, file, DType::F32)?;
+            let ids: Vec<i64> = (0..24).map(|i| (i * 37 % 1000) as i64).collect();
+            let tape = Tape::new(s);
+            let logits = llama.forward(&tape, &s.from_slice(&ids, &[2, 12])?, Mode::Eval)?;
+            let mut outs = vec![logits.value().clone()];
+            let pool = KvPool::new(s, llama.kv_shape(), 4, 16)?;
+            let mut cache = pool.cache(s, 24)?;
+            s.scope(|step| -> Result<()> {
+                let first = llama.decode(step, &pool, &mut [&mut cache], &[&ids[..20]])?;
+                outs.push(s.from_slice(&first.to_vec::<f32>()?, first.shape())?);
+                let next = llama.decode(step, &pool, &mut [&mut cache], &[&[7]])?;
+                outs.push(s.from_slice(&next.to_vec::<f32>()?, next.shape())?);
+                Ok(())
+            })?;
+            Ok(outs)
+        });
+    }
+}

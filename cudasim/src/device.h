@@ -100,6 +100,17 @@ inline unsigned int __float_as_uint(float f) { unsigned int u; memcpy(&u, &f, 4)
 inline double __longlong_as_double(long long bits) { double d; memcpy(&d, &bits, 8); return d; }
 inline long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
 
+// Float arithmetic rounded once per operation (CUDA's `_rn` intrinsics keep NVRTC from fusing a
+// product into a following sum; the simulated module is built without fused multiply-adds anyway).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+
+// The four-way byte dot product: c plus the products of the signed bytes of a and b, in place.
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(signed char)(a >> (8 * i)) * (int)(signed char)(b >> (8 * i));
+    return c;
+}
+
 // Atomics: one block runs at a time and its threads only switch at barriers, so a read-modify-write
 // is atomic as written; the accesses are checked like any other.
 inline unsigned int atomicCAS(unsigned int* at, unsigned int compare, unsigned int value) {

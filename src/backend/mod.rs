@@ -465,10 +465,20 @@ pub(crate) trait Backend: Sync {
         false
     }
 
+    /// Bytes of device memory [`quant_matmul`](Self::quant_matmul) needs beside its operands for
+    /// `m` rows of `k` values (a GPU's rounded activations; none on the host, which rounds them in
+    /// its own buffers).
+    fn quant_scratch_bytes(&self, m: usize, k: usize) -> usize {
+        let _ = (m, k);
+        0
+    }
+
     /// `out = x Ŵᵀ` for the contiguous `f32` rows `x` (`m × k`), the `n` contiguous stored rows
     /// `w` of the block format `ty` (`k` values each; in strips if `in_strips`, see
     /// [`quant_strips`](Self::quant_strips)) and the contiguous `f32` `out` (`m × n`), with `x`
-    /// rounded to 8 bits per block of 32 first (see `cpu::quant_product`).
+    /// rounded to 8 bits per block of 32 first (see `cpu::quant_product`). `scratch` is a fresh
+    /// block of at least [`quant_scratch_bytes`](Self::quant_scratch_bytes), when that is not 0.
+    #[allow(clippy::too_many_arguments)]
     fn quant_matmul(
         &self,
         ty: crate::quant::QuantType,
@@ -477,6 +487,7 @@ pub(crate) trait Backend: Sync {
         w: Src,
         mkn: (usize, usize, usize),
         out: Dst,
+        scratch: Option<Dst>,
     ) -> Result<()>;
 
     /// One fused optimizer step over contiguous targets (the parameter first) of `grad`'s shape;

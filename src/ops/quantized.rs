@@ -37,8 +37,7 @@ impl<'s> Tensor<'s> {
     /// # Errors
     /// [`Error::ShapeMismatch`] when `self`'s last dimension is not `w`'s row length;
     /// [`Error::InvalidShape`] for a 0-D `self`; [`Error::UnsupportedDType`] for integers;
-    /// [`Error::DeviceMismatch`] across devices; [`Error::UnsupportedOnDevice`] on a GPU (quantized
-    /// products there are not built: load the weights decoded).
+    /// [`Error::DeviceMismatch`] across devices.
     #[track_caller]
     pub fn matmul_quantized_t(&self, w: &QuantTensor<'s>) -> Result<Tensor<'s>> {
         const OP: &str = "matmul_quantized_t";
@@ -69,13 +68,29 @@ impl<'s> Tensor<'s> {
         let mut shape = self.shape().to_vec();
         *shape.last_mut().expect("rank >= 1") = n;
         let mut out = Tensor::output_of(&[&x, w.blocks()], DType::F32, &shape, Location::caller())?;
-        x.backend()?.quant_matmul(
+        let backend = x.backend()?;
+        // A GPU rounds the activations into device memory of the op's own: a temporary of this
+        // scope, freed (to the pool) when the product returns.
+        let scratch_bytes = backend.quant_scratch_bytes(m, k);
+        let mut scratch = if scratch_bytes > 0 {
+            let words = scratch_bytes.div_ceil(DType::F32.size());
+            Some(Tensor::output_of(
+                &[&x],
+                DType::F32,
+                &[words],
+                Location::caller(),
+            )?)
+        } else {
+            None
+        };
+        backend.quant_matmul(
             w.ty(),
             w.in_strips(),
             x.src(),
             w.blocks().src(),
             (m, k, n),
             out.dst(),
+            scratch.as_mut().map(|s| s.dst()),
         )?;
         if self.dtype() == DType::F32 {
             Ok(out)

@@ -336,6 +336,7 @@ impl Backend for Cpu {
         w: Src,
         mkn: (usize, usize, usize),
         out: Dst,
+        _scratch: Option<Dst>,
     ) -> Result<()> {
         // The blocks are held as 16-bit words: their view's bytes.
         let (at, words) = (w.layout.offset(), w.layout.numel());

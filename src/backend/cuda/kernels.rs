@@ -8,7 +8,7 @@ use crate::error::{Error, Result};
 use crate::layout::Layout;
 
 /// The kernel files in compilation order (`.ci/check-kernels` reads this list).
-pub(crate) const SOURCES: [&str; 11] = [
+pub(crate) const SOURCES: [&str; 12] = [
     include_str!("../../../kernels/common.cuh"),
     include_str!("../../../kernels/elementwise.cu"),
     include_str!("../../../kernels/reduce.cu"),
@@ -20,6 +20,7 @@ pub(crate) const SOURCES: [&str; 11] = [
     include_str!("../../../kernels/attention.cu"),
     include_str!("../../../kernels/paged.cu"),
     include_str!("../../../kernels/rotary.cu"),
+    include_str!("../../../kernels/quant.cu"),
 ];
 
 /// The largest rank a GPU kernel takes (`MAX_RANK` in `kernels/common.cuh`).

@@ -15,6 +15,7 @@ mod memory;
 mod nccl;
 mod ops;
 mod paged;
+mod quant;
 mod transfer;
 
 use std::collections::HashMap;

@@ -658,20 +658,32 @@ impl Backend for Gpu {
         blas::matmul(self, dtype, (a, b), batch, mkn, out, tf32)
     }
 
+    fn quant_scratch_bytes(&self, m: usize, k: usize) -> usize {
+        m * k / 32 * super::quant::ROUNDED_BLOCK_BYTES
+    }
+
     fn quant_matmul(
         &self,
-        _ty: crate::quant::QuantType,
-        _in_strips: bool,
-        _x: Src,
-        _w: Src,
-        _mkn: (usize, usize, usize),
-        _out: Dst,
+        ty: crate::quant::QuantType,
+        in_strips: bool,
+        x: Src,
+        w: Src,
+        mkn: (usize, usize, usize),
+        out: Dst,
+        scratch: Option<Dst>,
     ) -> Result<()> {
-        // Quantized products on the GPU are not built yet: a model loads its weights decoded.
-        Err(crate::error::Error::UnsupportedOnDevice {
-            op: "matmul_quantized",
-            device: format!("cuda:{}", self.ordinal),
-        })
+        let scratch = match (in_strips, scratch) {
+            (false, Some(scratch)) => scratch,
+            _ => {
+                return Err(crate::error::Error::InvalidArgument {
+                    op: "matmul_quantized",
+                    reason: "ndscope bug: a GPU product takes blocks in row order and a scratch \
+                             block"
+                        .into(),
+                });
+            }
+        };
+        self.quant_product(ty, x, w, mkn, out, scratch)
     }
 
     fn fused_update(
