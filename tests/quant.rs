@@ -1,6 +1,7 @@
 //! ndscope's block formats against gguf-py's reference quantizers and dequantizers, bit for bit
-//! (`tests/fixtures/quants.safetensors`, written by `tests/fixtures/make_quants.py`), and the
-//! formats' own error bounds.
+//! (`tests/fixtures/quants.safetensors`, written by `tests/fixtures/make_quants.py`), the Q4_K
+//! quantizer against ggml's C reference (`tests/fixtures/q4_k.safetensors`, `make_q4_k.py`), and
+//! the formats' own error bounds.
 
 use ndscope::quant::{self, QuantType};
 use safetensors::SafeTensors;
@@ -70,15 +71,36 @@ fn quantizers_write_the_bytes_gguf_py_writes() {
 }
 
 #[test]
+fn the_q4_k_quantizer_writes_the_bytes_ggml_writes() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/q4_k.safetensors"
+    );
+    let bytes = std::fs::read(path).expect("tests/fixtures/q4_k.safetensors");
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let input = floats(tensor(&file, "Q4_K.input"));
+    let expected = tensor(&file, "Q4_K.quantized");
+    let ours = quant::quantize(QuantType::Q4_K, &input).unwrap();
+    assert_eq!(ours.len(), expected.len(), "byte count");
+    for (b, (o, e)) in ours.chunks(144).zip(expected.chunks(144)).enumerate() {
+        assert!(
+            o == e,
+            "Q4_K block {b}: ours {o:?}, ggml's {e:?}; input {:?}",
+            &input[b * 256..(b + 1) * 256]
+        );
+    }
+}
+
+#[test]
 fn dequantizers_give_the_values_gguf_py_gives() {
     let bytes = fixture();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     for t in QuantType::all().iter().filter(|t| **t != QuantType::F32) {
         let name = t.name();
-        let blocks = if t.can_quantize() {
-            tensor(&file, &format!("{name}.quantized"))
-        } else {
-            tensor(&file, &format!("{name}.blocks"))
+        // The formats gguf-py quantizes decode its bytes; the others random blocks.
+        let blocks = match file.tensor(&format!("{name}.quantized")) {
+            Ok(quantized) => quantized.data(),
+            Err(_) => tensor(&file, &format!("{name}.blocks")),
         };
         let expected = floats(tensor(&file, &format!("{name}.dequantized")));
         let mut ours = vec![0.0f32; expected.len()];

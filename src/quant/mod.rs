@@ -12,8 +12,10 @@
 //! Every format reproduces gguf-py's reference (the `gguf` package's `quants.py`, which is
 //! bit-exact with ggml's C reference for the quantizers it has): the same `f32` operations in the
 //! same order, so results agree bit for bit (`tests/quant.rs` holds this against files gguf-py
-//! wrote). The K formats have no quantizer here: their reference (ggml's `make_qkx2_quants`)
-//! searches scales iteratively; files in them come from llama.cpp's `llama-quantize`.
+//! wrote). Of the K formats Q4_K has a quantizer: gguf-py has none, so it follows ggml's C reference
+//! (`quantize_row_q4_K_ref`, whose `make_qkx2_quants` searches each sub-block's scale), held to it
+//! bit for bit in `tests/quant.rs`; files in the other K formats come from llama.cpp's
+//! `llama-quantize`.
 //!
 //! ```
 //! use ndscope::quant::{self, QuantType};
@@ -31,6 +33,7 @@
 
 mod blocks;
 mod kquants;
+mod q4k_quantize;
 pub(crate) mod strips;
 
 use std::fmt;
@@ -194,7 +197,7 @@ impl QuantType {
     pub fn can_quantize(self) -> bool {
         !matches!(
             self,
-            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K
+            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q5_K | QuantType::Q6_K
         )
     }
 }
@@ -231,8 +234,8 @@ pub(crate) fn no_quantizer(op: &'static str, ty: QuantType) -> Error {
     Error::InvalidArgument {
         op,
         reason: format!(
-            "ndscope has no quantizer for {ty}; make K-quantized files with llama.cpp's \
-             `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0 or Q5_1"
+            "ndscope has no quantizer for {ty}; make such files with llama.cpp's \
+             `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K"
         ),
     }
 }
@@ -270,10 +273,10 @@ pub fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
 }
 
 /// Encodes `values` as `ty`: round to nearest against each block's scale, as gguf-py and ggml's
-/// reference quantizers do (bit for bit).
+/// reference quantizers do (bit for bit; Q4_K's scales and minimums by ggml's search).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a type without a quantizer here (the K formats: see
+/// [`Error::InvalidArgument`] for a type without a quantizer here (the K formats but Q4_K: see
 /// [`QuantType::can_quantize`]) or a length that is not a whole number of blocks.
 pub fn quantize(ty: QuantType, values: &[f32]) -> Result<Vec<u8>> {
     if !ty.can_quantize() {
@@ -294,6 +297,7 @@ pub fn quantize(ty: QuantType, values: &[f32]) -> Result<Vec<u8>> {
             QuantType::Q5_0 => blocks::quantize_q5_0(x, block),
             QuantType::Q5_1 => blocks::quantize_q5_1(x, block),
             QuantType::Q8_0 => blocks::quantize_q8_0(x, block),
+            QuantType::Q4_K => q4k_quantize::quantize_q4_k(x, block),
             _ => unreachable!("checked by can_quantize"),
         }
     }
@@ -334,7 +338,7 @@ mod tests {
             err.contains("take 34 bytes") && err.contains("found 33"),
             "{err}"
         );
-        let err = quantize(QuantType::Q4_K, &[0.0; 256])
+        let err = quantize(QuantType::Q6_K, &[0.0; 256])
             .unwrap_err()
             .to_string();
         assert!(err.contains("llama-quantize"), "{err}");
