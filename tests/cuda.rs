@@ -1510,11 +1510,15 @@ fn quantized_products_agree_with_the_host() {
             Ok(outs)
         });
         // In bf16 the result is rounded to 8 bits: sums a last f32 bit apart may round apart.
-        agree(&format!("{} products of bf16", ty.name()), 1e-2, &move |s| {
-            let w = QuantTensor::from_blocks(s, &bytes, ty, &[n, k])?;
-            let x = s.randn(&[2, 3, k])?.to_dtype(DType::BF16)?;
-            Ok(vec![x.matmul_quantized_t(&w)?])
-        });
+        agree(
+            &format!("{} products of bf16", ty.name()),
+            1e-2,
+            &move |s| {
+                let w = QuantTensor::from_blocks(s, &bytes, ty, &[n, k])?;
+                let x = s.randn(&[2, 3, k])?.to_dtype(DType::BF16)?;
+                Ok(vec![x.matmul_quantized_t(&w)?])
+            },
+        );
     }
 }
 
