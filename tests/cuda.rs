@@ -1475,7 +1475,7 @@ fn random_blocks(ty: ndscope::quant::QuantType, n: usize, k: usize, seed: u64) -
 }
 
 /// The GPU's quantized products against the host's, for every block format: one to 17 rows (the
-/// kernel takes 8 at a time), a weight row count no launch shape divides, rows of 2,304 values (nine
+/// kernel takes 8 at a time) and 40, a weight row count no launch shape divides, rows of 2,304 values (nine
 /// K blocks, 72 steps of 32: a lane's two steps in flight, and a lane with one left over), `bf16`
 /// and 3-D activations, and a row of zeros (a block whose scale is 0).
 #[test]
@@ -1509,6 +1509,16 @@ fn quantized_products_agree_with_the_host() {
             }
             Ok(outs)
         });
+        // 40 rows: five passes of 8 over the weight, in one launch.
+        let tall = bytes.clone();
+        agree(
+            &format!("{} products of 40 rows", ty.name()),
+            1e-4,
+            &move |s| {
+                let w = QuantTensor::from_blocks(s, &tall, ty, &[n, k])?;
+                Ok(vec![s.randn(&[40, k])?.matmul_quantized_t(&w)?])
+            },
+        );
         // In bf16 the result is rounded to 8 bits: sums a last f32 bit apart may round apart.
         agree(
             &format!("{} products of bf16", ty.name()),
