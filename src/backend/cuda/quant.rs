@@ -89,6 +89,17 @@ impl Gpu {
             unsafe { b.launch(elementwise_launch(blocks * 32)) }
                 .map_err(|e| cuda_error("rounding a quantized product's activations", e))?;
         }
+        // A grid's x dimension holds up to 2^31 - 1 blocks of WARPS weight rows.
+        if n.div_ceil(WARPS) > i32::MAX as usize {
+            return Err(Error::InvalidShape {
+                op: "matmul_quantized",
+                shape: vec![n, k],
+                reason: format!(
+                    "a GPU quantized product takes up to {} weight rows",
+                    i32::MAX as usize * WARPS
+                ),
+            });
+        }
         let (mm, kk, nn) = (m as i64, k as i64, n as i64);
         let chunks = m.div_ceil(ROWS);
         for first_chunk in (0..chunks).step_by(MAX_GRID_Y) {
