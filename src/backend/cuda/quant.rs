@@ -61,6 +61,17 @@ impl Gpu {
         if m == 0 || n == 0 {
             return Ok(());
         }
+        // A grid's x dimension holds up to 2^31 - 1 blocks of WARPS weight rows.
+        if n.div_ceil(WARPS) > i32::MAX as usize {
+            return Err(Error::InvalidShape {
+                op: "matmul_quantized",
+                shape: vec![n, k],
+                reason: format!(
+                    "a GPU quantized product takes up to {} weight rows",
+                    i32::MAX as usize * WARPS
+                ),
+            });
+        }
         let product = self.function(product_kernel(ty)?)?;
         let blocks = m * k / 32;
         if blocks > 0 && scratch.layout.numel() * DType::F32.size() < blocks * ROUNDED_BLOCK_BYTES {
@@ -88,17 +99,6 @@ impl Gpu {
             // One thread per value: a multiple of 32, so every warp is whole.
             unsafe { b.launch(elementwise_launch(blocks * 32)) }
                 .map_err(|e| cuda_error("rounding a quantized product's activations", e))?;
-        }
-        // A grid's x dimension holds up to 2^31 - 1 blocks of WARPS weight rows.
-        if n.div_ceil(WARPS) > i32::MAX as usize {
-            return Err(Error::InvalidShape {
-                op: "matmul_quantized",
-                shape: vec![n, k],
-                reason: format!(
-                    "a GPU quantized product takes up to {} weight rows",
-                    i32::MAX as usize * WARPS
-                ),
-            });
         }
         let (mm, kk, nn) = (m as i64, k as i64, n as i64);
         let chunks = m.div_ceil(ROWS);
