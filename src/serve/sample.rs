@@ -114,12 +114,17 @@ impl Sampler {
                 (best, best_value) = (i, value(x));
             }
         }
-        let log_sum = best_value
-            + logits
-                .iter()
-                .map(|&x| (value(x) - best_value).exp())
-                .sum::<f64>()
-                .ln();
+        let log_sum = if best_value.is_finite() {
+            best_value + log_sum_exp_below(logits, best_value as f32).ln()
+        } else {
+            // Every logit NaN or infinite: the plain sum, whatever it makes of them.
+            best_value
+                + logits
+                    .iter()
+                    .map(|&x| (value(x) - best_value).exp())
+                    .sum::<f64>()
+                    .ln()
+        };
         let logprob = |i: usize| (value(logits[i]) - log_sum) as f32;
         let s = self.sampling;
         if s.temperature == 0.0 || !best_value.is_finite() {
@@ -178,6 +183,33 @@ impl Sampler {
     }
 }
 
+/// `Σ e^(x − best)` over the logits (NaN counting as `−inf`) for a finite `best` no smaller than
+/// any of them: the softmax's denominator, computed for every token a model decodes. Each term is
+/// `fastmath`'s vectorised `exp` of the `f32` difference (within 2 ulp, and the difference is exact
+/// where `x` is within a factor of two of `best`, the terms that matter), summed in `f32` within
+/// 16 lanes of at most 4096 terms each, those sums in `f64`: about 2^-20 relative at worst, against
+/// 0.6 ms a token for `f64`'s `exp` on Llama 3's 128,256 logits.
+fn log_sum_exp_below(logits: &[f32], best: f32) -> f64 {
+    const LANES: usize = 16;
+    let term = |x: f32| {
+        let e = crate::fastmath::exp_f32(x - best);
+        if x.is_nan() { 0.0 } else { e }
+    };
+    let mut total = 0.0f64;
+    for chunk in logits.chunks(LANES * 4096) {
+        let mut lanes = [0.0f32; LANES];
+        let mut groups = chunk.chunks_exact(LANES);
+        for group in &mut groups {
+            for (lane, &x) in lanes.iter_mut().zip(group) {
+                *lane += term(x);
+            }
+        }
+        let tail: f64 = groups.remainder().iter().map(|&x| f64::from(term(x))).sum();
+        total += lanes.iter().map(|&l| f64::from(l)).sum::<f64>() + tail;
+    }
+    total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +224,32 @@ mod tests {
         assert_eq!(c.token, 1);
         let want = 3.0 - (1f64.exp() + 2.0 * 3f64.exp()).ln();
         assert!((f64::from(c.logprob) - want).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_long_row_s_log_probability_is_the_f64_softmax_s() {
+        // A vocabulary's worth of logits over a wide range, some NaN and -inf, and a tail that is
+        // not a whole group of lanes.
+        let logits: Vec<f32> = (0..128_257)
+            .map(|i| match i % 1000 {
+                7 => f32::NAN,
+                8 => f32::NEG_INFINITY,
+                _ => ((i as f32 * 0.618).sin() * 30.0) - (i % 13) as f32,
+            })
+            .collect();
+        let best = logits
+            .iter()
+            .filter(|x| !x.is_nan())
+            .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+        let exact: f64 = logits
+            .iter()
+            .filter(|x| !x.is_nan())
+            .map(|&x| (f64::from(x) - best).exp())
+            .sum();
+        let got = log_sum_exp_below(&logits, best as f32);
+        assert!((got / exact - 1.0).abs() < 1e-6, "{got} vs {exact}");
+        let c = sampler(Sampling::GREEDY).choose(&logits);
+        assert!((f64::from(c.logprob) + exact.ln()).abs() < 1e-6, "{c:?}");
     }
 
     #[test]

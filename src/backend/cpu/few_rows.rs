@@ -119,6 +119,7 @@ pub(super) fn by_weight_rows(
     let mut transposed = if m == 1 { Vec::new() } else { vec![0.0; n * m] };
     let dst: &mut [f32] = if m == 1 { out } else { &mut transposed };
     if parallel {
+        super::warm::hold();
         dst.par_chunks_mut(rows_per_task * m)
             .enumerate()
             .for_each(|(i, chunk)| block(i * rows_per_task, chunk));

@@ -22,6 +22,7 @@ mod quant_vnni;
 mod reduce;
 mod rotary;
 mod rows;
+mod warm;
 mod window;
 
 use rayon::prelude::*;

@@ -141,6 +141,7 @@ fn attention_as<T: Math>(
     let results: Vec<Vec<T::Compute>> = if work < PARALLEL_WORK {
         (0..tiles.len() * heads).map(task).collect()
     } else {
+        super::warm::hold();
         (0..tiles.len() * heads).into_par_iter().map(task).collect()
     };
     let o = out.contiguous_host::<T>();

@@ -124,53 +124,107 @@ fn quantize_activations(x: &[f32], m: usize, k: usize) -> Activations {
     // A prompt's rows (hundreds of thousands of values) on every thread; a decoding row on this one.
     const BLOCKS_PER_TASK: usize = 1024;
     let x = &x[..m * k];
-    // Levels, scales and half sums of whole blocks, from their values.
-    let one_task = |q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]| {
-        for (((xs, qs), d), sums) in x
-            .chunks_exact(BLOCK)
-            .zip(q.chunks_exact_mut(BLOCK))
-            .zip(d.iter_mut())
-            .zip(sums.chunks_exact_mut(2))
-        {
-            quantize_block(xs, qs, d, sums);
-        }
-    };
     if m * k <= BLOCKS_PER_TASK * BLOCK {
-        one_task(&mut a.q, &mut a.d, &mut a.sums, x);
+        quantize_blocks(&mut a.q, &mut a.d, &mut a.sums, x);
     } else {
         a.q.par_chunks_mut(BLOCKS_PER_TASK * BLOCK)
             .zip(a.d.par_chunks_mut(BLOCKS_PER_TASK))
             .zip(a.sums.par_chunks_mut(2 * BLOCKS_PER_TASK))
             .zip(x.par_chunks(BLOCKS_PER_TASK * BLOCK))
-            .for_each(|(((q, d), sums), x)| one_task(q, d, sums, x));
+            .for_each(|(((q, d), sums), x)| quantize_blocks(q, d, sums, x));
     }
     a
 }
 
-/// One block of 32 activations: levels, scale, and each half's `d · Σ q`.
+/// Levels, scales and half sums of whole blocks of 32 activations, from their values.
+///
+/// The loops are also compiled for AVX-512 and picked at run time (a decoding step rounds about
+/// 330,000 values of Llama-1B's activations: 0.9 ms a token as scalar code). Every version computes
+/// the same bits: the operations are per value, and a maximum is exact in any order.
+fn quantize_blocks(q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+        // SAFETY: the CPU has AVX-512 F and BW, the features the version is compiled for.
+        return unsafe { quantize_blocks_avx512(q, d, sums, x) };
+    }
+    quantize_blocks_with(q, d, sums, x);
+}
+
+/// [`quantize_blocks`] for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+fn quantize_blocks_avx512(q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]) {
+    quantize_blocks_with(q, d, sums, x);
+}
+
+/// [`quantize_blocks`]' loop, inlined into each version.
+#[inline(always)]
+fn quantize_blocks_with(q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]) {
+    for (((xs, qs), d), sums) in x
+        .chunks_exact(BLOCK)
+        .zip(q.chunks_exact_mut(BLOCK))
+        .zip(d.iter_mut())
+        .zip(sums.chunks_exact_mut(2))
+    {
+        quantize_block(xs, qs, d, sums);
+    }
+}
+
+/// One block of 32 activations: levels, scale, and each half's `d · Σ q`. A NaN counts as 0 in
+/// the block's maximum and becomes level 0.
+#[inline(always)]
 fn quantize_block(xs: &[f32], qs: &mut [i8], d: &mut f32, sums: &mut [f32]) {
-    let amax = xs.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (xs, qs): (&[f32; BLOCK], &mut [i8; BLOCK]) = (
+        xs.try_into().expect("a whole block"),
+        qs.try_into().expect("a whole block"),
+    );
+    // The maximum in 16 lanes, then halving them (`>` skips NaN, as `f32::max` does).
+    let mut lanes = [0.0f32; 16];
+    for half in xs.chunks_exact(16) {
+        for (lane, &v) in lanes.iter_mut().zip(half) {
+            let a = v.abs();
+            *lane = if a > *lane { a } else { *lane };
+        }
+    }
+    for width in [8, 4, 2, 1] {
+        for j in 0..width {
+            let other = lanes[j + width];
+            lanes[j] = if other > lanes[j] { other } else { lanes[j] };
+        }
+    }
+    let amax = lanes[0];
     let exact = amax / 127.0;
     let id = if exact == 0.0 { 0.0 } else { 1.0 / exact };
-    for (q, &v) in qs.iter_mut().zip(xs) {
-        *q = round_half_away(v * id) as i8;
+    let mut levels = [0i32; BLOCK];
+    for (l, &v) in levels.iter_mut().zip(xs) {
+        *l = round_half_away(v * id);
+    }
+    for (q, &l) in qs.iter_mut().zip(&levels) {
+        *q = l as i8;
     }
     *d = stored_scale(exact);
     for (half, sum) in sums.iter_mut().enumerate() {
-        let s: i32 = qs[16 * half..16 * half + 16]
-            .iter()
-            .map(|&q| i32::from(q))
-            .sum();
+        let s: i32 = levels[16 * half..16 * half + 16].iter().sum();
         *sum = *d * s as f32;
     }
 }
 
-/// `y.round()` (half away from zero) for `|y| < 2^31`, in a few instructions rather than a call:
-/// adding the largest `f32` below 0.5 with `y`'s sign rounds a half up to the next whole number
-/// (the sum's own rounding) and anything below a half short of it, then the conversion to `i32`
-/// truncates (`f32::trunc` is a call to libm's `truncf` without SSE4.1).
-fn round_half_away(y: f32) -> f32 {
-    (y + 0.499_999_97f32.copysign(y)) as i32 as f32
+/// `y.round()` (half away from zero) as a level, clamped to `-128..=127`, NaN to 0, in a few
+/// instructions rather than a call: adding the largest `f32` below 0.5 with `y`'s sign rounds a
+/// half up to the next whole number (the sum's own rounding) and anything below a half short of it,
+/// then the conversion to `i32` truncates (`f32::trunc` is a call to libm's `truncf` without
+/// SSE4.1). The clamp comes first so that the conversion needs no saturation, which kept the
+/// compiler from vectorising it.
+#[inline(always)]
+fn round_half_away(y: f32) -> i32 {
+    let r = y + 0.499_999_97f32.copysign(y);
+    let r = if r.is_nan() {
+        0.0
+    } else {
+        r.clamp(-128.0, 127.0)
+    };
+    // SAFETY: `r` is finite and within `i32`'s range.
+    unsafe { r.to_int_unchecked::<i32>() }
 }
 
 /// An activation block's scale as llama.cpp's Q8_0 block stores it, rounded to `f16` — except
@@ -1021,9 +1075,15 @@ mod tests {
             specials.extend([half, half.next_up(), half.next_down()]);
         }
         specials.extend(values(100_000, 17).iter().map(|v| v * 40.0));
+        specials.extend([300.0, -300.0, f32::INFINITY, f32::NEG_INFINITY]);
         for y in specials {
-            assert_eq!(round_half_away(y), y.round(), "{y:e}");
+            assert_eq!(
+                round_half_away(y) as f32,
+                y.round().clamp(-128.0, 127.0),
+                "{y:e}"
+            );
         }
+        assert_eq!(round_half_away(f32::NAN), 0);
     }
 
     #[test]
