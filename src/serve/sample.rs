@@ -108,12 +108,8 @@ impl Sampler {
                 f64::from(x)
             }
         };
-        let (mut best, mut best_value) = (0, f64::NEG_INFINITY);
-        for (i, &x) in logits.iter().enumerate() {
-            if value(x) > best_value {
-                (best, best_value) = (i, value(x));
-            }
-        }
+        let (best, best_value) = first_largest(logits);
+        let best_value = f64::from(best_value);
         let log_sum = if best_value.is_finite() {
             best_value + log_sum_exp_below(logits, best_value as f32).ln()
         } else {
@@ -183,6 +179,32 @@ impl Sampler {
     }
 }
 
+/// The first largest logit and its index, NaN skipped (`(0, −inf)` when none is above `−inf`): the
+/// largest by 16 lanes, which the compiler vectorises, then its first position.
+fn first_largest(logits: &[f32]) -> (usize, f32) {
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut groups = logits.chunks_exact(LANES);
+    for group in &mut groups {
+        for (lane, &x) in lanes.iter_mut().zip(group) {
+            *lane = if x > *lane { x } else { *lane };
+        }
+    }
+    let largest = groups
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    if largest == f32::NEG_INFINITY {
+        return (0, largest);
+    }
+    let at = logits
+        .iter()
+        .position(|&x| x == largest)
+        .expect("the largest is one of the logits");
+    (at, largest)
+}
+
 /// `Σ e^(x − best)` over the logits (NaN counting as `−inf`) for a finite `best` no smaller than
 /// any of them: the softmax's denominator, computed for every token a model decodes. Each term is
 /// `fastmath`'s vectorised `exp` of the `f32` difference (within 2 ulp, and the difference is exact
@@ -250,6 +272,22 @@ mod tests {
         assert!((got / exact - 1.0).abs() < 1e-6, "{got} vs {exact}");
         let c = sampler(Sampling::GREEDY).choose(&logits);
         assert!((f64::from(c.logprob) + exact.ln()).abs() < 1e-6, "{c:?}");
+    }
+
+    #[test]
+    fn the_largest_is_the_first_of_equals_and_skips_nan() {
+        let mut logits = vec![f32::NAN; 40];
+        assert_eq!(first_largest(&logits), (0, f32::NEG_INFINITY));
+        logits[3] = f32::NEG_INFINITY;
+        assert_eq!(first_largest(&logits), (0, f32::NEG_INFINITY));
+        // Equal largest values in two lanes and in the tail: the first wins.
+        for (i, v) in [(5, 2.0), (21, 7.5), (37, 7.5), (38, -1.0), (30, 7.5)] {
+            logits[i] = v;
+        }
+        assert_eq!(first_largest(&logits), (21, 7.5));
+        logits[39] = f32::INFINITY;
+        assert_eq!(first_largest(&logits), (39, f32::INFINITY));
+        assert_eq!(first_largest(&[]), (0, f32::NEG_INFINITY));
     }
 
     #[test]

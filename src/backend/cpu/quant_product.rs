@@ -461,7 +461,8 @@ pub(crate) fn product(
         );
         let rows_per_task = rows_per_task.div_ceil(STRIP_ROWS) * STRIP_ROWS;
         super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
-            let mut row = Row::new(k);
+            // Only the rows past the last strip are decoded: a task of strips allocates nothing.
+            let mut row = None;
             for (p, dst) in dst.chunks_mut(STRIP_ROWS * m).enumerate() {
                 let first = j0 + p * STRIP_ROWS;
                 if first < strip_rows {
@@ -472,7 +473,8 @@ pub(crate) fn product(
                 // The rows past the last whole strip, stored in row order after the strips.
                 for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
                     let at = rows_at + (first + r - strip_rows) * row_bytes;
-                    decoded_into_tokens(kernel, ty, &w[at..at + row_bytes], &mut row, &a, sums);
+                    let row = row.get_or_insert_with(|| Row::new(k));
+                    decoded_into_tokens(kernel, ty, &w[at..at + row_bytes], row, &a, sums);
                 }
             }
         });

@@ -15,9 +15,10 @@
 //! then it returns and the worker sleeps as usual. An idle program therefore spins for at most
 //! [`HOLD`] after its last op, and nothing is held between calls but three atomics.
 //!
-//! Measured on the 2-core CI machine (AMD EPYC, Zen 4), `tg128` of `benches/gguf.rs`: Llama-1B Q4_0
-//! 34.0 → 37-40 tokens/s, GPT-2 small Q4_0 209-220 → 253-257 with workers that never slept (rayon
-//! built with more idle rounds); BENCHMARKS.md has the figures with keepers.
+//! Measured on the 2-core CI machine (AMD EPYC, Zen 4), `tg128` of `benches/gguf.rs` interleaved
+//! with the build before: a patched rayon whose workers never slept decoded GPT-2 small Q4_0 at
+//! 261 tokens/s against 243 (medians of five), and these keepers at 263; BENCHMARKS.md has the
+//! figures of the whole change.
 
 use std::sync::Arc;
 use std::sync::OnceLock;
