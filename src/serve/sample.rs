@@ -108,10 +108,10 @@ impl Sampler {
                 f64::from(x)
             }
         };
-        let (best, best_value) = first_largest(logits);
-        let best_value = f64::from(best_value);
-        let log_sum = if best_value.is_finite() {
-            best_value + log_sum_exp_below(logits, best_value as f32).ln()
+        let (best, largest) = first_largest(logits);
+        let best_value = f64::from(largest);
+        let log_sum = if largest.is_finite() {
+            best_value + log_sum_exp_below(logits, largest).ln()
         } else {
             // Every logit NaN or infinite: the plain sum, whatever it makes of them.
             best_value
