@@ -25,13 +25,15 @@ use ndscope::models::AutoModel;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
 use ndscope::{DType, Device, Result, Scope, root};
 
-const FILES: [&str; 6] = [
+const FILES: [&str; 8] = [
     "llama-1b-Q8_0",
     "llama-1b-Q4_0",
     "llama-1b-Q4_K_M",
+    "llama-1b-Q5_K_M",
     "gpt2-small-Q8_0",
     "gpt2-small-Q4_0",
     "gpt2-small-Q4_K_M",
+    "gpt2-small-Q5_K_M",
 ];
 const RUNS: usize = 3;
 

@@ -1,8 +1,8 @@
 """Writes the GGUF files of benches/gguf.rs to target/: the Llama-3.2-1B-shaped model
 (target/llama-1b-random, from `python3 benches/llama_reference.py make`) and GPT-2 small's shape
 (target/gpt2-small-random, from `cargo bench --bench gpt2`), both random weights, converted by
-llama.cpp's own converter (bf16 and f32) and quantized by its `llama-quantize` to Q8_0, Q4_0 and
-Q4_K_M -- the same files `llama-bench` is given in BENCHMARKS.md.
+llama.cpp's own converter (bf16 and f32) and quantized by its `llama-quantize` to Q8_0, Q4_0,
+Q4_K_M and Q5_K_M -- the same files `llama-bench` is given in BENCHMARKS.md.
 
     python3 benches/gguf_files.py LLAMA_CPP_DIR
 
@@ -38,7 +38,7 @@ def convert(llama_cpp, model, outtype, name):
             json.dump(config, open(config_path, "w"), indent=1)
         subprocess.run([sys.executable, "-c", CONVERT, llama_cpp, copy, "--outfile", base,
                         "--outtype", outtype], check=True)
-    for kind in ["Q8_0", "Q4_0", "Q4_K_M"]:
+    for kind in ["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M"]:
         out = os.path.join(TARGET, f"{name}-{kind}.gguf")
         subprocess.run([os.path.join(llama_cpp, "build", "bin", "llama-quantize"), base, out, kind,
                         "2"], check=True)

@@ -59,7 +59,10 @@ fn products(c: &mut Criterion) {
                 for ty in [
                     QuantType::Q8_0,
                     QuantType::Q4_0,
+                    QuantType::Q4_1,
+                    QuantType::Q5_0,
                     QuantType::Q4_K,
+                    QuantType::Q5_K,
                     QuantType::Q6_K,
                 ] {
                     let w = weight(s, ty, n, k)?;

@@ -114,7 +114,7 @@ pub(super) fn dequantize_q4_1(block: &[u8], out: &mut [f32]) {
 }
 
 /// Packs 32 five-bit levels: low nibbles into `qs`, fifth bits into the `u32` `qh`.
-fn pack5(q: &[u8; 32], qh: &mut [u8], qs: &mut [u8]) {
+pub(super) fn pack5(q: &[u8; 32], qh: &mut [u8], qs: &mut [u8]) {
     let mut high = 0u32;
     for (j, &v) in q.iter().enumerate() {
         high |= u32::from(v >> 4) << j;
@@ -126,7 +126,7 @@ fn pack5(q: &[u8; 32], qh: &mut [u8], qs: &mut [u8]) {
 }
 
 /// The 32 five-bit levels of `qh` and `qs`.
-fn unpack5(qh: &[u8], qs: &[u8]) -> [u8; 32] {
+pub(super) fn unpack5(qh: &[u8], qs: &[u8]) -> [u8; 32] {
     let high = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
     std::array::from_fn(|j| {
         let low = if j < 16 {

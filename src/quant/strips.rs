@@ -15,13 +15,22 @@
 //! in group `c`, row `r`'s 4 bytes at `4r` hold, in byte `j`, the level of value `8c + j` in the
 //! low nibble and of value `8c + 4 + j` in the high nibble. One strip block, in order:
 //!
+//! *Fifth bits* (Q5_0's, Q5_1's and Q5_K's levels, 0..=31): the nibble groups of the low 4 bits,
+//! then 64 bytes in which row `r`'s byte `4r + j` holds at bit `g` the fifth bit of value `4g + j`
+//! (the value that nibble group order puts in byte `4r + j` of the `g`-th 4 values).
+//!
 //! - Q4_0 (32 values): the 16 rows' `f16` scales, row 0 first (32 bytes); the levels as nibble
-//!   groups (the stored nibble `q`, 0..=15, value `d · (q − 8)`): 288 bytes.
+//!   groups (the stored nibble `q`, 0..=15, value `d · (q − 8)`): 288 bytes. Q4_1: the scales,
+//!   the rows' `f16` minimums (32 bytes), the nibble groups (value `d · q + m`): 320 bytes. Q5_0
+//!   and Q5_1: Q4_0's and Q4_1's, then the fifth bits (value `d · (q − 16)`, `d · q + m`): 352 and
+//!   384 bytes. All four are their stored blocks' own size.
 //! - Q8_0 (32 values): the scales (32 bytes); eight groups of 64 bytes, in group `g` row `r`'s byte
 //!   `j` the level of value `4g + j` plus 128 (unsigned, value `d · (u − 128)`): 544 bytes.
 //! - Q4_K (256 values): the rows' `d` (32 bytes), their `dmin` (32 bytes), the 8 sub-blocks'
 //!   scales as bytes, sub-block-major (`[8][16]`, 128 bytes), their minimums likewise (128
-//!   bytes), then each sub-block's 32 levels as nibble groups (8 × 256 bytes): 2,368 bytes.
+//!   bytes), then each sub-block's 32 levels as nibble groups (8 × 256 bytes): 2,368 bytes. Q5_K
+//!   likewise, each sub-block's nibble groups followed by its fifth bits (8 × 320 bytes): 2,880
+//!   bytes, 180 per row against 176 stored.
 //! - Q6_K (256 values): the rows' `d` (32 bytes), the 16 sub-blocks' `i8` scales, sub-block-major
 //!   (`[16][16]`, 256 bytes), then per 32 values the low 4 bits of the 6-bit levels as nibble
 //!   groups (256 bytes) and their high 2 bits (128 bytes: in half `h`, row `r`'s byte `j` at
@@ -37,16 +46,40 @@ pub(crate) const STRIP_ROWS: usize = 16;
 pub(crate) fn has_strips(ty: QuantType) -> bool {
     matches!(
         ty,
-        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q6_K
+        QuantType::Q4_0
+            | QuantType::Q4_1
+            | QuantType::Q5_0
+            | QuantType::Q5_1
+            | QuantType::Q8_0
+            | QuantType::Q4_K
+            | QuantType::Q5_K
+            | QuantType::Q6_K
     )
+}
+
+/// Where a strip block of a 32-value nibble format (Q4_0, Q4_1, Q5_0, Q5_1) keeps its minimums
+/// (the `_1` formats), its nibble groups and its fifth bits (the `Q5` formats), after the 32 bytes
+/// of scales.
+pub(crate) const fn small_strip(minimum: bool, fifth: bool) -> (usize, usize, usize, usize) {
+    let nibbles = if minimum { 64 } else { 32 };
+    let bytes = nibbles + 256 + if fifth { 64 } else { 0 };
+    (32, nibbles, nibbles + 256, bytes)
+}
+
+/// The stride of a Q4_K (`fifth` false) or Q5_K strip block's sub-blocks, from byte 320.
+pub(crate) const fn k4_sub_block(fifth: bool) -> usize {
+    if fifth { 320 } else { 256 }
 }
 
 /// Bytes of one strip block (one block of each of 16 rows).
 pub(crate) fn strip_block_bytes(ty: QuantType) -> usize {
     match ty {
-        QuantType::Q4_0 => 32 + 256,
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
+            small_strip(small_minimum(ty), small_fifth(ty)).3
+        }
         QuantType::Q8_0 => 32 + 512,
-        QuantType::Q4_K => 64 + 256 + 8 * 256,
+        QuantType::Q4_K => 64 + 256 + 8 * k4_sub_block(false),
+        QuantType::Q5_K => 64 + 256 + 8 * k4_sub_block(true),
         QuantType::Q6_K => 32 + 256 + 8 * 384,
         _ => unreachable!("{ty} has no strip order"),
     }
@@ -167,11 +200,28 @@ pub(crate) fn from_strips(ty: QuantType, bytes: &[u8], rows: usize, cols: usize)
 /// Row `r`'s stored block `src` into the strip block `dst`.
 fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
     match ty {
-        QuantType::Q4_0 => {
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
+            let (minimum, fifth) = (small_minimum(ty), small_fifth(ty));
+            let (mins, nibbles, high, _) = small_strip(minimum, fifth);
             dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-            // Stored: byte j holds value j (low nibble) and value j + 16 (high nibble).
-            let levels = std::array::from_fn(|v| (src[2 + v % 16] >> (4 * (v / 16))) & 0x0f);
-            put_nibbles(&mut dst[32..288], r, &levels);
+            if minimum {
+                dst[mins + 2 * r..mins + 2 * r + 2].copy_from_slice(&src[2..4]);
+            }
+            let qs = 2 + 2 * usize::from(minimum) + 4 * usize::from(fifth);
+            let levels = if fifth {
+                super::blocks::unpack5(&src[qs - 4..qs], &src[qs..qs + 16])
+            } else {
+                // Stored: byte j holds value j (low nibble) and value j + 16 (high nibble).
+                std::array::from_fn(|v| (src[qs + v % 16] >> (4 * (v / 16))) & 0x0f)
+            };
+            put_nibbles(
+                &mut dst[nibbles..nibbles + 256],
+                r,
+                &levels.map(|v| v & 0x0f),
+            );
+            if fifth {
+                put_fifth_bits(&mut dst[high..high + 64], r, &levels);
+            }
         }
         QuantType::Q8_0 => {
             dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
@@ -179,18 +229,28 @@ fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                 dst[32 + (v / 4) * 64 + 4 * r + v % 4] = src[2 + v] ^ 0x80;
             }
         }
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
+            let fifth = ty == QuantType::Q5_K;
+            let stride = k4_sub_block(fifth);
             dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
             dst[32 + 2 * r..32 + 2 * r + 2].copy_from_slice(&src[2..4]);
-            let qs = &src[16..144];
+            let qs = &src[if fifth { 48 } else { 16 }..];
             for s in 0..8 {
                 let (sc, m) = super::scale_min_k4(&src[4..16], s);
                 dst[64 + s * STRIP_ROWS + r] = sc;
                 dst[192 + s * STRIP_ROWS + r] = m;
-                // Sub-block s: nibble s % 2 of bytes (s / 2) · 32 + j.
-                let levels =
-                    std::array::from_fn(|j| (qs[(s / 2) * 32 + j] >> (4 * (s % 2))) & 0x0f);
-                put_nibbles(&mut dst[320 + 256 * s..][..256], r, &levels);
+                // Sub-block s: nibble s % 2 of bytes (s / 2) · 32 + j; with Q5_K, the fifth bit
+                // at bit s of byte 16 + j.
+                let levels: [u8; 32] = std::array::from_fn(|j| {
+                    let low = (qs[(s / 2) * 32 + j] >> (4 * (s % 2))) & 0x0f;
+                    let high = if fifth { (src[16 + j] >> s) & 1 } else { 0 };
+                    low | (high << 4)
+                });
+                let at = 320 + stride * s;
+                put_nibbles(&mut dst[at..at + 256], r, &levels.map(|v| v & 0x0f));
+                if fifth {
+                    put_fifth_bits(&mut dst[at + 256..at + 320], r, &levels);
+                }
             }
         }
         QuantType::Q6_K => {
@@ -232,11 +292,25 @@ fn q6_k_levels(src: &[u8]) -> [u8; 256] {
 /// Row `r`'s block of the strip block `src`, as stored, into `dst`.
 fn unpack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
     match ty {
-        QuantType::Q4_0 => {
+        QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
+            let (minimum, fifth) = (small_minimum(ty), small_fifth(ty));
+            let (mins, at, high, _) = small_strip(minimum, fifth);
             dst[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
-            let levels = nibbles(&src[32..288], r);
-            for j in 0..16 {
-                dst[2 + j] = levels[j] | (levels[j + 16] << 4);
+            if minimum {
+                dst[2..4].copy_from_slice(&src[mins + 2 * r..mins + 2 * r + 2]);
+            }
+            let mut levels = nibbles(&src[at..at + 256], r);
+            let qs = 2 + 2 * usize::from(minimum) + 4 * usize::from(fifth);
+            if fifth {
+                for (v, bit) in levels.iter_mut().zip(fifth_bits(&src[high..high + 64], r)) {
+                    *v |= bit << 4;
+                }
+                let (qh, qs) = dst[qs - 4..].split_at_mut(4);
+                super::blocks::pack5(&levels, qh, &mut qs[..16]);
+            } else {
+                for j in 0..16 {
+                    dst[qs + j] = levels[j] | (levels[j + 16] << 4);
+                }
             }
         }
         QuantType::Q8_0 => {
@@ -245,7 +319,9 @@ fn unpack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                 dst[2 + v] = src[32 + (v / 4) * 64 + 4 * r + v % 4] ^ 0x80;
             }
         }
-        QuantType::Q4_K => {
+        QuantType::Q4_K | QuantType::Q5_K => {
+            let fifth = ty == QuantType::Q5_K;
+            let (stride, qs) = (k4_sub_block(fifth), if fifth { 48 } else { 16 });
             dst[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
             dst[2..4].copy_from_slice(&src[32 + 2 * r..32 + 2 * r + 2]);
             let sc: [u8; 8] = std::array::from_fn(|s| src[64 + s * STRIP_ROWS + r]);
@@ -259,10 +335,20 @@ fn unpack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
                 packed[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
                 packed[j + 8] = (sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4);
             }
+            if fifth {
+                dst[16..48].fill(0);
+            }
             for s in 0..8 {
-                let levels = nibbles(&src[320 + 256 * s..][..256], r);
+                let at = 320 + stride * s;
+                let levels = nibbles(&src[at..at + 256], r);
+                if fifth {
+                    let bits = fifth_bits(&src[at + 256..at + 320], r);
+                    for (j, bit) in bits.into_iter().enumerate() {
+                        dst[16 + j] |= bit << s;
+                    }
+                }
                 for (j, &level) in levels.iter().enumerate() {
-                    let at = 16 + (s / 2) * 32 + j;
+                    let at = qs + (s / 2) * 32 + j;
                     dst[at] = if s % 2 == 0 {
                         (dst[at] & 0xf0) | level
                     } else {
@@ -311,6 +397,28 @@ fn put_nibbles(groups: &mut [u8], r: usize, levels: &[u8; 32]) {
     }
 }
 
+/// Row `r`'s fifth bits of its 32 levels (`levels[v] >> 4`, each below 32) into `bits` (64 bytes).
+fn put_fifth_bits(bits: &mut [u8], r: usize, levels: &[u8; 32]) {
+    for j in 0..4 {
+        bits[4 * r + j] = (0..8).fold(0, |byte, g| byte | (((levels[4 * g + j] >> 4) & 1) << g));
+    }
+}
+
+/// Row `r`'s 32 fifth bits (0 or 1) from `bits`.
+fn fifth_bits(bits: &[u8], r: usize) -> [u8; 32] {
+    std::array::from_fn(|v| (bits[4 * r + v % 4] >> (v / 4)) & 1)
+}
+
+/// Whether a 32-value format stores a minimum (Q4_1, Q5_1).
+fn small_minimum(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q4_1 | QuantType::Q5_1)
+}
+
+/// Whether a 32-value format stores a fifth bit per value (Q5_0, Q5_1).
+fn small_fifth(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q5_0 | QuantType::Q5_1)
+}
+
 /// Row `r`'s 32 levels from the nibble groups `groups`.
 fn nibbles(groups: &[u8], r: usize) -> [u8; 32] {
     std::array::from_fn(|v| {
@@ -339,8 +447,12 @@ mod tests {
     fn strips_hold_the_same_blocks_and_come_back_bit_for_bit() {
         for ty in [
             QuantType::Q4_0,
+            QuantType::Q4_1,
+            QuantType::Q5_0,
+            QuantType::Q5_1,
             QuantType::Q8_0,
             QuantType::Q4_K,
+            QuantType::Q5_K,
             QuantType::Q6_K,
         ] {
             for rows in [16, 35, 3] {
@@ -359,6 +471,14 @@ mod tests {
         assert_eq!(strips_len(QuantType::Q8_0, 17, 32), Some(17 * 34));
         assert_eq!(strips_len(QuantType::Q4_K, 16, 256), Some(16 * 148));
         assert_eq!(strips_len(QuantType::Q6_K, 16, 256), Some(16 * 210));
+        assert_eq!(strips_len(QuantType::Q5_K, 16, 256), Some(16 * 180));
+        for ty in [QuantType::Q4_1, QuantType::Q5_0, QuantType::Q5_1] {
+            assert_eq!(
+                strips_len(ty, 16, 64),
+                Some(16 * 2 * ty.block_bytes()),
+                "{ty}"
+            );
+        }
     }
 
     #[test]
@@ -405,5 +525,23 @@ mod tests {
         assert_eq!((chunk[256 + 4 * 5 + 1] >> 6) & 3, low.1);
         assert_eq!(block[32 + 7 * 16 + 5], src[192 + 7]);
         assert_eq!(&block[10..12], &src[208..210]);
+        // Q5_0: row 5, value 13 of the second block: its fifth bit at byte 4 · 5 + 1, bit 3.
+        let ty = QuantType::Q5_0;
+        let stored = bytes(ty, rows, cols);
+        let strips = to_strips(ty, &stored, rows, cols);
+        let src = &stored[5 * (cols / 32 * 22) + 22..][..22];
+        let block = &strips[352..704];
+        let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+        assert_eq!((block[288 + 4 * 5 + 1] >> 3) & 1, ((qh >> 13) & 1) as u8);
+        assert_eq!(block[32 + 64 + 4 * 5 + 1] >> 4, src[6 + 13] & 0x0f);
+        // Q5_K: row 5, sub-block 3, value 13: the nibble as Q4_K's, the fifth bit at bit 3 of
+        // the stored byte 16 + 13.
+        let ty = QuantType::Q5_K;
+        let stored = bytes(ty, rows, cols);
+        let strips = to_strips(ty, &stored, rows, cols);
+        let src = &stored[5 * (cols / 256 * 176)..][..176];
+        let sub = &strips[320 + 3 * 320..][..320];
+        assert_eq!(sub[64 + 4 * 5 + 1] >> 4, src[48 + 32 + 13] >> 4);
+        assert_eq!((sub[256 + 4 * 5 + 1] >> 3) & 1, (src[16 + 13] >> 3) & 1);
     }
 }

@@ -121,7 +121,7 @@ pub(super) fn panel_product(
             && dst.len() == rows * m,
         "quantized panel product: operands do not fit their shape"
     );
-    by_token_chunks(m, |t0, run| {
+    by_token_chunks(m, 8, |t0, run| {
         let mut sums = [[0.0f32; LANES]; TOKENS];
         // SAFETY: `Kernel::Avx512Vnni` (the caller's condition) is detected with AVX-512 F/BW and
         // VNNI; the assertion keeps every read inside the panel and the tokens t0..t0 + run <= m.

@@ -17,9 +17,12 @@
 //! that row into every row of `x`. Decoding is plain fixed-size byte loops the compiler vectorizes;
 //! the dot product is AVX2 (`vpmaddubsw`/`vpmaddwd`, 32 values per step), else a portable loop
 //! (CPUs without AVX2; forced in tests so both are checked). With AVX-512 VNNI, kernels multiply the
-//! stored blocks directly (`quant_vnni`), and from [`PANEL_TOKENS`] rows (a prompt) the weight is
-//! decoded 16 rows at a time into panels whose `zmm` lanes are rows (`quant_gemm`): one scale step
-//! then serves 16 rows, where the per-row kernels pay one per row and token.
+//! stored blocks directly: every format but Q2_K and Q3_K is stored in strips of 16 rows
+//! (`quant_strips`; the few rows past the last strip are decoded), a matrix in rows goes through
+//! the per-row kernels (`quant_vnni`, which tests force on every format); for
+//! the formats without strips, from [`PANEL_TOKENS`] rows (a prompt) the weight is decoded 16 rows
+//! at a time into panels whose `zmm` lanes are rows (`quant_gemm`): one scale step then serves 16
+//! rows, where the per-row kernels pay one per row and token.
 
 use crate::quant::{QK_K, QuantType};
 
@@ -33,8 +36,8 @@ const PARALLEL_BYTES: usize = 128 << 10;
 /// The dot-product kernel, found once per call (`std` caches the detection).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Kernel {
-    /// AVX2 with AVX-512 F/BW and VNNI: `vpdpbusd` for Q8_0, Q4_0, Q4_K and Q6_K
-    /// (`quant_vnni`), AVX2 for the other formats.
+    /// AVX2 with AVX-512 F/BW and VNNI: `vpdpbusd` for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+    /// Q5_K and Q6_K (`quant_vnni`, `quant_strips`), the decoding path for Q2_K and Q3_K.
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
     #[cfg(target_arch = "x86_64")]
@@ -574,7 +577,7 @@ fn vnni_kernel(
     a: &Activations,
     m: usize,
 ) -> Option<(Vnni, super::quant_vnni::Lanes)> {
-    use super::quant_vnni::{self as vnni, Lanes};
+    use super::quant_vnni::{self as vnni, Lanes, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
     if kernel != Kernel::Avx512Vnni || !k.is_multiple_of(64) {
         return None;
     }
@@ -582,27 +585,23 @@ fn vnni_kernel(
     // F16C; `product` checked that `w` holds the row's blocks and the activations `m` rows of `k`
     // (a multiple of 64), and calls with `first + sums.len() <= m`; the lanes hold the unsigned levels where the kernel reads
     // them (`unsigned` below).
+    macro_rules! kernel {
+        ($f:expr) => {
+            |w, a, l, k, t, s| {
+                // SAFETY: the contract above.
+                unsafe { $f(w, a, l, k, t, s) }
+            }
+        };
+    }
     let (f, unsigned): (Vnni, bool) = match ty {
-        QuantType::Q8_0 => (
-            // SAFETY: the contract above.
-            |w, a, l, k, t, s| unsafe { vnni::row::<false>(w, a, l, k, t, s) },
-            true,
-        ),
-        QuantType::Q4_0 => (
-            // SAFETY: the contract above.
-            |w, a, l, k, t, s| unsafe { vnni::row::<true>(w, a, l, k, t, s) },
-            true,
-        ),
-        QuantType::Q4_K => (
-            // SAFETY: the contract above.
-            |w, a, l, k, t, s| unsafe { vnni::row_q4_k(w, a, l, k, t, s) },
-            false,
-        ),
-        QuantType::Q6_K => (
-            // SAFETY: the contract above.
-            |w, a, l, k, t, s| unsafe { vnni::row_q6_k(w, a, l, k, t, s) },
-            true,
-        ),
+        QuantType::Q8_0 => (kernel!(vnni::row::<Q8_0>), true),
+        QuantType::Q4_0 => (kernel!(vnni::row::<Q4_0>), true),
+        QuantType::Q5_0 => (kernel!(vnni::row::<Q5_0>), true),
+        QuantType::Q4_1 => (kernel!(vnni::row::<Q4_1>), false),
+        QuantType::Q5_1 => (kernel!(vnni::row::<Q5_1>), false),
+        QuantType::Q4_K => (kernel!(vnni::row_k4::<false>), false),
+        QuantType::Q5_K => (kernel!(vnni::row_k4::<true>), false),
+        QuantType::Q6_K => (kernel!(vnni::row_q6_k), true),
         _ => return None,
     };
     Some((f, Lanes::new(a, m, k, unsigned)))

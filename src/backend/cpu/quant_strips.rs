@@ -1,5 +1,5 @@
 //! Quantized products on AVX-512 VNNI reading weights stored in strips of 16 interleaved rows
-//! (`quant::strips`, Q4_0, Q8_0, Q4_K and Q6_K): each `zmm` lane is one weight row, so a 64-byte load is 4
+//! (`quant::strips`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K): each `zmm` lane is one weight row, so a 64-byte load is 4
 //! levels of 16 rows, `vpdpbusd` against 4 of a token's bytes broadcast sums them, and one
 //! conversion, multiply and FMA per block scale 16 rows. Semantics as `quant_product`'s (the same
 //! rounded activations, exact integer sums per block of 32, one `f32` scale per block); only the
@@ -11,27 +11,29 @@
 //! memory's pace. Against `quant_gemm`'s panels the strips need no decoding per call: the weight
 //! was arranged once, when it was stored.
 //!
-//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q8_0's level plus 128,
-//! value `d · (u − 128)`), the tokens' levels signed, so each lane starts from `−bias · Σ x` of the
-//! token's block (`bias` 8 or 128) and `vpdpbusd` adds `Σ u · x`. Q4_K's levels are plain
-//! (`(d · sc) · q − dmin · m`): its minimums are subtracted through the token's block sum
-//! `d_x · Σ x`, as the other kernels do. Q6_K's 6-bit levels are put together from a nibble and
+//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q5_0's `d · (q − 16)`;
+//! Q8_0's level plus 128, value `d · (u − 128)`), the tokens' levels signed, so each lane starts
+//! from `−bias · Σ x` of the token's block (`bias` 8, 16 or 128) and `vpdpbusd` adds `Σ u · x`.
+//! Q4_1's, Q5_1's, Q4_K's and Q5_K's levels are plain (`d · q + m`, `(d · sc) · q − dmin · m`):
+//! their minimums are added through the token's block sum `d_x · Σ x`, as the other kernels do.
+//! The 5-bit levels' fifth bits are put into bit 4 of their nibbles (one `vpternlogd` per 4
+//! values of 16 rows). Q6_K's 6-bit levels are put together from a nibble and
 //! two high bits (one `vpternlogd` per 4 values of 16 rows) and start from `−32 · Σ x` per
 //! 16 values, its scale block.
 
 use std::arch::x86_64::*;
 
 use super::quant_product::{Activations, BLOCK};
-use super::quant_vnni::by_token_chunks;
-use crate::quant::strips::{STRIP_ROWS, strip_block_bytes};
+use super::quant_vnni::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Small, by_token_chunks};
+use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
 
-/// Tokens whose accumulators stay in registers through one strip.
-const TOKENS: usize = 8;
+/// The most tokens whose accumulators stay in registers through one strip.
+const TOKENS: usize = 16;
 
 /// What the strip kernels read of the tokens besides their levels and scales: `Σ q` per block of
-/// 32 for the formats with a bias (Q4_0, Q8_0), per 16 for Q6_K's; `d · Σ q` per 32 for Q4_K's
-/// minimums.
+/// 32 for the formats with a bias (Q4_0, Q5_0, Q8_0), per 16 for Q6_K's; `d · Σ q` per 32 for the
+/// minimums of Q4_1, Q5_1, Q4_K and Q5_K.
 pub(super) struct BlockSums {
     levels: Vec<i32>,
     values: Vec<f32>,
@@ -39,7 +41,7 @@ pub(super) struct BlockSums {
 
 impl BlockSums {
     pub(super) fn new(ty: QuantType, a: &Activations) -> BlockSums {
-        if ty == QuantType::Q4_K {
+        if has_minimums(ty) {
             return BlockSums {
                 levels: Vec::new(),
                 values: a.block_sums(a.q.len()),
@@ -59,11 +61,19 @@ impl BlockSums {
     /// Sums per block of `ty`'s kind, for `m · k` values.
     fn cover(&self, ty: QuantType, values: usize) -> bool {
         match ty {
-            QuantType::Q4_K => self.values.len() >= values / BLOCK,
+            _ if has_minimums(ty) => self.values.len() >= values / BLOCK,
             QuantType::Q6_K => self.levels.len() >= values / 16,
             _ => self.levels.len() >= values / BLOCK,
         }
     }
+}
+
+/// Whether `ty`'s values are `scale · q + minimum` (its strip kernel reads `d · Σ q` per block).
+fn has_minimums(ty: QuantType) -> bool {
+    matches!(
+        ty,
+        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
+    )
 }
 
 /// `dst[r · m + t] = x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of `ty`, `k` values per row)
@@ -95,28 +105,39 @@ pub(super) fn strip_product(
             && std::is_x86_feature_detected!("avx512vnni"),
         "the strip kernels need AVX-512 F/BW and VNNI"
     );
-    by_token_chunks(m, |t0, run| {
+    // The K formats decode a block for 16 tokens (their accumulators and 8 level registers fit the
+    // 32 `zmm`); the 32-value formats measured slower at 16 than at 8.
+    let largest = if ty.block_size() == QK_K { TOKENS } else { 8 };
+    by_token_chunks(m, largest, |t0, run| {
         let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
         // SAFETY: the CPU has AVX-512 F/BW and VNNI (asserted); the assertions above keep every
         // read inside the strip and the tokens t0..t0 + run <= m, with the sums `ty` reads.
         unsafe {
-            match (run, ty) {
-                (8, QuantType::Q4_0) => tokens::<8, true>(strip, a, sums, k, t0, &mut out),
-                (4, QuantType::Q4_0) => tokens::<4, true>(strip, a, sums, k, t0, &mut out),
-                (2, QuantType::Q4_0) => tokens::<2, true>(strip, a, sums, k, t0, &mut out),
-                (_, QuantType::Q4_0) => tokens::<1, true>(strip, a, sums, k, t0, &mut out),
-                (8, QuantType::Q8_0) => tokens::<8, false>(strip, a, sums, k, t0, &mut out),
-                (4, QuantType::Q8_0) => tokens::<4, false>(strip, a, sums, k, t0, &mut out),
-                (2, QuantType::Q8_0) => tokens::<2, false>(strip, a, sums, k, t0, &mut out),
-                (_, QuantType::Q8_0) => tokens::<1, false>(strip, a, sums, k, t0, &mut out),
-                (8, QuantType::Q4_K) => tokens_q4_k::<8>(strip, a, sums, k, t0, &mut out),
-                (4, QuantType::Q4_K) => tokens_q4_k::<4>(strip, a, sums, k, t0, &mut out),
-                (2, QuantType::Q4_K) => tokens_q4_k::<2>(strip, a, sums, k, t0, &mut out),
-                (_, QuantType::Q4_K) => tokens_q4_k::<1>(strip, a, sums, k, t0, &mut out),
-                (8, QuantType::Q6_K) => tokens_q6_k::<8>(strip, a, sums, k, t0, &mut out),
-                (4, QuantType::Q6_K) => tokens_q6_k::<4>(strip, a, sums, k, t0, &mut out),
-                (2, QuantType::Q6_K) => tokens_q6_k::<2>(strip, a, sums, k, t0, &mut out),
-                (_, QuantType::Q6_K) => tokens_q6_k::<1>(strip, a, sums, k, t0, &mut out),
+            macro_rules! chunk {
+                ($kernel:ident [$($c:tt)*]) => {
+                    match run {
+                        8 => $kernel::<8, $($c)*>(strip, a, sums, k, t0, &mut out),
+                        4 => $kernel::<4, $($c)*>(strip, a, sums, k, t0, &mut out),
+                        2 => $kernel::<2, $($c)*>(strip, a, sums, k, t0, &mut out),
+                        _ => $kernel::<1, $($c)*>(strip, a, sums, k, t0, &mut out),
+                    }
+                };
+                (16: $kernel:ident [$($c:tt)*]) => {
+                    match run {
+                        16 => $kernel::<16, $($c)*>(strip, a, sums, k, t0, &mut out),
+                        _ => chunk!($kernel [$($c)*]),
+                    }
+                };
+            }
+            match ty {
+                QuantType::Q4_0 => chunk!(tokens[Q4_0]),
+                QuantType::Q4_1 => chunk!(tokens[Q4_1]),
+                QuantType::Q5_0 => chunk!(tokens[Q5_0]),
+                QuantType::Q5_1 => chunk!(tokens[Q5_1]),
+                QuantType::Q8_0 => chunk!(tokens[Q8_0]),
+                QuantType::Q4_K => chunk!(16: tokens_k4[false]),
+                QuantType::Q5_K => chunk!(16: tokens_k4[true]),
+                QuantType::Q6_K => chunk!(16: tokens_q6_k[]),
                 _ => panic!("{ty} has no strip kernel"),
             }
         }
@@ -155,6 +176,33 @@ unsafe fn nibble_groups(at: *const u8) -> [__m512i; 8] {
     w
 }
 
+/// Puts the fifth bits at `at` (64 bytes: byte `4r + j` holds at bit `g` that of value `4g + j`
+/// of row `r`) into bit 4 of the nibble groups `w`.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW; `at..at + 64` must be readable.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn add_fifth_bits(w: &mut [__m512i; 8], at: *const u8) {
+    let bit4 = _mm512_set1_epi8(0x10);
+    // SAFETY: the caller's contract; `loadu` takes any alignment.
+    let v = unsafe { _mm512_loadu_si512(at.cast()) };
+    // Bit g of each byte moved to bit 4 (a 16-bit shift by at most 4 keeps bit 4 in its byte).
+    let moved = [
+        _mm512_slli_epi16::<4>(v),
+        _mm512_slli_epi16::<3>(v),
+        _mm512_slli_epi16::<2>(v),
+        _mm512_slli_epi16::<1>(v),
+        v,
+        _mm512_srli_epi16::<1>(v),
+        _mm512_srli_epi16::<2>(v),
+        _mm512_srli_epi16::<3>(v),
+    ];
+    for (g, moved) in w.iter_mut().zip(moved) {
+        // nibble | (moved & 0x10)
+        *g = _mm512_ternarylogic_epi32::<0xF8>(*g, moved, bit4);
+    }
+}
+
 /// `Σ` over 32 values of the 16 rows' levels `w` times the token's levels at `x`, from `start`,
 /// in two chains of four, so that a block is not eight latencies deep.
 ///
@@ -174,13 +222,14 @@ unsafe fn dot32(w: &[__m512i; 8], x: *const i8, start: __m512i) -> __m512i {
     _mm512_add_epi32(even, odd)
 }
 
-/// The strip times tokens `t0..t0 + N` into `out[..N]` (Q4_0 if `NIBBLES`, else Q8_0).
+/// The strip of a 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 32` blocks of its format; tokens
-/// `t0..t0 + N` lie in `a` and `sums.levels`.
+/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 32` strip blocks of `F`; tokens
+/// `t0..t0 + N` lie in `a` and `sums` (`sums.values` for a format with a minimum, else
+/// `sums.levels`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tokens<const N: usize, const NIBBLES: bool>(
+unsafe fn tokens<const N: usize, F: Small>(
     strip: &[u8],
     a: &Activations,
     sums: &BlockSums,
@@ -188,40 +237,64 @@ unsafe fn tokens<const N: usize, const NIBBLES: bool>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    let (bytes, bias) = if NIBBLES { (288, 8) } else { (544, 128) };
+    let (mins, levels_at, fifth_at, bytes) = small_strip(F::MINIMUM, F::FIFTH_BIT);
+    let (levels_at, bytes) = if F::NIBBLES {
+        (levels_at, bytes)
+    } else {
+        (32, 32 + 512)
+    };
+    // The stored levels' offset: the nibble formats' own, Q8_0's 128.
+    let bias = if F::NIBBLES { i32::from(F::BIAS) } else { 128 };
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..k / BLOCK {
         // SAFETY: the caller's contract: block `b` of the strip is `bytes` bytes at `b · bytes`
-        // (32 of scales, then the levels), and values `32 · b..32 · (b + 1)` of each token, its
-        // scale and its sum, lie in `a` and `sums`; `loadu` takes any alignment.
+        // (32 of scales, the minimums, the levels, the fifth bits, as `small_strip` places them),
+        // and values `32 · b..32 · (b + 1)` of each token, its scale and its sum, lie in `a` and
+        // `sums`; `loadu` takes any alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
-            let levels = block.add(2 * STRIP_ROWS);
-            let w = if NIBBLES {
+            let levels = block.add(levels_at);
+            let mut w = if F::NIBBLES {
                 nibble_groups(levels)
             } else {
                 std::array::from_fn(|g| _mm512_loadu_si512(levels.add(64 * g).cast()))
             };
+            if F::FIFTH_BIT {
+                add_fifth_bits(&mut w, block.add(fifth_at));
+            }
+            let minimums = if F::MINIMUM {
+                _mm512_cvtph_ps(_mm256_loadu_si256(block.add(mins).cast()))
+            } else {
+                _mm512_setzero_ps()
+            };
             for (t, acc) in acc.iter_mut().enumerate() {
                 let first = (t0 + t) * k + b * BLOCK;
-                let start = _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first / BLOCK));
-                let dot = _mm512_cvtepi32_ps(dot32(&w, a.q.as_ptr().add(first), start));
                 let d = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
-                *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, d), *acc);
+                if F::MINIMUM {
+                    let dot = dot32(&w, a.q.as_ptr().add(first), _mm512_setzero_si512());
+                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first / BLOCK));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, d), *acc);
+                    *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
+                } else {
+                    let start =
+                        _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first / BLOCK));
+                    let dot = _mm512_cvtepi32_ps(dot32(&w, a.q.as_ptr().add(first), start));
+                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, d), *acc);
+                }
             }
         }
     }
     store(acc, out);
 }
 
-/// The Q4_K strip times tokens `t0..t0 + N` into `out[..N]`.
+/// The Q4_K (`FIVE` false) or Q5_K strip times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 256` Q4_K strip blocks; tokens
-/// `t0..t0 + N` lie in `a` and `sums.values`.
+/// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 256` strip blocks of its format;
+/// tokens `t0..t0 + N` lie in `a` and `sums.values`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tokens_q4_k<const N: usize>(
+unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
     strip: &[u8],
     a: &Activations,
     sums: &BlockSums,
@@ -229,11 +302,16 @@ unsafe fn tokens_q4_k<const N: usize>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    let bytes = strip_block_bytes(QuantType::Q4_K);
+    let ty = if FIVE {
+        QuantType::Q5_K
+    } else {
+        QuantType::Q4_K
+    };
+    let (bytes, stride) = (strip_block_bytes(ty), k4_sub_block(FIVE));
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
-        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 × 256 bytes of levels), and values
+        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 × `stride` bytes of levels), and values
         // `256 · i..256 · (i + 1)` of each token, their scales and sums, lie in `a` and `sums`;
         // `loadu` takes any alignment.
         unsafe {
@@ -249,7 +327,11 @@ unsafe fn tokens_q4_k<const N: usize>(
                 // `(d · sc)` and `dmin · m` of the 16 rows, formed as the dequantizer forms them.
                 let scale = _mm512_mul_ps(d, bytes16(64));
                 let min = _mm512_mul_ps(dmin, bytes16(192));
-                let w = nibble_groups(block.add(320 + 256 * s));
+                let levels = block.add(320 + stride * s);
+                let mut w = nibble_groups(levels);
+                if FIVE {
+                    add_fifth_bits(&mut w, levels.add(256));
+                }
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let first = (t0 + t) * k + i * QK_K + s * BLOCK;
                     let dot = dot32(&w, a.q.as_ptr().add(first), _mm512_setzero_si512());

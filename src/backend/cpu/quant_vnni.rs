@@ -5,11 +5,12 @@
 //! sequence differs.
 //!
 //! `vpdpbusd` multiplies unsigned bytes by signed ones. Where the weight's levels are signed
-//! (Q8_0's, and Q4_0's `q − 8` and Q6_K's `q − 32` once offset) the activations go in unsigned
-//! (`x + 128`, [`Lanes`]) and the `128 · Σ w` that adds is subtracted once per weight block, for
-//! every token: each lane starts from `−128 · Σ` of its four weights. Q4_K's levels are unsigned
-//! and plain, so they go in as stored against the signed activations (its minimums are subtracted
-//! through the activations' sums, as in the AVX2 kernel). Per token, a step reads 64 activation
+//! (Q8_0's, and Q4_0's `q − 8`, Q5_0's `q − 16` and Q6_K's `q − 32` once offset) the activations go
+//! in unsigned (`x + 128`, [`Lanes`]) and the `128 · Σ w` that adds is subtracted once per weight
+//! block, for every token: each lane starts from `−128 · Σ` of its four weights. The levels of the
+//! formats with minimums (Q4_1, Q5_1, Q4_K, Q5_K) are unsigned and plain, so they go in as stored
+//! against the signed activations (the minimums are added through the activations' sums, as in the
+//! AVX2 kernel). The 5-bit formats' fifth bits become a byte mask (`vpaddb` of 16 under it). Per token, a step reads 64 activation
 //! bytes and two block scales: what the weight's rows share, when several tokens are multiplied.
 
 use std::arch::x86_64::*;
@@ -21,7 +22,7 @@ use super::quant_product::{Activations, BLOCK};
 /// compiler keeps in registers. The caller's assertions must cover every token.
 macro_rules! in_token_chunks {
     ($kernel:ident [$($c:ident)?] ($w:expr, $a:expr, $lanes:expr, $k:expr, $first:expr, $sums:expr)) => {
-        by_token_chunks($sums.len(), |t0, n| {
+        by_token_chunks($sums.len(), 8, |t0, n| {
             let (sums, t0) = (&mut $sums[t0..t0 + n], $first + t0);
             // SAFETY: the caller asserted the contract of `$kernel` for every token of `sums`.
             unsafe {
@@ -36,13 +37,13 @@ macro_rules! in_token_chunks {
     };
 }
 
-/// Splits `m` tokens into chunks of 8, 4, 2 and 1 (`run(first, len)`).
-pub(super) fn by_token_chunks(m: usize, mut run: impl FnMut(usize, usize)) {
+/// Splits `m` tokens into chunks of `largest` (16 or 8), then 8, 4, 2 and 1 (`run(first, len)`).
+pub(super) fn by_token_chunks(m: usize, largest: usize, mut run: impl FnMut(usize, usize)) {
     let mut t0 = 0;
     while t0 < m {
-        let n = [8, 4, 2, 1]
+        let n = [16, 8, 4, 2, 1]
             .into_iter()
-            .find(|&n| n <= m - t0)
+            .find(|&n| n <= largest && n <= m - t0)
             .expect("1 <= m - t0");
         run(t0, n);
         t0 += n;
@@ -139,14 +140,52 @@ unsafe fn accumulate<const SIGNED: bool, const N: usize>(
     }
 }
 
-/// One Q8_0 (`NIBBLES` false) or Q4_0 (`NIBBLES` true) weight row times the rows `first..first +
-/// sums.len()` of the activations, two blocks (64 values) per step.
+/// A 32-value format as [`row`] reads it (`quant::blocks` documents the layouts): the byte offset
+/// of its levels, whether it stores a fifth bit per value (a little-endian `u32` before the
+/// levels) and a minimum (an `f16` after `d`, the value `d · q + m`; otherwise `d · (q − BIAS)`).
+pub(super) trait Small {
+    const BYTES: usize;
+    /// Where the levels start.
+    const LEVELS: usize;
+    /// Levels as nibbles (else one signed byte each, Q8_0).
+    const NIBBLES: bool;
+    const FIFTH_BIT: bool;
+    const MINIMUM: bool;
+    /// What a signed format's stored level is offset by.
+    const BIAS: i8;
+}
+
+macro_rules! small_format {
+    ($name:ident, $bytes:expr, $levels:expr, $nibbles:expr, $fifth:expr, $minimum:expr, $bias:expr) => {
+        pub(super) struct $name;
+        impl Small for $name {
+            const BYTES: usize = $bytes;
+            const LEVELS: usize = $levels;
+            const NIBBLES: bool = $nibbles;
+            const FIFTH_BIT: bool = $fifth;
+            const MINIMUM: bool = $minimum;
+            const BIAS: i8 = $bias;
+        }
+    };
+}
+
+small_format!(Q8_0, 34, 2, false, false, false, 0);
+small_format!(Q4_0, 18, 2, true, false, false, 8);
+small_format!(Q4_1, 20, 4, true, false, true, 0);
+small_format!(Q5_0, 22, 6, true, true, false, 16);
+small_format!(Q5_1, 24, 8, true, true, true, 0);
+
+/// One weight row of a 32-value format `F` times the rows `first..first + sums.len()` of the
+/// activations, two blocks (64 values) per step. The signed formats (no minimum) go against the
+/// unsigned activations; the formats with a minimum keep their levels unsigned against the signed
+/// activations and add `m · d_x · Σ q_x` per block, as Q4_K subtracts its minimums.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F/BW, VNNI and F16C; `k` a multiple of 64; `w` holds `k / 32`
-/// blocks; `a` and `lanes` `first + sums.len()` rows of `k` (`lanes` with the unsigned levels).
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-pub(super) unsafe fn row<const NIBBLES: bool>(
+/// The CPU must have AVX-512 F/BW, VNNI, FMA and F16C; `k` a multiple of 64; `w` holds `k / 32`
+/// blocks; `a` and `lanes` `first + sums.len()` rows of `k` (`lanes` with the unsigned levels for
+/// a format without a minimum, else with the block sums).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn row<F: Small>(
     w: &[u8],
     a: &Activations,
     lanes: &Lanes,
@@ -154,20 +193,24 @@ pub(super) unsafe fn row<const NIBBLES: bool>(
     first: usize,
     sums: &mut [f32],
 ) {
-    let block_bytes = if NIBBLES { 18 } else { 34 };
     let m = first + sums.len();
-    assert!(k.is_multiple_of(64) && w.len() >= k / BLOCK * block_bytes && a.q.len() >= m * k);
-    assert!(lanes.unsigned.len() >= m * k && a.d.len() >= m * k / BLOCK);
+    assert!(k.is_multiple_of(64) && w.len() >= k / BLOCK * F::BYTES && a.q.len() >= m * k);
+    assert!(a.d.len() >= m * k / BLOCK);
+    if F::MINIMUM {
+        assert!(lanes.block_sums.len() >= m * k / BLOCK);
+    } else {
+        assert!(lanes.unsigned.len() >= m * k);
+    }
     // SAFETY (inside the macro): the assertions above, for tokens t0..t0 + n <= m.
-    in_token_chunks!(row_n[NIBBLES](w, a, lanes, k, first, sums));
+    in_token_chunks!(row_n[F](w, a, lanes, k, first, sums));
 }
 
 /// [`row`] for the `N` tokens from `t0` (`sums` their outputs).
 ///
 /// # Safety
 /// As for [`row`], with tokens `t0..t0 + N` in `a` and `lanes`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn row_n<const NIBBLES: bool, const N: usize>(
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn row_n<F: Small, const N: usize>(
     w: &[u8],
     a: &Activations,
     lanes: &Lanes,
@@ -175,43 +218,69 @@ unsafe fn row_n<const NIBBLES: bool, const N: usize>(
     t0: usize,
     sums: &mut [f32],
 ) {
-    let block_bytes = if NIBBLES { 18 } else { 34 };
     let low = _mm256_set1_epi8(0x0f);
-    let eight = _mm512_set1_epi8(8);
-    {
-        let mut acc = [_mm512_setzero_ps(); N];
-        for pair in 0..k / 64 {
-            // SAFETY: blocks 2·pair and 2·pair + 1 lie in `w` (the assertion); `loadu` takes any
-            // alignment; `accumulate`'s contract follows from the assertions.
-            unsafe {
-                let first = w.as_ptr().add(2 * pair * block_bytes);
-                let second = first.add(block_bytes);
-                let scale = halves(f16_at(first), f16_at(second));
-                let q = if NIBBLES {
-                    let bytes = _mm256_set_m128i(
-                        _mm_loadu_si128(second.add(2).cast()),
-                        _mm_loadu_si128(first.add(2).cast()),
-                    );
-                    let lo = _mm256_and_si256(bytes, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-                    // [first's lows, second's lows, first's highs, second's highs] in 128-bit
-                    // lanes, reordered to the values' order: lanes 0, 2, 1, 3.
-                    let z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-                    _mm512_sub_epi8(_mm512_shuffle_i64x2(z, z, 0b11_01_10_00), eight)
-                } else {
-                    _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_loadu_si256(first.add(2).cast())),
-                        _mm256_loadu_si256(second.add(2).cast()),
-                        1,
-                    )
+    let bias = _mm512_set1_epi8(F::BIAS);
+    let sixteen = _mm512_set1_epi8(16);
+    let mut acc = [_mm512_setzero_ps(); N];
+    // The minimums' terms, in lanes 0 and 1 (a pair's two blocks).
+    let mut offsets = [_mm_setzero_ps(); N];
+    for pair in 0..k / 64 {
+        // SAFETY: blocks 2·pair and 2·pair + 1 lie in `w` (the assertion); `loadu` takes any
+        // alignment; the block sums of tokens t0..t0 + N and `accumulate`'s contract follow from
+        // the assertions.
+        unsafe {
+            let first = w.as_ptr().add(2 * pair * F::BYTES);
+            let second = first.add(F::BYTES);
+            let scale = halves(f16_at(first), f16_at(second));
+            let q = if F::NIBBLES {
+                let bytes = _mm256_set_m128i(
+                    _mm_loadu_si128(second.add(F::LEVELS).cast()),
+                    _mm_loadu_si128(first.add(F::LEVELS).cast()),
+                );
+                let lo = _mm256_and_si256(bytes, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                // [first's lows, second's lows, first's highs, second's highs] in 128-bit
+                // lanes, reordered to the values' order: lanes 0, 2, 1, 3.
+                let z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                _mm512_shuffle_i64x2(z, z, 0b11_01_10_00)
+            } else {
+                _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(first.add(2).cast())),
+                    _mm256_loadu_si256(second.add(2).cast()),
+                    1,
+                )
+            };
+            // The fifth bits, value j of the pair at bit j: 16 added where set.
+            let q = if F::FIFTH_BIT {
+                let at = F::LEVELS - 4;
+                let word = |b: *const u8| {
+                    u64::from(u32::from_le_bytes([*b, *b.add(1), *b.add(2), *b.add(3)]))
                 };
+                let fifth = word(first.add(at)) | word(second.add(at)) << 32;
+                _mm512_mask_add_epi8(q, fifth, q, sixteen)
+            } else {
+                q
+            };
+            if F::MINIMUM {
+                let mins = _mm_set_ps(0.0, 0.0, f16_at(second.add(2)), f16_at(first.add(2)));
+                for (t, offset) in offsets.iter_mut().enumerate() {
+                    let at = (t0 + t) * (k / BLOCK) + 2 * pair;
+                    let pair_sums =
+                        _mm_castpd_ps(_mm_load_sd(lanes.block_sums.as_ptr().add(at).cast()));
+                    *offset = _mm_fmadd_ps(mins, pair_sums, *offset);
+                }
+                let zero = _mm512_setzero_si512();
+                accumulate::<false, N>(&mut acc, t0, a, lanes, k, pair * 64, q, zero, scale);
+            } else {
+                let q = _mm512_sub_epi8(q, bias);
                 let start = signed_start(q);
                 accumulate::<true, N>(&mut acc, t0, a, lanes, k, pair * 64, q, start, scale);
             }
         }
-        for (sum, acc) in sums.iter_mut().zip(acc) {
-            *sum = _mm512_reduce_add_ps(acc);
-        }
+    }
+    for ((sum, acc), offset) in sums.iter_mut().zip(acc).zip(offsets) {
+        *sum =
+            _mm512_reduce_add_ps(acc) + _mm_cvtss_f32(_mm_add_ss(offset, _mm_movehdup_ps(offset)));
     }
 }
 
@@ -314,14 +383,23 @@ unsafe fn row_q6_k_n<const N: usize>(
     }
 }
 
-/// One Q4_K weight row times the rows `first..first + sums.len()` of the activations: per block of 256, two sub-blocks of
-/// 32 (one byte row's low and high nibbles) per step, each scaled by `d · sc`; the minimums
-/// `dmin · m` times the activations' sums subtracted per token, as in the AVX2 kernel.
+/// Bytes of a Q4_K block (`FIVE` false) or a Q5_K block (`FIVE` true), and where its levels start
+/// (Q5_K's fifth bits lie between, 32 bytes from offset 16).
+const fn k4_layout(five: bool) -> (usize, usize) {
+    if five { (176, 48) } else { (144, 16) }
+}
+
+/// One Q4_K (`FIVE` false) or Q5_K (`FIVE` true) weight row times the rows `first..first +
+/// sums.len()` of the activations: per block of 256, two sub-blocks of 32 (one byte row's low and
+/// high nibbles, with Q5_K the bits `2p` and `2p + 1` of its fifth-bit bytes) per step, each scaled
+/// by `d · sc`; the minimums `dmin · m` times the activations' sums subtracted per token, as in
+/// the AVX2 kernel.
 ///
 /// # Safety
-/// As for [`row`]: `w` holds `k / 256` blocks of 144 bytes.
+/// As for [`row`]: `w` holds `k / 256` blocks of 144 (Q4_K) or 176 (Q5_K) bytes; `lanes` holds
+/// the block sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-pub(super) unsafe fn row_q4_k(
+pub(super) unsafe fn row_k4<const FIVE: bool>(
     w: &[u8],
     a: &Activations,
     lanes: &Lanes,
@@ -329,21 +407,21 @@ pub(super) unsafe fn row_q4_k(
     first: usize,
     sums: &mut [f32],
 ) {
-    const BYTES: usize = 144;
+    let (bytes, _) = k4_layout(FIVE);
     let blocks = k / 256;
     let m = first + sums.len();
-    assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.d.len() >= m * k / BLOCK);
+    assert!(w.len() >= blocks * bytes && a.q.len() >= m * k && a.d.len() >= m * k / BLOCK);
     assert!(lanes.block_sums.len() >= m * k / BLOCK);
     // SAFETY (inside the macro): the assertions above, for tokens t0..t0 + n <= m.
-    in_token_chunks!(row_q4_k_n[](w, a, lanes, k, first, sums));
+    in_token_chunks!(row_k4_n[FIVE](w, a, lanes, k, first, sums));
 }
 
-/// [`row_q4_k`] for the `N` tokens from `t0`.
+/// [`row_k4`] for the `N` tokens from `t0`.
 ///
 /// # Safety
-/// As for [`row_q4_k`], with tokens `t0..t0 + N` in `a` and `lanes`.
+/// As for [`row_k4`], with tokens `t0..t0 + N` in `a` and `lanes`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-unsafe fn row_q4_k_n<const N: usize>(
+unsafe fn row_k4_n<const FIVE: bool, const N: usize>(
     w: &[u8],
     a: &Activations,
     lanes: &Lanes,
@@ -351,14 +429,25 @@ unsafe fn row_q4_k_n<const N: usize>(
     t0: usize,
     sums: &mut [f32],
 ) {
-    const BYTES: usize = 144;
+    let (bytes, levels) = k4_layout(FIVE);
     let blocks = k / 256;
     let low = _mm256_set1_epi8(0x0f);
+    let sixteen = _mm512_set1_epi8(16);
     {
         let mut acc = [_mm512_setzero_ps(); N];
         let mut offsets = [_mm256_setzero_ps(); N];
         for b in 0..blocks {
-            let block = &w[b * BYTES..(b + 1) * BYTES];
+            let block = &w[b * bytes..(b + 1) * bytes];
+            // Q5_K's fifth bits, the 32 bytes in both halves: a pair's low half tests bit 2p,
+            // its high half bit 2p + 1.
+            let (fifth, mut bit) = if FIVE {
+                // SAFETY: bytes 16..48 lie inside the block.
+                let qh = unsafe { _mm256_loadu_si256(block.as_ptr().add(16).cast()) };
+                let bit = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
+                (_mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1), bit)
+            } else {
+                (_mm512_setzero_si512(), _mm512_setzero_si512())
+            };
             let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
             let (scales, mins) = crate::quant::scales_mins_k4(packed);
             // SAFETY: the block's 144 bytes are in `w` and the block sums of tokens t0..t0 + N
@@ -382,15 +471,22 @@ unsafe fn row_q4_k_n<const N: usize>(
                 scale
             };
             for pair in 0..4 {
-                // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; `accumulate`'s
+                // SAFETY: bytes `levels` + 32·pair .. + 32 lie inside the block; `accumulate`'s
                 // contract follows from the caller's.
                 unsafe {
-                    let bytes = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * pair).cast());
+                    let nibbles = _mm256_loadu_si256(block.as_ptr().add(levels + 32 * pair).cast());
                     let q = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_and_si256(bytes, low)),
-                        _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
+                        _mm512_castsi256_si512(_mm256_and_si256(nibbles, low)),
+                        _mm256_and_si256(_mm256_srli_epi16(nibbles, 4), low),
                         1,
                     );
+                    let q = if FIVE {
+                        let set = _mm512_test_epi8_mask(fifth, bit);
+                        bit = _mm512_slli_epi16(bit, 2);
+                        _mm512_mask_add_epi8(q, set, q, sixteen)
+                    } else {
+                        q
+                    };
                     accumulate::<false, N>(
                         &mut acc,
                         t0,
