@@ -45,8 +45,56 @@ pub(crate) enum Kernel {
     Portable,
 }
 
+/// The environment variable that caps the quantized products' kernel below the CPU's best:
+/// `portable`, `avx2` or `avx512-vnni` (to compare the paths on one machine, or to reproduce what a
+/// lesser CPU computes). A kernel the CPU lacks is never chosen; an unknown value is reported once
+/// on standard error and ignored.
+pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_QUANT_KERNEL";
+
 impl Kernel {
+    /// The kernel every product uses: the CPU's best, capped by [`KERNEL_VARIABLE`] (read once).
     pub(crate) fn detect() -> Kernel {
+        static CHOSEN: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let asked = std::env::var(KERNEL_VARIABLE).ok();
+            Kernel::capped(Kernel::best(), asked.as_deref()).unwrap_or_else(|unknown| {
+                eprintln!(
+                    "ndscope: {KERNEL_VARIABLE}={unknown:?} is not a kernel (portable, avx2, \
+                     avx512-vnni); using the CPU's best"
+                );
+                Kernel::best()
+            })
+        })
+    }
+
+    /// `best`, or the kernel `asked` names if it is a lesser one; `Err(asked)` for a name that is
+    /// not a kernel.
+    fn capped(best: Kernel, asked: Option<&str>) -> Result<Kernel, String> {
+        let rank = |kernel: Kernel| match kernel {
+            Kernel::Portable => 0,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => 1,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => 2,
+        };
+        let wanted = match asked.map(str::trim) {
+            None | Some("") => return Ok(best),
+            Some("portable") => Kernel::Portable,
+            #[cfg(target_arch = "x86_64")]
+            Some("avx2") => Kernel::Avx2,
+            #[cfg(target_arch = "x86_64")]
+            Some("avx512-vnni") => Kernel::Avx512Vnni,
+            Some(other) => return Err(other.to_string()),
+        };
+        Ok(if rank(wanted) < rank(best) {
+            wanted
+        } else {
+            best
+        })
+    }
+
+    /// The best kernel the CPU runs.
+    fn best() -> Kernel {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
@@ -79,7 +127,7 @@ impl Kernel {
         let mut all = vec![Kernel::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            let best = Kernel::detect();
+            let best = Kernel::best();
             if best != Kernel::Portable {
                 all.push(Kernel::Avx2);
             }
@@ -613,6 +661,8 @@ type Fused = fn(&[u8], &Activations, usize, &mut [f32]);
 
 fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
     #[cfg(target_arch = "x86_64")]
+    use super::quant_vnni as vnni;
+    #[cfg(target_arch = "x86_64")]
     let kernel = if kernel == Kernel::Avx512Vnni {
         Kernel::Avx2
     } else {
@@ -623,17 +673,37 @@ fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
         (Kernel::Avx2, QuantType::Q8_0) => Some(|w, a, k, sums| {
             // SAFETY: `Kernel::Avx2` is detected with AVX2, FMA and F16C; `product` checked that `w`
             // holds `k / 32` blocks and the activations `sums.len()` rows of `k`.
-            unsafe { avx2::row::<false>(w, a, k, sums) }
+            unsafe { avx2::row::<vnni::Q8_0>(w, a, k, sums) }
         }),
         #[cfg(target_arch = "x86_64")]
         (Kernel::Avx2, QuantType::Q4_0) => Some(|w, a, k, sums| {
             // SAFETY: as for Q8_0.
-            unsafe { avx2::row::<true>(w, a, k, sums) }
+            unsafe { avx2::row::<vnni::Q4_0>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q4_1) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0.
+            unsafe { avx2::row::<vnni::Q4_1>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q5_0) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0.
+            unsafe { avx2::row::<vnni::Q5_0>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q5_1) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0.
+            unsafe { avx2::row::<vnni::Q5_1>(w, a, k, sums) }
         }),
         #[cfg(target_arch = "x86_64")]
         (Kernel::Avx2, QuantType::Q4_K) => Some(|w, a, k, sums| {
             // SAFETY: as for Q8_0 (`k / 256` blocks of 144 bytes).
-            unsafe { avx2::row_q4_k(w, a, k, sums) }
+            unsafe { avx2::row_k4::<false>(w, a, k, sums) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Avx2, QuantType::Q5_K) => Some(|w, a, k, sums| {
+            // SAFETY: as for Q8_0 (`k / 256` blocks of 176 bytes).
+            unsafe { avx2::row_k4::<true>(w, a, k, sums) }
         }),
         #[cfg(target_arch = "x86_64")]
         (Kernel::Avx2, QuantType::Q6_K) => Some(|w, a, k, sums| {
@@ -688,52 +758,80 @@ fn portable_dot(q: &[i8], scale: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
+    use super::super::quant_vnni::Small;
     use super::{Activations, BLOCK};
 
     /// Tokens whose accumulators stay in registers during one pass over a weight row.
     const TOKENS: usize = 8;
 
-    /// One Q8_0 (`NIBBLES` false: 34-byte blocks, `d` and 32 `i8`) or Q4_0 (`NIBBLES` true:
-    /// 18-byte blocks, `d` and 16 bytes of 4-bit levels offset by 8) weight row times every row of
-    /// the activations: each block decoded once into 32 `i8` in a register, then multiplied into
-    /// up to 8 tokens' accumulators (as `dot`: `vpmaddubsw`, `vpmaddwd`, scaled by `d_w · d_x`).
+    /// One weight row of a 32-value format `F` (`quant_vnni::Small` names each layout) times
+    /// every row of the activations: each block's levels decoded once into 32 bytes in a register
+    /// (nibbles split, a fifth bit added as 16 under a byte mask), then multiplied into up to 8
+    /// tokens' accumulators by `vpmaddubsw` and `vpmaddwd`, scaled by `d_w · d_x`. Signed levels
+    /// (Q8_0; Q4_0 and Q5_0 once offset) go in as `|q| · sign(x, q)`, as in [`dot`]; the formats
+    /// with a minimum (Q4_1, Q5_1) keep their unsigned levels against the signed activations and
+    /// add `m · d_x · Σ q_x` per block (the activations' sums).
     ///
     /// # Safety
-    /// The CPU must have AVX2, FMA and F16C; `w` holds `k / 32` blocks and `a` `sums.len()` rows
-    /// of `k` values.
+    /// The CPU must have AVX2, FMA and F16C; `w` holds `k / 32` blocks of `F` and `a` `sums.len()`
+    /// rows of `k` values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn row<const NIBBLES: bool>(
-        w: &[u8],
-        a: &Activations,
-        k: usize,
-        sums: &mut [f32],
-    ) {
-        let block_bytes = if NIBBLES { 18 } else { 34 };
+    pub(super) unsafe fn row<F: Small>(w: &[u8], a: &Activations, k: usize, sums: &mut [f32]) {
         let blocks = k / BLOCK;
         let m = sums.len();
-        assert!(w.len() >= blocks * block_bytes && a.q.len() >= m * k && a.d.len() >= m * blocks);
+        assert!(w.len() >= blocks * F::BYTES && a.q.len() >= m * k && a.d.len() >= m * blocks);
+        assert!(!F::MINIMUM || a.sums.len() >= m * k / 16);
         let ones = _mm256_set1_epi16(1);
         let low = _mm_set1_epi8(0x0f);
-        let eight = _mm256_set1_epi8(8);
+        let bias = _mm256_set1_epi8(F::BIAS);
+        let sixteen = _mm256_set1_epi8(16);
         for t0 in (0..m).step_by(TOKENS) {
             let tokens = TOKENS.min(m - t0);
             let mut acc = [_mm256_setzero_ps(); TOKENS];
+            let mut offsets = [0.0f32; TOKENS];
             for b in 0..blocks {
-                // SAFETY: the assertion keeps every load inside `w`, `a.q` and `a.d` (block `b` <
-                // `blocks`, token `t0 + t` < `m`); `loadu` takes any alignment.
+                // SAFETY: the assertions keep every load inside `w`, `a.q`, `a.d` and `a.sums`
+                // (block `b` < `blocks`, token `t0 + t` < `m`); `loadu` takes any alignment.
                 unsafe {
-                    let at = w.as_ptr().add(b * block_bytes);
-                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
-                        u16::from_le_bytes([*at, *at.add(1)]),
-                    ))));
-                    let q = if NIBBLES {
-                        let bytes = _mm_loadu_si128(at.add(2).cast());
+                    let at = w.as_ptr().add(b * F::BYTES);
+                    let d = f16_at(at);
+                    let q = if F::NIBBLES {
+                        let bytes = _mm_loadu_si128(at.add(F::LEVELS).cast());
                         let lo = _mm_and_si128(bytes, low);
                         let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-                        _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+                        _mm256_set_m128i(hi, lo)
                     } else {
-                        _mm256_loadu_si256(at.add(2).cast())
+                        _mm256_loadu_si256(at.add(F::LEVELS).cast())
                     };
+                    let q = if F::FIFTH_BIT {
+                        let fifth = at.add(F::LEVELS - 4);
+                        let bits = u32::from_le_bytes([
+                            *fifth,
+                            *fifth.add(1),
+                            *fifth.add(2),
+                            *fifth.add(3),
+                        ]);
+                        _mm256_add_epi8(q, _mm256_and_si256(byte_mask(bits), sixteen))
+                    } else {
+                        q
+                    };
+                    if F::MINIMUM {
+                        let minimum = f16_at(at.add(2));
+                        for t in 0..tokens {
+                            let row = t0 + t;
+                            let halves = row * (k / 16) + 2 * b;
+                            offsets[t] += minimum
+                                * (a.sums.get_unchecked(halves) + a.sums.get_unchecked(halves + 1));
+                            let x =
+                                _mm256_loadu_si256(a.q.as_ptr().add(row * k + b * BLOCK).cast());
+                            let products = _mm256_maddubs_epi16(q, x);
+                            let s = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+                            let scale = d * *a.d.get_unchecked(row * blocks + b);
+                            acc[t] = _mm256_fmadd_ps(s, _mm256_set1_ps(scale), acc[t]);
+                        }
+                        continue;
+                    }
+                    let q = _mm256_sub_epi8(q, bias);
                     let magnitude = _mm256_sign_epi8(q, q);
                     for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
                         let row = t0 + t;
@@ -745,10 +843,24 @@ mod avx2 {
                     }
                 }
             }
-            for (t, acc) in acc.iter().enumerate().take(tokens) {
-                sums[t0 + t] = horizontal_sum(*acc);
+            for t in 0..tokens {
+                sums[t0 + t] = horizontal_sum(acc[t]) + offsets[t];
             }
         }
+    }
+
+    /// Byte `j` all ones where bit `j` of `bits` is set, else zero.
+    #[target_feature(enable = "avx2")]
+    fn byte_mask(bits: u32) -> __m256i {
+        // Bytes 0..8 of the result take byte 0 of `bits`, 8..16 byte 1, and so on (the shuffle
+        // indexes within each 128-bit lane, and each lane holds the broadcast word).
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select)
     }
 
     /// The `f16` at `at`, widened.
@@ -762,56 +874,93 @@ mod avx2 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
-    /// One Q4_K weight row times every row of the activations: per block of 256, the 8
-    /// sub-blocks' 4-bit levels taken from registers (`vpmaddubsw` of the unsigned levels and the
-    /// signed activations), each scaled by `d · sc · d_x`, and the minimums subtracted as `dmin ·
-    /// m` times the activations' block sums.
+    /// One Q4_K (`FIVE` false) or Q5_K (`FIVE` true) weight row times every row of the
+    /// activations: per block of 256, the 8 sub-blocks' 4-bit levels taken from registers (with
+    /// Q5_K, 16 added where sub-block `s`'s values have bit `s` of their `qh` byte set), multiplied
+    /// by `vpmaddubsw` of the unsigned levels and the signed activations, each scaled by `d · sc ·
+    /// d_x`, and the minimums subtracted as `dmin · m` times the activations' block sums.
     ///
     /// # Safety
-    /// As for [`row`]: `w` holds `k / 256` blocks of 144 bytes.
+    /// As for [`row`]: `w` holds `k / 256` blocks of 144 (Q4_K) or 176 (Q5_K) bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn row_q4_k(w: &[u8], a: &Activations, k: usize, sums: &mut [f32]) {
-        const BYTES: usize = 144;
+    pub(super) unsafe fn row_k4<const FIVE: bool>(
+        w: &[u8],
+        a: &Activations,
+        k: usize,
+        sums: &mut [f32],
+    ) {
+        // Q5_K's 32 bytes of fifth bits lie between the scales and the levels.
+        let (block_bytes, levels_at) = super::super::quant_vnni::k4_layout(FIVE);
         let blocks = k / 256;
         let m = sums.len();
-        assert!(w.len() >= blocks * BYTES && a.q.len() >= m * k && a.sums.len() >= m * k / 16);
+        assert!(
+            w.len() >= blocks * block_bytes && a.q.len() >= m * k && a.sums.len() >= m * k / 16
+        );
         let ones = _mm256_set1_epi16(1);
         let low = _mm256_set1_epi8(0x0f);
         for t0 in (0..m).step_by(TOKENS) {
             let tokens = TOKENS.min(m - t0);
             let mut acc = [_mm256_setzero_ps(); TOKENS];
-            let mut offsets = [0.0f32; TOKENS];
+            let mut offsets = [_mm256_setzero_ps(); TOKENS];
             for b in 0..blocks {
-                let block = &w[b * BYTES..(b + 1) * BYTES];
-                // SAFETY: the block's 144 bytes are in `w` (the assertion).
-                let (d, dmin) = unsafe { (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2))) };
+                let block = &w[b * block_bytes..(b + 1) * block_bytes];
+                // SAFETY: the block's bytes are in `w` (the assertion); Q5_K's fifth bits at 16..48.
+                let (d, dmin, qh) = unsafe {
+                    let qh = if FIVE {
+                        _mm256_loadu_si256(block.as_ptr().add(16).cast())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    (f16_at(block.as_ptr()), f16_at(block.as_ptr().add(2)), qh)
+                };
                 // Each sub-block's scale `d · sc` and minimum `dmin · m`, decoded once per block;
                 // the minimums times the activations' sums, once per token.
-                let (mut scale, mut minimum) = ([0.0f32; 8], [0.0f32; 8]);
-                for i in 0..8 {
-                    let (sc, mn) = crate::quant::scale_min_k4(&block[4..16], i);
-                    scale[i] = d * f32::from(sc);
-                    minimum[i] = dmin * f32::from(mn);
-                }
-                let first = b * 256 / BLOCK;
-                for (t, offset) in offsets.iter_mut().enumerate().take(tokens) {
-                    let at = (t0 + t) * (k / 16) + 2 * first;
-                    let sums = &a.sums[at..at + 16];
-                    for i in 0..8 {
-                        *offset += minimum[i] * (sums[2 * i] + sums[2 * i + 1]);
+                let packed: &[u8; 12] = block[4..16].try_into().expect("12 bytes");
+                let (scales, mins) = crate::quant::scales_mins_k4(packed);
+                let scale = scales.map(|sc| d * f32::from(sc));
+                // SAFETY: the 8-byte loads read the local arrays; the 16 sums of each token's
+                // block are inside `a.sums` (the assertion: token < m, block < k / 256).
+                unsafe {
+                    let widen = |bytes: &[u8; 8]| {
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            bytes.as_ptr().cast(),
+                        )))
+                    };
+                    // Each sub-block's minimum over its two halves' sums.
+                    let minimum = _mm256_mul_ps(widen(&mins), _mm256_set1_ps(dmin));
+                    let low = _mm256_permutevar8x32_ps(
+                        minimum,
+                        _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3),
+                    );
+                    let high = _mm256_permutevar8x32_ps(
+                        minimum,
+                        _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7),
+                    );
+                    for (t, offset) in offsets.iter_mut().enumerate().take(tokens) {
+                        let at = a.sums.as_ptr().add((t0 + t) * (k / 16) + b * 16);
+                        *offset = _mm256_fmadd_ps(low, _mm256_loadu_ps(at), *offset);
+                        *offset = _mm256_fmadd_ps(high, _mm256_loadu_ps(at.add(8)), *offset);
                     }
                 }
+                let first = b * 256 / BLOCK;
                 for pair in 0..4 {
-                    // SAFETY: bytes 16 + 32·pair .. + 32 lie inside the block; every activation
-                    // index below is < m · k (the assertion).
+                    // SAFETY: bytes `levels_at` + 32·pair .. + 32 lie inside the block; every activation index below is < m · k (the assertion).
                     unsafe {
-                        let bytes = _mm256_loadu_si256(block.as_ptr().add(16 + 32 * pair).cast());
+                        let bytes =
+                            _mm256_loadu_si256(block.as_ptr().add(levels_at + 32 * pair).cast());
                         let levels = [
                             _mm256_and_si256(bytes, low),
                             _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
                         ];
                         for (h, q) in levels.into_iter().enumerate() {
                             let sub = 2 * pair + h;
+                            let q = if FIVE {
+                                let bit = _mm256_set1_epi8((1u8 << sub) as i8);
+                                let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+                                _mm256_add_epi8(q, _mm256_and_si256(set, _mm256_set1_epi8(16)))
+                            } else {
+                                q
+                            };
                             let scale = scale[sub];
                             let x_block = first + sub;
                             for (t, acc) in acc.iter_mut().enumerate().take(tokens) {
@@ -831,7 +980,7 @@ mod avx2 {
                 }
             }
             for t in 0..tokens {
-                sums[t0 + t] = horizontal_sum(acc[t]) - offsets[t];
+                sums[t0 + t] = horizontal_sum(acc[t]) - horizontal_sum(offsets[t]);
             }
         }
     }
@@ -1063,6 +1212,34 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn the_kernel_variable_caps_the_kernel_and_never_raises_it() {
+        let best = Kernel::best();
+        assert_eq!(Kernel::capped(best, None), Ok(best));
+        assert_eq!(Kernel::capped(best, Some(" ")), Ok(best));
+        assert_eq!(Kernel::capped(best, Some("portable")), Ok(Kernel::Portable));
+        assert_eq!(
+            Kernel::capped(Kernel::Portable, Some("portable")),
+            Ok(Kernel::Portable)
+        );
+        assert_eq!(Kernel::capped(best, Some("sse")), Err("sse".to_string()));
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert_eq!(
+                Kernel::capped(Kernel::Avx512Vnni, Some("avx2")),
+                Ok(Kernel::Avx2)
+            );
+            assert_eq!(
+                Kernel::capped(Kernel::Portable, Some("avx512-vnni")),
+                Ok(Kernel::Portable)
+            );
+            assert_eq!(
+                Kernel::capped(Kernel::Avx2, Some("avx512-vnni")),
+                Ok(Kernel::Avx2)
+            );
         }
     }
 

@@ -385,7 +385,7 @@ unsafe fn row_q6_k_n<const N: usize>(
 
 /// Bytes of a Q4_K block (`FIVE` false) or a Q5_K block (`FIVE` true), and where its levels start
 /// (Q5_K's fifth bits lie between, 32 bytes from offset 16).
-const fn k4_layout(five: bool) -> (usize, usize) {
+pub(super) const fn k4_layout(five: bool) -> (usize, usize) {
     if five { (176, 48) } else { (144, 16) }
 }
 
