@@ -90,17 +90,32 @@ pub(super) fn matmul(
     left.par_chunks_mut(pairs * MR)
         .enumerate()
         .for_each(|(panel, packed)| {
-            // Row by row: activations are contiguous along k.
-            for r in 0..MR.min(m - panel * MR) {
-                let row = panel * MR + r;
-                for p in 0..pairs {
-                    let lo = u32::from(a.at(row, 2 * p));
-                    let hi = if 2 * p + 1 < k {
-                        u32::from(a.at(row, 2 * p + 1))
-                    } else {
-                        0
-                    };
-                    packed[p * MR + r] = lo | hi << 16;
+            let (r0, rows) = (panel * MR, MR.min(m - panel * MR));
+            if a.cols == 1 {
+                // Rows contiguous along k (activations).
+                let rows: Vec<&[bf16]> = (r0..r0 + rows)
+                    .map(|r| &a.data[r * a.rows..][..k])
+                    .collect();
+                transpose_pairs(&rows, MR, packed);
+            } else if a.rows == 1 {
+                // Columns contiguous along m (a transposed operand, as `dYᵀ` in a weight's
+                // gradient): each pair is two runs of the panel's rows, interleaved.
+                for (p, dst) in packed.chunks_exact_mut(MR).enumerate() {
+                    let lo = &a.data[2 * p * a.cols + r0..][..rows];
+                    let hi = (2 * p + 1 < k).then(|| &a.data[(2 * p + 1) * a.cols + r0..][..rows]);
+                    interleave_pairs(lo, hi, &mut dst[..rows]);
+                }
+            } else {
+                for r in 0..rows {
+                    for p in 0..pairs {
+                        let lo = u32::from(a.at(r0 + r, 2 * p));
+                        let hi = if 2 * p + 1 < k {
+                            u32::from(a.at(r0 + r, 2 * p + 1))
+                        } else {
+                            0
+                        };
+                        packed[p * MR + r] = lo | hi << 16;
+                    }
                 }
             }
         });
@@ -108,29 +123,44 @@ pub(super) fn matmul(
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
-        // Right panels: [panel][pair][column][2].
-        let mut right = vec![0u16; col_panels * pairs * NR * 2];
-        for (cp, packed) in right.chunks_mut(pairs * NR * 2).enumerate() {
-            let panel_cols = NR.min(cols - cp * NR);
-            let mut put = |p: usize, c: usize| {
-                let col = j0 + cp * NR + c;
-                packed[(p * NR + c) * 2] = b.at(2 * p, col);
-                if 2 * p + 1 < k {
-                    packed[(p * NR + c) * 2 + 1] = b.at(2 * p + 1, col);
+        // Right panels: [panel][pair][column], each the u32 of (b[2p][c], b[2p + 1][c]).
+        let mut right = vec![0u32; col_panels * pairs * NR];
+        for (cp, packed) in right.chunks_mut(pairs * NR).enumerate() {
+            let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
+            // Walk the operand along its unit stride.
+            if b.cols == 1 {
+                // Rows contiguous along n (a weight `[k, n]` as stored, as in `dY · W`): each pair
+                // is two runs of the panel's columns, interleaved.
+                for (p, dst) in packed.chunks_exact_mut(NR).enumerate() {
+                    let lo = &b.data[2 * p * b.rows + c0..][..panel_cols];
+                    let hi =
+                        (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rows + c0..][..panel_cols]);
+                    interleave_pairs(lo, hi, &mut dst[..panel_cols]);
                 }
-            };
-            // Walk the operand along its unit stride (a weight used transposed is contiguous in k).
-            if b.rows == 1 {
-                (0..panel_cols).for_each(|c| (0..pairs).for_each(|p| put(p, c)));
+            } else if b.rows == 1 {
+                // Columns contiguous along k (a weight used transposed, with an odd k).
+                let columns: Vec<&[bf16]> = (c0..c0 + panel_cols)
+                    .map(|c| &b.data[c * b.cols..][..k])
+                    .collect();
+                transpose_pairs(&columns, NR, packed);
             } else {
-                (0..pairs).for_each(|p| (0..panel_cols).for_each(|c| put(p, c)));
+                for p in 0..pairs {
+                    for c in 0..panel_cols {
+                        let hi = if 2 * p + 1 < k {
+                            u32::from(b.at(2 * p + 1, c0 + c))
+                        } else {
+                            0
+                        };
+                        packed[p * NR + c] = u32::from(b.at(2 * p, c0 + c)) | hi << 16;
+                    }
+                }
             }
         }
         let mut tile = [[0.0f32; NR]; MR];
         for panel in 0..panels {
             let lp = &left[panel * pairs * MR..(panel + 1) * pairs * MR];
             for cp in 0..col_panels {
-                let rp = &right[cp * pairs * NR * 2..(cp + 1) * pairs * NR * 2];
+                let rp = &right[cp * pairs * NR..(cp + 1) * pairs * NR];
                 micro_kernel(dot, lp, rp, pairs, &mut tile);
                 let (i0, c0) = (panel * MR, j0 + cp * NR);
                 let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
@@ -140,6 +170,48 @@ pub(super) fn matmul(
             }
         }
     });
+}
+
+/// `out[p · lanes + i]` = pair `p` of `rows[i]` (`rows[i][2p]` in the low half, `rows[i][2p + 1]`
+/// or 0 past an odd length in the high one), for rows of one length: rows contiguous along `k`
+/// become a panel's `[pair][lane]`. Pair by pair, so that the writes run along the panel and the
+/// reads advance along every row together (a few cache lines each); row by row, every write went
+/// to another cache line, a panel apart.
+fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
+    let Some(len) = rows.first().map(|r| r.len()) else {
+        return;
+    };
+    assert!(rows.len() <= lanes && rows.iter().all(|r| r.len() == len));
+    let whole = len / 2;
+    for (p, dst) in out.chunks_exact_mut(lanes).take(whole).enumerate() {
+        for (d, row) in dst.iter_mut().zip(rows) {
+            let pair = &row[2 * p..2 * p + 2];
+            *d = u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
+        }
+    }
+    if len % 2 == 1 {
+        for (d, row) in out[whole * lanes..][..lanes].iter_mut().zip(rows) {
+            *d = u32::from(row[len - 1].to_bits());
+        }
+    }
+}
+
+/// `out[i] = lo[i] | hi[i] << 16` (`hi` zero when absent): two runs of `bf16` as a panel's pairs
+/// (the layout of both operands' panels).
+/// Slices and zipped iterators, so the packing is checked once per run rather than per element.
+fn interleave_pairs(lo: &[bf16], hi: Option<&[bf16]>, out: &mut [u32]) {
+    match hi {
+        Some(hi) => {
+            for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
+                *o = u32::from(l.to_bits()) | u32::from(h.to_bits()) << 16;
+            }
+        }
+        None => {
+            for (o, l) in out.iter_mut().zip(lo) {
+                *o = u32::from(l.to_bits());
+            }
+        }
+    }
 }
 
 /// Rows of the transposed operand per task of [`weight_stationary`].
@@ -160,16 +232,31 @@ fn weight_stationary(
 ) {
     let pairs = k / 2;
     let token_panels = m.div_ceil(NR);
-    // aᵀ as right panels: [panel][pair][token][2].
-    let mut right = vec![0u16; token_panels * pairs * NR * 2];
+    // aᵀ as right panels: [panel][pair][token], each the u32 of (a[t][2p], a[t][2p + 1]).
+    let mut right = vec![0u32; token_panels * pairs * NR];
     right
-        .par_chunks_mut(pairs * NR * 2)
+        .par_chunks_mut(pairs * NR)
         .enumerate()
         .for_each(|(tp, packed)| {
-            for t in 0..NR.min(m - tp * NR) {
-                for p in 0..pairs {
-                    packed[(p * NR + t) * 2] = a.at(tp * NR + t, 2 * p);
-                    packed[(p * NR + t) * 2 + 1] = a.at(tp * NR + t, 2 * p + 1);
+            let (t0, tokens) = (tp * NR, NR.min(m - tp * NR));
+            if a.cols == 1 {
+                // Tokens contiguous along k.
+                let tokens: Vec<&[bf16]> = (t0..t0 + tokens)
+                    .map(|t| &a.data[t * a.rows..][..k])
+                    .collect();
+                transpose_pairs(&tokens, NR, packed);
+            } else if a.rows == 1 {
+                for (p, dst) in packed.chunks_exact_mut(NR).enumerate() {
+                    let lo = &a.data[2 * p * a.cols + t0..][..tokens];
+                    let hi = &a.data[(2 * p + 1) * a.cols + t0..][..tokens];
+                    interleave_pairs(lo, Some(hi), &mut dst[..tokens]);
+                }
+            } else {
+                for t in 0..tokens {
+                    for p in 0..pairs {
+                        packed[p * NR + t] = u32::from(a.at(t0 + t, 2 * p))
+                            | u32::from(a.at(t0 + t, 2 * p + 1)) << 16;
+                    }
                 }
             }
         });
@@ -185,15 +272,13 @@ fn weight_stationary(
             for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
                 let rows = MR.min(n - j0);
                 // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past `n` stay 0.
-                left.fill(0);
-                for r in 0..rows {
-                    for (p, pair) in weight_row(j0 + r).chunks_exact(2).enumerate() {
-                        left[p * MR + r] =
-                            u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
-                    }
+                if rows < MR {
+                    left.fill(0);
                 }
+                let weights: Vec<&[bf16]> = (j0..j0 + rows).map(weight_row).collect();
+                transpose_pairs(&weights, MR, &mut left);
                 for tp in 0..token_panels {
-                    let rp = &right[tp * pairs * NR * 2..(tp + 1) * pairs * NR * 2];
+                    let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
                     micro_kernel(dot, &left, rp, pairs, &mut tile);
                     for t in 0..NR.min(m - tp * NR) {
                         for (c, row) in column.iter_mut().zip(&tile) {
@@ -399,19 +484,20 @@ impl<'a> OutRows<'a> {
     }
 }
 
-/// `tile = left_panel · right_panel` over `pairs` k-pairs.
+/// `tile = left_panel · right_panel` over `pairs` k-pairs (`left` `[pair][row]`, `right`
+/// `[pair][column]`, each element a `u32` of two `bf16`).
 fn micro_kernel(
     dot: Bf16Dot,
     left: &[u32],
-    right: &[u16],
+    right: &[u32],
     pairs: usize,
     tile: &mut [[f32; NR]; MR],
 ) {
-    assert!(left.len() >= pairs * MR && right.len() >= pairs * NR * 2);
+    assert!(left.len() >= pairs * MR && right.len() >= pairs * NR);
     let _ = dot;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU; the
-    // assertion keeps every load inside the panels.
+    // assertion is the kernel's contract.
     unsafe {
         micro_kernel_avx512(left, right, pairs, tile)
     }
@@ -419,29 +505,42 @@ fn micro_kernel(
     unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
 }
 
+/// # Safety
+/// The CPU must have AVX-512F and AVX-512 BF16; `left` holds `pairs · MR` elements and `right`
+/// `pairs · NR` (the loads below are unchecked: per pair, 16 `vdpbf16ps` and a bounds check per
+/// load would be a third of the instructions).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
-fn micro_kernel_avx512(left: &[u32], right: &[u16], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+unsafe fn micro_kernel_avx512(
+    left: &[u32],
+    right: &[u32],
+    pairs: usize,
+    tile: &mut [[f32; NR]; MR],
+) {
     use std::arch::x86_64::{
         __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32,
         _mm512_setzero_ps, _mm512_storeu_ps,
     };
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (left, right) = (left.as_ptr(), right.as_ptr());
     for p in 0..pairs {
-        let at = right[p * NR * 2..].as_ptr();
-        // SAFETY: `micro_kernel` checked that `right` holds `pairs * NR * 2` elements: the two
-        // 64-byte loads at `p * NR * 2` and 32 further stay inside; `loadu` needs no alignment. The
-        // casts reinterpret 512 bits as 32 bf16, the layout `vdpbf16ps` reads.
+        // SAFETY: the caller's contract: `right` holds `pairs · NR` pairs, so the two 64-byte
+        // loads of 16 pairs at `p · NR` and `p · NR + 16` stay inside; `loadu` needs no alignment.
+        // The casts reinterpret 512 bits as 32 bf16, the layout `vdpbf16ps` reads.
         let (b0, b1) = unsafe {
+            let at = right.add(p * NR);
             (
                 std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.cast())),
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.add(NR).cast())),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(at.add(16).cast())),
             )
         };
         for (r, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: as above: 512 bits of a broadcast pair, reread as 32 bf16.
+            // SAFETY: `left` holds `pairs · MR` pairs and `r < MR` (the caller's contract); 512
+            // bits of a broadcast pair, reread as 32 bf16.
             let a = unsafe {
-                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(left[p * MR + r] as i32))
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(
+                    *left.add(p * MR + r) as i32
+                ))
             };
             acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
             acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
