@@ -184,6 +184,21 @@ impl QuantType {
         self.block_size() > 1
     }
 
+    /// Whether a block stores a minimum beside its scale: its values are `d · q + m` (Q4_1, Q5_1)
+    /// or `d · sc · q − dmin · m` per sub-block (Q2_K, Q4_K, Q5_K), with unsigned levels, where the
+    /// other formats' are `d · (q − offset)`.
+    pub const fn has_minimum(self) -> bool {
+        matches!(
+            self,
+            QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K
+        )
+    }
+
+    /// Whether a block stores a fifth bit per value beside its 4-bit levels (Q5_0, Q5_1, Q5_K).
+    pub const fn has_fifth_bit(self) -> bool {
+        matches!(self, QuantType::Q5_0 | QuantType::Q5_1 | QuantType::Q5_K)
+    }
+
     /// Bytes of `values` values of this type, `None` unless `values` is a whole number of blocks
     /// (or the size overflows).
     pub fn bytes_for(self, values: usize) -> Option<usize> {

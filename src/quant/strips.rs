@@ -75,7 +75,7 @@ pub(crate) const fn k4_sub_block(fifth: bool) -> usize {
 pub(crate) fn strip_block_bytes(ty: QuantType) -> usize {
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
-            small_strip(small_minimum(ty), small_fifth(ty)).3
+            small_strip(ty.has_minimum(), ty.has_fifth_bit()).3
         }
         QuantType::Q8_0 => 32 + 512,
         QuantType::Q4_K => 64 + 256 + 8 * k4_sub_block(false),
@@ -201,7 +201,7 @@ pub(crate) fn from_strips(ty: QuantType, bytes: &[u8], rows: usize, cols: usize)
 fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
-            let (minimum, fifth) = (small_minimum(ty), small_fifth(ty));
+            let (minimum, fifth) = (ty.has_minimum(), ty.has_fifth_bit());
             let (mins, nibbles, high, _) = small_strip(minimum, fifth);
             dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
             if minimum {
@@ -293,7 +293,7 @@ fn q6_k_levels(src: &[u8]) -> [u8; 256] {
 fn unpack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
     match ty {
         QuantType::Q4_0 | QuantType::Q4_1 | QuantType::Q5_0 | QuantType::Q5_1 => {
-            let (minimum, fifth) = (small_minimum(ty), small_fifth(ty));
+            let (minimum, fifth) = (ty.has_minimum(), ty.has_fifth_bit());
             let (mins, at, high, _) = small_strip(minimum, fifth);
             dst[..2].copy_from_slice(&src[2 * r..2 * r + 2]);
             if minimum {
@@ -407,16 +407,6 @@ fn put_fifth_bits(bits: &mut [u8], r: usize, levels: &[u8; 32]) {
 /// Row `r`'s 32 fifth bits (0 or 1) from `bits`.
 fn fifth_bits(bits: &[u8], r: usize) -> [u8; 32] {
     std::array::from_fn(|v| (bits[4 * r + v % 4] >> (v / 4)) & 1)
-}
-
-/// Whether a 32-value format stores a minimum (Q4_1, Q5_1).
-fn small_minimum(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_1 | QuantType::Q5_1)
-}
-
-/// Whether a 32-value format stores a fifth bit per value (Q5_0, Q5_1).
-fn small_fifth(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q5_0 | QuantType::Q5_1)
 }
 
 /// Row `r`'s 32 levels from the nibble groups `groups`.

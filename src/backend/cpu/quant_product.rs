@@ -323,10 +323,7 @@ pub(super) fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
         offset,
         offsets,
     } = row;
-    *offsets = matches!(
-        ty,
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q2_K | QuantType::Q4_K | QuantType::Q5_K
-    );
+    *offsets = ty.has_minimum();
     let blocks = bytes.chunks_exact(ty.block_bytes());
     match ty {
         QuantType::Q8_0 => {

@@ -41,7 +41,7 @@ pub(super) struct BlockSums {
 
 impl BlockSums {
     pub(super) fn new(ty: QuantType, a: &Activations) -> BlockSums {
-        if has_minimums(ty) {
+        if ty.has_minimum() {
             return BlockSums {
                 levels: Vec::new(),
                 values: a.block_sums(a.q.len()),
@@ -61,19 +61,11 @@ impl BlockSums {
     /// Sums per block of `ty`'s kind, for `m · k` values.
     fn cover(&self, ty: QuantType, values: usize) -> bool {
         match ty {
-            _ if has_minimums(ty) => self.values.len() >= values / BLOCK,
+            _ if ty.has_minimum() => self.values.len() >= values / BLOCK,
             QuantType::Q6_K => self.levels.len() >= values / 16,
             _ => self.levels.len() >= values / BLOCK,
         }
     }
-}
-
-/// Whether `ty`'s values are `scale · q + minimum` (its strip kernel reads `d · Σ q` per block).
-fn has_minimums(ty: QuantType) -> bool {
-    matches!(
-        ty,
-        QuantType::Q4_1 | QuantType::Q5_1 | QuantType::Q4_K | QuantType::Q5_K
-    )
 }
 
 /// `dst[r · m + t] = x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of `ty`, `k` values per row)

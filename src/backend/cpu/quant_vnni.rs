@@ -16,6 +16,7 @@
 use std::arch::x86_64::*;
 
 use super::quant_product::{Activations, BLOCK};
+use crate::quant::QuantType;
 
 /// `$kernel::<[$c,] N>(w, a, lanes, k, t0, sums)` over the tokens `first..first + sums.len()`, in
 /// chunks of N = 8, 4, 2 and 1 tokens: each chunk's accumulators are a fixed-size array the
@@ -155,25 +156,28 @@ pub(super) trait Small {
     const BIAS: i8;
 }
 
+/// A format's layout: `$bytes` per block, levels from `$levels`, nibbles or bytes, and the offset of
+/// a signed format's levels; whether it stores a minimum or fifth bits is the format's own
+/// (`QuantType::has_minimum`, `has_fifth_bit`), so the kernels and the strips cannot disagree.
 macro_rules! small_format {
-    ($name:ident, $bytes:expr, $levels:expr, $nibbles:expr, $fifth:expr, $minimum:expr, $bias:expr) => {
+    ($name:ident, $bytes:expr, $levels:expr, $nibbles:expr, $bias:expr) => {
         pub(super) struct $name;
         impl Small for $name {
             const BYTES: usize = $bytes;
             const LEVELS: usize = $levels;
             const NIBBLES: bool = $nibbles;
-            const FIFTH_BIT: bool = $fifth;
-            const MINIMUM: bool = $minimum;
+            const FIFTH_BIT: bool = QuantType::$name.has_fifth_bit();
+            const MINIMUM: bool = QuantType::$name.has_minimum();
             const BIAS: i8 = $bias;
         }
     };
 }
 
-small_format!(Q8_0, 34, 2, false, false, false, 0);
-small_format!(Q4_0, 18, 2, true, false, false, 8);
-small_format!(Q4_1, 20, 4, true, false, true, 0);
-small_format!(Q5_0, 22, 6, true, true, false, 16);
-small_format!(Q5_1, 24, 8, true, true, true, 0);
+small_format!(Q8_0, 34, 2, false, 0);
+small_format!(Q4_0, 18, 2, true, 8);
+small_format!(Q4_1, 20, 4, true, 0);
+small_format!(Q5_0, 22, 6, true, 16);
+small_format!(Q5_1, 24, 8, true, 0);
 
 /// One weight row of a 32-value format `F` times the rows `first..first + sums.len()` of the
 /// activations, two blocks (64 values) per step. The signed formats (no minimum) go against the
@@ -245,8 +249,8 @@ unsafe fn row_n<F: Small, const N: usize>(
                 _mm512_shuffle_i64x2(z, z, 0b11_01_10_00)
             } else {
                 _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(first.add(2).cast())),
-                    _mm256_loadu_si256(second.add(2).cast()),
+                    _mm512_castsi256_si512(_mm256_loadu_si256(first.add(F::LEVELS).cast())),
+                    _mm256_loadu_si256(second.add(F::LEVELS).cast()),
                     1,
                 )
             };
