@@ -91,33 +91,8 @@ pub(super) fn matmul(
         .enumerate()
         .for_each(|(panel, packed)| {
             let (r0, rows) = (panel * MR, MR.min(m - panel * MR));
-            if a.cols == 1 {
-                // Rows contiguous along k (activations).
-                let rows: Vec<&[bf16]> = (r0..r0 + rows)
-                    .map(|r| &a.data[r * a.rows..][..k])
-                    .collect();
-                transpose_pairs(&rows, MR, packed);
-            } else if a.rows == 1 {
-                // Columns contiguous along m (a transposed operand, as `dYᵀ` in a weight's
-                // gradient): each pair is two runs of the panel's rows, interleaved.
-                for (p, dst) in packed.chunks_exact_mut(MR).enumerate() {
-                    let lo = &a.data[2 * p * a.cols + r0..][..rows];
-                    let hi = (2 * p + 1 < k).then(|| &a.data[(2 * p + 1) * a.cols + r0..][..rows]);
-                    interleave_pairs(lo, hi, &mut dst[..rows]);
-                }
-            } else {
-                for r in 0..rows {
-                    for p in 0..pairs {
-                        let lo = u32::from(a.at(r0 + r, 2 * p));
-                        let hi = if 2 * p + 1 < k {
-                            u32::from(a.at(r0 + r, 2 * p + 1))
-                        } else {
-                            0
-                        };
-                        packed[p * MR + r] = lo | hi << 16;
-                    }
-                }
-            }
+            // Rows along their lines, `k` across them.
+            pack_panel(a.data, (a.rows, a.cols), r0..r0 + rows, k, MR, packed);
         });
     let out_rows = OutRows::new(out, n);
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
@@ -127,34 +102,8 @@ pub(super) fn matmul(
         let mut right = vec![0u32; col_panels * pairs * NR];
         for (cp, packed) in right.chunks_mut(pairs * NR).enumerate() {
             let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
-            // Walk the operand along its unit stride.
-            if b.cols == 1 {
-                // Rows contiguous along n (a weight `[k, n]` as stored, as in `dY · W`): each pair
-                // is two runs of the panel's columns, interleaved.
-                for (p, dst) in packed.chunks_exact_mut(NR).enumerate() {
-                    let lo = &b.data[2 * p * b.rows + c0..][..panel_cols];
-                    let hi =
-                        (2 * p + 1 < k).then(|| &b.data[(2 * p + 1) * b.rows + c0..][..panel_cols]);
-                    interleave_pairs(lo, hi, &mut dst[..panel_cols]);
-                }
-            } else if b.rows == 1 {
-                // Columns contiguous along k (a weight used transposed, with an odd k).
-                let columns: Vec<&[bf16]> = (c0..c0 + panel_cols)
-                    .map(|c| &b.data[c * b.cols..][..k])
-                    .collect();
-                transpose_pairs(&columns, NR, packed);
-            } else {
-                for p in 0..pairs {
-                    for c in 0..panel_cols {
-                        let hi = if 2 * p + 1 < k {
-                            u32::from(b.at(2 * p + 1, c0 + c))
-                        } else {
-                            0
-                        };
-                        packed[p * NR + c] = u32::from(b.at(2 * p, c0 + c)) | hi << 16;
-                    }
-                }
-            }
+            // Columns as the lines, `k` down them.
+            pack_panel(b.data, (b.cols, b.rows), c0..c0 + panel_cols, k, NR, packed);
         }
         let mut tile = [[0.0f32; NR]; MR];
         for panel in 0..panels {
@@ -170,6 +119,41 @@ pub(super) fn matmul(
             }
         }
     });
+}
+
+/// The lines `lines` of an operand, element `i < k` of line `l` at `data[l · line + i · depth]`
+/// (`strides` = `(line, depth)`), as a panel `[pair][lane]` in `out` (`lanes` ≥ the lines; lanes
+/// past them, and the high half past an odd `k`, are left as they are: zero). Every packing of both
+/// products goes through here: lines contiguous along `k` ([`transpose_pairs`]), lines side by side
+/// (a transposed operand, or a weight `[k, n]` as stored: [`interleave_pairs`] of two runs), or
+/// neither (element by element).
+fn pack_panel(
+    data: &[bf16],
+    (line, depth): (usize, usize),
+    lines: std::ops::Range<usize>,
+    k: usize,
+    lanes: usize,
+    out: &mut [u32],
+) {
+    let (first, count) = (lines.start, lines.len());
+    if depth == 1 {
+        let rows: Vec<&[bf16]> = lines.map(|l| &data[l * line..][..k]).collect();
+        transpose_pairs(&rows, lanes, out);
+    } else if line == 1 {
+        for (p, dst) in out.chunks_exact_mut(lanes).enumerate() {
+            let lo = &data[2 * p * depth + first..][..count];
+            let hi = (2 * p + 1 < k).then(|| &data[(2 * p + 1) * depth + first..][..count]);
+            interleave_pairs(lo, hi, &mut dst[..count]);
+        }
+    } else {
+        let at = |l: usize, i: usize| u32::from(data[l * line + i * depth].to_bits());
+        for (p, dst) in out.chunks_exact_mut(lanes).enumerate() {
+            for (d, l) in dst.iter_mut().zip(lines.clone()) {
+                let hi = if 2 * p + 1 < k { at(l, 2 * p + 1) } else { 0 };
+                *d = at(l, 2 * p) | hi << 16;
+            }
+        }
+    }
 }
 
 /// `out[p · lanes + i]` = pair `p` of `rows[i]` (`rows[i][2p]` in the low half, `rows[i][2p + 1]`
@@ -239,29 +223,9 @@ fn weight_stationary(
         .enumerate()
         .for_each(|(tp, packed)| {
             let (t0, tokens) = (tp * NR, NR.min(m - tp * NR));
-            if a.cols == 1 {
-                // Tokens contiguous along k.
-                let tokens: Vec<&[bf16]> = (t0..t0 + tokens)
-                    .map(|t| &a.data[t * a.rows..][..k])
-                    .collect();
-                transpose_pairs(&tokens, NR, packed);
-            } else if a.rows == 1 {
-                for (p, dst) in packed.chunks_exact_mut(NR).enumerate() {
-                    let lo = &a.data[2 * p * a.cols + t0..][..tokens];
-                    let hi = &a.data[(2 * p + 1) * a.cols + t0..][..tokens];
-                    interleave_pairs(lo, Some(hi), &mut dst[..tokens]);
-                }
-            } else {
-                for t in 0..tokens {
-                    for p in 0..pairs {
-                        packed[p * NR + t] = u32::from(a.at(t0 + t, 2 * p))
-                            | u32::from(a.at(t0 + t, 2 * p + 1)) << 16;
-                    }
-                }
-            }
+            pack_panel(a.data, (a.rows, a.cols), t0..t0 + tokens, k, NR, packed);
         });
     let out_rows = OutRows::new(out, n);
-    let weight_row = |j: usize| &b.data[j * b.cols..j * b.cols + k];
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|task| {
@@ -275,8 +239,7 @@ fn weight_stationary(
                 if rows < MR {
                     left.fill(0);
                 }
-                let weights: Vec<&[bf16]> = (j0..j0 + rows).map(weight_row).collect();
-                transpose_pairs(&weights, MR, &mut left);
+                pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, &mut left);
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
                     micro_kernel(dot, &left, rp, pairs, &mut tile);
