@@ -87,6 +87,10 @@ def requested_kernels():
     names.update(f"cast_{a}_{b}" for a in DTYPES for b in DTYPES)
     # The quantized products' kernels are named one by one (src/backend/cuda/quant.rs).
     names.update(re.findall(r'"(quant_[a-z0-9_]+)"', (ROOT / "src/backend/cuda/quant.rs").read_text()))
+    # So are the tiled attention kernels (src/backend/cuda/attention.rs).
+    names.update(
+        re.findall(r'"(attention_tiled_[a-z0-9_]+)"', (ROOT / "src/backend/cuda/attention.rs").read_text())
+    )
     return names
 
 

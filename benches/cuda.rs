@@ -3,7 +3,11 @@
 //! TF32, bf16 and f16 autocast, large matrix products (f32, TF32, bf16, f16), with the numbers
 //! PyTorch's `benches/pytorch_reference.py` prints for the same work on the same GPU, and the
 //! quantized products of a Llama-3.2-1B-shaped layer's matrices for one and eight rows (bytes of
-//! weight read per second, beside the same product with the weight in `f32` and `bf16`).
+//! weight read per second, beside the same product with the weight in `f32` and `bf16`), one
+//! layer's causal attention at GPT-2 small's shape `[1, 12, 1024, 64]` (fused, forward and
+//! forward+backward, `f32` and `bf16`), and GPT-2 small's forward and forward+backward passes at
+//! 1,024 tokens (`f32` and bf16 autocast; random weights). `benches/pytorch_reference.py attention`
+//! and `... gpt2` measure the same work in PyTorch on the same GPU.
 //!
 //! `cargo bench --features cuda --bench cuda`. Besides criterion's timings it prints the step's GPU
 //! allocator calls (after warm-up), the tree's peak bytes and the driver-level peak of reserved GPU
@@ -334,6 +338,93 @@ fn quant_product(c: &mut Criterion) -> Result<()> {
     })
 }
 
+/// One layer's causal attention at GPT-2 small's shape, fused (`Tensor::attention`): the forward
+/// pass, and the forward and backward passes of `sum(attention(q, k, v))`, in `f32` and `bf16`.
+fn attention(c: &mut Criterion) -> Result<()> {
+    use ndscope::AttentionSpec;
+    root(GPU, |s| {
+        let mut group = c.benchmark_group("cuda_attention_1x12x1024x64_causal");
+        let shape = [1, 12, 1024, 64];
+        let (q, k, v) = (s.randn(&shape)?, s.randn(&shape)?, s.randn(&shape)?);
+        for dtype in [DType::F32, DType::BF16] {
+            let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+            group.bench_function(BenchmarkId::new("fused_forward", dtype), |bench| {
+                bench.iter(|| {
+                    drop(
+                        q.attention(&k, &v, AttentionSpec::CAUSAL, None)
+                            .expect("attention runs"),
+                    );
+                    GPU.synchronize().expect("the GPU finishes");
+                })
+            });
+            group.bench_function(BenchmarkId::new("fused_forward_backward", dtype), |bench| {
+                bench.iter(|| {
+                    s.scope(|b| -> Result<()> {
+                        let tape = Tape::new(b);
+                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                        let out = qv.attention(&kv, &vv, AttentionSpec::CAUSAL, None)?;
+                        drop(tape.backward(&out.sum_all()?)?);
+                        GPU.synchronize()
+                    })
+                    .expect("a pass runs")
+                })
+            });
+        }
+        group.finish();
+        Ok::<_, Error>(())
+    })
+}
+
+/// GPT-2 small (random weights, Hugging Face's shape) at 1,024 tokens, batch 1: the forward pass to
+/// the last position's logits, and forward+backward of the language-model loss, in `f32` and with
+/// bf16 autocast (products and attention in bf16, norms and the loss in `f32`).
+fn gpt2(c: &mut Criterion) -> Result<()> {
+    use ndscope::models::{Gpt2, Gpt2Config};
+    root(GPU, |m| {
+        m.set_seed(7);
+        let model = Gpt2::new(m, Gpt2Config::new(50257, 1024, 768, 12, 12))?;
+        let mut group = c.benchmark_group("cuda_gpt2_small");
+        let len = 1024;
+        let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % 50257).collect();
+        for (suffix, autocast) in [("", None), ("_bf16_autocast", Some(DType::BF16))] {
+            let open = |b: &ndscope::Scope<'_>| match autocast {
+                Some(dtype) => b.autocast(dtype),
+                None => Ok(()),
+            };
+            group.bench_function(BenchmarkId::new(format!("forward{suffix}"), len), |bench| {
+                bench.iter(|| {
+                    m.scope(|b| -> Result<f32> {
+                        open(b)?;
+                        let tape = Tape::no_grad(b);
+                        let x = b.from_slice(&ids, &[1, len])?;
+                        let logits = model.forward(&tape, &x, Mode::Eval)?;
+                        let last = logits.value().narrow(1, len - 1, 1)?;
+                        last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
+                    })
+                    .expect("a pass runs")
+                })
+            });
+            let name = format!("forward_backward{suffix}");
+            group.bench_function(BenchmarkId::new(name, len), |bench| {
+                bench.iter(|| {
+                    m.scope(|b| -> Result<f32> {
+                        open(b)?;
+                        let tape = Tape::new(b);
+                        let x = b.from_slice(&ids, &[1, len])?;
+                        let logits = model.forward(&tape, &x, Mode::Train)?;
+                        let loss = Gpt2::loss(&logits, &x)?;
+                        drop(tape.backward(&loss)?);
+                        loss.value().to_scalar()
+                    })
+                    .expect("a pass runs")
+                })
+            });
+        }
+        group.finish();
+        Ok::<_, Error>(())
+    })
+}
+
 fn main() {
     if let Err(e) = GPU.check_available() {
         eprintln!("benches/cuda: nothing measured: {e}");
@@ -349,6 +440,8 @@ fn main() {
         ("graph_step", graph_step),
         ("matmul", matmul),
         ("quant_product", quant_product),
+        ("attention", attention),
+        ("gpt2", gpt2),
     ] {
         if let Err(e) = run(&mut c) {
             eprintln!("benches/cuda: {name} failed: {e}");

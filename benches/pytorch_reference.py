@@ -7,6 +7,8 @@
     python3 benches/pytorch_reference.py graph            # benches/cuda.rs's graph_step (CUDA graphs)
     python3 benches/pytorch_reference.py mixed            # benches/cuda.rs's wide_mlp_step and matmuls
                                                           # in f32, TF32, bf16 and f16 autocast
+    python3 benches/pytorch_reference.py attention        # benches/cuda.rs's attention (sdpa, eager)
+    python3 benches/pytorch_reference.py gpt2             # benches/cuda.rs's gpt2 (transformers)
 
 Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to measure PyTorch's other allocator design.
 
@@ -357,6 +359,79 @@ def mixed_matmul():
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def median_ms(fn, runs=50):
+    """The median of `runs` timed calls of `fn` (each ending in a synchronize), after three warm-ups."""
+    import statistics
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def attention():
+    """benches/cuda.rs's attention: causal [1, 12, 1024, 64], F.scaled_dot_product_attention (the
+    flash/efficient kernels) and the eager composition, forward and forward+backward of the sum."""
+    import torch.nn.functional as F
+
+    shape = (1, 12, 1024, 64)
+    mask = torch.ones(1024, 1024, dtype=torch.bool, device=dev).triu(1)
+
+    def eager(q, k, v):
+        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (torch.randn(shape, dtype=dtype, device=dev) for _ in range(3))
+        for name, f in (("sdpa", sdpa), ("eager", eager)):
+            with torch.no_grad():
+                forward = median_ms(lambda: f(q, k, v))
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            both = median_ms(lambda: f(*leaves).sum().backward())
+            print(
+                f"pytorch {torch.__version__} attention {dtype} {name} on {torch.cuda.get_device_name(0)}: "
+                f"forward {forward:.3f} ms, forward+backward {both:.3f} ms"
+            )
+
+
+def gpt2():
+    """benches/cuda.rs's gpt2: GPT-2 small (GPT2Config(), random weights) at 1,024 tokens, eager,
+    the forward pass to the last position's logits and forward+backward of the loss, f32 and bf16
+    autocast."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(7)
+    model = GPT2LMHeadModel(GPT2Config()).to(dev)
+    model.eval()  # dropout off, as ndscope's bench
+    ids = (torch.arange(1024, device=dev) * 7919 % 50257).unsqueeze(0)
+    for name, dtype in (("f32", None), ("bf16_autocast", torch.bfloat16)):
+        def forward():
+            with torch.no_grad(), torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                return model(ids).logits[0, -1].float().sum().item()
+
+        def forward_backward():
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+                out = model(ids, labels=ids)
+            out.loss.backward()
+            return out.loss.item()
+
+        print(
+            f"pytorch {torch.__version__} gpt2_small {name} 1024 tokens on {torch.cuda.get_device_name(0)} "
+            f"(attention {model.config._attn_implementation}): forward {median_ms(forward, 20):.2f} ms, "
+            f"forward+backward {median_ms(forward_backward, 20):.2f} ms"
+        )
+
+
 if __name__ == "__main__":
     import sys
 
@@ -372,6 +447,10 @@ if __name__ == "__main__":
     elif what == "mixed":
         wide_mlp_step()
         mixed_matmul()
+    elif what == "attention":
+        attention()
+    elif what == "gpt2":
+        gpt2()
     else:
         mlp_step()
         matmul()

@@ -164,6 +164,40 @@ fn fused_attention_agrees_with_the_host() {
     }
 }
 
+/// Fused attention at head widths on both sides of the tiled kernels' limits (64 and 128 wide tiles,
+/// a width no multiple of 4, and a width past 128, which the warp-per-row kernels take), values
+/// narrower than keys, in every 16-bit dtype and f32: value and gradients against the host.
+#[test]
+fn fused_attention_agrees_with_the_host_at_every_head_width() {
+    for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+        for (width, vwidth) in [(64, 64), (66, 40), (128, 128), (130, 96)] {
+            agree(
+                &format!("fused attention in {dtype}, heads {width} and {vwidth} wide"),
+                tol,
+                &move |s| {
+                    let spec = AttentionSpec {
+                        causal: Causal::BottomRight,
+                        scale: None,
+                        window: None,
+                    };
+                    let q = s.randn(&[2, 2, 37, width])?.to_dtype(dtype)?;
+                    let k = s.randn(&[2, 2, 70, width])?.to_dtype(dtype)?;
+                    let v = s.randn(&[2, 2, 70, vwidth])?.to_dtype(dtype)?;
+                    let lengths = s.from_slice(&[70i64, 45], &[2])?;
+                    let tape = Tape::new(s);
+                    let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                    let out = qv.attention(&kv, &vv, spec, Some(&lengths))?;
+                    let w = s.randn(out.shape())?.to_dtype(dtype)?;
+                    let loss = out.mul(&tape.constant(&w))?.sum_all()?;
+                    let grads = tape.backward(&loss)?;
+                    let grad = |x: &Tensor<'_>| grads.get(x).expect("a gradient");
+                    Ok(vec![out.into_value(), grad(&q), grad(&k), grad(&v)])
+                },
+            );
+        }
+    }
+}
+
 #[test]
 fn asking_for_a_gpu_that_cannot_be_used_is_a_clear_error() {
     match Device::Cuda(0).check_available() {

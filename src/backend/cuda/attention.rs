@@ -1,4 +1,8 @@
 //! Fused attention on the GPU (`kernels/attention.cu`): the launches and the geometry they take.
+//!
+//! Two kernel sets compute the same function. The tiled kernels (f32, bf16 and f16, heads up to 128
+//! wide) share each tile of keys (or queries) among the rows of a block through shared memory; the
+//! warp-per-row kernels serve `f64` (whose tiles would not fit in shared memory) and wider heads.
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
@@ -17,6 +21,84 @@ const WARPS: usize = 4;
 const MAX_WIDTH: usize = 256;
 /// The largest grid dimension `y` (one block row per batch and head).
 const MAX_GRID_Y: usize = 65_535;
+
+/// Which of the three attention kernels a launch runs.
+#[derive(Clone, Copy)]
+enum Pass {
+    Forward = 0,
+    /// The query side of the backward pass: `dq` and `D_i`.
+    Queries = 1,
+    /// The key side of the backward pass: `dk` and `dv`.
+    Keys = 2,
+}
+
+/// The tiled kernels (`ATTENTION_TILED` in `kernels/attention.cu`) by pass, tile width (64, 128)
+/// and dtype (f32, bf16, f16). `.ci/nvrtc-check.py` checks that every name here is compiled.
+const TILED: [[[&str; 3]; 2]; 3] = [
+    [
+        [
+            "attention_tiled_fwd_w64_f32",
+            "attention_tiled_fwd_w64_bf16",
+            "attention_tiled_fwd_w64_f16",
+        ],
+        [
+            "attention_tiled_fwd_w128_f32",
+            "attention_tiled_fwd_w128_bf16",
+            "attention_tiled_fwd_w128_f16",
+        ],
+    ],
+    [
+        [
+            "attention_tiled_bwd_dq_w64_f32",
+            "attention_tiled_bwd_dq_w64_bf16",
+            "attention_tiled_bwd_dq_w64_f16",
+        ],
+        [
+            "attention_tiled_bwd_dq_w128_f32",
+            "attention_tiled_bwd_dq_w128_bf16",
+            "attention_tiled_bwd_dq_w128_f16",
+        ],
+    ],
+    [
+        [
+            "attention_tiled_bwd_dkv_w64_f32",
+            "attention_tiled_bwd_dkv_w64_bf16",
+            "attention_tiled_bwd_dkv_w64_f16",
+        ],
+        [
+            "attention_tiled_bwd_dkv_w128_f32",
+            "attention_tiled_bwd_dkv_w128_bf16",
+            "attention_tiled_bwd_dkv_w128_f16",
+        ],
+    ],
+];
+
+/// The kernel of `pass` for `dtype` and heads up to `widest` wide, and the rows one block takes: a
+/// tiled kernel where one exists (float compute, heads up to 128), else the warp-per-row one.
+fn kernel(pass: Pass, dtype: DType, widest: usize) -> Result<(&'static str, usize)> {
+    let tiled_dtype = match dtype {
+        DType::F32 => Some(0),
+        DType::BF16 => Some(1),
+        DType::F16 => Some(2),
+        _ => None,
+    };
+    if let (Some(d), true) = (tiled_dtype, widest <= 128) {
+        let tile_width = if widest <= 64 { 64 } else { 128 };
+        // Rows per warp (`256 / W`, or `128 / W` on the key side), as the kernels' macro sets them.
+        let per_warp = match pass {
+            Pass::Keys => 128 / tile_width,
+            _ => 256 / tile_width,
+        };
+        let name = TILED[pass as usize][usize::from(tile_width == 128)][d];
+        return Ok((name, WARPS * per_warp));
+    }
+    let family = match pass {
+        Pass::Forward => float_family!("attention_fwd"),
+        Pass::Queries => float_family!("attention_bwd_dq"),
+        Pass::Keys => float_family!("attention_bwd_dkv"),
+    };
+    Ok((float_kernel("attention", family, dtype)?, WARPS))
+}
 
 /// Where each operand's strides sit in [`AttnGeo::strides`] (`A_Q` ... `A_DV`).
 #[derive(Clone, Copy)]
@@ -86,11 +168,16 @@ impl AttnGeo {
         self.strides[slot as usize] = [s[0] as i64, s[1] as i64, s[2] as i64];
     }
 
-    /// One warp per row of `rows` rows of every batch and head.
-    fn launch(&self, rows: i64) -> LaunchConfig {
+    /// The widest head (queries and keys, or values).
+    fn widest(&self) -> usize {
+        self.dims[4].max(self.dims[5]) as usize
+    }
+
+    /// `rows` rows of every batch and head, `per_block` rows to a block of `WARPS` warps.
+    fn launch(&self, rows: i64, per_block: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
-                (rows as usize).div_ceil(WARPS) as u32,
+                (rows as usize).div_ceil(per_block) as u32,
                 (self.dims[0] * self.dims[1]) as u32,
                 1,
             ),
@@ -121,11 +208,8 @@ impl Gpu {
         if out.layout.numel() == 0 {
             return Ok(());
         }
-        let f = self.function(float_kernel(
-            "attention",
-            float_family!("attention_fwd"),
-            dtype,
-        )?)?;
+        let (name, per_block) = kernel(Pass::Forward, dtype, geo.widest())?;
+        let f = self.function(name)?;
         let (o, l) = (
             first(out.buf.address(), out.layout, dtype),
             first(lse.buf.address(), lse.layout, dtype.compute()),
@@ -140,11 +224,13 @@ impl Gpu {
             let scale = <T as Math>::Compute::from_f64(math.scale);
             let mut b = self.stream.launch_builder(&f);
             b.arg(&geo).arg(&o).arg(&l).arg(&q).arg(&k).arg(&v).arg(&n).arg(&scale);
-            // SAFETY: the arguments match `attention_fwd_<dtype>` (AttnGeo, T*, C*, const T* x3,
-            // const i64*, C). The geometry's dimensions and strides are those of the operands' and
+            // SAFETY: the arguments match `attention_fwd_<dtype>` and `attention_tiled_fwd_*`
+            // (AttnGeo, T*, C*, const T* x3, const i64*, C; C is float for the tiled kernels'
+            // dtypes). The geometry's dimensions and strides are those of the operands' and
             // output's layouts, which stay inside their blocks; `lse` is a fresh contiguous
             // [batch, heads, queries] block of the compute type; lengths is null or [batch] i64.
-            unsafe { b.launch(geo.launch(geo.dims[2])) }
+            // The kernel takes `per_block` rows per block, as `kernel` says.
+            unsafe { b.launch(geo.launch(geo.dims[2], per_block)) }
                 .map_err(|e| cuda_error("attention kernel", e))?;
         }, else unreachable!("float_kernel refused integers"));
         Ok(())
@@ -170,16 +256,9 @@ impl Gpu {
             return Ok(());
         }
         let c = dtype.compute();
-        let dq_kernel = self.function(float_kernel(
-            "attention",
-            float_family!("attention_bwd_dq"),
-            dtype,
-        )?)?;
-        let dkv_kernel = self.function(float_kernel(
-            "attention",
-            float_family!("attention_bwd_dkv"),
-            dtype,
-        )?)?;
+        let (dq_name, dq_rows) = kernel(Pass::Queries, dtype, geo.widest())?;
+        let (dkv_name, dkv_rows) = kernel(Pass::Keys, dtype, geo.widest())?;
+        let (dq_kernel, dkv_kernel) = (self.function(dq_name)?, self.function(dkv_name)?);
         let (q, k, v, n) = (
             first(inputs.q.buf.address(), inputs.q.layout, dtype),
             first(inputs.k.buf.address(), inputs.k.layout, dtype),
@@ -203,21 +282,23 @@ impl Gpu {
                 let mut b = self.stream.launch_builder(&dq_kernel);
                 b.arg(&geo).arg(&gq).arg(&d).arg(&q).arg(&k).arg(&v).arg(&o).arg(&g).arg(&l)
                     .arg(&n).arg(&scale);
-                // SAFETY: the arguments match `attention_bwd_dq_<dtype>` (AttnGeo, T*, C*, const T*
-                // x5, const C*, const i64*, C); every layout in the geometry stays inside its block;
-                // `delta` and `lse` are contiguous [batch, heads, queries] blocks of the compute
-                // type; the gradients are fresh blocks no other operand shares.
-                unsafe { b.launch(geo.launch(geo.dims[2])) }
+                // SAFETY: the arguments match `attention_bwd_dq_<dtype>` and
+                // `attention_tiled_bwd_dq_*` (AttnGeo, T*, C*, const T* x5, const C*, const i64*,
+                // C); every layout in the geometry stays inside its block; `delta` and `lse` are
+                // contiguous [batch, heads, queries] blocks of the compute type; the gradients are
+                // fresh blocks no other operand shares; `dq_rows` rows per block, as `kernel` says.
+                unsafe { b.launch(geo.launch(geo.dims[2], dq_rows)) }
                     .map_err(|e| cuda_error("attention backward kernel", e))?;
             }
             if geo.dims[3] > 0 {
                 let mut b = self.stream.launch_builder(&dkv_kernel);
                 b.arg(&geo).arg(&gk).arg(&gv).arg(&q).arg(&k).arg(&v).arg(&g).arg(&l).arg(&d)
                     .arg(&n).arg(&scale);
-                // SAFETY: the arguments match `attention_bwd_dkv_<dtype>` (AttnGeo, T* x2, const T*
-                // x4, const C* x2, const i64*, C), as above; the stream runs it after the dq kernel
-                // has stored every D_i in `delta`.
-                unsafe { b.launch(geo.launch(geo.dims[3])) }
+                // SAFETY: the arguments match `attention_bwd_dkv_<dtype>` and
+                // `attention_tiled_bwd_dkv_*` (AttnGeo, T* x2, const T* x4, const C* x2, const i64*,
+                // C), as above; the stream runs it after the dq kernel has stored every D_i in
+                // `delta`; `dkv_rows` rows per block.
+                unsafe { b.launch(geo.launch(geo.dims[3], dkv_rows)) }
                     .map_err(|e| cuda_error("attention backward kernel", e))?;
             }
         }, else unreachable!("float_kernel refused integers"));
