@@ -387,36 +387,15 @@ fn gpt2(c: &mut Criterion) -> Result<()> {
         let len = 1024;
         let ids: Vec<i64> = (0..len as i64).map(|i| (i * 7919) % 50257).collect();
         for (suffix, autocast) in [("", None), ("_bf16_autocast", Some(DType::BF16))] {
-            let open = |b: &ndscope::Scope<'_>| match autocast {
-                Some(dtype) => b.autocast(dtype),
-                None => Ok(()),
-            };
             group.bench_function(BenchmarkId::new(format!("forward{suffix}"), len), |bench| {
                 bench.iter(|| {
-                    m.scope(|b| -> Result<f32> {
-                        open(b)?;
-                        let tape = Tape::no_grad(b);
-                        let x = b.from_slice(&ids, &[1, len])?;
-                        let logits = model.forward(&tape, &x, Mode::Eval)?;
-                        let last = logits.value().narrow(1, len - 1, 1)?;
-                        last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
-                    })
-                    .expect("a pass runs")
+                    common::gpt2_pass(m, &model, &ids, autocast, false).expect("a pass runs")
                 })
             });
             let name = format!("forward_backward{suffix}");
             group.bench_function(BenchmarkId::new(name, len), |bench| {
                 bench.iter(|| {
-                    m.scope(|b| -> Result<f32> {
-                        open(b)?;
-                        let tape = Tape::new(b);
-                        let x = b.from_slice(&ids, &[1, len])?;
-                        let logits = model.forward(&tape, &x, Mode::Train)?;
-                        let loss = Gpt2::loss(&logits, &x)?;
-                        drop(tape.backward(&loss)?);
-                        loss.value().to_scalar()
-                    })
-                    .expect("a pass runs")
+                    common::gpt2_pass(m, &model, &ids, autocast, true).expect("a pass runs")
                 })
             });
         }

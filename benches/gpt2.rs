@@ -9,14 +9,15 @@
 //! RAYON_NUM_THREADS=2 cargo bench --bench gpt2 -- --noplot
 //! ```
 
+mod common;
+
 use std::hint::black_box;
 use std::path::Path;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use ndscope::models::{Gpt2, Gpt2Config};
-use ndscope::nn::Mode;
-use ndscope::{DType, Device, Result, Tape, root};
+use ndscope::{DType, Device, Result, root};
 
 const DIR: &str = "target/gpt2-small-random";
 
@@ -57,37 +58,15 @@ fn gpt2(c: &mut Criterion) {
             // f32, and bf16 autocast: products and attention in bf16 (f32 accumulation), norms and
             // the loss in f32.
             for (suffix, autocast) in [("", None), ("_bf16_autocast", Some(DType::BF16))] {
-                let open = |b: &ndscope::Scope<'_>| match autocast {
-                    Some(dtype) => b.autocast(dtype),
-                    None => Ok(()),
-                };
                 group.bench_function(BenchmarkId::new(format!("forward{suffix}"), len), |bench| {
                     bench.iter(|| {
-                        m.scope(|b| -> Result<f32> {
-                            open(b)?;
-                            let tape = Tape::no_grad(b);
-                            let x = b.from_slice(&ids, &[1, len])?;
-                            let logits = model.forward(&tape, &x, Mode::Eval)?;
-                            let last = logits.value().narrow(1, len - 1, 1)?;
-                            last.to_dtype(DType::F32)?.sum_all()?.to_scalar()
-                        })
-                        .map(black_box)
-                        .unwrap()
+                        black_box(common::gpt2_pass(m, &model, &ids, autocast, false).unwrap())
                     })
                 });
                 let name = format!("forward_backward{suffix}");
                 group.bench_function(BenchmarkId::new(name, len), |bench| {
                     bench.iter(|| {
-                        m.scope(|b| -> Result<usize> {
-                            open(b)?;
-                            let tape = Tape::new(b);
-                            let x = b.from_slice(&ids, &[1, len])?;
-                            let logits = model.forward(&tape, &x, Mode::Train)?;
-                            let grads = tape.backward(&Gpt2::loss(&logits, &x)?)?;
-                            Ok(grads.len())
-                        })
-                        .map(black_box)
-                        .unwrap()
+                        black_box(common::gpt2_pass(m, &model, &ids, autocast, true).unwrap())
                     })
                 });
             }

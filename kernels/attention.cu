@@ -336,6 +336,39 @@ __device__ __forceinline__ float attn_rescale(float m, float new_m) {
     return new_m == Limits<float>::lowest() ? 1.f : k_exp(m - new_m);
 }
 
+// The other side's rows any of the block's `rows` rows from row0 sees: [lo, hi), empty when no row
+// sees any. `by_keys` says the block's rows are keys (the rows it sees are queries). Every thread
+// finds the same bounds, so the tile loop's barriers are reached by all.
+__device__ __forceinline__ void attn_block_range(const AttnGeo& g, bool by_keys, i64 row0, int rows, i64 keys,
+                                                 i64& lo, i64& hi) {
+    lo = by_keys ? g.queries : g.keys;
+    hi = 0;
+    for (int r = 0; r < rows; r++) {
+        i64 from, to;
+        if (by_keys)
+            attn_key_range(g, row0 + r, keys, from, to);
+        else
+            attn_query_range(g, row0 + r, keys, from, to);
+        if (from < to) {
+            lo = from < lo ? from : lo;
+            hi = to > hi ? to : hi;
+        }
+    }
+}
+
+// Rows [r0, min(r0 + KT, end)) of two operands of batch b, head h (x in slot sx, width wx; y in sy,
+// wy) into the tiles xt and yt, between two barriers: the last tile's readers are done before it is
+// overwritten, and the new one is whole before it is read.
+template <int W, typename T>
+__device__ __forceinline__ void attn_tile_pair(const AttnGeo& g, float* xt, const T* x, int sx, i64 wx, float* yt,
+                                               const T* y, int sy, i64 wy, i64 b, i64 h, i64 r0, i64 end) {
+    constexpr int KT = AttnTile<W>::KT;
+    const i64 n = end - r0 < KT ? end - r0 : KT;
+    __syncthreads();
+    attn_tile_load<W>(xt, x + attn_at(g, sx, b, h, r0), g.s[sx][2], n, wx);
+    attn_tile_load<W>(yt, y + attn_at(g, sy, b, h, r0), g.s[sy][2], n, wy);
+}
+
 template <typename T, int W, int TR>
 __device__ void attention_tiled_forward(const AttnGeo& g, T* out, float* lse, const T* q, const T* k, const T* v,
                                         const i64* lengths, float scale) {
@@ -347,16 +380,8 @@ __device__ void attention_tiled_forward(const AttnGeo& g, T* out, float* lse, co
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     const i64 row0 = (i64)blockIdx.x * ROWS, keys = attn_keys(g, lengths, b);
-    // The keys any row of the block sees (every thread finds the same bounds).
-    i64 lo = g.keys, hi = 0;
-    for (int r = 0; r < ROWS; r++) {
-        i64 from, seen;
-        attn_query_range(g, row0 + r, keys, from, seen);
-        if (from < seen) {
-            lo = from < lo ? from : lo;
-            hi = seen > hi ? seen : hi;
-        }
-    }
+    i64 lo, hi;
+    attn_block_range(g, false, row0, ROWS, keys, lo, hi);
     i64 from[TR], seen[TR];
     float acc[TR][CPL], m[TR], l[TR];
     for (int r = 0; r < TR; r++) {
@@ -369,10 +394,7 @@ __device__ void attention_tiled_forward(const AttnGeo& g, T* out, float* lse, co
     }
     const int width4 = (int)((g.width + 3) & ~3LL);
     for (i64 j0 = lo; j0 < hi; j0 += KT) {
-        const i64 n = hi - j0 < KT ? hi - j0 : KT;
-        __syncthreads();  // the last tile's readers are done
-        attn_tile_load<W>(kt, k + attn_at(g, A_K, b, h, j0), g.s[A_K][2], n, g.width);
-        attn_tile_load<W>(vt, v + attn_at(g, A_V, b, h, j0), g.s[A_V][2], n, g.vwidth);
+        attn_tile_pair<W>(g, kt, k, A_K, g.width, vt, v, A_V, g.vwidth, b, h, j0, hi);
         __syncthreads();
         float s[TR][KPL];
         attn_tile_dots<W, TR>(s, qs[warp], kt, lane, width4);
@@ -426,15 +448,8 @@ __device__ void attention_tiled_backward_dq(const AttnGeo& g, T* dq, float* delt
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     const i64 row0 = (i64)blockIdx.x * ROWS, keys = attn_keys(g, lengths, b);
-    i64 lo = g.keys, hi = 0;
-    for (int r = 0; r < ROWS; r++) {
-        i64 from, seen;
-        attn_query_range(g, row0 + r, keys, from, seen);
-        if (from < seen) {
-            lo = from < lo ? from : lo;
-            hi = seen > hi ? seen : hi;
-        }
-    }
+    i64 lo, hi;
+    attn_block_range(g, false, row0, ROWS, keys, lo, hi);
     i64 from[TR], seen[TR];
     float acc[TR][CPL], li[TR], d[TR];
     for (int r = 0; r < TR; r++) {
@@ -458,10 +473,7 @@ __device__ void attention_tiled_backward_dq(const AttnGeo& g, T* dq, float* delt
     __syncwarp();
     const int width4 = (int)((g.width + 3) & ~3LL), vwidth4 = (int)((g.vwidth + 3) & ~3LL);
     for (i64 j0 = lo; j0 < hi; j0 += KT) {
-        const i64 n = hi - j0 < KT ? hi - j0 : KT;
-        __syncthreads();
-        attn_tile_load<W>(kt, k + attn_at(g, A_K, b, h, j0), g.s[A_K][2], n, g.width);
-        attn_tile_load<W>(vt, v + attn_at(g, A_V, b, h, j0), g.s[A_V][2], n, g.vwidth);
+        attn_tile_pair<W>(g, kt, k, A_K, g.width, vt, v, A_V, g.vwidth, b, h, j0, hi);
         __syncthreads();
         float s[TR][KPL], dp[TR][KPL];
         attn_tile_dots<W, TR>(s, qs[warp], kt, lane, width4);
@@ -503,15 +515,8 @@ __device__ void attention_tiled_backward_dkv(const AttnGeo& g, T* dk, T* dv, con
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const i64 bh = blockIdx.y, b = bh / g.heads, h = bh % g.heads;
     const i64 row0 = (i64)blockIdx.x * ROWS, keys = attn_keys(g, lengths, b);
-    i64 lo = g.queries, hi = 0;
-    for (int r = 0; r < ROWS; r++) {
-        i64 first, end;
-        attn_key_range(g, row0 + r, keys, first, end);
-        if (first < end) {
-            lo = first < lo ? first : lo;
-            hi = end > hi ? end : hi;
-        }
-    }
+    i64 lo, hi;
+    attn_block_range(g, true, row0, ROWS, keys, lo, hi);
     i64 first[TR], end[TR];
     float acc_k[TR][CPL], acc_v[TR][CPL];
     for (int r = 0; r < TR; r++) {
@@ -526,9 +531,7 @@ __device__ void attention_tiled_backward_dkv(const AttnGeo& g, T* dk, T* dv, con
     const int width4 = (int)((g.width + 3) & ~3LL), vwidth4 = (int)((g.vwidth + 3) & ~3LL);
     for (i64 i0 = lo; i0 < hi; i0 += KT) {
         const i64 n = hi - i0 < KT ? hi - i0 : KT;
-        __syncthreads();
-        attn_tile_load<W>(qt, q + attn_at(g, A_Q, b, h, i0), g.s[A_Q][2], n, g.width);
-        attn_tile_load<W>(dt, dout + attn_at(g, A_DO, b, h, i0), g.s[A_DO][2], n, g.vwidth);
+        attn_tile_pair<W>(g, qt, q, A_Q, g.width, dt, dout, A_DO, g.vwidth, b, h, i0, hi);
         for (int u = threadIdx.x; u < KT; u += ATTN_THREADS) {
             lt[u] = u < n ? lse[bh * g.queries + i0 + u] : Limits<float>::lowest();
             dlt[u] = u < n ? delta[bh * g.queries + i0 + u] : 0.f;

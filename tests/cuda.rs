@@ -107,6 +107,24 @@ fn agree(name: &str, tol: f64, case: &Case) {
     }
 }
 
+/// Fused attention of `q`, `k`, `v` under `spec` and `lengths`, and the gradients of a random
+/// weighting of its output (in the operands' dtype): `[out, dq, dk, dv]`.
+fn attention_and_gradients<'s>(
+    s: &'s Scope<'s>,
+    [q, k, v]: [&Tensor<'s>; 3],
+    spec: AttentionSpec,
+    lengths: &Tensor<'s>,
+) -> Result<Vec<Tensor<'s>>> {
+    let tape = Tape::new(s);
+    let (qv, kv, vv) = (tape.param(q), tape.param(k), tape.param(v));
+    let out = qv.attention(&kv, &vv, spec, Some(lengths))?;
+    let w = s.randn(out.shape())?.to_dtype(q.dtype())?;
+    let loss = out.mul(&tape.constant(&w))?.sum_all()?;
+    let grads = tape.backward(&loss)?;
+    let grad = |x: &Tensor<'s>| grads.get(x).expect("a gradient");
+    Ok(vec![out.into_value(), grad(q), grad(k), grad(v)])
+}
+
 /// Fused attention's forward and backward kernels against the host's, for every mask, key lengths,
 /// strided heads (views of one projection), lengths past a warp's 32 and the host's tiles, one query
 /// against a long cache, and every float dtype.
@@ -143,20 +161,9 @@ fn fused_attention_agrees_with_the_host() {
                         };
                         let (q, k, v) = (part(0, queries)?, part(1, keys)?, part(2, keys)?);
                         let lengths = s.from_slice(&[keys as i64, keys as i64 / 2], &[2])?;
-                        let tape = Tape::new(s);
-                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
-                        let out = qv.attention(&kv, &vv, spec, Some(&lengths))?;
-                        let w = s.randn(out.shape())?.to_dtype(dtype)?;
-                        let loss = out.mul(&tape.constant(&w))?.sum_all()?;
-                        let grads = tape.backward(&loss)?;
-                        let grad = |x: &Tensor<'_>| grads.get(x).expect("a gradient");
-                        Ok(vec![
-                            out.into_value(),
-                            grad(&q),
-                            grad(&k),
-                            grad(&v),
-                            q.attention(&k, &v, spec, None)?,
-                        ])
+                        let mut outs = attention_and_gradients(s, [&q, &k, &v], spec, &lengths)?;
+                        outs.push(q.attention(&k, &v, spec, None)?);
+                        Ok(outs)
                     },
                 );
             }
@@ -184,14 +191,7 @@ fn fused_attention_agrees_with_the_host_at_every_head_width() {
                     let k = s.randn(&[2, 2, 70, width])?.to_dtype(dtype)?;
                     let v = s.randn(&[2, 2, 70, vwidth])?.to_dtype(dtype)?;
                     let lengths = s.from_slice(&[70i64, 45], &[2])?;
-                    let tape = Tape::new(s);
-                    let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
-                    let out = qv.attention(&kv, &vv, spec, Some(&lengths))?;
-                    let w = s.randn(out.shape())?.to_dtype(dtype)?;
-                    let loss = out.mul(&tape.constant(&w))?.sum_all()?;
-                    let grads = tape.backward(&loss)?;
-                    let grad = |x: &Tensor<'_>| grads.get(x).expect("a gradient");
-                    Ok(vec![out.into_value(), grad(&q), grad(&k), grad(&v)])
+                    attention_and_gradients(s, [&q, &k, &v], spec, &lengths)
                 },
             );
         }

@@ -57,3 +57,34 @@ pub fn streamed_sum(data: &[f32], threads: usize) -> f32 {
         parts.into_iter().map(|p| p.join().unwrap()).sum()
     })
 }
+
+/// One GPT-2 pass over `ids` (batch 1) in a child scope of `m`, with autocast to `autocast` if
+/// given: with `backward`, the forward and backward passes of the language-model loss, returning
+/// the loss; else the forward pass, returning the sum of the last position's logits. Reading the
+/// result waits for the device.
+pub fn gpt2_pass<'m>(
+    m: &Scope<'m>,
+    model: &ndscope::models::Gpt2<'m>,
+    ids: &[i64],
+    autocast: Option<ndscope::DType>,
+    backward: bool,
+) -> Result<f32> {
+    m.scope(|b| {
+        if let Some(dtype) = autocast {
+            b.autocast(dtype)?;
+        }
+        let len = ids.len();
+        let x = b.from_slice(ids, &[1, len])?;
+        if !backward {
+            let tape = Tape::no_grad(b);
+            let logits = model.forward(&tape, &x, Mode::Eval)?;
+            let last = logits.value().narrow(1, len - 1, 1)?;
+            return last.to_dtype(ndscope::DType::F32)?.sum_all()?.to_scalar();
+        }
+        let tape = Tape::new(b);
+        let logits = model.forward(&tape, &x, Mode::Train)?;
+        let loss = ndscope::models::Gpt2::loss(&logits, &x)?;
+        drop(tape.backward(&loss)?);
+        loss.value().to_scalar()
+    })
+}
