@@ -4,8 +4,9 @@
 //! PyTorch's `benches/pytorch_reference.py` prints for the same work on the same GPU, and the
 //! quantized products of a Llama-3.2-1B-shaped layer's matrices for one and eight rows (bytes of
 //! weight read per second, beside the same product with the weight in `f32` and `bf16`), one
-//! layer's causal attention at GPT-2 small's shape `[1, 12, 1024, 64]` (fused, forward and
-//! forward+backward, `f32` and `bf16`), and GPT-2 small's forward and forward+backward passes at
+//! layer's causal attention at GPT-2 small's shape `[1, 12, 1024, 64]` and a Llama-3-8B layer's
+//! (32 query heads over 8 key and value heads, 128 wide; fused, forward and forward+backward, `f32`
+//! and `bf16`), and GPT-2 small's forward and forward+backward passes at
 //! 1,024 tokens (`f32` and bf16 autocast; random weights). `benches/pytorch_reference.py attention`
 //! and `... gpt2` measure the same work in PyTorch on the same GPU.
 //!
@@ -338,39 +339,50 @@ fn quant_product(c: &mut Criterion) -> Result<()> {
     })
 }
 
-/// One layer's causal attention at GPT-2 small's shape, fused (`Tensor::attention`): the forward
-/// pass, and the forward and backward passes of `sum(attention(q, k, v))`, in `f32` and `bf16`.
+/// One layer's causal attention, fused (`Tensor::attention`): the forward pass, and the forward and
+/// backward passes of `sum(attention(q, k, v))`, in `f32` and `bf16`, at GPT-2 small's shape
+/// (`[1, 12, 1024, 64]`, the 64-wide tiles) and at a Llama-3-8B layer's (32 query heads over 8 key
+/// and value heads, 128 wide: grouped-query attention on the 128-wide tiles).
 fn attention(c: &mut Criterion) -> Result<()> {
     use ndscope::AttentionSpec;
     root(GPU, |s| {
-        let mut group = c.benchmark_group("cuda_attention_1x12x1024x64_causal");
-        let shape = [1, 12, 1024, 64];
-        let (q, k, v) = (s.randn(&shape)?, s.randn(&shape)?, s.randn(&shape)?);
-        for dtype in [DType::F32, DType::BF16] {
-            let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
-            group.bench_function(BenchmarkId::new("fused_forward", dtype), |bench| {
-                bench.iter(|| {
-                    drop(
-                        q.attention(&k, &v, AttentionSpec::CAUSAL, None)
-                            .expect("attention runs"),
-                    );
-                    GPU.synchronize().expect("the GPU finishes");
-                })
-            });
-            group.bench_function(BenchmarkId::new("fused_forward_backward", dtype), |bench| {
-                bench.iter(|| {
-                    s.scope(|b| -> Result<()> {
-                        let tape = Tape::new(b);
-                        let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
-                        let out = qv.attention(&kv, &vv, AttentionSpec::CAUSAL, None)?;
-                        drop(tape.backward(&out.sum_all()?)?);
-                        GPU.synchronize()
+        for (name, heads, kv_heads, width) in [
+            ("cuda_attention_1x12x1024x64_causal", 12, 12, 64),
+            ("cuda_attention_1x32x1024x128_gqa8_causal", 32, 8, 128),
+        ] {
+            let mut group = c.benchmark_group(name);
+            let q = s.randn(&[1, heads, 1024, width])?;
+            let (k, v) = (
+                s.randn(&[1, kv_heads, 1024, width])?,
+                s.randn(&[1, kv_heads, 1024, width])?,
+            );
+            for dtype in [DType::F32, DType::BF16] {
+                let (q, k, v) = (q.to_dtype(dtype)?, k.to_dtype(dtype)?, v.to_dtype(dtype)?);
+                group.bench_function(BenchmarkId::new("fused_forward", dtype), |bench| {
+                    bench.iter(|| {
+                        drop(
+                            q.attention(&k, &v, AttentionSpec::CAUSAL, None)
+                                .expect("attention runs"),
+                        );
+                        GPU.synchronize().expect("the GPU finishes");
                     })
-                    .expect("a pass runs")
-                })
-            });
+                });
+                let id = BenchmarkId::new("fused_forward_backward", dtype);
+                group.bench_function(id, |bench| {
+                    bench.iter(|| {
+                        s.scope(|b| -> Result<()> {
+                            let tape = Tape::new(b);
+                            let (qv, kv, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                            let out = qv.attention(&kv, &vv, AttentionSpec::CAUSAL, None)?;
+                            drop(tape.backward(&out.sum_all()?)?);
+                            GPU.synchronize()
+                        })
+                        .expect("a pass runs")
+                    })
+                });
+            }
+            group.finish();
         }
-        group.finish();
         Ok::<_, Error>(())
     })
 }

@@ -376,31 +376,38 @@ def median_ms(fn, runs=50):
 
 
 def attention():
-    """benches/cuda.rs's attention: causal [1, 12, 1024, 64], F.scaled_dot_product_attention (the
-    flash/efficient kernels) and the eager composition, forward and forward+backward of the sum."""
+    """benches/cuda.rs's attention: causal [1, 12, 1024, 64] and [1, 32, 1024, 128] over 8 key and
+    value heads, F.scaled_dot_product_attention (the flash/efficient kernels; enable_gqa for the
+    grouped heads) and the eager composition (keys and values repeated per group), forward and
+    forward+backward of the sum."""
     import torch.nn.functional as F
 
-    shape = (1, 12, 1024, 64)
     mask = torch.ones(1024, 1024, dtype=torch.bool, device=dev).triu(1)
 
-    def eager(q, k, v):
-        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
+    for heads, kv_heads, width in ((12, 12, 64), (32, 8, 128)):
+        group = heads // kv_heads
 
-    def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def eager(q, k, v):
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+            return s.masked_fill(mask, float("-inf")).softmax(-1) @ v
 
-    for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (torch.randn(shape, dtype=dtype, device=dev) for _ in range(3))
-        for name, f in (("sdpa", sdpa), ("eager", eager)):
-            with torch.no_grad():
-                forward = median_ms(lambda: f(q, k, v))
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            both = median_ms(lambda: f(*leaves).sum().backward())
-            print(
-                f"pytorch {torch.__version__} attention {dtype} {name} on {torch.cuda.get_device_name(0)}: "
-                f"forward {forward:.3f} ms, forward+backward {both:.3f} ms"
-            )
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn((1, heads, 1024, width), dtype=dtype, device=dev)
+            k, v = (torch.randn((1, kv_heads, 1024, width), dtype=dtype, device=dev) for _ in range(2))
+            for name, f in (("sdpa", sdpa), ("eager", eager)):
+                with torch.no_grad():
+                    forward = median_ms(lambda: f(q, k, v))
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                both = median_ms(lambda: f(*leaves).sum().backward())
+                print(
+                    f"pytorch {torch.__version__} attention [1, {heads}/{kv_heads}, 1024, {width}] {dtype} "
+                    f"{name} on {torch.cuda.get_device_name(0)}: forward {forward:.3f} ms, "
+                    f"forward+backward {both:.3f} ms"
+                )
 
 
 def gpt2():

@@ -570,9 +570,10 @@ __device__ void attention_tiled_backward_dkv(const AttnGeo& g, T* dk, T* dv, con
     }
 }
 
-// Rows per warp: the forward and query-side kernels hold 256 / W, the key-side kernel 128 / W (it
-// keeps two tiles and two rows per row in shared memory). src/backend/cuda/attention.rs launches
-// ATTN_WARPS times as many rows per block.
+// Rows per warp: 256 / W forward and on the query side (4 at W = 64, 2 at 128; the forward's
+// registers spill at 4 and W = 128), 2 on the key side (two tiles, two own rows and two weights
+// per row: under 48 KiB of shared memory at both widths).
+// src/backend/cuda/attention.rs launches ATTN_WARPS times as many rows per block.
 #define ATTENTION_TILED(T, S, W)                                                                       \
     extern "C" __global__ void __launch_bounds__(ATTN_THREADS)                                         \
         attention_tiled_fwd_w##W##_##S(AttnGeo g, T* out, float* lse, const T* q, const T* k,          \
@@ -590,7 +591,7 @@ __device__ void attention_tiled_backward_dkv(const AttnGeo& g, T* dk, T* dv, con
         attention_tiled_bwd_dkv_w##W##_##S(AttnGeo g, T* dk, T* dv, const T* q, const T* k,            \
                                            const T* v, const T* dout, const float* lse,                \
                                            const float* delta, const i64* lengths, float scale) {      \
-        attention_tiled_backward_dkv<T, W, 128 / W>(g, dk, dv, q, k, v, dout, lse, delta, lengths,     \
+        attention_tiled_backward_dkv<T, W, 2>(g, dk, dv, q, k, v, dout, lse, delta, lengths,     \
                                                     scale);                                            \
     }
 

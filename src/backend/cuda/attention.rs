@@ -84,10 +84,11 @@ fn kernel(pass: Pass, dtype: DType, widest: usize) -> Result<(&'static str, usiz
     };
     if let (Some(d), true) = (tiled_dtype, widest <= 128) {
         let tile_width = if widest <= 64 { 64 } else { 128 };
-        // Rows per warp (`256 / W`, or `128 / W` on the key side), as the kernels' macro sets them.
+        // Rows per warp, as the kernels' macro sets them: `256 / W` forward and on the query
+        // side, 2 on the key side.
         let per_warp = match pass {
-            Pass::Keys => 128 / tile_width,
-            _ => 256 / tile_width,
+            Pass::Forward | Pass::Queries => 256 / tile_width,
+            Pass::Keys => 2,
         };
         let name = TILED[pass as usize][usize::from(tile_width == 128)][d];
         return Ok((name, WARPS * per_warp));
