@@ -755,7 +755,7 @@ fn portable_dot(q: &[i8], scale: &[f32], xq: &[i8], xd: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::super::quant_vnni::Small;
+    use super::super::quant_vnni::{Small, f16_at, horizontal_sum};
     use super::{Activations, BLOCK};
 
     /// Tokens whose accumulators stay in registers during one pass over a weight row.
@@ -858,17 +858,6 @@ mod avx2 {
         let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(bits as i32), spread);
         let select = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
         _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select)
-    }
-
-    /// The `f16` at `at`, widened.
-    ///
-    /// # Safety
-    /// `at` and `at + 1` must be readable; the CPU must have F16C.
-    #[target_feature(enable = "avx2,f16c")]
-    unsafe fn f16_at(at: *const u8) -> f32 {
-        // SAFETY: the caller's contract.
-        let bits = unsafe { u16::from_le_bytes([*at, *at.add(1)]) };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
     /// One Q4_K (`FIVE` false) or Q5_K (`FIVE` true) weight row times every row of the
@@ -1056,14 +1045,6 @@ mod avx2 {
                 sums[t0 + t] = horizontal_sum(acc[t]);
             }
         }
-    }
-
-    /// The sum of the 8 lanes.
-    #[target_feature(enable = "avx2")]
-    fn horizontal_sum(v: __m256) -> f32 {
-        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
     }
 
     /// As `portable_dot`, 32 values per step: `|q| · sign(x, q)` multiplied and paired to 16-bit

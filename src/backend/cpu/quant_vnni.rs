@@ -86,7 +86,7 @@ fn signed_start(q: __m512i) -> __m512i {
 /// # Safety
 /// `at` and `at + 1` must be readable; the CPU must have F16C.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn f16_at(at: *const u8) -> f32 {
+pub(super) unsafe fn f16_at(at: *const u8) -> f32 {
     // SAFETY: the caller's contract.
     let bits = unsafe { u16::from_le_bytes([*at, *at.add(1)]) };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
@@ -513,7 +513,7 @@ unsafe fn row_k4_n<const FIVE: bool, const N: usize>(
 
 /// The sum of the 8 lanes.
 #[target_feature(enable = "avx2")]
-fn horizontal_sum(v: __m256) -> f32 {
+pub(super) fn horizontal_sum(v: __m256) -> f32 {
     let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
     _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
