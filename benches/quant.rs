@@ -82,5 +82,44 @@ fn products(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products);
+/// Weights that no cache holds: one pass over 8 distinct `[8192, 2048]` weights (38-107 MB, past
+/// the 32 MiB L3 of the machines measured), as decoding walks a model's layers. What the in-cache
+/// figures above cannot show: whether a kernel keeps enough of the weight's lines in flight while
+/// its tokens' arithmetic slows the walk.
+fn streamed(c: &mut Criterion) {
+    const LAYERS: usize = 8;
+    let (n, k) = (8192usize, 2048usize);
+    let mut group = c.benchmark_group("quantized_product_streamed");
+    group.sample_size(10);
+    root(Device::Cpu, |s| -> Result<()> {
+        for ty in [
+            QuantType::Q8_0,
+            QuantType::Q4_0,
+            QuantType::Q4_K,
+            QuantType::Q6_K,
+        ] {
+            let ws = (0..LAYERS)
+                .map(|_| weight(s, ty, n, k))
+                .collect::<Result<Vec<_>>>()?;
+            group.throughput(Throughput::Bytes((ws[0].nbytes() * LAYERS) as u64));
+            for m in [1usize, 8] {
+                let x = s.randn(&[m, k])?;
+                let shape = format!("{m}x{k}x{n}x{LAYERS}");
+                group.bench_function(BenchmarkId::new(ty.name(), &shape), |b| {
+                    b.iter(|| {
+                        for w in &ws {
+                            s.scope(|_| black_box(x.matmul_quantized_t(w)).map(drop))
+                                .unwrap()
+                        }
+                    })
+                });
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
+criterion_group!(benches, products, streamed);
 criterion_main!(benches);

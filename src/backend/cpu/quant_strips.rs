@@ -30,6 +30,26 @@ use crate::quant::{QK_K, QuantType};
 
 /// The most tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 16;
+/// How far ahead of the bytes a kernel reads it asks for the strip's lines. Batched decoding
+/// streams weights too large for any cache while its tokens' arithmetic slows the walk: the
+/// hardware prefetcher alone then kept too few lines in flight, and the kernel stalled on the
+/// first loads of every block.
+const PREFETCH: usize = 2048;
+
+/// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at`, when the kernel walks
+/// `tokens` tokens: one token's walk is paced by the memory and the hardware prefetcher keeps up
+/// (decoding one token measured slower with the prefetches). A prefetch never faults, so one past
+/// the strip's end (into the next strip, or past the weight) is harmless and the address is
+/// formed with `wrapping_add`.
+#[target_feature(enable = "sse")]
+fn prefetch_ahead(tokens: usize, at: *const u8, len: usize) {
+    if tokens < 2 {
+        return;
+    }
+    for line in (0..len).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + line).cast());
+    }
+}
 
 /// What the strip kernels read of the tokens besides their levels and scales: `Σ q` per block of
 /// 32 for the formats with a bias (Q4_0, Q5_0, Q8_0), per 16 for Q6_K's; `d · Σ q` per 32 for the
@@ -195,23 +215,53 @@ unsafe fn add_fifth_bits(w: &mut [__m512i; 8], at: *const u8) {
     }
 }
 
-/// `Σ` over 32 values of the 16 rows' levels `w` times the token's levels at `x`, from `start`,
-/// in two chains of four, so that a block is not eight latencies deep.
+/// Most tokens [`dots`] takes at once: their sums, the weight's 8 groups and the callers'
+/// accumulators fill the 32 `zmm`.
+const DOT_TOKENS: usize = 8;
+
+/// For each of the first `tokens` (at most [`DOT_TOKENS`]) tokens `t`, `Σ` over `4 · w.len()`
+/// values of the 16 rows' levels `w` times the token's levels at `x(t)`, from `start(t)`.
+///
+/// Tokens innermost: each group of 4 values meets every token's 4 bytes while its register is
+/// loaded, and the sums are independent chains that stay in registers (a loop over tokens around
+/// whole blocks left the kernels' accumulators on the stack). One token alternates two chains, so
+/// that a block is not eight latencies deep.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F and VNNI; `x..x + 32` must be readable.
+/// The CPU must have AVX-512 F and VNNI; `x(t)..x(t) + 4 · w.len()` must be readable for every
+/// token.
 #[target_feature(enable = "avx512f,avx512vnni")]
-unsafe fn dot32(w: &[__m512i; 8], x: *const i8, start: __m512i) -> __m512i {
-    // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
-    let four = |g: usize| unsafe {
-        _mm512_set1_epi32(std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()))
-    };
-    let (mut even, mut odd) = (start, _mm512_setzero_si512());
-    for g in (0..8).step_by(2) {
-        even = _mm512_dpbusd_epi32(even, w[g], four(g));
-        odd = _mm512_dpbusd_epi32(odd, w[g + 1], four(g + 1));
+#[inline]
+unsafe fn dots(
+    w: &[__m512i],
+    tokens: usize,
+    x: impl Fn(usize) -> *const i8,
+    start: impl Fn(usize) -> __m512i,
+) -> [__m512i; DOT_TOKENS] {
+    let mut dot: [__m512i; DOT_TOKENS] = std::array::from_fn(|t| {
+        if t < tokens {
+            start(t)
+        } else {
+            _mm512_setzero_si512()
+        }
+    });
+    let mut odd = _mm512_setzero_si512();
+    for (g, w) in w.iter().enumerate() {
+        for (t, dot) in dot.iter_mut().enumerate().take(tokens) {
+            // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+            let four = unsafe { std::ptr::read_unaligned(x(t).add(4 * g).cast::<i32>()) };
+            let chain = if tokens == 1 && g % 2 == 1 {
+                &mut odd
+            } else {
+                dot
+            };
+            *chain = _mm512_dpbusd_epi32(*chain, *w, _mm512_set1_epi32(four));
+        }
     }
-    _mm512_add_epi32(even, odd)
+    if tokens == 1 {
+        dot[0] = _mm512_add_epi32(dot[0], odd);
+    }
+    dot
 }
 
 /// The strip of a 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`.
@@ -245,6 +295,7 @@ unsafe fn tokens<const N: usize, F: Small>(
         // `sums`; `loadu` takes any alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
+            prefetch_ahead(N, block, bytes);
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             let levels = block.add(levels_at);
             let mut w = if F::NIBBLES {
@@ -260,19 +311,25 @@ unsafe fn tokens<const N: usize, F: Small>(
             } else {
                 _mm512_setzero_ps()
             };
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let first = (t0 + t) * k + b * BLOCK;
-                let d = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
+            let first = |t: usize| (t0 + t) * k + b * BLOCK;
+            let dot = dots(
+                &w,
+                N,
+                |t| a.q.as_ptr().add(first(t)),
+                |t| {
+                    if F::MINIMUM {
+                        _mm512_setzero_si512()
+                    } else {
+                        _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first(t) / BLOCK))
+                    }
+                },
+            );
+            for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                let d = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, d), *acc);
                 if F::MINIMUM {
-                    let dot = dot32(&w, a.q.as_ptr().add(first), _mm512_setzero_si512());
-                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first / BLOCK));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, d), *acc);
+                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
                     *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
-                } else {
-                    let start =
-                        _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first / BLOCK));
-                    let dot = _mm512_cvtepi32_ps(dot32(&w, a.q.as_ptr().add(first), start));
-                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales, d), *acc);
                 }
             }
         }
@@ -311,6 +368,8 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(32).cast()));
             for s in 0..QK_K / BLOCK {
+                // An eighth of the block per sub-block: the lines of the whole block, spread.
+                prefetch_ahead(N, block.add(s * bytes / 8), bytes / 8 + 1);
                 let bytes16 = |at: usize| {
                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(at + 16 * s).cast(),
@@ -324,13 +383,21 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                 if FIVE {
                     add_fifth_bits(&mut w, levels.add(256));
                 }
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let first = (t0 + t) * k + i * QK_K + s * BLOCK;
-                    let dot = dot32(&w, a.q.as_ptr().add(first), _mm512_setzero_si512());
-                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
-                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first / BLOCK));
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, xd), *acc);
-                    *acc = _mm512_fnmadd_ps(min, xsum, *acc);
+                for (c, acc) in acc.chunks_mut(DOT_TOKENS).enumerate() {
+                    let first = |t: usize| (t0 + c * DOT_TOKENS + t) * k + i * QK_K + s * BLOCK;
+                    let dot = dots(
+                        &w,
+                        acc.len(),
+                        |t| a.q.as_ptr().add(first(t)),
+                        |_| _mm512_setzero_si512(),
+                    );
+                    for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                        let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                        let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
+                        let scale = _mm512_mul_ps(scale, xd);
+                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                        *acc = _mm512_fnmadd_ps(min, xsum, *acc);
+                    }
                 }
             }
         }
@@ -364,6 +431,7 @@ unsafe fn tokens_q6_k<const N: usize>(
             let block = strip.as_ptr().add(i * bytes);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             for c in 0..QK_K / BLOCK {
+                prefetch_ahead(N, block.add(c * bytes / 8), bytes / 8 + 1);
                 let chunk = block.add(288 + 384 * c);
                 let mut w = nibble_groups(chunk);
                 for h in 0..2 {
@@ -386,21 +454,29 @@ unsafe fn tokens_q6_k<const N: usize>(
                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
                 };
                 let (first_scale, second_scale) = (scale(2 * c), scale(2 * c + 1));
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let first = (t0 + t) * k + i * QK_K + c * BLOCK;
-                    let x = a.q.as_ptr().add(first);
+                for (u, acc) in acc.chunks_mut(DOT_TOKENS).enumerate() {
+                    let first = |t: usize| (t0 + u * DOT_TOKENS + t) * k + i * QK_K + c * BLOCK;
+                    // Each half (16 values) from `−32 · Σ x` of its values.
+                    let tokens = acc.len();
                     let half = |h: usize| {
-                        let start = -32 * *sums.levels.get_unchecked(first / 16 + h);
-                        let mut dp = _mm512_set1_epi32(start);
-                        for (g, &w) in w.iter().enumerate().skip(4 * h).take(4) {
-                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
-                            dp = _mm512_dpbusd_epi32(dp, w, _mm512_set1_epi32(four));
-                        }
-                        _mm512_cvtepi32_ps(dp)
+                        dots(
+                            &w[4 * h..4 * h + 4],
+                            tokens,
+                            |t| a.q.as_ptr().add(first(t) + 16 * h),
+                            |t| {
+                                let sum = *sums.levels.get_unchecked(first(t) / 16 + h);
+                                _mm512_set1_epi32(-32 * sum)
+                            },
+                        )
                     };
-                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first / BLOCK));
-                    *acc = _mm512_fmadd_ps(half(0), _mm512_mul_ps(first_scale, xd), *acc);
-                    *acc = _mm512_fmadd_ps(half(1), _mm512_mul_ps(second_scale, xd), *acc);
+                    for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {
+                        let dot = half(h);
+                        for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                            let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                            let dot = _mm512_cvtepi32_ps(dot);
+                            *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
+                        }
+                    }
                 }
             }
         }
