@@ -264,6 +264,20 @@ unsafe fn dots(
     dot
 }
 
+/// `run(first, tokens)` over the `N` tokens of a kernel in chunks [`dots`] takes: with `N`
+/// constant, each call's `tokens` is a constant, so that [`dots`]' loops unroll and its sums stay
+/// in registers (chunks of a slice left them on the stack).
+#[inline(always)]
+fn in_dot_chunks<const N: usize>(mut run: impl FnMut(usize, usize)) {
+    const { assert!(N <= 2 * DOT_TOKENS) };
+    if N <= DOT_TOKENS {
+        run(0, N);
+    } else {
+        run(0, DOT_TOKENS);
+        run(DOT_TOKENS, N - DOT_TOKENS);
+    }
+}
+
 /// The strip of a 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
@@ -383,14 +397,15 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                 if FIVE {
                     add_fifth_bits(&mut w, levels.add(256));
                 }
-                for (c, acc) in acc.chunks_mut(DOT_TOKENS).enumerate() {
-                    let first = |t: usize| (t0 + c * DOT_TOKENS + t) * k + i * QK_K + s * BLOCK;
+                in_dot_chunks::<N>(|c0, tokens| {
+                    let first = |t: usize| (t0 + c0 + t) * k + i * QK_K + s * BLOCK;
                     let dot = dots(
                         &w,
-                        acc.len(),
+                        tokens,
                         |t| a.q.as_ptr().add(first(t)),
                         |_| _mm512_setzero_si512(),
                     );
+                    let acc = &mut acc[c0..c0 + tokens];
                     for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
                         let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
                         let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
@@ -398,7 +413,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                         *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
                         *acc = _mm512_fnmadd_ps(min, xsum, *acc);
                     }
-                }
+                });
             }
         }
     }
@@ -454,10 +469,9 @@ unsafe fn tokens_q6_k<const N: usize>(
                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
                 };
                 let (first_scale, second_scale) = (scale(2 * c), scale(2 * c + 1));
-                for (u, acc) in acc.chunks_mut(DOT_TOKENS).enumerate() {
-                    let first = |t: usize| (t0 + u * DOT_TOKENS + t) * k + i * QK_K + c * BLOCK;
+                in_dot_chunks::<N>(|c0, tokens| {
+                    let first = |t: usize| (t0 + c0 + t) * k + i * QK_K + c * BLOCK;
                     // Each half (16 values) from `−32 · Σ x` of its values.
-                    let tokens = acc.len();
                     let half = |h: usize| {
                         dots(
                             &w[4 * h..4 * h + 4],
@@ -471,13 +485,14 @@ unsafe fn tokens_q6_k<const N: usize>(
                     };
                     for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {
                         let dot = half(h);
+                        let acc = &mut acc[c0..c0 + tokens];
                         for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
                             let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
                             let dot = _mm512_cvtepi32_ps(dot);
                             *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
                         }
                     }
-                }
+                });
             }
         }
     }
