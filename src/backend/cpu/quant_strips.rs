@@ -38,7 +38,7 @@ const PREFETCH: usize = 2048;
 
 /// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at`, when the kernel walks
 /// `tokens` tokens: one token's walk is paced by the memory and the hardware prefetcher keeps up
-/// (decoding one token measured slower with the prefetches). A prefetch never faults, so one past
+/// (the prefetches would only add instructions there). A prefetch never faults, so one past
 /// the strip's end (into the next strip, or past the weight) is harmless and the address is
 /// formed with `wrapping_add`.
 #[target_feature(enable = "sse")]
@@ -238,6 +238,7 @@ unsafe fn dots(
     x: impl Fn(usize) -> *const i8,
     start: impl Fn(usize) -> __m512i,
 ) -> [__m512i; DOT_TOKENS] {
+    debug_assert!(tokens <= DOT_TOKENS);
     let mut dot: [__m512i; DOT_TOKENS] = std::array::from_fn(|t| {
         if t < tokens {
             start(t)
@@ -325,27 +326,32 @@ unsafe fn tokens<const N: usize, F: Small>(
             } else {
                 _mm512_setzero_ps()
             };
-            let first = |t: usize| (t0 + t) * k + b * BLOCK;
-            let dot = dots(
-                &w,
-                N,
-                |t| a.q.as_ptr().add(first(t)),
-                |t| {
+            in_dot_chunks::<N>(|c0, tokens| {
+                let first = |t: usize| (t0 + c0 + t) * k + b * BLOCK;
+                let dot = dots(
+                    &w,
+                    tokens,
+                    |t| a.q.as_ptr().add(first(t)),
+                    |t| {
+                        if F::MINIMUM {
+                            _mm512_setzero_si512()
+                        } else {
+                            let sum = *sums.levels.get_unchecked(first(t) / BLOCK);
+                            _mm512_set1_epi32(-bias * sum)
+                        }
+                    },
+                );
+                let acc = &mut acc[c0..c0 + tokens];
+                for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                    let d = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                    let scale = _mm512_mul_ps(scales, d);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
                     if F::MINIMUM {
-                        _mm512_setzero_si512()
-                    } else {
-                        _mm512_set1_epi32(-bias * *sums.levels.get_unchecked(first(t) / BLOCK))
+                        let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
+                        *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
                     }
-                },
-            );
-            for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
-                let d = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
-                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scales, d), *acc);
-                if F::MINIMUM {
-                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
-                    *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
                 }
-            }
+            });
         }
     }
     store(acc, out);
