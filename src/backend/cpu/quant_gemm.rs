@@ -12,6 +12,7 @@
 
 use std::arch::x86_64::*;
 
+use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK, Row, decode_row};
 use super::quant_vnni::by_token_chunks;
 use crate::quant::QuantType;
@@ -96,19 +97,20 @@ impl Panel {
     }
 }
 
-/// `dst[r · m + t] = x̂_t · ŵ_r` for the panel's first `rows` rows and every token `t` of `a`
-/// (`unsigned`: the tokens' levels plus 128).
+/// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the panel's first `rows` rows and
+/// every token `t` of `a` (`unsigned`: the tokens' levels plus 128).
 ///
 /// # Panics
 /// When the operands do not fit (`k` a multiple of 32, `m` tokens of `k` in `a` and `unsigned`,
-/// `dst` `rows × m`).
+/// the columns `first..first + rows` in `columns`).
 pub(super) fn panel_product(
     panel: &Panel,
     a: &Activations,
     unsigned: &[u8],
     (m, k): (usize, usize),
     rows: usize,
-    dst: &mut [f32],
+    columns: &mut Columns<'_>,
+    first: usize,
 ) {
     assert!(
         k.is_multiple_of(BLOCK)
@@ -118,7 +120,7 @@ pub(super) fn panel_product(
             && a.d.len() >= m * k / BLOCK
             && a.sums.len() >= m * k / HALF
             && rows <= LANES
-            && dst.len() == rows * m,
+            && first + rows <= columns.len(),
         "quantized panel product: operands do not fit their shape"
     );
     by_token_chunks(m, 8, |t0, run| {
@@ -138,9 +140,7 @@ pub(super) fn panel_product(
             }
         }
         for (t, s) in sums.iter().enumerate().take(run) {
-            for (r, &v) in s.iter().enumerate().take(rows) {
-                dst[r * m + t0 + t] = v;
-            }
+            columns.set_run(t0 + t, first, &s[..rows]);
         }
     });
 }

@@ -508,21 +508,25 @@ pub(crate) fn product(
             "quantized product: the strips do not fit their shape"
         );
         let rows_per_task = rows_per_task.div_ceil(STRIP_ROWS) * STRIP_ROWS;
-        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
             // Only the rows past the last strip are decoded: a task of strips allocates nothing.
             let mut row = None;
-            for (p, dst) in dst.chunks_mut(STRIP_ROWS * m).enumerate() {
-                let first = j0 + p * STRIP_ROWS;
+            let (j0, rows) = (columns.first(), columns.len());
+            for c in (0..rows).step_by(STRIP_ROWS) {
+                let first = j0 + c;
                 if first < strip_rows {
                     let at = first / STRIP_ROWS * strip_bytes;
-                    strip_product(ty, &w[at..at + strip_bytes], &a, &sums, (m, k), dst);
+                    let strip = &w[at..at + strip_bytes];
+                    strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c);
                     continue;
                 }
                 // The rows past the last whole strip, stored in row order after the strips.
-                for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
-                    let at = rows_at + (first + r - strip_rows) * row_bytes;
+                let mut sums = vec![0.0; m];
+                for r in c..rows {
+                    let at = rows_at + (j0 + r - strip_rows) * row_bytes;
                     let row = row.get_or_insert_with(|| Row::new(k));
-                    decoded_into_tokens(kernel, ty, &w[at..at + row_bytes], row, &a, sums);
+                    decoded_into_tokens(kernel, ty, &w[at..at + row_bytes], row, &a, &mut sums);
+                    columns.set_column(r, 0, &sums);
                 }
             }
         });
@@ -533,48 +537,52 @@ pub(crate) fn product(
         use super::quant_gemm::{LANES, Panel, panel_product};
         let unsigned = a.unsigned(m * k);
         let rows_per_task = rows_per_task.div_ceil(LANES) * LANES;
-        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
             let (mut panel, mut row) = (Panel::new(k), Row::new(k));
-            for (p, dst) in dst.chunks_mut(LANES * m).enumerate() {
-                let (first, rows) = (j0 + p * LANES, dst.len() / m);
+            let (j0, task_rows) = (columns.first(), columns.len());
+            for c in (0..task_rows).step_by(LANES) {
+                let (first, rows) = (j0 + c, LANES.min(task_rows - c));
                 panel.fill(
                     ty,
                     &w[first * row_bytes..(first + rows) * row_bytes],
                     row_bytes,
                     &mut row,
                 );
-                panel_product(&panel, &a, &unsigned, (m, k), rows, dst);
+                panel_product(&panel, &a, &unsigned, (m, k), rows, &mut columns, c);
             }
         });
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if let Some((vnni, lanes)) = vnni_kernel(kernel, ty, k, &a, m) {
-        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+        super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
             // A group of tokens at a time through all of the task's weight rows, so that a
             // prompt's activations are read from L1 rather than from L2 once per weight row.
+            let mut sums = [0.0; TOKEN_GROUP];
             for t0 in (0..m).step_by(TOKEN_GROUP) {
-                let tokens = TOKEN_GROUP.min(m - t0);
-                for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
-                    let j = j0 + r;
+                let sums = &mut sums[..TOKEN_GROUP.min(m - t0)];
+                for r in 0..columns.len() {
+                    let j = columns.first() + r;
                     let row = &w[j * row_bytes..(j + 1) * row_bytes];
-                    vnni(row, &a, &lanes, k, t0, &mut sums[t0..t0 + tokens]);
+                    vnni(row, &a, &lanes, k, t0, sums);
+                    columns.set_column(r, t0, sums);
                 }
             }
         });
         return;
     }
     let fused = fused_kernel(kernel, ty);
-    super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |j0, dst| {
+    super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
         let mut row = Row::new(if fused.is_some() { 0 } else { k });
-        for (r, sums) in dst.chunks_exact_mut(m).enumerate() {
-            let j = j0 + r;
+        let mut sums = vec![0.0; m];
+        for r in 0..columns.len() {
+            let j = columns.first() + r;
             let stored = &w[j * row_bytes..(j + 1) * row_bytes];
-            if let Some(fused) = fused {
-                fused(stored, &a, k, sums);
-                continue;
+            match fused {
+                Some(fused) => fused(stored, &a, k, &mut sums),
+                None => decoded_into_tokens(kernel, ty, stored, &mut row, &a, &mut sums),
             }
-            decoded_into_tokens(kernel, ty, stored, &mut row, &a, sums);
+            columns.set_column(r, 0, &sums);
         }
     });
 }

@@ -23,6 +23,7 @@
 
 use std::arch::x86_64::*;
 
+use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
 use super::quant_vnni::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Small, by_token_chunks};
 use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
@@ -88,19 +89,20 @@ impl BlockSums {
     }
 }
 
-/// `dst[r · m + t] = x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of `ty`, `k` values per row)
-/// and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
+/// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
+/// `ty`, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
 ///
 /// # Panics
 /// When `ty` has no strips or the operands do not fit (`k` whole blocks of `ty`, `m` tokens of `k`
-/// in `a`, `dst` `16 × m`).
+/// in `a`, the columns `first..first + 16` in `columns`).
 pub(super) fn strip_product(
     ty: QuantType,
     strip: &[u8],
     a: &Activations,
     sums: &BlockSums,
     (m, k): (usize, usize),
-    dst: &mut [f32],
+    columns: &mut Columns<'_>,
+    first: usize,
 ) {
     assert!(
         k.is_multiple_of(ty.block_size())
@@ -108,7 +110,7 @@ pub(super) fn strip_product(
             && a.q.len() >= m * k
             && a.d.len() >= m * k / BLOCK
             && sums.cover(ty, m * k)
-            && dst.len() == STRIP_ROWS * m,
+            && first + STRIP_ROWS <= columns.len(),
         "quantized strip product: operands do not fit their shape"
     );
     assert!(
@@ -154,9 +156,7 @@ pub(super) fn strip_product(
             }
         }
         for (t, s) in out.iter().enumerate().take(run) {
-            for (r, &v) in s.iter().enumerate() {
-                dst[r * m + t0 + t] = v;
-            }
+            columns.set_run(t0 + t, first, s);
         }
     });
 }
