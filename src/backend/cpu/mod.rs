@@ -18,6 +18,8 @@ pub(crate) mod quant_product;
 #[cfg(target_arch = "x86_64")]
 mod quant_strips;
 #[cfg(target_arch = "x86_64")]
+mod quant_strips_avx2;
+#[cfg(target_arch = "x86_64")]
 mod quant_vnni;
 mod reduce;
 mod rotary;

@@ -114,8 +114,10 @@ impl Kernel {
     /// Whether the kernel reads matrices of `ty` in strips (`quant::strips`, `quant_strips`).
     pub(crate) fn reads_strips(self, ty: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
-        if self == Kernel::Avx512Vnni {
-            return crate::quant::strips::has_strips(ty);
+        match self {
+            Kernel::Avx512Vnni => return crate::quant::strips::has_strips(ty),
+            Kernel::Avx2 => return super::quant_strips_avx2::reads(ty),
+            Kernel::Portable => {}
         }
         let _ = ty;
         false
@@ -517,7 +519,19 @@ pub(crate) fn product(
                 if first < strip_rows {
                     let at = first / STRIP_ROWS * strip_bytes;
                     let strip = &w[at..at + strip_bytes];
-                    strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c);
+                    if kernel == Kernel::Avx512Vnni {
+                        strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c);
+                    } else {
+                        super::quant_strips_avx2::strip_product(
+                            ty,
+                            strip,
+                            &a,
+                            &sums,
+                            (m, k),
+                            &mut columns,
+                            c,
+                        );
+                    }
                     continue;
                 }
                 // The rows past the last whole strip, stored in row order after the strips.
@@ -1144,6 +1158,45 @@ mod tests {
             .enumerate()
             .map(|(i, &q)| f64::from(a.d[i / BLOCK]) * f64::from(q))
             .collect()
+    }
+
+    /// Q4_0 levels at their extreme (every nibble 15) against tokens at theirs (every level ±127):
+    /// the kernels that sum byte products in 16 bits (AVX2's `vpmaddubsw`) must not saturate.
+    #[test]
+    fn extreme_q4_0_levels_do_not_saturate_any_kernel() {
+        let (m, k, n) = (2, 64, 16);
+        // d = 1 (f16 0x3c00), then 16 bytes of two nibbles 15: every value 7.
+        let block: Vec<u8> = [0x00, 0x3c].into_iter().chain([0xff; 16]).collect();
+        let w: Vec<u8> = block.repeat(n * k / BLOCK);
+        let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
+        let strips = quant::strips::to_strips(QuantType::Q4_0, &w, n, k);
+        for kernel in Kernel::available() {
+            for (in_strips, w) in [(false, &w), (true, &strips)] {
+                let mut out = vec![0.0f32; m * n];
+                product(
+                    kernel,
+                    QuantType::Q4_0,
+                    in_strips,
+                    &x,
+                    w,
+                    (m, k, n),
+                    &mut out,
+                );
+                for (t, row) in out.chunks_exact(n).enumerate() {
+                    let want = if t == 0 {
+                        7.0 * k as f32
+                    } else {
+                        -7.0 * k as f32
+                    };
+                    for &got in row {
+                        assert!(
+                            (got - want).abs() <= 1e-4 * want.abs(),
+                            "{kernel:?} strips {in_strips} token {t}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -79,6 +79,11 @@ impl BlockSums {
         }
     }
 
+    /// `Σ q` per block of 32 (per 16 for Q6_K), for the formats with a bias.
+    pub(super) fn levels(&self) -> &[i32] {
+        &self.levels
+    }
+
     /// Sums per block of `ty`'s kind, for `m · k` values.
     fn cover(&self, ty: QuantType, values: usize) -> bool {
         match ty {

@@ -1,0 +1,150 @@
+//! Q4_0 products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
+//! `quant_strips` does on AVX-512 VNNI: each 32-bit lane of a `ymm` is one weight row, so a 32-byte
+//! load is 4 levels of 8 rows, and one conversion, multiply and FMA per block scale 8 rows at once.
+//! Semantics as `quant_product`'s (the same rounded activations, exact integer sums per block of
+//! 32, one `f32` scale per block); only the instruction sequence differs.
+//!
+//! Why strips on AVX2 too: the row kernels (`quant_product::avx2::row`) spend about eight
+//! instructions per token, row and block (the token's levels signed by the weight's, two multiply
+//! steps, a conversion, a scale multiplied and broadcast, the FMA), and on a CPU without AVX-512
+//! that is the bound, not the memory: on a 2-core Zen 1, one token of a streamed Q4_0 weight ran at
+//! 6.2 GB/s where Q8_0 (twice the bytes, the same instructions) reached 11.8, and eight tokens cost
+//! 4.7x one. Here a token costs per block of 16 rows its 8 broadcast 4-byte groups, 16 `vpmaddubsw`
+//! and their 16-bit sums, and per 8 rows one widening, one bias, one conversion and one FMA.
+//!
+//! The stored nibbles are unsigned (`q`, value `d · (q − 8)`) and the tokens' levels signed
+//! (`|x| <= 127`), so `vpmaddubsw` multiplies them exactly: a pair of products is at most 2 · 15 ·
+//! 127 = 3,810 in magnitude and a block's 8 pairs per lane at most 30,480, inside an `i16` without
+//! saturation. Each lane then subtracts `8 · Σ x` of the token's block.
+
+use std::arch::x86_64::*;
+
+use super::few_rows::Columns;
+use super::quant_product::{Activations, BLOCK};
+use super::quant_strips::BlockSums;
+use super::quant_vnni::by_token_chunks;
+use crate::quant::QuantType;
+use crate::quant::strips::{STRIP_ROWS, small_strip, strip_block_bytes};
+
+/// Tokens per pass over a strip: the weight's levels are split from their nibbles once for all of
+/// them.
+const TOKENS: usize = 4;
+
+/// Whether this module multiplies `ty`'s strips.
+pub(super) fn reads(ty: QuantType) -> bool {
+    ty == QuantType::Q4_0
+}
+
+/// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a Q4_0
+/// strip, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for Q4_0).
+///
+/// # Panics
+/// When `ty` is not Q4_0, the CPU lacks AVX2, FMA or F16C, or the operands do not fit (`k` whole
+/// blocks, `m` tokens of `k` in `a`, the columns `first..first + 16` in `columns`).
+pub(super) fn strip_product(
+    ty: QuantType,
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    (m, k): (usize, usize),
+    columns: &mut Columns<'_>,
+    first: usize,
+) {
+    assert!(reads(ty), "{ty} has no AVX2 strip kernel");
+    assert!(
+        k.is_multiple_of(BLOCK)
+            && strip.len() == k / BLOCK * strip_block_bytes(ty)
+            && a.q.len() >= m * k
+            && a.d.len() >= m * k / BLOCK
+            && sums.levels().len() >= m * k / BLOCK
+            && first + STRIP_ROWS <= columns.len(),
+        "quantized strip product: operands do not fit their shape"
+    );
+    assert!(
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c"),
+        "the AVX2 strip kernel needs AVX2, FMA and F16C"
+    );
+    by_token_chunks(m, TOKENS, |t0, run| {
+        let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
+        // SAFETY: the CPU has AVX2, FMA and F16C (asserted); the assertions above keep every read
+        // inside the strip and the tokens t0..t0 + run <= m, with their block sums.
+        unsafe {
+            match run {
+                4 => q4_0::<4>(strip, a, sums.levels(), k, t0, &mut out),
+                2 => q4_0::<2>(strip, a, sums.levels(), k, t0, &mut out),
+                _ => q4_0::<1>(strip, a, sums.levels(), k, t0, &mut out),
+            }
+        }
+        for (t, s) in out.iter().enumerate().take(run) {
+            columns.set_run(t0 + t, first, s);
+        }
+    });
+}
+
+/// The Q4_0 strip times tokens `t0..t0 + N` into `out[..N]`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` Q4_0 strip blocks; tokens `t0..t0
+/// + N` lie in `a` (levels and scales) and `levels` (`Σ q` per block of 32).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    levels: &[i32],
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let (_, levels_at, _, bytes) = small_strip(false, false);
+    let low = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    // Rows 0..8 and 8..16 of each token.
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    for b in 0..k / BLOCK {
+        // SAFETY: the caller's contract: strip block `b` is `bytes` bytes at `b · bytes` (the 16
+        // rows' `f16` scales, then four 64-byte nibble groups), and values `32 · b..32 · (b + 1)`
+        // of each token, its scale and its sum, lie in `a` and `levels`; `loadu` takes any
+        // alignment.
+        unsafe {
+            let block = strip.as_ptr().add(b * bytes);
+            for (half, rows) in [0, 8].into_iter().enumerate() {
+                let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
+                // Group c's 32 bytes for these 8 rows: the low nibbles are values 8c..8c + 4 of
+                // each row, the high ones 8c + 4..8c + 8, so level vector i meets values 4i..4i + 4.
+                let w: [__m256i; 8] = std::array::from_fn(|i| {
+                    let v =
+                        _mm256_loadu_si256(block.add(levels_at + 64 * (i / 2) + 4 * rows).cast());
+                    if i % 2 == 0 {
+                        _mm256_and_si256(v, low)
+                    } else {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
+                    }
+                });
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let first = (t0 + t) * k + b * BLOCK;
+                    let x = a.q.as_ptr().add(first);
+                    let mut pairs = _mm256_setzero_si256();
+                    for (i, w) in w.iter().enumerate() {
+                        let four = std::ptr::read_unaligned(x.add(4 * i).cast::<i32>());
+                        let products = _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four));
+                        pairs = _mm256_add_epi16(pairs, products);
+                    }
+                    let bias = _mm256_set1_epi32(8 * *levels.get_unchecked(first / BLOCK));
+                    let dot = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), bias);
+                    let scale =
+                        _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
+                    acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+                }
+            }
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(acc) {
+        // SAFETY: a row of `out` holds 16 floats.
+        unsafe {
+            _mm256_storeu_ps(o.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(o.as_mut_ptr().add(8), acc[1]);
+        }
+    }
+}
