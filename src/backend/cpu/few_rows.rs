@@ -130,7 +130,7 @@ pub(super) fn by_weight_rows(
         columns
             .split(rows_per_task)
             .into_par_iter()
-            .for_each(|task| block(task));
+            .for_each(&block);
     } else {
         block(columns);
     }
