@@ -1160,39 +1160,36 @@ mod tests {
             .collect()
     }
 
-    /// Q4_0 levels at their extreme (every nibble 15) against tokens at theirs (every level ±127):
-    /// the kernels that sum byte products in 16 bits (AVX2's `vpmaddubsw`) must not saturate.
+    /// Q4_0 and Q6_K levels at their extreme (every nibble 15, every 6-bit level 63) against
+    /// tokens at theirs (every level ±127): the kernels that sum byte products in 16 bits (AVX2's
+    /// `vpmaddubsw`) must not saturate.
     #[test]
-    fn extreme_q4_0_levels_do_not_saturate_any_kernel() {
-        let (m, k, n) = (2, 64, 16);
-        // d = 1 (f16 0x3c00), then 16 bytes of two nibbles 15: every value 7.
-        let block: Vec<u8> = [0x00, 0x3c].into_iter().chain([0xff; 16]).collect();
-        let w: Vec<u8> = block.repeat(n * k / BLOCK);
+    fn extreme_levels_do_not_saturate_any_kernel() {
+        let (m, k, n) = (2, 256, 16);
+        // Q4_0: d = 1 (f16 0x3c00), then 16 bytes of two nibbles 15: every value 7. Q6_K: 128
+        // bytes of low nibbles 15, 64 of high bits 3, 16 scales 1, d = 1: every value 31.
+        let q4_0: Vec<u8> = [0x00, 0x3c].into_iter().chain([0xff; 16]).collect();
+        let q6_k: Vec<u8> = [0xff; 192]
+            .into_iter()
+            .chain([1; 16])
+            .chain([0x00, 0x3c])
+            .collect();
         let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
-        let strips = quant::strips::to_strips(QuantType::Q4_0, &w, n, k);
-        for kernel in Kernel::available() {
-            for (in_strips, w) in [(false, &w), (true, &strips)] {
-                let mut out = vec![0.0f32; m * n];
-                product(
-                    kernel,
-                    QuantType::Q4_0,
-                    in_strips,
-                    &x,
-                    w,
-                    (m, k, n),
-                    &mut out,
-                );
-                for (t, row) in out.chunks_exact(n).enumerate() {
-                    let want = if t == 0 {
-                        7.0 * k as f32
-                    } else {
-                        -7.0 * k as f32
-                    };
-                    for &got in row {
-                        assert!(
-                            (got - want).abs() <= 1e-4 * want.abs(),
-                            "{kernel:?} strips {in_strips} token {t}: {got} vs {want}"
-                        );
+        for (ty, block, value) in [(QuantType::Q4_0, q4_0, 7.0), (QuantType::Q6_K, q6_k, 31.0)] {
+            let w: Vec<u8> = block.repeat(n * k / ty.block_size());
+            let strips = quant::strips::to_strips(ty, &w, n, k);
+            for kernel in Kernel::available() {
+                for (in_strips, w) in [(false, &w), (true, &strips)] {
+                    let mut out = vec![0.0f32; m * n];
+                    product(kernel, ty, in_strips, &x, w, (m, k, n), &mut out);
+                    for (t, row) in out.chunks_exact(n).enumerate() {
+                        let want = if t == 0 { value } else { -value } * k as f32;
+                        for &got in row {
+                            assert!(
+                                (got - want).abs() <= 1e-4 * want.abs(),
+                                "{ty} {kernel:?} strips {in_strips} token {t}: {got} vs {want}"
+                            );
+                        }
                     }
                 }
             }

@@ -1,4 +1,4 @@
-//! Q4_0 products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
+//! Q4_0 and Q6_K products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
 //! `quant_strips` does on AVX-512 VNNI: each 32-bit lane of a `ymm` is one weight row, so a 32-byte
 //! load is 4 levels of 8 rows, and one conversion, multiply and FMA per block scale 8 rows at once.
 //! Semantics as `quant_product`'s (the same rounded activations, exact integer sums per block of
@@ -12,10 +12,12 @@
 //! 4.7x one. Here a token costs per block of 16 rows its 8 broadcast 4-byte groups, 16 `vpmaddubsw`
 //! and their 16-bit sums, and per 8 rows one widening, one bias, one conversion and one FMA.
 //!
-//! The stored nibbles are unsigned (`q`, value `d · (q − 8)`) and the tokens' levels signed
-//! (`|x| <= 127`), so `vpmaddubsw` multiplies them exactly: a pair of products is at most 2 · 15 ·
-//! 127 = 3,810 in magnitude and a block's 8 pairs per lane at most 30,480, inside an `i16` without
-//! saturation. Each lane then subtracts `8 · Σ x` of the token's block.
+//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q6_K's 6 bits, value
+//! `(d · sc) · (q − 32)`) and the tokens' levels signed (`|x| <= 127`), so `vpmaddubsw` multiplies
+//! them exactly: a pair of Q4_0 products is at most 2 · 15 · 127 = 3,810 in magnitude and a block's
+//! 8 pairs per lane at most 30,480, inside an `i16` without saturation (Q6_K's pairs, up to 16,002,
+//! are widened two at a time). Each lane then subtracts `8 · Σ x` of the token's block (`32 · Σ x`
+//! of Q6_K's 16 values).
 
 use std::arch::x86_64::*;
 
@@ -23,8 +25,8 @@ use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
 use super::quant_strips::BlockSums;
 use super::quant_vnni::by_token_chunks;
-use crate::quant::QuantType;
 use crate::quant::strips::{STRIP_ROWS, small_strip, strip_block_bytes};
+use crate::quant::{QK_K, QuantType};
 
 /// Tokens per pass over a strip: the weight's levels are split from their nibbles once for all of
 /// them.
@@ -32,15 +34,15 @@ const TOKENS: usize = 4;
 
 /// Whether this module multiplies `ty`'s strips.
 pub(super) fn reads(ty: QuantType) -> bool {
-    ty == QuantType::Q4_0
+    matches!(ty, QuantType::Q4_0 | QuantType::Q6_K)
 }
 
-/// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a Q4_0
-/// strip, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for Q4_0).
+/// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
+/// `ty`, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
 ///
 /// # Panics
-/// When `ty` is not Q4_0, the CPU lacks AVX2, FMA or F16C, or the operands do not fit (`k` whole
-/// blocks, `m` tokens of `k` in `a`, the columns `first..first + 16` in `columns`).
+/// When [`reads`] refuses `ty`, the CPU lacks AVX2, FMA or F16C, or the operands do not fit (`k`
+/// whole blocks, `m` tokens of `k` in `a`, the columns `first..first + 16` in `columns`).
 pub(super) fn strip_product(
     ty: QuantType,
     strip: &[u8],
@@ -52,11 +54,11 @@ pub(super) fn strip_product(
 ) {
     assert!(reads(ty), "{ty} has no AVX2 strip kernel");
     assert!(
-        k.is_multiple_of(BLOCK)
-            && strip.len() == k / BLOCK * strip_block_bytes(ty)
+        k.is_multiple_of(ty.block_size())
+            && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
             && a.q.len() >= m * k
             && a.d.len() >= m * k / BLOCK
-            && sums.levels().len() >= m * k / BLOCK
+            && sums.levels().len() >= m * k / if ty == QuantType::Q6_K { 16 } else { BLOCK }
             && first + STRIP_ROWS <= columns.len(),
         "quantized strip product: operands do not fit their shape"
     );
@@ -71,10 +73,14 @@ pub(super) fn strip_product(
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted); the assertions above keep every read
         // inside the strip and the tokens t0..t0 + run <= m, with their block sums.
         unsafe {
-            match run {
-                4 => q4_0::<4>(strip, a, sums.levels(), k, t0, &mut out),
-                2 => q4_0::<2>(strip, a, sums.levels(), k, t0, &mut out),
-                _ => q4_0::<1>(strip, a, sums.levels(), k, t0, &mut out),
+            let levels = sums.levels();
+            match (ty, run) {
+                (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, &mut out),
+                (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, &mut out),
+                (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, &mut out),
+                (_, 4) => q4_0::<4>(strip, a, levels, k, t0, &mut out),
+                (_, 2) => q4_0::<2>(strip, a, levels, k, t0, &mut out),
+                _ => q4_0::<1>(strip, a, levels, k, t0, &mut out),
             }
         }
         for (t, s) in out.iter().enumerate().take(run) {
@@ -140,6 +146,12 @@ unsafe fn q4_0<const N: usize>(
             }
         }
     }
+    store(acc, out);
+}
+
+/// Each token's two halves of 8 row sums into its row of `out`.
+#[target_feature(enable = "avx")]
+fn store<const N: usize>(acc: [[__m256; 2]; N], out: &mut [[f32; STRIP_ROWS]; TOKENS]) {
     for (o, acc) in out.iter_mut().zip(acc) {
         // SAFETY: a row of `out` holds 16 floats.
         unsafe {
@@ -147,4 +159,89 @@ unsafe fn q4_0<const N: usize>(
             _mm256_storeu_ps(o.as_mut_ptr().add(8), acc[1]);
         }
     }
+}
+
+/// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`: per 32 values, the 6-bit levels of 8
+/// rows put together from their nibbles and two high bits (shared by the tokens), then per token
+/// and 16 values (a scale block) two pairs of `vpmaddubsw` — a pair of products is at most 2 · 63
+/// · 127 = 16,002, two pairs 32,004, inside an `i16` — widened, less `32 · Σ x`, scaled by the
+/// rows' `d · sc` and the token's `d`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q6_K strip blocks; tokens `t0..t0
+/// + N` lie in `a` (levels and scales) and `levels` (`Σ q` per 16 values).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6_k<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    levels: &[i32],
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let bytes = strip_block_bytes(QuantType::Q6_K);
+    let low = _mm256_set1_epi8(0x0f);
+    let high_bits = _mm256_set1_epi8(0x30);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    for i in 0..k / QK_K {
+        // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (the 16
+        // rows' `f16` `d`, 16 × 16 `i8` scales, then per 32 values 256 bytes of nibble groups and
+        // 128 of high bits), and values `256 · i..256 · (i + 1)` of each token, their scales and
+        // sums, lie in `a` and `levels`; `loadu` takes any alignment.
+        unsafe {
+            let block = strip.as_ptr().add(i * bytes);
+            for (half, rows) in [0, 8].into_iter().enumerate() {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
+                for c in 0..QK_K / BLOCK {
+                    let chunk = block.add(288 + 384 * c);
+                    // Level vector g meets values 4g..4g + 4: its nibbles as in Q4_0, its high
+                    // bits at bits 2 (g % 4) of half g / 4 of the high-bit bytes, moved to 4..6.
+                    let w: [__m256i; 8] = std::array::from_fn(|g| {
+                        let v = _mm256_loadu_si256(chunk.add(64 * (g / 2) + 4 * rows).cast());
+                        let nibbles = if g % 2 == 0 {
+                            _mm256_and_si256(v, low)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
+                        };
+                        let h = _mm256_loadu_si256(chunk.add(256 + 64 * (g / 4) + 4 * rows).cast());
+                        let moved = match g % 4 {
+                            0 => _mm256_slli_epi16::<4>(h),
+                            1 => _mm256_slli_epi16::<2>(h),
+                            2 => h,
+                            _ => _mm256_srli_epi16::<2>(h),
+                        };
+                        _mm256_or_si256(nibbles, _mm256_and_si256(moved, high_bits))
+                    });
+                    // The rows' `d · sc` of this chunk's two scale blocks.
+                    let scale = |sub: usize| {
+                        let sc = _mm_loadl_epi64(block.add(32 + 16 * sub + rows).cast());
+                        _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)))
+                    };
+                    let scales = [scale(2 * c), scale(2 * c + 1)];
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let first = (t0 + t) * k + i * QK_K + c * BLOCK;
+                        let x = a.q.as_ptr().add(first);
+                        let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
+                        let product = |g: usize| {
+                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
+                            _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(four))
+                        };
+                        for (h, scale) in scales.iter().enumerate() {
+                            let pair = |g: usize| {
+                                let sum16 = _mm256_add_epi16(product(g), product(g + 1));
+                                _mm256_madd_epi16(sum16, ones)
+                            };
+                            let sum = _mm256_add_epi32(pair(4 * h), pair(4 * h + 2));
+                            let bias = 32 * *levels.get_unchecked(first / 16 + h);
+                            let dot = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias));
+                            let scale = _mm256_mul_ps(*scale, xd);
+                            acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    store(acc, out);
 }
