@@ -84,6 +84,11 @@ impl BlockSums {
         &self.levels
     }
 
+    /// `d · Σ q` per block of 32, for the formats with a minimum.
+    pub(super) fn values(&self) -> &[f32] {
+        &self.values
+    }
+
     /// Sums per block of `ty`'s kind, for `m · k` values.
     fn cover(&self, ty: QuantType, values: usize) -> bool {
         match ty {

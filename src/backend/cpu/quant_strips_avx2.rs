@@ -1,4 +1,4 @@
-//! Q4_0 and Q6_K products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
+//! Q4_0, Q4_K and Q6_K products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
 //! `quant_strips` does on AVX-512 VNNI: each 32-bit lane of a `ymm` is one weight row, so a 32-byte
 //! load is 4 levels of 8 rows, and one conversion, multiply and FMA per block scale 8 rows at once.
 //! Semantics as `quant_product`'s (the same rounded activations, exact integer sums per block of
@@ -12,12 +12,13 @@
 //! 4.7x one. Here a token costs per block of 16 rows its 8 broadcast 4-byte groups, 16 `vpmaddubsw`
 //! and their 16-bit sums, and per 8 rows one widening, one bias, one conversion and one FMA.
 //!
-//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q6_K's 6 bits, value
-//! `(d · sc) · (q − 32)`) and the tokens' levels signed (`|x| <= 127`), so `vpmaddubsw` multiplies
+//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q4_K's, `(d · sc) · q −
+//! dmin · m`; Q6_K's 6 bits, value `(d · sc) · (q − 32)`) and the tokens' levels signed (`|x| <= 127`), so `vpmaddubsw` multiplies
 //! them exactly: a pair of Q4_0 products is at most 2 · 15 · 127 = 3,810 in magnitude and a block's
 //! 8 pairs per lane at most 30,480, inside an `i16` without saturation (Q6_K's pairs, up to 16,002,
 //! are widened two at a time). Each lane then subtracts `8 · Σ x` of the token's block (`32 · Σ x`
-//! of Q6_K's 16 values).
+//! of Q6_K's 16 values; Q4_K's minimums go in through the token's `d · Σ x`, as the other kernels
+//! add them).
 
 use std::arch::x86_64::*;
 
@@ -25,7 +26,7 @@ use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
 use super::quant_strips::BlockSums;
 use super::quant_vnni::by_token_chunks;
-use crate::quant::strips::{STRIP_ROWS, small_strip, strip_block_bytes};
+use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
 
 /// Tokens per pass over a strip: the weight's levels are split from their nibbles once for all of
@@ -34,7 +35,7 @@ const TOKENS: usize = 4;
 
 /// Whether this module multiplies `ty`'s strips.
 pub(super) fn reads(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_0 | QuantType::Q6_K)
+    matches!(ty, QuantType::Q4_0 | QuantType::Q4_K | QuantType::Q6_K)
 }
 
 /// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
@@ -58,7 +59,11 @@ pub(super) fn strip_product(
             && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
             && a.q.len() >= m * k
             && a.d.len() >= m * k / BLOCK
-            && sums.levels().len() >= m * k / if ty == QuantType::Q6_K { 16 } else { BLOCK }
+            && match ty {
+                QuantType::Q4_K => sums.values().len() >= m * k / BLOCK,
+                QuantType::Q6_K => sums.levels().len() >= m * k / 16,
+                _ => sums.levels().len() >= m * k / BLOCK,
+            }
             && first + STRIP_ROWS <= columns.len(),
         "quantized strip product: operands do not fit their shape"
     );
@@ -73,8 +78,11 @@ pub(super) fn strip_product(
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted); the assertions above keep every read
         // inside the strip and the tokens t0..t0 + run <= m, with their block sums.
         unsafe {
-            let levels = sums.levels();
+            let (levels, values) = (sums.levels(), sums.values());
             match (ty, run) {
+                (QuantType::Q4_K, 4) => q4_k::<4>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q4_K, 2) => q4_k::<2>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q4_K, _) => q4_k::<1>(strip, a, values, k, t0, &mut out),
                 (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, &mut out),
@@ -142,6 +150,76 @@ unsafe fn q4_0<const N: usize>(
                     let scale =
                         _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
                     acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+                }
+            }
+        }
+    }
+    store(acc, out);
+}
+
+/// The Q4_K strip times tokens `t0..t0 + N` into `out[..N]`: per sub-block of 32 values, the
+/// nibbles of 8 rows split once for all tokens (as Q4_0's), their `vpmaddubsw` pair sums within an
+/// `i16` as Q4_0's, scaled by the rows' `d · sc` times the token's `d`, less the rows' `dmin · m`
+/// times the token's `d · Σ x`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q4_K strip blocks; tokens `t0..t0
+/// + N` lie in `a` (levels and scales) and `values` (`d · Σ q` per block of 32).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_k<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    values: &[f32],
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let (bytes, stride) = (strip_block_bytes(QuantType::Q4_K), k4_sub_block(false));
+    let low = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    for i in 0..k / QK_K {
+        // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
+        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 × 256 bytes of nibble groups), and values
+        // `256 · i..256 · (i + 1)` of each token, their scales and sums, lie in `a` and `values`;
+        // `loadu` takes any alignment.
+        unsafe {
+            let block = strip.as_ptr().add(i * bytes);
+            for (half, rows) in [0, 8].into_iter().enumerate() {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(32 + 2 * rows).cast()));
+                for s in 0..QK_K / BLOCK {
+                    let bytes8 = |at: usize| {
+                        let b = _mm_loadl_epi64(block.add(at + 16 * s + rows).cast());
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+                    };
+                    // `(d · sc)` and `dmin · m` of the 8 rows, formed as the dequantizer forms them.
+                    let scale = _mm256_mul_ps(d, bytes8(64));
+                    let min = _mm256_mul_ps(dmin, bytes8(192));
+                    let levels = block.add(320 + stride * s);
+                    let w: [__m256i; 8] = std::array::from_fn(|g| {
+                        let v = _mm256_loadu_si256(levels.add(64 * (g / 2) + 4 * rows).cast());
+                        if g % 2 == 0 {
+                            _mm256_and_si256(v, low)
+                        } else {
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
+                        }
+                    });
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let first = (t0 + t) * k + i * QK_K + s * BLOCK;
+                        let x = a.q.as_ptr().add(first);
+                        let mut pairs = _mm256_setzero_si256();
+                        for (g, w) in w.iter().enumerate() {
+                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
+                            let products = _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four));
+                            pairs = _mm256_add_epi16(pairs, products);
+                        }
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                        let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
+                        let xsum = _mm256_set1_ps(*values.get_unchecked(first / BLOCK));
+                        acc[half] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, xd), acc[half]);
+                        acc[half] = _mm256_fnmadd_ps(min, xsum, acc[half]);
+                    }
                 }
             }
         }
