@@ -4,6 +4,7 @@
 llama.cpp's own converter (bf16 and f32) and quantized by its `llama-quantize` to Q8_0, Q4_0,
 Q4_K_M and Q5_K_M -- the same files `llama-bench` is given in BENCHMARKS.md.
 
+    python3 benches/serve_models.py tokenizers   # first: random weights come without a tokenizer
     python3 benches/gguf_files.py LLAMA_CPP_DIR
 
 LLAMA_CPP_DIR is a llama.cpp source tree built with cmake, as for data/gguf/make_gguf.py (whose

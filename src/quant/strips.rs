@@ -1,7 +1,8 @@
 //! A second order for the blocks of a quantized matrix: *strips* of 16 rows whose blocks are
 //! interleaved, so that one 64-byte load holds 4 levels of each of the 16 rows. A CPU whose product
-//! kernel keeps one row per 32-bit lane (AVX-512 VNNI: `vpdpbusd` sums 4 byte products per lane)
-//! then reads its weights in the order it multiplies them, with no decoding step per call and one
+//! kernel keeps one row per 32-bit lane (AVX-512 VNNI: `vpdpbusd` sums 4 byte products per lane;
+//! AVX2: `vpmaddubsw` and `vpmaddwd`, 8 rows per register) then reads its weights in the order it
+//! multiplies them, with no decoding step per call and one
 //! scale step per block for 16 rows; llama.cpp repacks its Q4_0 weights the same way on load for
 //! the same reason.
 //!

@@ -111,7 +111,8 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// Whether the kernel reads matrices of `ty` in strips (`quant::strips`, `quant_strips`).
+    /// Whether the kernel reads matrices of `ty` in strips (`quant::strips`; `quant_strips` on
+    /// AVX-512 VNNI, `quant_strips_avx2` on AVX2).
     pub(crate) fn reads_strips(self, ty: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
         match self {
