@@ -112,8 +112,6 @@ unsafe fn q4_0<const N: usize>(
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
     let (_, levels_at, _, bytes) = small_strip(false, false);
-    let low = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
     // Rows 0..8 and 8..16 of each token.
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     for b in 0..k / BLOCK {
@@ -125,28 +123,11 @@ unsafe fn q4_0<const N: usize>(
             let block = strip.as_ptr().add(b * bytes);
             for (half, rows) in [0, 8].into_iter().enumerate() {
                 let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
-                // Group c's 32 bytes for these 8 rows: the low nibbles are values 8c..8c + 4 of
-                // each row, the high ones 8c + 4..8c + 8, so level vector i meets values 4i..4i + 4.
-                let w: [__m256i; 8] = std::array::from_fn(|i| {
-                    let v =
-                        _mm256_loadu_si256(block.add(levels_at + 64 * (i / 2) + 4 * rows).cast());
-                    if i % 2 == 0 {
-                        _mm256_and_si256(v, low)
-                    } else {
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
-                    }
-                });
+                let w = nibble_levels(block.add(levels_at), rows);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let first = (t0 + t) * k + b * BLOCK;
-                    let x = a.q.as_ptr().add(first);
-                    let mut pairs = _mm256_setzero_si256();
-                    for (i, w) in w.iter().enumerate() {
-                        let four = std::ptr::read_unaligned(x.add(4 * i).cast::<i32>());
-                        let products = _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four));
-                        pairs = _mm256_add_epi16(pairs, products);
-                    }
                     let bias = _mm256_set1_epi32(8 * *levels.get_unchecked(first / BLOCK));
-                    let dot = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), bias);
+                    let dot = _mm256_sub_epi32(nibble_dot(&w, a.q.as_ptr().add(first)), bias);
                     let scale =
                         _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
                     acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
@@ -175,8 +156,6 @@ unsafe fn q4_k<const N: usize>(
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
     let (bytes, stride) = (strip_block_bytes(QuantType::Q4_K), k4_sub_block(false));
-    let low = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
@@ -197,24 +176,10 @@ unsafe fn q4_k<const N: usize>(
                     let scale = _mm256_mul_ps(d, bytes8(64));
                     let min = _mm256_mul_ps(dmin, bytes8(192));
                     let levels = block.add(320 + stride * s);
-                    let w: [__m256i; 8] = std::array::from_fn(|g| {
-                        let v = _mm256_loadu_si256(levels.add(64 * (g / 2) + 4 * rows).cast());
-                        if g % 2 == 0 {
-                            _mm256_and_si256(v, low)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
-                        }
-                    });
+                    let w = nibble_levels(levels, rows);
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let first = (t0 + t) * k + i * QK_K + s * BLOCK;
-                        let x = a.q.as_ptr().add(first);
-                        let mut pairs = _mm256_setzero_si256();
-                        for (g, w) in w.iter().enumerate() {
-                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
-                            let products = _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four));
-                            pairs = _mm256_add_epi16(pairs, products);
-                        }
-                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                        let dot = _mm256_cvtepi32_ps(nibble_dot(&w, a.q.as_ptr().add(first)));
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
                         let xsum = _mm256_set1_ps(*values.get_unchecked(first / BLOCK));
                         acc[half] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, xd), acc[half]);
@@ -225,6 +190,44 @@ unsafe fn q4_k<const N: usize>(
         }
     }
     store(acc, out);
+}
+
+/// The 8 level vectors of 32 values of the 8 rows `rows..rows + 8` (`rows` 0 or 8) from the four
+/// 64-byte nibble groups at `at`: group c's low nibbles are values 8c..8c + 4 of each row, its high
+/// ones 8c + 4..8c + 8, so vector g holds values 4g..4g + 4.
+///
+/// # Safety
+/// The CPU must have AVX2; `at..at + 256` must be readable.
+#[target_feature(enable = "avx2")]
+unsafe fn nibble_levels(at: *const u8, rows: usize) -> [__m256i; 8] {
+    let low = _mm256_set1_epi8(0x0f);
+    std::array::from_fn(|g| {
+        // SAFETY: the caller's contract (the last load ends at 64 · 3 + 4 · 8 + 32 = 256);
+        // `loadu` takes any alignment.
+        let v = unsafe { _mm256_loadu_si256(at.add(64 * (g / 2) + 4 * rows).cast()) };
+        if g % 2 == 0 {
+            _mm256_and_si256(v, low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
+        }
+    })
+}
+
+/// Per row (32-bit lane), `Σ` over 32 values of the nibble levels `w` times the token's levels at
+/// `x`: the 16-bit pair sums of all 8 vectors added before widening (at most 8 · 2 · 15 · 127 =
+/// 30,480: no saturation).
+///
+/// # Safety
+/// The CPU must have AVX2; `x..x + 32` must be readable.
+#[target_feature(enable = "avx2")]
+unsafe fn nibble_dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
+    let mut pairs = _mm256_setzero_si256();
+    for (g, w) in w.iter().enumerate() {
+        // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+        let four = unsafe { std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()) };
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four)));
+    }
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
 }
 
 /// Each token's two halves of 8 row sums into its row of `out`.
@@ -258,7 +261,6 @@ unsafe fn q6_k<const N: usize>(
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
     let bytes = strip_block_bytes(QuantType::Q6_K);
-    let low = _mm256_set1_epi8(0x0f);
     let high_bits = _mm256_set1_epi8(0x30);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
@@ -275,13 +277,8 @@ unsafe fn q6_k<const N: usize>(
                     let chunk = block.add(288 + 384 * c);
                     // Level vector g meets values 4g..4g + 4: its nibbles as in Q4_0, its high
                     // bits at bits 2 (g % 4) of half g / 4 of the high-bit bytes, moved to 4..6.
+                    let nibbles = nibble_levels(chunk, rows);
                     let w: [__m256i; 8] = std::array::from_fn(|g| {
-                        let v = _mm256_loadu_si256(chunk.add(64 * (g / 2) + 4 * rows).cast());
-                        let nibbles = if g % 2 == 0 {
-                            _mm256_and_si256(v, low)
-                        } else {
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
-                        };
                         let h = _mm256_loadu_si256(chunk.add(256 + 64 * (g / 4) + 4 * rows).cast());
                         let moved = match g % 4 {
                             0 => _mm256_slli_epi16::<4>(h),
@@ -289,7 +286,7 @@ unsafe fn q6_k<const N: usize>(
                             2 => h,
                             _ => _mm256_srli_epi16::<2>(h),
                         };
-                        _mm256_or_si256(nibbles, _mm256_and_si256(moved, high_bits))
+                        _mm256_or_si256(nibbles[g], _mm256_and_si256(moved, high_bits))
                     });
                     // The rows' `d · sc` of this chunk's two scale blocks.
                     let scale = |sub: usize| {
