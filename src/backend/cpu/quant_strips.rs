@@ -99,6 +99,26 @@ impl BlockSums {
     }
 }
 
+/// Whether a strip product's operands fit their shape: `k` whole blocks of `ty`, the strip's
+/// blocks, `m` tokens of `k` in `a` with their sums for `ty`, and the columns `first..first + 16`
+/// in `columns` (the AVX-512 and AVX2 strip kernels' common contract).
+pub(super) fn operands_fit(
+    ty: QuantType,
+    strip: &[u8],
+    a: &Activations,
+    sums: &BlockSums,
+    (m, k): (usize, usize),
+    columns: &Columns<'_>,
+    first: usize,
+) -> bool {
+    k.is_multiple_of(ty.block_size())
+        && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
+        && a.q.len() >= m * k
+        && a.d.len() >= m * k / BLOCK
+        && sums.cover(ty, m * k)
+        && first + STRIP_ROWS <= columns.len()
+}
+
 /// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
 /// `ty`, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
 ///
@@ -115,12 +135,7 @@ pub(super) fn strip_product(
     first: usize,
 ) {
     assert!(
-        k.is_multiple_of(ty.block_size())
-            && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
-            && a.q.len() >= m * k
-            && a.d.len() >= m * k / BLOCK
-            && sums.cover(ty, m * k)
-            && first + STRIP_ROWS <= columns.len(),
+        operands_fit(ty, strip, a, sums, (m, k), columns, first),
         "quantized strip product: operands do not fit their shape"
     );
     assert!(

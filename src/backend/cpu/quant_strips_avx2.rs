@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 
 use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
-use super::quant_strips::BlockSums;
+use super::quant_strips::{BlockSums, operands_fit};
 use super::quant_vnni::by_token_chunks;
 use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
@@ -55,16 +55,7 @@ pub(super) fn strip_product(
 ) {
     assert!(reads(ty), "{ty} has no AVX2 strip kernel");
     assert!(
-        k.is_multiple_of(ty.block_size())
-            && strip.len() == k / ty.block_size() * strip_block_bytes(ty)
-            && a.q.len() >= m * k
-            && a.d.len() >= m * k / BLOCK
-            && match ty {
-                QuantType::Q4_K => sums.values().len() >= m * k / BLOCK,
-                QuantType::Q6_K => sums.levels().len() >= m * k / 16,
-                _ => sums.levels().len() >= m * k / BLOCK,
-            }
-            && first + STRIP_ROWS <= columns.len(),
+        operands_fit(ty, strip, a, sums, (m, k), columns, first),
         "quantized strip product: operands do not fit their shape"
     );
     assert!(
