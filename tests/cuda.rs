@@ -107,6 +107,47 @@ fn agree(name: &str, tol: f64, case: &Case) {
     }
 }
 
+/// Checks a quantized model's outputs (rows of logits) against the host's on every device.
+///
+/// A quantized product rounds its activations to 8 bits per block of 32, so a value that falls
+/// within a last bit of a half step rounds to neighbouring levels on two devices whose sums differ
+/// in that bit (one such flip was seen: -1.7843042e-3 against -1.7843125e-3 on a step of
+/// 3.5686493e-3). From that layer on, that token's logits differ by a few thousandths of their
+/// range. So: every row agrees within `1e-4`, except at most one row in eight, which must agree
+/// within 2 % of its largest logit. A wrong kernel (a scale, a block, an offset) moves every row.
+fn agree_quantized(name: &str, case: &Case) {
+    let host = run_on(Device::Cpu, case).unwrap_or_else(|e| panic!("{name} on the host: {e}"));
+    for device in devices().into_iter().skip(1) {
+        let got = run_on(device, case).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
+        assert_eq!(got.len(), host.len(), "{name}: output count on {device}");
+        for (k, ((hs, hv), (gs, gv))) in host.iter().zip(&got).enumerate() {
+            assert_eq!(hs, gs, "{name}: shape of output {k} on {device}");
+            let width = *hs.last().expect("logits have a vocabulary axis");
+            let rows = hv.len() / width;
+            let mut flipped = Vec::new();
+            for (r, (h, g)) in hv.chunks(width).zip(gv.chunks(width)).enumerate() {
+                let range = h.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                let mut exact = true;
+                for (i, (h, g)) in h.iter().zip(g).enumerate() {
+                    let d = (h - g).abs();
+                    exact &= d <= 1e-4 * (1.0 + h.abs());
+                    assert!(
+                        d <= 0.02 * range,
+                        "{name}: output {k} row {r} [{i}] is {g} on {device}, {h} on the host"
+                    );
+                }
+                if !exact {
+                    flipped.push(r);
+                }
+            }
+            assert!(
+                flipped.len() <= rows.div_ceil(8),
+                "{name}: output {k}: rows {flipped:?} of {rows} differ beyond 1e-4 on {device}"
+            );
+        }
+    }
+}
+
 /// Fused attention of `q`, `k`, `v` under `spec` and `lengths`, and the gradients of a random
 /// weighting of its output (in the operands' dtype): `[out, dq, dk, dv]`.
 fn attention_and_gradients<'s>(
@@ -1566,8 +1607,10 @@ fn quantized_products_agree_with_the_host() {
     }
 }
 
-/// A GGUF file's Llama computing on its quantized blocks on the GPU (Q4_K_M: Q4_K and Q6_K
-/// matrices) gives the host's logits, over a whole sequence and decoding against a cache.
+/// A GGUF file's Llama computing on its quantized blocks on the GPU (the tiny model's rows of 64
+/// and 176 values keep llama.cpp from K-quants: its Q4_K_M file holds Q5_0, Q8_0 and F16
+/// matrices) gives the host's logits, over a whole sequence and decoding against a cache, but for
+/// the activation rounding flips [`agree_quantized`] allows.
 #[test]
 fn a_quantized_llama_agrees_with_the_host() {
     use ndscope::kv::{CausalLm, KvPool};
@@ -1576,7 +1619,7 @@ fn a_quantized_llama_agrees_with_the_host() {
         "data/gguf/llama-tiny-Q4_K_M.gguf",
         "data/gguf/llama-tiny-Q8_0.gguf",
     ] {
-        agree(file, 1e-4, &move |s| {
+        agree_quantized(file, &move |s| {
             let llama = Llama::from_gguf_quantized(s, file, DType::F32)?;
             let ids: Vec<i64> = (0..24).map(|i| (i * 37 % 1000) as i64).collect();
             let tape = Tape::new(s);
