@@ -86,25 +86,33 @@ fn run_on(device: Device, case: &Case) -> Result<Vec<(Vec<usize>, Vec<f64>)>> {
     })
 }
 
-/// Checks that `case` gives the host's results on every device, within `tol` (relative, plus the
-/// same absolute floor).
-fn agree(name: &str, tol: f64, case: &Case) {
+/// Runs `case` on the host and on every other device, and hands each device's outputs with the
+/// host's to `check(device, output, shape, host, got)`, after checking their count and shapes.
+fn against_host(name: &str, case: &Case, check: impl Fn(Device, usize, &[usize], &[f64], &[f64])) {
     let host = run_on(Device::Cpu, case).unwrap_or_else(|e| panic!("{name} on the host: {e}"));
     for device in devices().into_iter().skip(1) {
         let got = run_on(device, case).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
         assert_eq!(got.len(), host.len(), "{name}: output count on {device}");
         for (k, ((hs, hv), (gs, gv))) in host.iter().zip(&got).enumerate() {
             assert_eq!(hs, gs, "{name}: shape of output {k} on {device}");
-            for (i, (h, g)) in hv.iter().zip(gv).enumerate() {
-                let close =
-                    (h.is_nan() && g.is_nan()) || h == g || (h - g).abs() <= tol * (1.0 + h.abs());
-                assert!(
-                    close,
-                    "{name}: output {k}[{i}] is {g} on {device}, {h} on the host"
-                );
-            }
+            check(device, k, hs, hv, gv);
         }
     }
+}
+
+/// Checks that `case` gives the host's results on every device, within `tol` (relative, plus the
+/// same absolute floor).
+fn agree(name: &str, tol: f64, case: &Case) {
+    against_host(name, case, |device, k, _, hv, gv| {
+        for (i, (h, g)) in hv.iter().zip(gv).enumerate() {
+            let close =
+                (h.is_nan() && g.is_nan()) || h == g || (h - g).abs() <= tol * (1.0 + h.abs());
+            assert!(
+                close,
+                "{name}: output {k}[{i}] is {g} on {device}, {h} on the host"
+            );
+        }
+    });
 }
 
 /// Checks a quantized model's outputs (rows of logits) against the host's on every device.
@@ -116,36 +124,30 @@ fn agree(name: &str, tol: f64, case: &Case) {
 /// range. So: every row agrees within `1e-4`, except at most one row in eight, which must agree
 /// within 2 % of its largest logit. A wrong kernel (a scale, a block, an offset) moves every row.
 fn agree_quantized(name: &str, case: &Case) {
-    let host = run_on(Device::Cpu, case).unwrap_or_else(|e| panic!("{name} on the host: {e}"));
-    for device in devices().into_iter().skip(1) {
-        let got = run_on(device, case).unwrap_or_else(|e| panic!("{name} on {device}: {e}"));
-        assert_eq!(got.len(), host.len(), "{name}: output count on {device}");
-        for (k, ((hs, hv), (gs, gv))) in host.iter().zip(&got).enumerate() {
-            assert_eq!(hs, gs, "{name}: shape of output {k} on {device}");
-            let width = *hs.last().expect("logits have a vocabulary axis");
-            let rows = hv.len() / width;
-            let mut flipped = Vec::new();
-            for (r, (h, g)) in hv.chunks(width).zip(gv.chunks(width)).enumerate() {
-                let range = h.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-                let mut exact = true;
-                for (i, (h, g)) in h.iter().zip(g).enumerate() {
-                    let d = (h - g).abs();
-                    exact &= d <= 1e-4 * (1.0 + h.abs());
-                    assert!(
-                        d <= 0.02 * range,
-                        "{name}: output {k} row {r} [{i}] is {g} on {device}, {h} on the host"
-                    );
-                }
-                if !exact {
-                    flipped.push(r);
-                }
+    against_host(name, case, |device, k, shape, hv, gv| {
+        let width = *shape.last().expect("logits have a vocabulary axis");
+        let rows = hv.len() / width;
+        let mut flipped = Vec::new();
+        for (r, (h, g)) in hv.chunks(width).zip(gv.chunks(width)).enumerate() {
+            let range = h.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            let mut exact = true;
+            for (i, (h, g)) in h.iter().zip(g).enumerate() {
+                let d = (h - g).abs();
+                exact &= d <= 1e-4 * (1.0 + h.abs());
+                assert!(
+                    d <= 0.02 * range,
+                    "{name}: output {k} row {r} [{i}] is {g} on {device}, {h} on the host"
+                );
             }
-            assert!(
-                flipped.len() <= rows.div_ceil(8),
-                "{name}: output {k}: rows {flipped:?} of {rows} differ beyond 1e-4 on {device}"
-            );
+            if !exact {
+                flipped.push(r);
+            }
         }
-    }
+        assert!(
+            flipped.len() <= rows.div_ceil(8),
+            "{name}: output {k}: rows {flipped:?} of {rows} differ beyond 1e-4 on {device}"
+        );
+    });
 }
 
 /// Fused attention of `q`, `k`, `v` under `spec` and `lengths`, and the gradients of a random
