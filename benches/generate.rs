@@ -11,17 +11,15 @@
 mod common;
 
 use std::hint::black_box;
-use std::path::Path;
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use ndscope::kv::{CausalLm, KvPool};
-use ndscope::models::{Gpt2, Gpt2Config};
+use ndscope::models::Gpt2;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
 use ndscope::{DType, Device, Result, root};
 
 const TINY: &str = "data/gpt2-tiny";
-const SMALL: &str = "target/gpt2-small-random";
 
 /// The prompt of `benches/generate_reference.py`: 16 token ids.
 fn prompt(len: usize, vocab: i64) -> Vec<i64> {
@@ -76,24 +74,13 @@ fn tiny(c: &mut Criterion) {
     group.finish();
 }
 
-/// Writes GPT-2 small with random weights unless it is there (as `benches/gpt2.rs` does).
-fn ensure_small() -> Result<()> {
-    if Path::new(SMALL).join("model.safetensors").is_file() {
-        return Ok(());
-    }
-    root(Device::Cpu, |s| {
-        s.set_seed(7);
-        Gpt2::new(s, Gpt2Config::new(50257, 1024, 768, 12, 12))?.save_pretrained(SMALL)
-    })
-}
-
 fn small(c: &mut Criterion) {
-    ensure_small().unwrap();
+    common::ensure_gpt2_small().unwrap();
     let mut group = c.benchmark_group("decode_gpt2_small");
     group.sample_size(20);
     group.measurement_time(Duration::from_secs(10));
     root(Device::Cpu, |m| -> Result<()> {
-        let gpt2 = Gpt2::from_pretrained(m, SMALL, DType::F32)?;
+        let gpt2 = Gpt2::from_pretrained(m, common::GPT2_SMALL, DType::F32)?;
         let pool = KvPool::for_tokens(m, gpt2.kv_shape(), 16, 16 * 256)?;
         let p = prompt(128, 50257);
         m.scope(|session| -> Result<()> {

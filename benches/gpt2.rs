@@ -12,33 +12,16 @@
 mod common;
 
 use std::hint::black_box;
-use std::path::Path;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use ndscope::models::{Gpt2, Gpt2Config};
+use ndscope::models::Gpt2;
 use ndscope::{DType, Device, Result, root};
 
-const DIR: &str = "target/gpt2-small-random";
-
-/// GPT-2 small's configuration (`GPT2Config()` in transformers).
-fn small() -> Gpt2Config {
-    Gpt2Config::new(50257, 1024, 768, 12, 12)
-}
-
-/// Writes the random checkpoint unless it is there.
-fn ensure_checkpoint() -> Result<()> {
-    if Path::new(DIR).join("model.safetensors").is_file() {
-        return Ok(());
-    }
-    root(Device::Cpu, |s| {
-        s.set_seed(7);
-        Gpt2::new(s, small())?.save_pretrained(DIR)
-    })
-}
+const DIR: &str = common::GPT2_SMALL;
 
 fn gpt2(c: &mut Criterion) {
-    ensure_checkpoint().unwrap();
+    common::ensure_gpt2_small().unwrap();
     let mut group = c.benchmark_group("gpt2_small");
     group.sample_size(10);
     group.measurement_time(Duration::from_secs(20));

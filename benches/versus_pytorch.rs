@@ -17,35 +17,21 @@
 mod common;
 
 use std::io::{BufRead, Write};
-use std::path::Path;
 use std::time::Instant;
 
 use ndscope::kv::{CausalLm, KvPool};
-use ndscope::models::{Gpt2, Gpt2Config};
+use ndscope::models::Gpt2;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
-use ndscope::{AttentionSpec, DType, Device, Result, Scope, root};
+use ndscope::{AttentionSpec, DType, Device, Scope, root};
 
 /// What the bench's functions return: a library error, or a row it does not know.
 type Outcome<T> = std::result::Result<T, Box<dyn std::error::Error>>;
-
-const DIR: &str = "target/gpt2-small-random";
 
 /// The prompt of every decoding row: 16 token ids (request `i` starts with token `i`).
 fn prompt(request: i64) -> Vec<i64> {
     let mut p: Vec<i64> = (0..16).map(|i| (i * 7919 + 13) % 50257).collect();
     p[0] = request;
     p
-}
-
-/// Writes GPT-2 small with random weights unless it is there (as `benches/gpt2.rs` does).
-fn ensure_checkpoint() -> Result<()> {
-    if Path::new(DIR).join("model.safetensors").is_file() {
-        return Ok(());
-    }
-    root(Device::Cpu, |s| {
-        s.set_seed(7);
-        Gpt2::new(s, Gpt2Config::new(50257, 1024, 768, 12, 12))?.save_pretrained(DIR)
-    })
 }
 
 /// One run of `row`: what it computed.
@@ -93,16 +79,19 @@ fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Out
                 })?;
             }
             let done = engine.run(m, |_| {})?;
-            Ok(done.iter().map(|d| d.generation.tokens.len()).sum::<usize>() as f64)
+            Ok(done
+                .iter()
+                .map(|d| d.generation.tokens.len())
+                .sum::<usize>() as f64)
         }
         _ => Err(unknown().into()),
     }
 }
 
 fn main() -> Outcome<()> {
-    ensure_checkpoint()?;
+    common::ensure_gpt2_small()?;
     root(Device::Cpu, |m| -> Outcome<()> {
-        let model = Gpt2::from_pretrained(m, DIR, DType::F32)?;
+        let model = Gpt2::from_pretrained(m, common::GPT2_SMALL, DType::F32)?;
         let pool = KvPool::for_tokens(m, model.kv_shape(), 16, 8 * (16 + 128))?;
         let mut warm = std::collections::HashSet::new();
         let stdout = std::io::stdout();

@@ -5,6 +5,26 @@ use ndscope::nn::{Mode, Module, Sequential};
 use ndscope::optim::{Adam, Optimizer};
 use ndscope::{Result, Scope, Tape, Tensor};
 
+/// GPT-2 small with random weights (seed 7), the checkpoint the GPT-2 benches and their PyTorch
+/// scripts read.
+pub const GPT2_SMALL: &str = "target/gpt2-small-random";
+
+/// Writes [`GPT2_SMALL`] unless it is there.
+pub fn ensure_gpt2_small() -> Result<()> {
+    use ndscope::models::{Gpt2, Gpt2Config};
+    if std::path::Path::new(GPT2_SMALL)
+        .join("model.safetensors")
+        .is_file()
+    {
+        return Ok(());
+    }
+    ndscope::root(ndscope::Device::Cpu, |s| {
+        s.set_seed(7);
+        // GPT-2 small's configuration (`GPT2Config()` in transformers).
+        Gpt2::new(s, Gpt2Config::new(50257, 1024, 768, 12, 12))?.save_pretrained(GPT2_SMALL)
+    })
+}
+
 /// Twenty elementwise ops, each producing a new temporary; `tanh` swaps one op of each group of four
 /// for a transcendental one.
 pub fn chain<'s>(x: &Tensor<'s>, tanh: bool) -> Result<Tensor<'s>> {
