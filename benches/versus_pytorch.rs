@@ -1,6 +1,6 @@
 //! ndscope's side of `benches/versus_pytorch.py`, the one command that prints the table of
-//! ndscope against PyTorch on the machine at hand (issue 37): GPT-2 small (random weights, the
-//! checkpoint `benches/gpt2.rs` writes) forward and forward+backward at 128 and 1,024 tokens, f32
+//! ndscope against PyTorch on the machine at hand (issue 37): GPT-2 small (random weights,
+//! `common::GPT2_SMALL`) forward and forward+backward at 128 and 1,024 tokens, f32
 //! and bf16 autocast; fused causal attention `[1, 12, 1024, 64]` in f32 and bf16; greedy decoding of
 //! 128 tokens after a 16-token prompt, one request and eight batched.
 //!
@@ -64,16 +64,16 @@ fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Out
             Ok(sum.into())
         }
         "decode" => {
-            let batch: i64 = arg.parse().map_err(|_| unknown())?;
+            let batch: usize = arg.parse().map_err(|_| unknown())?;
             let options = GenerateOptions::greedy(128);
             if batch == 1 {
                 let out = generate(model, m, pool, &prompt(0), &options)?;
                 return Ok(out.tokens.len() as f64);
             }
-            let mut engine = Engine::new(model, pool, EngineConfig { max_batch: 8 });
+            let mut engine = Engine::new(model, pool, EngineConfig { max_batch: batch });
             for i in 0..batch {
                 engine.submit(Request {
-                    prompt: prompt(i),
+                    prompt: prompt(i as i64),
                     options: options.clone(),
                     arrival: 0,
                 })?;
