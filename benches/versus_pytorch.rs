@@ -7,8 +7,10 @@
 //! It is driven over stdin so that the script can alternate the two sides run by run: each line
 //! names a row (`forward/128`, `forward_backward_bf16/1024`, `attention/bf16`, `decode/8`, …), and
 //! the answer is one line `ROW SECONDS VALUE` (the wall time of one run, and what it computed: the
-//! loss, the sum of the last position's logits, or the tokens generated). A row's first request also
-//! runs it once untimed, as a warm-up. Run by hand:
+//! loss, the sum of the last position's logits, the sum of the attention's output, or the tokens
+//! generated). The time covers what PyTorch's side times: a whole pass or generation, and for the
+//! attention rows the attention alone (its random inputs are made and cast before the clock
+//! starts). A row's first request also runs it once untimed, as a warm-up. Run by hand:
 //!
 //! ```text
 //! echo forward/128 | RAYON_NUM_THREADS=2 cargo bench --bench versus_pytorch
@@ -34,8 +36,10 @@ fn prompt(request: i64) -> Vec<i64> {
     p
 }
 
-/// One run of `row`: what it computed.
-fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Outcome<f64> {
+/// One run of `row`: its timed seconds and what it computed.
+fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Outcome<(f64, f64)> {
+    let start = Instant::now();
+    let seconds = |start: Instant| start.elapsed().as_secs_f64();
     let unknown = || format!("versus_pytorch: no row named {row:?}");
     let (name, arg) = row.split_once('/').ok_or_else(unknown)?;
     let bf16 = |name: &str| name.ends_with("_bf16");
@@ -45,7 +49,8 @@ fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Out
             let ids: Vec<i64> = (0..len).map(|i| (i * 7919) % 50257).collect();
             let autocast = bf16(name).then_some(DType::BF16);
             let backward = name.starts_with("forward_backward");
-            Ok(common::gpt2_pass(m, model, &ids, autocast, backward)?.into())
+            let loss = common::gpt2_pass(m, model, &ids, autocast, backward)?;
+            Ok((seconds(start), loss.into()))
         }
         "attention" => {
             let dtype = match arg {
@@ -53,22 +58,25 @@ fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Out
                 "bf16" => DType::BF16,
                 _ => return Err(unknown().into()),
             };
-            let sum = m.scope(|s| {
+            let timed = m.scope(|s| -> ndscope::Result<(f64, f64)> {
                 s.set_seed(3);
                 let shape = [1, 12, 1024, 64];
                 let qkv = [s.randn(&shape)?, s.randn(&shape)?, s.randn(&shape)?];
                 let [q, k, v] = qkv.map(|t| t.to_dtype(dtype));
-                let out = q?.attention(&k?, &v?, AttentionSpec::CAUSAL, None)?;
-                out.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()
+                let (q, k, v) = (q?, k?, v?);
+                let start = Instant::now();
+                let out = q.attention(&k, &v, AttentionSpec::CAUSAL, None)?;
+                let sum = out.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+                Ok((seconds(start), sum.into()))
             })?;
-            Ok(sum.into())
+            Ok(timed)
         }
         "decode" => {
             let batch: usize = arg.parse().map_err(|_| unknown())?;
             let options = GenerateOptions::greedy(128);
             if batch == 1 {
                 let out = generate(model, m, pool, &prompt(0), &options)?;
-                return Ok(out.tokens.len() as f64);
+                return Ok((seconds(start), out.tokens.len() as f64));
             }
             let mut engine = Engine::new(model, pool, EngineConfig { max_batch: batch });
             for i in 0..batch {
@@ -79,10 +87,11 @@ fn run<'m>(m: &Scope<'m>, model: &Gpt2<'m>, pool: &KvPool<'m>, row: &str) -> Out
                 })?;
             }
             let done = engine.run(m, |_| {})?;
-            Ok(done
+            let tokens = done
                 .iter()
                 .map(|d| d.generation.tokens.len())
-                .sum::<usize>() as f64)
+                .sum::<usize>();
+            Ok((seconds(start), tokens as f64))
         }
         _ => Err(unknown().into()),
     }
@@ -104,9 +113,7 @@ fn main() -> Outcome<()> {
             if warm.insert(row.to_string()) {
                 run(m, &model, &pool, row)?;
             }
-            let start = Instant::now();
-            let value = run(m, &model, &pool, row)?;
-            let seconds = start.elapsed().as_secs_f64();
+            let (seconds, value) = run(m, &model, &pool, row)?;
             let mut out = stdout.lock();
             writeln!(out, "{row} {seconds:.6} {value}")?;
             out.flush()?;
