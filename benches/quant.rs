@@ -96,6 +96,7 @@ fn streamed(c: &mut Criterion) {
             QuantType::Q8_0,
             QuantType::Q4_0,
             QuantType::Q4_K,
+            QuantType::Q5_K,
             QuantType::Q6_K,
         ] {
             let ws = (0..LAYERS)

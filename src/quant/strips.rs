@@ -226,8 +226,10 @@ fn pack_block(ty: QuantType, r: usize, src: &[u8], dst: &mut [u8]) {
         }
         QuantType::Q8_0 => {
             dst[2 * r..2 * r + 2].copy_from_slice(&src[..2]);
-            for v in 0..32 {
-                dst[32 + (v / 4) * 64 + 4 * r + v % 4] = src[2 + v] ^ 0x80;
+            // Values 4g..4g + 4 go to group g as one 4-byte word, each level plus 128.
+            for (g, four) in src[2..34].chunks_exact(4).enumerate() {
+                let word = u32::from_le_bytes([four[0], four[1], four[2], four[3]]) ^ 0x8080_8080;
+                dst[32 + 64 * g + 4 * r..][..4].copy_from_slice(&word.to_le_bytes());
             }
         }
         QuantType::Q4_K | QuantType::Q5_K => {

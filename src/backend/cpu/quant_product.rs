@@ -1161,9 +1161,10 @@ mod tests {
             .collect()
     }
 
-    /// Q4_0 and Q6_K levels at their extreme (every nibble 15, every 6-bit level 63) against
-    /// tokens at theirs (every level ±127): the kernels that sum byte products in 16 bits (AVX2's
-    /// `vpmaddubsw`) must not saturate.
+    /// Q4_0, Q5_K, Q6_K and Q8_0 levels at their extremes (every nibble 15, every 5-bit level 31,
+    /// every 6-bit level 63, every 8-bit level 127 or −128) against tokens at theirs (every level
+    /// ±127): the kernels that sum byte products in 16 bits (AVX2's `vpmaddubsw`) must not
+    /// saturate.
     #[test]
     fn extreme_levels_do_not_saturate_any_kernel() {
         let (m, k, n) = (2, 256, 16);
@@ -1175,8 +1176,22 @@ mod tests {
             .chain([1; 16])
             .chain([0x00, 0x3c])
             .collect();
+        // Q5_K: d = 1, dmin = 0, the 8 sub-blocks' 6-bit scales 1 and minimums 0, every fifth
+        // bit and nibble set: every value 31. Q8_0: d = 1, every level 127 (stored in strips as
+        // 255) or −128.
+        let q5_k: Vec<u8> = [0x00, 0x3c, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
+            .into_iter()
+            .chain([0xff; 160])
+            .collect();
+        let q8_0 = |level: u8| -> Vec<u8> { [0x00, 0x3c].into_iter().chain([level; 32]).collect() };
         let x: Vec<f32> = (0..m * k).map(|i| if i < k { 1.0 } else { -1.0 }).collect();
-        for (ty, block, value) in [(QuantType::Q4_0, q4_0, 7.0), (QuantType::Q6_K, q6_k, 31.0)] {
+        for (ty, block, value) in [
+            (QuantType::Q4_0, q4_0, 7.0),
+            (QuantType::Q5_K, q5_k, 31.0),
+            (QuantType::Q6_K, q6_k, 31.0),
+            (QuantType::Q8_0, q8_0(127), 127.0),
+            (QuantType::Q8_0, q8_0(0x80), -128.0),
+        ] {
             let w: Vec<u8> = block.repeat(n * k / ty.block_size());
             let strips = quant::strips::to_strips(ty, &w, n, k);
             for kernel in Kernel::available() {

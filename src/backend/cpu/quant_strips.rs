@@ -35,7 +35,7 @@ const TOKENS: usize = 16;
 /// streams weights too large for any cache while its tokens' arithmetic slows the walk: the
 /// hardware prefetcher alone then kept too few lines in flight, and the kernel stalled on the
 /// first loads of every block.
-const PREFETCH: usize = 2048;
+pub(super) const PREFETCH: usize = 2048;
 
 /// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at`, when the kernel walks
 /// `tokens` tokens: one token's walk is paced by the memory and the hardware prefetcher keeps up

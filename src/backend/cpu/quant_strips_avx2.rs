@@ -1,4 +1,4 @@
-//! Q4_0, Q4_K and Q6_K products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
+//! Q4_0, Q8_0, Q4_K, Q5_K and Q6_K products on AVX2 reading the weight in strips of 16 interleaved rows (`quant::strips`), as
 //! `quant_strips` does on AVX-512 VNNI: each 32-bit lane of a `ymm` is one weight row, so a 32-byte
 //! load is 4 levels of 8 rows, and one conversion, multiply and FMA per block scale 8 rows at once.
 //! Semantics as `quant_product`'s (the same rounded activations, exact integer sums per block of
@@ -12,22 +12,42 @@
 //! 4.7x one. Here a token costs per block of 16 rows its 8 broadcast 4-byte groups, 16 `vpmaddubsw`
 //! and their 16-bit sums, and per 8 rows one widening, one bias, one conversion and one FMA.
 //!
-//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q4_K's, `(d · sc) · q −
-//! dmin · m`; Q6_K's 6 bits, value `(d · sc) · (q − 32)`) and the tokens' levels signed (`|x| <= 127`), so `vpmaddubsw` multiplies
-//! them exactly: a pair of Q4_0 products is at most 2 · 15 · 127 = 3,810 in magnitude and a block's
-//! 8 pairs per lane at most 30,480, inside an `i16` without saturation (Q6_K's pairs, up to 16,002,
-//! are widened two at a time). Each lane then subtracts `8 · Σ x` of the token's block (`32 · Σ x`
-//! of Q6_K's 16 values; Q4_K's minimums go in through the token's `d · Σ x`, as the other kernels
-//! add them).
+//! The stored levels are unsigned (Q4_0's nibble `q`, value `d · (q − 8)`; Q4_K's and Q5_K's,
+//! `(d · sc) · q − dmin · m`; Q6_K's 6 bits, value `(d · sc) · (q − 32)`) and the tokens' levels
+//! signed (`|x| <= 127`), so `vpmaddubsw` multiplies them exactly: a pair of Q4_0 products is at
+//! most 2 · 15 · 127 = 3,810 in magnitude and a block's 8 pairs per lane at most 30,480, inside an
+//! `i16` without saturation (Q5_K's pairs, up to 7,874, are widened four at a time, Q6_K's, up to
+//! 16,002, two at a time). Each lane then subtracts `8 · Σ x` of the token's block (`32 · Σ x` of
+//! Q6_K's 16 values; Q4_K's and Q5_K's minimums go in through the token's `d · Σ x`, as the other
+//! kernels add them). Q8_0's stored byte (its level plus 128) is too large for that: its kernel
+//! multiplies the level's magnitude by the token's level given the level's sign.
 
 use std::arch::x86_64::*;
 
 use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
-use super::quant_strips::{BlockSums, operands_fit};
+use super::quant_strips::{BlockSums, PREFETCH, operands_fit};
 use super::quant_vnni::by_token_chunks;
 use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
+
+/// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at` on the `first` pass over a
+/// strip (tokens from 0), for any number of tokens: on the AVX2-only Zen 1 even one token's walk
+/// ran ahead of the hardware prefetcher (a streamed one-token product 20-45 % faster with these
+/// requests; the AVX-512 kernels, measured on a Zen 4 where one token was paced by the memory, ask
+/// only for batches). Later passes (a prompt's tokens past the first chunk) find the strip in cache.
+/// The K formats' blocks (2-3 KiB) are asked for a sixteenth at a time, before each 32 values of
+/// each half: asking for a whole block at once made the one-token walk 20 % slower than asking for
+/// nothing. A prefetch never faults, so the address is formed with `wrapping_add`.
+#[target_feature(enable = "sse")]
+fn prefetch(first: bool, at: *const u8, len: usize) {
+    if !first {
+        return;
+    }
+    for line in (0..len).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + line).cast());
+    }
+}
 
 /// Tokens per pass over a strip: the weight's levels are split from their nibbles once for all of
 /// them.
@@ -35,7 +55,10 @@ const TOKENS: usize = 4;
 
 /// Whether this module multiplies `ty`'s strips.
 pub(super) fn reads(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_0 | QuantType::Q4_K | QuantType::Q6_K)
+    matches!(
+        ty,
+        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K
+    )
 }
 
 /// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
@@ -71,9 +94,15 @@ pub(super) fn strip_product(
         unsafe {
             let (levels, values) = (sums.levels(), sums.values());
             match (ty, run) {
-                (QuantType::Q4_K, 4) => q4_k::<4>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q4_K, 2) => q4_k::<2>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q4_K, _) => q4_k::<1>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q4_K, 4) => q4_k::<4, false>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q4_K, 2) => q4_k::<2, false>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q4_K, _) => q4_k::<1, false>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q5_K, 4) => q4_k::<4, true>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q5_K, 2) => q4_k::<2, true>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q5_K, _) => q4_k::<1, true>(strip, a, values, k, t0, &mut out),
+                (QuantType::Q8_0, 4) => q8_0::<4>(strip, a, k, t0, &mut out),
+                (QuantType::Q8_0, 2) => q8_0::<2>(strip, a, k, t0, &mut out),
+                (QuantType::Q8_0, _) => q8_0::<1>(strip, a, k, t0, &mut out),
                 (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, &mut out),
@@ -112,6 +141,7 @@ unsafe fn q4_0<const N: usize>(
         // alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
+            prefetch(t0 == 0, block, bytes);
             for (half, rows) in [0, 8].into_iter().enumerate() {
                 let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
                 let w = nibble_levels(block.add(levels_at), rows);
@@ -129,16 +159,17 @@ unsafe fn q4_0<const N: usize>(
     store(acc, out);
 }
 
-/// The Q4_K strip times tokens `t0..t0 + N` into `out[..N]`: per sub-block of 32 values, the
-/// nibbles of 8 rows split once for all tokens (as Q4_0's), their `vpmaddubsw` pair sums within an
-/// `i16` as Q4_0's, scaled by the rows' `d · sc` times the token's `d`, less the rows' `dmin · m`
-/// times the token's `d · Σ x`.
+/// The Q4_K strip (Q5_K's with `FIVE`) times tokens `t0..t0 + N` into `out[..N]`: per sub-block of
+/// 32 values, the levels of 8 rows split from their nibbles (and fifth bits) once for all tokens,
+/// their `vpmaddubsw` pair sums within an `i16` as Q4_0's (Q5_K's widened four vectors at a time),
+/// scaled by the rows' `d · sc` times the token's `d`, less the rows' `dmin · m` times the token's
+/// `d · Σ x`.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q4_K strip blocks; tokens `t0..t0
-/// + N` lie in `a` (levels and scales) and `values` (`d · Σ q` per block of 32).
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q4_K (Q5_K) strip blocks; tokens
+/// `t0..t0 + N` lie in `a` (levels and scales) and `values` (`d · Σ q` per block of 32).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_k<const N: usize>(
+unsafe fn q4_k<const N: usize, const FIVE: bool>(
     strip: &[u8],
     a: &Activations,
     values: &[f32],
@@ -146,11 +177,17 @@ unsafe fn q4_k<const N: usize>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    let (bytes, stride) = (strip_block_bytes(QuantType::Q4_K), k4_sub_block(false));
+    let ty = if FIVE {
+        QuantType::Q5_K
+    } else {
+        QuantType::Q4_K
+    };
+    let (bytes, stride) = (strip_block_bytes(ty), k4_sub_block(FIVE));
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
-        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 × 256 bytes of nibble groups), and values
+        // `dmin`, 8 × 16 scales, 8 × 16 minimums, 8 sub-blocks of 256 bytes of nibble groups and,
+        // with `FIVE`, 64 of fifth bits), and values
         // `256 · i..256 · (i + 1)` of each token, their scales and sums, lie in `a` and `values`;
         // `loadu` takes any alignment.
         unsafe {
@@ -159,6 +196,11 @@ unsafe fn q4_k<const N: usize>(
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
                 let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(32 + 2 * rows).cast()));
                 for s in 0..QK_K / BLOCK {
+                    prefetch(
+                        t0 == 0,
+                        block.add((8 * half + s) * bytes / 16),
+                        bytes / 16 + 1,
+                    );
                     let bytes8 = |at: usize| {
                         let b = _mm_loadl_epi64(block.add(at + 16 * s + rows).cast());
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
@@ -167,10 +209,19 @@ unsafe fn q4_k<const N: usize>(
                     let scale = _mm256_mul_ps(d, bytes8(64));
                     let min = _mm256_mul_ps(dmin, bytes8(192));
                     let levels = block.add(320 + stride * s);
-                    let w = nibble_levels(levels, rows);
+                    let mut w = nibble_levels(levels, rows);
+                    if FIVE {
+                        add_fifth_bits(&mut w, levels.add(256), rows);
+                    }
                     for (t, acc) in acc.iter_mut().enumerate() {
                         let first = (t0 + t) * k + i * QK_K + s * BLOCK;
-                        let dot = _mm256_cvtepi32_ps(nibble_dot(&w, a.q.as_ptr().add(first)));
+                        let x = a.q.as_ptr().add(first);
+                        let dot = if FIVE {
+                            five_bit_dot(&w, x)
+                        } else {
+                            nibble_dot(&w, x)
+                        };
+                        let dot = _mm256_cvtepi32_ps(dot);
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
                         let xsum = _mm256_set1_ps(*values.get_unchecked(first / BLOCK));
                         acc[half] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, xd), acc[half]);
@@ -221,6 +272,110 @@ unsafe fn nibble_dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
     _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
 }
 
+/// Bit 4 of the 8 level vectors `w` of rows `rows..rows + 8` (`rows` 0 or 8) from the 64 bytes of
+/// fifth bits at `at`: row `r`'s byte `4r + j` holds at bit `g` the fifth bit of value `4g + j`,
+/// the byte vector `g` keeps for that row and value, so vector `g` takes bit `g` of each byte moved
+/// to bit 4 (a 16-bit shift by at most 4 moves no bit across a byte's boundary into bit 4).
+///
+/// # Safety
+/// The CPU must have AVX2; `at..at + 64` must be readable.
+#[target_feature(enable = "avx2")]
+unsafe fn add_fifth_bits(w: &mut [__m256i; 8], at: *const u8, rows: usize) {
+    let fifth = _mm256_set1_epi8(0x10);
+    // SAFETY: the caller's contract (4 · 8 + 32 = 64); `loadu` takes any alignment.
+    let h = unsafe { _mm256_loadu_si256(at.add(4 * rows).cast()) };
+    for (g, w) in w.iter_mut().enumerate() {
+        let moved = match g {
+            0 => _mm256_slli_epi16::<4>(h),
+            1 => _mm256_slli_epi16::<3>(h),
+            2 => _mm256_slli_epi16::<2>(h),
+            3 => _mm256_slli_epi16::<1>(h),
+            4 => h,
+            5 => _mm256_srli_epi16::<1>(h),
+            6 => _mm256_srli_epi16::<2>(h),
+            _ => _mm256_srli_epi16::<3>(h),
+        };
+        *w = _mm256_or_si256(*w, _mm256_and_si256(moved, fifth));
+    }
+}
+
+/// Per row (32-bit lane), `Σ` over 32 values of the 5-bit levels `w` times the token's levels at
+/// `x`: the 16-bit pair sums of four vectors at a time added before widening (at most 4 · 2 · 31 ·
+/// 127 = 31,496; all eight would reach 62,992, past an `i16`).
+///
+/// # Safety
+/// The CPU must have AVX2; `x..x + 32` must be readable.
+#[target_feature(enable = "avx2")]
+unsafe fn five_bit_dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let half = |from: usize| {
+        let mut pairs = _mm256_setzero_si256();
+        for (g, w) in w.iter().enumerate().skip(from).take(4) {
+            // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+            let four = unsafe { std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()) };
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four)));
+        }
+        _mm256_madd_epi16(pairs, ones)
+    };
+    _mm256_add_epi32(half(0), half(4))
+}
+
+/// The Q8_0 strip times tokens `t0..t0 + N` into `out[..N]`. A stored level plus 128 (0..=255)
+/// times a token's level would overflow `vpmaddubsw`'s 16-bit pair sums, so the kernel multiplies
+/// as llama.cpp's AVX2 Q8_0 product does: the weight's signed level `q` (the stored byte less 128)
+/// made absolute once for all tokens, the token's level given `q`'s sign (`vpsignb`), a pair of
+/// products then at most 2 · 128 · 127 = 32,512, widened per vector.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` Q8_0 strip blocks; tokens `t0..t0
+/// + N` lie in `a` (levels and scales).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0<const N: usize>(
+    strip: &[u8],
+    a: &Activations,
+    k: usize,
+    t0: usize,
+    out: &mut [[f32; STRIP_ROWS]; TOKENS],
+) {
+    let bytes = strip_block_bytes(QuantType::Q8_0);
+    let (offset, ones) = (_mm256_set1_epi8(i8::MIN), _mm256_set1_epi16(1));
+    let mut acc = [[_mm256_setzero_ps(); 2]; N];
+    for b in 0..k / BLOCK {
+        // SAFETY: the caller's contract: strip block `b` is `bytes` bytes at `b · bytes` (the 16
+        // rows' `f16` scales, then eight 64-byte groups of 4 levels of each row), and values
+        // `32 · b..32 · (b + 1)` of each token and its scale lie in `a`; `loadu` takes any
+        // alignment.
+        unsafe {
+            let block = strip.as_ptr().add(b * bytes);
+            prefetch(t0 == 0, block, bytes);
+            for (half, rows) in [0, 8].into_iter().enumerate() {
+                let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
+                // Vector g: values 4g..4g + 4 of the 8 rows, signed, and their magnitudes.
+                let signed: [__m256i; 8] = std::array::from_fn(|g| {
+                    let u = _mm256_loadu_si256(block.add(32 + 64 * g + 4 * rows).cast());
+                    _mm256_xor_si256(u, offset)
+                });
+                let magnitude = signed.map(|q| _mm256_abs_epi8(q));
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    let first = (t0 + t) * k + b * BLOCK;
+                    let x = a.q.as_ptr().add(first);
+                    let mut dot = _mm256_setzero_si256();
+                    for g in 0..8 {
+                        let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
+                        let signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), signed[g]);
+                        let pairs = _mm256_maddubs_epi16(magnitude[g], signed_x);
+                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+                    }
+                    let scale =
+                        _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
+                    acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+                }
+            }
+        }
+    }
+    store(acc, out);
+}
+
 /// Each token's two halves of 8 row sums into its row of `out`.
 #[target_feature(enable = "avx")]
 fn store<const N: usize>(acc: [[__m256; 2]; N], out: &mut [[f32; STRIP_ROWS]; TOKENS]) {
@@ -265,6 +420,11 @@ unsafe fn q6_k<const N: usize>(
             for (half, rows) in [0, 8].into_iter().enumerate() {
                 let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
                 for c in 0..QK_K / BLOCK {
+                    prefetch(
+                        t0 == 0,
+                        block.add((8 * half + c) * bytes / 16),
+                        bytes / 16 + 1,
+                    );
                     let chunk = block.add(288 + 384 * c);
                     // Level vector g meets values 4g..4g + 4: its nibbles as in Q4_0, its high
                     // bits at bits 2 (g % 4) of half g / 4 of the high-bit bytes, moved to 4..6.
