@@ -28,7 +28,7 @@ use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
 use super::quant_strips::{BlockSums, PREFETCH, operands_fit};
 use super::quant_vnni::by_token_chunks;
-use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
+use crate::quant::strips::{STRIP_ROWS, k4_sub_block, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
 
 /// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at` on the `first` pass over a
@@ -100,15 +100,15 @@ pub(super) fn strip_product(
                 (QuantType::Q5_K, 4) => q4_k::<4, true>(strip, a, values, k, t0, &mut out),
                 (QuantType::Q5_K, 2) => q4_k::<2, true>(strip, a, values, k, t0, &mut out),
                 (QuantType::Q5_K, _) => q4_k::<1, true>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q8_0, 4) => q8_0::<4>(strip, a, k, t0, &mut out),
-                (QuantType::Q8_0, 2) => q8_0::<2>(strip, a, k, t0, &mut out),
-                (QuantType::Q8_0, _) => q8_0::<1>(strip, a, k, t0, &mut out),
+                (QuantType::Q8_0, 4) => small::<Q8_0, 4>(strip, a, levels, k, t0, &mut out),
+                (QuantType::Q8_0, 2) => small::<Q8_0, 2>(strip, a, levels, k, t0, &mut out),
+                (QuantType::Q8_0, _) => small::<Q8_0, 1>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, &mut out),
                 (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, &mut out),
-                (_, 4) => q4_0::<4>(strip, a, levels, k, t0, &mut out),
-                (_, 2) => q4_0::<2>(strip, a, levels, k, t0, &mut out),
-                _ => q4_0::<1>(strip, a, levels, k, t0, &mut out),
+                (_, 4) => small::<Q4_0, 4>(strip, a, levels, k, t0, &mut out),
+                (_, 2) => small::<Q4_0, 2>(strip, a, levels, k, t0, &mut out),
+                _ => small::<Q4_0, 1>(strip, a, levels, k, t0, &mut out),
             }
         }
         for (t, s) in out.iter().enumerate().take(run) {
@@ -117,13 +117,102 @@ pub(super) fn strip_product(
     });
 }
 
-/// The Q4_0 strip times tokens `t0..t0 + N` into `out[..N]`.
+/// A 32-value format whose strip block is the 16 rows' `f16` scales (32 bytes) and then their
+/// levels (Q4_0's nibble groups, Q8_0's byte groups): what [`small`] needs to know of it.
+trait SmallFormat {
+    /// The format.
+    const TYPE: QuantType;
+    /// The multiple of the token's `Σ x` each row's dot product subtracts (Q4_0's stored nibbles
+    /// are its levels plus 8; 0 where [`SmallFormat::dot`] is signed already).
+    const BIAS: i32;
+    /// The levels of 8 rows, prepared once for all tokens.
+    type Rows;
+
+    /// The levels of the rows `rows..rows + 8` (`rows` 0 or 8) of the strip block's levels at
+    /// `at`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `at..at + 512` (Q4_0: 256) must be readable.
+    unsafe fn rows(at: *const u8, rows: usize) -> Self::Rows;
+
+    /// Per row (32-bit lane), `Σ` over the block's 32 values of the stored level times the token's
+    /// level at `x`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `x..x + 32` must be readable.
+    unsafe fn dot(w: &Self::Rows, x: *const i8) -> __m256i;
+}
+
+/// Q4_0: nibble levels (0..=15), 8 below their values.
+struct Q4_0;
+
+impl SmallFormat for Q4_0 {
+    const TYPE: QuantType = QuantType::Q4_0;
+    const BIAS: i32 = 8;
+    type Rows = [__m256i; 8];
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows(at: *const u8, rows: usize) -> [__m256i; 8] {
+        // SAFETY: the caller's contract.
+        unsafe { nibble_levels(at, rows) }
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
+        // SAFETY: the caller's contract; 8 · 2 · 15 · 127 = 30,480 fits an `i16`.
+        unsafe { level_dot::<8>(w, x) }
+    }
+}
+
+/// Q8_0: a stored byte is the level plus 128 (0..=255), too large for `vpmaddubsw`'s 16-bit pair
+/// sums against a token's level, so the rows keep their signed levels and their magnitudes, and a
+/// token's level is given the weight's sign, as llama.cpp's AVX2 Q8_0 product does: a pair of
+/// products is then at most 2 · 128 · 127 = 32,512, widened per vector.
+struct Q8_0;
+
+impl SmallFormat for Q8_0 {
+    const TYPE: QuantType = QuantType::Q8_0;
+    const BIAS: i32 = 0;
+    /// Vector g: values 4g..4g + 4 of the 8 rows, signed, and their magnitudes.
+    type Rows = ([__m256i; 8], [__m256i; 8]);
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn rows(at: *const u8, rows: usize) -> Self::Rows {
+        let offset = _mm256_set1_epi8(i8::MIN);
+        let signed: [__m256i; 8] = std::array::from_fn(|g| {
+            // SAFETY: the caller's contract (the last load ends at 64 · 7 + 4 · 8 + 32 = 512);
+            // `loadu` takes any alignment.
+            let u = unsafe { _mm256_loadu_si256(at.add(64 * g + 4 * rows).cast()) };
+            _mm256_xor_si256(u, offset)
+        });
+        (signed, signed.map(|q| _mm256_abs_epi8(q)))
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn dot((signed, magnitude): &Self::Rows, x: *const i8) -> __m256i {
+        let ones = _mm256_set1_epi16(1);
+        let mut dot = _mm256_setzero_si256();
+        for g in 0..8 {
+            // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+            let four = unsafe { std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()) };
+            let signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), signed[g]);
+            let pairs = _mm256_maddubs_epi16(magnitude[g], signed_x);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+        }
+        dot
+    }
+}
+
+/// The strip of the 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`: per block and 8
+/// rows, the levels prepared once, then per token their exact dot product, less `F::BIAS · Σ x`,
+/// times the rows' scales and the token's.
 ///
 /// # Safety
-/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` Q4_0 strip blocks; tokens `t0..t0
-/// + N` lie in `a` (levels and scales) and `levels` (`Σ q` per block of 32).
+/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` strip blocks of `F`; the tokens
+/// `t0..t0 + N` lie in `a` (levels and scales) and, when `F::BIAS` is not 0, `levels` (`Σ q` per
+/// block of 32).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_0<const N: usize>(
+unsafe fn small<F: SmallFormat, const N: usize>(
     strip: &[u8],
     a: &Activations,
     levels: &[i32],
@@ -131,24 +220,26 @@ unsafe fn q4_0<const N: usize>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    let (_, levels_at, _, bytes) = small_strip(false, false);
+    let bytes = strip_block_bytes(F::TYPE);
     // Rows 0..8 and 8..16 of each token.
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     for b in 0..k / BLOCK {
         // SAFETY: the caller's contract: strip block `b` is `bytes` bytes at `b · bytes` (the 16
-        // rows' `f16` scales, then four 64-byte nibble groups), and values `32 · b..32 · (b + 1)`
-        // of each token, its scale and its sum, lie in `a` and `levels`; `loadu` takes any
-        // alignment.
+        // rows' `f16` scales, then their levels), and values `32 · b..32 · (b + 1)` of each token,
+        // its scale and its sum, lie in `a` and `levels`; `loadu` takes any alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
             prefetch(t0 == 0, block, bytes);
             for (half, rows) in [0, 8].into_iter().enumerate() {
                 let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
-                let w = nibble_levels(block.add(levels_at), rows);
+                let w = F::rows(block.add(32), rows);
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let first = (t0 + t) * k + b * BLOCK;
-                    let bias = _mm256_set1_epi32(8 * *levels.get_unchecked(first / BLOCK));
-                    let dot = _mm256_sub_epi32(nibble_dot(&w, a.q.as_ptr().add(first)), bias);
+                    let mut dot = F::dot(&w, a.q.as_ptr().add(first));
+                    if F::BIAS != 0 {
+                        let sum = *levels.get_unchecked(first / BLOCK);
+                        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(F::BIAS * sum));
+                    }
                     let scale =
                         _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
                     acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
@@ -217,9 +308,9 @@ unsafe fn q4_k<const N: usize, const FIVE: bool>(
                         let first = (t0 + t) * k + i * QK_K + s * BLOCK;
                         let x = a.q.as_ptr().add(first);
                         let dot = if FIVE {
-                            five_bit_dot(&w, x)
+                            level_dot::<4>(&w, x)
                         } else {
-                            nibble_dot(&w, x)
+                            level_dot::<8>(&w, x)
                         };
                         let dot = _mm256_cvtepi32_ps(dot);
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
@@ -255,21 +346,28 @@ unsafe fn nibble_levels(at: *const u8, rows: usize) -> [__m256i; 8] {
     })
 }
 
-/// Per row (32-bit lane), `Σ` over 32 values of the nibble levels `w` times the token's levels at
-/// `x`: the 16-bit pair sums of all 8 vectors added before widening (at most 8 · 2 · 15 · 127 =
-/// 30,480: no saturation).
+/// Per row (32-bit lane), `Σ` over `4 · w.len()` values of the unsigned levels `w` (vector g:
+/// values 4g..4g + 4) times the token's levels at `x`, the 16-bit pair sums of `WIDEN` vectors
+/// added before each widening: the caller keeps `WIDEN · 2 · max level · 127` within an `i16`
+/// (nibbles: 8 vectors, 30,480; Q5_K's 5 bits: 4, 31,496; Q6_K's 6 bits: 2, 32,004).
 ///
 /// # Safety
-/// The CPU must have AVX2; `x..x + 32` must be readable.
+/// The CPU must have AVX2; `x..x + 4 · w.len()` must be readable.
 #[target_feature(enable = "avx2")]
-unsafe fn nibble_dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
-    let mut pairs = _mm256_setzero_si256();
-    for (g, w) in w.iter().enumerate() {
-        // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
-        let four = unsafe { std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()) };
-        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four)));
+unsafe fn level_dot<const WIDEN: usize>(w: &[__m256i], x: *const i8) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    let mut sum = _mm256_setzero_si256();
+    for (c, group) in w.chunks(WIDEN).enumerate() {
+        let mut pairs = _mm256_setzero_si256();
+        for (g, w) in group.iter().enumerate() {
+            // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
+            let four =
+                unsafe { std::ptr::read_unaligned(x.add(4 * (WIDEN * c + g)).cast::<i32>()) };
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four)));
+        }
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
     }
-    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    sum
 }
 
 /// Bit 4 of the 8 level vectors `w` of rows `rows..rows + 8` (`rows` 0 or 8) from the 64 bytes of
@@ -297,83 +395,6 @@ unsafe fn add_fifth_bits(w: &mut [__m256i; 8], at: *const u8, rows: usize) {
         };
         *w = _mm256_or_si256(*w, _mm256_and_si256(moved, fifth));
     }
-}
-
-/// Per row (32-bit lane), `Σ` over 32 values of the 5-bit levels `w` times the token's levels at
-/// `x`: the 16-bit pair sums of four vectors at a time added before widening (at most 4 · 2 · 31 ·
-/// 127 = 31,496; all eight would reach 62,992, past an `i16`).
-///
-/// # Safety
-/// The CPU must have AVX2; `x..x + 32` must be readable.
-#[target_feature(enable = "avx2")]
-unsafe fn five_bit_dot(w: &[__m256i; 8], x: *const i8) -> __m256i {
-    let ones = _mm256_set1_epi16(1);
-    let half = |from: usize| {
-        let mut pairs = _mm256_setzero_si256();
-        for (g, w) in w.iter().enumerate().skip(from).take(4) {
-            // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
-            let four = unsafe { std::ptr::read_unaligned(x.add(4 * g).cast::<i32>()) };
-            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(*w, _mm256_set1_epi32(four)));
-        }
-        _mm256_madd_epi16(pairs, ones)
-    };
-    _mm256_add_epi32(half(0), half(4))
-}
-
-/// The Q8_0 strip times tokens `t0..t0 + N` into `out[..N]`. A stored level plus 128 (0..=255)
-/// times a token's level would overflow `vpmaddubsw`'s 16-bit pair sums, so the kernel multiplies
-/// as llama.cpp's AVX2 Q8_0 product does: the weight's signed level `q` (the stored byte less 128)
-/// made absolute once for all tokens, the token's level given `q`'s sign (`vpsignb`), a pair of
-/// products then at most 2 · 128 · 127 = 32,512, widened per vector.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` Q8_0 strip blocks; tokens `t0..t0
-/// + N` lie in `a` (levels and scales).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_0<const N: usize>(
-    strip: &[u8],
-    a: &Activations,
-    k: usize,
-    t0: usize,
-    out: &mut [[f32; STRIP_ROWS]; TOKENS],
-) {
-    let bytes = strip_block_bytes(QuantType::Q8_0);
-    let (offset, ones) = (_mm256_set1_epi8(i8::MIN), _mm256_set1_epi16(1));
-    let mut acc = [[_mm256_setzero_ps(); 2]; N];
-    for b in 0..k / BLOCK {
-        // SAFETY: the caller's contract: strip block `b` is `bytes` bytes at `b · bytes` (the 16
-        // rows' `f16` scales, then eight 64-byte groups of 4 levels of each row), and values
-        // `32 · b..32 · (b + 1)` of each token and its scale lie in `a`; `loadu` takes any
-        // alignment.
-        unsafe {
-            let block = strip.as_ptr().add(b * bytes);
-            prefetch(t0 == 0, block, bytes);
-            for (half, rows) in [0, 8].into_iter().enumerate() {
-                let scales = _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * rows).cast()));
-                // Vector g: values 4g..4g + 4 of the 8 rows, signed, and their magnitudes.
-                let signed: [__m256i; 8] = std::array::from_fn(|g| {
-                    let u = _mm256_loadu_si256(block.add(32 + 64 * g + 4 * rows).cast());
-                    _mm256_xor_si256(u, offset)
-                });
-                let magnitude = signed.map(|q| _mm256_abs_epi8(q));
-                for (t, acc) in acc.iter_mut().enumerate() {
-                    let first = (t0 + t) * k + b * BLOCK;
-                    let x = a.q.as_ptr().add(first);
-                    let mut dot = _mm256_setzero_si256();
-                    for g in 0..8 {
-                        let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
-                        let signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), signed[g]);
-                        let pairs = _mm256_maddubs_epi16(magnitude[g], signed_x);
-                        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
-                    }
-                    let scale =
-                        _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
-                    acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
-                }
-            }
-        }
-    }
-    store(acc, out);
 }
 
 /// Each token's two halves of 8 row sums into its row of `out`.
@@ -408,7 +429,6 @@ unsafe fn q6_k<const N: usize>(
 ) {
     let bytes = strip_block_bytes(QuantType::Q6_K);
     let high_bits = _mm256_set1_epi8(0x30);
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); 2]; N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (the 16
@@ -449,16 +469,8 @@ unsafe fn q6_k<const N: usize>(
                         let first = (t0 + t) * k + i * QK_K + c * BLOCK;
                         let x = a.q.as_ptr().add(first);
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
-                        let product = |g: usize| {
-                            let four = std::ptr::read_unaligned(x.add(4 * g).cast::<i32>());
-                            _mm256_maddubs_epi16(w[g], _mm256_set1_epi32(four))
-                        };
                         for (h, scale) in scales.iter().enumerate() {
-                            let pair = |g: usize| {
-                                let sum16 = _mm256_add_epi16(product(g), product(g + 1));
-                                _mm256_madd_epi16(sum16, ones)
-                            };
-                            let sum = _mm256_add_epi32(pair(4 * h), pair(4 * h + 2));
+                            let sum = level_dot::<2>(&w[4 * h..4 * h + 4], x.add(16 * h));
                             let bias = 32 * *levels.get_unchecked(first / 16 + h);
                             let dot = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias));
                             let scale = _mm256_mul_ps(*scale, xd);
