@@ -1,6 +1,7 @@
 //! ndscope's block formats against gguf-py's reference quantizers and dequantizers, bit for bit
-//! (`tests/fixtures/quants.safetensors`, written by `tests/fixtures/make_quants.py`), the Q4_K
-//! quantizer against ggml's C reference (`tests/fixtures/q4_k.safetensors`, `make_q4_k.py`), and
+//! (`tests/fixtures/quants.safetensors`, written by `tests/fixtures/make_quants.py`), the Q4_K, Q5_K
+//! and Q6_K quantizers against ggml's C reference (`tests/fixtures/k_quants.safetensors`,
+//! `make_k_quants.py`), and
 //! the formats' own error bounds.
 
 use ndscope::quant::{self, QuantType};
@@ -71,23 +72,26 @@ fn quantizers_write_the_bytes_gguf_py_writes() {
 }
 
 #[test]
-fn the_q4_k_quantizer_writes_the_bytes_ggml_writes() {
+fn the_k_quantizers_write_the_bytes_ggml_writes() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/q4_k.safetensors"
+        "/tests/fixtures/k_quants.safetensors"
     );
-    let bytes = std::fs::read(path).expect("tests/fixtures/q4_k.safetensors");
+    let bytes = std::fs::read(path).expect("tests/fixtures/k_quants.safetensors");
     let file = SafeTensors::deserialize(&bytes).unwrap();
-    let input = floats(tensor(&file, "Q4_K.input"));
-    let expected = tensor(&file, "Q4_K.quantized");
-    let ours = quant::quantize(QuantType::Q4_K, &input).unwrap();
-    assert_eq!(ours.len(), expected.len(), "byte count");
-    for (b, (o, e)) in ours.chunks(144).zip(expected.chunks(144)).enumerate() {
-        assert!(
-            o == e,
-            "Q4_K block {b}: ours {o:?}, ggml's {e:?}; input {:?}",
-            &input[b * 256..(b + 1) * 256]
-        );
+    let input = floats(tensor(&file, "input"));
+    for t in [QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K] {
+        let expected = tensor(&file, &format!("{}.quantized", t.name()));
+        let ours = quant::quantize(t, &input).unwrap();
+        assert_eq!(ours.len(), expected.len(), "{t}: byte count");
+        let size = t.block_bytes();
+        for (b, (o, e)) in ours.chunks(size).zip(expected.chunks(size)).enumerate() {
+            assert!(
+                o == e,
+                "{t} block {b}: ours {o:?}, ggml's {e:?}; input {:?}",
+                &input[b * 256..(b + 1) * 256]
+            );
+        }
     }
 }
 
@@ -109,15 +113,21 @@ fn dequantizers_give_the_values_gguf_py_gives() {
     }
 }
 
-#[test]
-fn round_trips_stay_within_a_step_of_each_block() {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
+/// A xorshift generator from `seed`: uniform draws in (0, 1), never 0 (a logarithm may take them).
+fn uniform(seed: u64) -> impl FnMut() -> f64 {
+    let mut state = seed;
+    move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
-        (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    };
+        ((state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+}
+
+#[test]
+fn round_trips_stay_within_a_step_of_each_block() {
+    let mut draw = uniform(0x2545_f491_4f6c_dd1d);
+    let mut next = || draw() * 2.0 - 1.0;
     let x: Vec<f32> = (0..32 * 64)
         .map(|i| (next() * (1 + i % 7) as f64) as f32)
         .collect();
@@ -155,4 +165,48 @@ fn round_trips_stay_within_a_step_of_each_block() {
             }
         }
     }
+}
+
+#[test]
+fn k_formats_keep_a_gaussian_within_their_bits() {
+    // Normal draws (Box-Muller) in blocks whose scales differ by up to 100x: the relative RMS error
+    // of a round trip falls with each bit (Q4_K's 4-bit levels, Q5_K's 5, Q6_K's 6), and stays
+    // within a few per cent of the values' RMS.
+    let mut uniform = uniform(0x9e37_79b9_7f4a_7c15);
+    let x: Vec<f32> = (0..256 * 32)
+        .map(|i| {
+            let (u, v) = (uniform(), uniform());
+            let normal = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+            (normal * 10f64.powi(i / 256 % 3)) as f32
+        })
+        .collect();
+    let relative_rms = |t: QuantType| {
+        let mut back = vec![0.0f32; x.len()];
+        quant::dequantize(t, &quant::quantize(t, &x).unwrap(), &mut back).unwrap();
+        let (mut err, mut sum) = (0.0f64, 0.0f64);
+        for (xb, bb) in x.chunks(256).zip(back.chunks(256)) {
+            let block_err: f64 = xb
+                .iter()
+                .zip(bb)
+                .map(|(a, b)| (*a as f64 - *b as f64).powi(2))
+                .sum();
+            let block_sum: f64 = xb.iter().map(|a| (*a as f64).powi(2)).sum();
+            err += block_err / block_sum;
+            sum += 1.0;
+        }
+        (err / sum).sqrt()
+    };
+    let errors = [QuantType::Q4_K, QuantType::Q5_K, QuantType::Q6_K].map(relative_rms);
+    println!(
+        "relative RMS error: Q4_K {:.4}, Q5_K {:.4}, Q6_K {:.4}",
+        errors[0], errors[1], errors[2]
+    );
+    assert!(
+        errors[0] < 0.12 && errors[1] < 0.06 && errors[2] < 0.03,
+        "{errors:?}"
+    );
+    assert!(
+        errors[1] < 0.6 * errors[0] && errors[2] < 0.6 * errors[1],
+        "{errors:?}"
+    );
 }

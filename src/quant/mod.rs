@@ -12,10 +12,12 @@
 //! Every format reproduces gguf-py's reference (the `gguf` package's `quants.py`, which is
 //! bit-exact with ggml's C reference for the quantizers it has): the same `f32` operations in the
 //! same order, so results agree bit for bit (`tests/quant.rs` holds this against files gguf-py
-//! wrote). Of the K formats Q4_K has a quantizer: gguf-py has none, so it follows ggml's C reference
-//! (`quantize_row_q4_K_ref`, whose `make_qkx2_quants` searches each sub-block's scale), held to it
-//! bit for bit in `tests/quant.rs`; files in the other K formats come from llama.cpp's
-//! `llama-quantize`.
+//! wrote). Of the K formats Q4_K, Q5_K and Q6_K have quantizers (those of the Q4_K_M and Q5_K_M
+//! files people download): gguf-py has none, so they follow ggml's C reference
+//! (`quantize_row_q4_K_ref` and `quantize_row_q5_K_ref`, whose `make_qkx2_quants` searches each
+//! sub-block's scale and minimum; `quantize_row_q6_K_ref`, whose `make_qx_quants` searches each 16
+//! values' signed scale), held to it bit for bit in `tests/quant.rs`; files in Q2_K and Q3_K come
+//! from llama.cpp's `llama-quantize`.
 //!
 //! ```
 //! use ndscope::quant::{self, QuantType};
@@ -32,8 +34,8 @@
 //! ```
 
 mod blocks;
+mod k_quantize;
 mod kquants;
-mod q4k_quantize;
 pub(crate) mod strips;
 
 use std::fmt;
@@ -210,10 +212,7 @@ impl QuantType {
 
     /// Whether [`quantize`] writes this type.
     pub fn can_quantize(self) -> bool {
-        !matches!(
-            self,
-            QuantType::Q2_K | QuantType::Q3_K | QuantType::Q5_K | QuantType::Q6_K
-        )
+        !matches!(self, QuantType::Q2_K | QuantType::Q3_K)
     }
 }
 
@@ -250,7 +249,7 @@ pub(crate) fn no_quantizer(op: &'static str, ty: QuantType) -> Error {
         op,
         reason: format!(
             "ndscope has no quantizer for {ty}; make such files with llama.cpp's \
-             `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or Q4_K"
+             `llama-quantize`, or quantize to Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K"
         ),
     }
 }
@@ -288,10 +287,10 @@ pub fn dequantize(ty: QuantType, bytes: &[u8], out: &mut [f32]) -> Result<()> {
 }
 
 /// Encodes `values` as `ty`: round to nearest against each block's scale, as gguf-py and ggml's
-/// reference quantizers do (bit for bit; Q4_K's scales and minimums by ggml's search).
+/// reference quantizers do (bit for bit; the K formats' scales and minimums by ggml's searches).
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a type without a quantizer here (the K formats but Q4_K: see
+/// [`Error::InvalidArgument`] for a type without a quantizer here (Q2_K and Q3_K: see
 /// [`QuantType::can_quantize`]) or a length that is not a whole number of blocks.
 pub fn quantize(ty: QuantType, values: &[f32]) -> Result<Vec<u8>> {
     if !ty.can_quantize() {
@@ -312,7 +311,9 @@ pub fn quantize(ty: QuantType, values: &[f32]) -> Result<Vec<u8>> {
             QuantType::Q5_0 => blocks::quantize_q5_0(x, block),
             QuantType::Q5_1 => blocks::quantize_q5_1(x, block),
             QuantType::Q8_0 => blocks::quantize_q8_0(x, block),
-            QuantType::Q4_K => q4k_quantize::quantize_q4_k(x, block),
+            QuantType::Q4_K => k_quantize::quantize_q4_k(x, block),
+            QuantType::Q5_K => k_quantize::quantize_q5_k(x, block),
+            QuantType::Q6_K => k_quantize::quantize_q6_k(x, block),
             _ => unreachable!("checked by can_quantize"),
         }
     }
@@ -353,7 +354,7 @@ mod tests {
             err.contains("take 34 bytes") && err.contains("found 33"),
             "{err}"
         );
-        let err = quantize(QuantType::Q6_K, &[0.0; 256])
+        let err = quantize(QuantType::Q3_K, &[0.0; 256])
             .unwrap_err()
             .to_string();
         assert!(err.contains("llama-quantize"), "{err}");

@@ -101,7 +101,7 @@ fn strips_len(op: &'static str, ty: QuantType, shape: [usize; 2]) -> Result<usiz
 
 impl<'s> QuantTensor<'s> {
     /// `values` (a float matrix `[rows, cols]`) quantized to `ty` in its scope, as
-    /// [`quant::quantize`] rounds (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K).
+    /// [`quant::quantize`] rounds (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
     ///
     /// # Errors
     /// [`Error::InvalidShape`] unless `values` is a matrix whose rows are whole blocks;
