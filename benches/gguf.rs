@@ -25,7 +25,7 @@ use ndscope::models::AutoModel;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
 use ndscope::{DType, Device, Result, Scope, root};
 
-const FILES: [&str; 8] = [
+const FILES: [&str; 9] = [
     "llama-1b-Q8_0",
     "llama-1b-Q4_0",
     "llama-1b-Q4_K_M",
@@ -34,6 +34,9 @@ const FILES: [&str; 8] = [
     "gpt2-small-Q4_0",
     "gpt2-small-Q4_K_M",
     "gpt2-small-Q5_K_M",
+    // The unquantized conversion: what the quantized files are measured against, beside
+    // llama.cpp's f32 decoding (issue 37's row of decoding against the read bandwidth).
+    "gpt2-small-f32",
 ];
 const RUNS: usize = 3;
 
