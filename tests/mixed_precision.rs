@@ -389,6 +389,14 @@ fn reductions_products_and_windows_in_16_bit_accumulate_in_f32() {
             300,
             |t| t[0].matmul(&t[1].t()?),
         ),
+        // The same with a depth of whole 32-element steps: on AMX, the weight's rows are read in
+        // place as tiles, with a last partial block of rows.
+        (
+            "matmul by a transposed weight in whole steps",
+            vec![&[37, 320], &[130, 320]],
+            320,
+            |t| t[0].matmul(&t[1].t()?),
+        ),
         // Decoding's products (at most 8 tokens: one dot product per token and weight row), with a
         // depth of whole 32-element steps and one with a tail of 7 pairs.
         (

@@ -1,20 +1,26 @@
-//! `bf16` matrix products on the CPU's own bf16 dot products (AVX-512 BF16's `vdpbf16ps`), where
-//! the CPU has them: `f32` accumulation, each output rounded once to `bf16`, and no widened copy of
-//! either operand (the portable path in `matmul.rs` widens both to `f32` scratch on every call,
-//! which made a bf16 product slower than an f32 one).
+//! `bf16` matrix products on the CPU's own bf16 instructions, where the CPU has them: AMX tiles
+//! (`TDPBF16PS`, [`super::bf16_tiles`]) for products of more than [`FEW_TOKENS`] rows, AVX-512
+//! BF16's `vdpbf16ps` for decoding's few rows and on CPUs without tiles; `f32` accumulation, each
+//! output rounded once to `bf16`, and no widened copy of either operand (the portable path in
+//! `matmul.rs` widens both to `f32` scratch on every call, which made a bf16 product slower than an
+//! f32 one).
 //!
-//! The schedule is the classic one: the left operand is packed once into panels of [`MR`] rows in
-//! `k` pairs (`u32` each: the two `bf16` a dot-product lane multiplies); the columns are split into
-//! blocks of [`NC`], one rayon task each, which packs its block of the right operand into panels of
-//! [`NR`] columns in `k` pairs and runs the `MR × NR` micro-kernel over every row panel with the
-//! whole `k` in sixteen `zmm` accumulators. Rows and columns past the matrix are zero padding, as is
-//! the second half of an odd `k`'s last pair. Like the instruction, subnormal inputs and results
+//! The vector schedule is the classic one: the left operand is packed once into panels of [`MR`]
+//! rows in `k` pairs (`u32` each: the two `bf16` a dot-product lane multiplies); the columns are
+//! split into blocks of [`NC`], one rayon task each, which packs its block of the right operand into
+//! panels of [`NR`] columns in `k` pairs and runs the `MR × NR` micro-kernel over every row panel
+//! with the whole `k` in sixteen `zmm` accumulators. The tile schedule ([`tiled`]) packs the right
+//! operand into the same `[pair][column]` panels (the layout a right tile is) and reads the left
+//! one as rows along `k` (the layout a left tile is: a `Linear`'s weight as it is stored, anything
+//! else packed), 32 × 32 blocks per call. Rows and columns past the matrix are zero padding, as is
+//! the second half of an odd `k`'s last pair. Like the instructions, subnormal inputs and results
 //! count as zero.
 
 use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
 use crate::dtype::{bf16, bf16_of_f32};
 
 /// Rows per micro-kernel tile.
@@ -24,21 +30,69 @@ const NR: usize = 32;
 /// Columns per task (and per packed block of the right operand).
 const NC: usize = 256;
 
-/// Proof that this CPU has AVX-512F and AVX-512 BF16: only [`detect`](Self::detect) makes one, and
-/// [`matmul`] takes one, so the intrinsics cannot be reached on a CPU without them.
+/// The environment variable that caps the bf16 products' kernel below the CPU's best: `amx`,
+/// `avx512-bf16` (the dot products without tiles) or `portable` (`f32` products of widened
+/// copies), to compare the paths on one machine. A kernel the CPU lacks is never chosen; an
+/// unknown value is reported once on standard error and ignored.
+pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_BF16_KERNEL";
+
+/// Proof that this CPU has AVX-512F and AVX-512 BF16 (and, with `tiles`, AMX): only
+/// [`detect`](Self::detect) makes one, and [`matmul`] takes one, so the instructions cannot be
+/// reached on a CPU without them.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Bf16Dot {
-    _detected: (),
+    /// AMX, for the products of more than [`FEW_TOKENS`] rows.
+    tiles: Option<Amx>,
 }
 
 impl Bf16Dot {
-    /// The proof, where this CPU runs the bf16 dot-product path (the check is cached by `std`).
+    /// The proof, where this CPU runs a bf16 path and [`KERNEL_VARIABLE`] does not ask for the
+    /// portable one (read and checked once).
     pub(super) fn detect() -> Option<Bf16Dot> {
+        static CHOSEN: std::sync::OnceLock<Option<Bf16Dot>> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let best = Bf16Dot::best();
+            match std::env::var(KERNEL_VARIABLE)
+                .ok()
+                .as_deref()
+                .map(str::trim)
+            {
+                None | Some("" | "amx") => best,
+                Some("avx512-bf16") => best.map(|_| Bf16Dot { tiles: None }),
+                Some("portable") => None,
+                Some(other) => {
+                    eprintln!(
+                        "ndscope: {KERNEL_VARIABLE}={other:?} is not a bf16 kernel (amx, \
+                         avx512-bf16, portable); using the CPU's best"
+                    );
+                    best
+                }
+            }
+        })
+    }
+
+    /// The best path this CPU runs.
+    fn best() -> Option<Bf16Dot> {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
-            return Some(Bf16Dot { _detected: () });
+            return Some(Bf16Dot {
+                tiles: Amx::detect(),
+            });
         }
         None
+    }
+
+    /// Every path this CPU runs, named: the dot products, and the tiles where it has them.
+    #[cfg(test)]
+    fn paths() -> Vec<(&'static str, Bf16Dot)> {
+        let Some(best) = Bf16Dot::best() else {
+            return Vec::new();
+        };
+        let mut paths = vec![("avx512-bf16", Bf16Dot { tiles: None })];
+        if best.tiles.is_some() {
+            paths.push(("amx", best));
+        }
+        paths
     }
 }
 
@@ -50,10 +104,24 @@ pub(super) struct Matrix<'a> {
     pub(super) cols: usize,
 }
 
-impl Matrix<'_> {
+impl<'a> Matrix<'a> {
+    /// The transpose: the same elements, rows and columns swapped.
+    fn transposed(self) -> Matrix<'a> {
+        Matrix {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+        }
+    }
+
     #[inline]
     fn at(&self, r: usize, c: usize) -> u16 {
-        self.data[r * self.rows + c * self.cols].to_bits()
+        self.at_value(r, c).to_bits()
+    }
+
+    #[inline]
+    fn at_value(&self, r: usize, c: usize) -> bf16 {
+        self.data[r * self.rows + c * self.cols]
     }
 }
 
@@ -77,10 +145,13 @@ pub(super) fn matmul(
     if m == 0 || n == 0 {
         return;
     }
+    if b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS {
+        return few_tokens(dot, a, b, (m, k, n), out);
+    }
+    if let Some(amx) = dot.tiles {
+        return tiled(amx, a, b, (m, k, n), out);
+    }
     if b.rows == 1 && k.is_multiple_of(2) {
-        if m <= FEW_TOKENS {
-            return few_tokens(dot, a, b, (m, k, n), out);
-        }
         return weight_stationary(dot, a, b, (m, k, n), out);
     }
     let pairs = k.div_ceil(2);
@@ -119,6 +190,187 @@ pub(super) fn matmul(
             }
         }
     });
+}
+
+/// Right panels of 32 columns per task of [`tiled`]: 256 columns, whose panels stay in L2 while the
+/// task's left rows stream past them.
+const TILE_TASK_PANELS: usize = 8;
+
+/// `out = a b` on AMX tiles, in 32 × 32 blocks. The right operand is packed into `[pair][column]`
+/// panels of 32 columns with `k` padded to whole steps of 32 (the padding zero); the left one is read
+/// as rows along `k`. A `Linear`'s product (the weight `[n, k]` used transposed, `k` in whole steps)
+/// is computed as `outᵀ = bᵀ aᵀ`: the weight's rows are the left tiles as they are stored (only a
+/// last partial block of rows is copied), the activations the packed panels. Anything else packs
+/// `a`'s rows, padded. Tasks take one block of rows and [`TILE_TASK_PANELS`] panels of columns.
+fn tiled(
+    amx: Amx,
+    a: Matrix<'_>,
+    b: Matrix<'_>,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [bf16],
+) {
+    let steps = k.div_ceil(2 * STEP_PAIRS);
+    let depth = steps * 2 * STEP_PAIRS;
+    let out_rows = OutRows::new(out, n);
+    if b.rows == 1 && k == depth {
+        // Rows of the product: the weight's n rows; columns: the m tokens.
+        let left = LeftRows::in_place(b.data, b.cols, n, depth);
+        tiled_blocks(amx, &left, a.transposed(), (n, k, m), |r0, c0, sums| {
+            let (rows, width) = (BLOCK.min(n - r0), BLOCK.min(m - c0));
+            let mut column = [0.0f32; BLOCK];
+            for t in 0..width {
+                for (c, row) in column.iter_mut().zip(sums) {
+                    *c = row[t];
+                }
+                out_rows.store(c0 + t, r0, &column[..rows]);
+            }
+        });
+    } else {
+        let left = LeftRows::packed(a, m, k, depth);
+        tiled_blocks(amx, &left, b, (m, k, n), |r0, c0, sums| {
+            let (rows, width) = (BLOCK.min(m - r0), BLOCK.min(n - c0));
+            for (r, row) in sums.iter().enumerate().take(rows) {
+                out_rows.store(r0 + r, c0, &row[..width]);
+            }
+        });
+    }
+}
+
+/// The 32 × 32 blocks of `left · right` (`rows × k` by `k × cols`), each handed to `store` with its
+/// first row and column (`store` clips the blocks at the matrix's edges).
+fn tiled_blocks(
+    amx: Amx,
+    left: &LeftRows<'_>,
+    right: Matrix<'_>,
+    (rows, k, cols): (usize, usize, usize),
+    store: impl Fn(usize, usize, &[[f32; BLOCK]; BLOCK]) + Sync,
+) {
+    let pairs = k.div_ceil(2);
+    let steps = pairs.div_ceil(STEP_PAIRS);
+    let panel_len = steps * STEP_PAIRS * BLOCK;
+    let col_panels = cols.div_ceil(BLOCK);
+    // Right panels: [panel][pair][column], the pairs past `k` zero.
+    let mut packed = vec![0u32; col_panels * panel_len];
+    packed
+        .par_chunks_mut(panel_len)
+        .enumerate()
+        .for_each(|(cp, panel)| {
+            let (c0, width) = (cp * BLOCK, BLOCK.min(cols - cp * BLOCK));
+            pack_panel(
+                right.data,
+                (right.cols, right.rows),
+                c0..c0 + width,
+                k,
+                BLOCK,
+                &mut panel[..pairs * BLOCK],
+            );
+        });
+    let groups = col_panels.div_ceil(TILE_TASK_PANELS);
+    (0..rows.div_ceil(BLOCK) * groups)
+        .into_par_iter()
+        .for_each(|task| {
+            let (block, group) = (task / groups, task % groups);
+            let (a, stride) = left.block(block);
+            let mut tiles = Tiles::configure(amx);
+            let mut sums = [[0.0f32; BLOCK]; BLOCK];
+            let first = group * TILE_TASK_PANELS;
+            for cp in first..col_panels.min(first + TILE_TASK_PANELS) {
+                tiles.block(a, stride, &packed[cp * panel_len..], steps, &mut sums);
+                store(block * BLOCK, cp * BLOCK, &sums);
+            }
+        });
+}
+
+/// The left operand of [`tiled_blocks`]: rows along `k`, `stride` elements apart, read in blocks of
+/// 32 rows; `tail` holds the last block's rows padded to 32 and to `depth` (empty when the rows
+/// fill their blocks).
+struct LeftRows<'a> {
+    data: std::borrow::Cow<'a, [bf16]>,
+    stride: usize,
+    whole_blocks: usize,
+    tail: Vec<bf16>,
+    depth: usize,
+}
+
+impl<'a> LeftRows<'a> {
+    /// Rows `0..rows` of `data`, `stride` apart, each with `depth` elements (whole steps): read where
+    /// they are, but for a last partial block, copied.
+    fn in_place(data: &'a [bf16], stride: usize, rows: usize, depth: usize) -> LeftRows<'a> {
+        let whole_blocks = rows / BLOCK;
+        let mut tail = Vec::new();
+        if !rows.is_multiple_of(BLOCK) {
+            tail = vec![bf16::ZERO; BLOCK * depth];
+            for (r, dst) in (whole_blocks * BLOCK..rows).zip(tail.chunks_exact_mut(depth)) {
+                dst.copy_from_slice(&data[r * stride..][..depth]);
+            }
+        }
+        LeftRows {
+            data: std::borrow::Cow::Borrowed(data),
+            stride,
+            whole_blocks,
+            tail,
+            depth,
+        }
+    }
+
+    /// The `m` rows of `a` (`k` long), packed `depth` apart with zero padding, in whole blocks.
+    fn packed(a: Matrix<'_>, m: usize, k: usize, depth: usize) -> LeftRows<'a> {
+        let blocks = m.div_ceil(BLOCK);
+        let mut data = vec![bf16::ZERO; blocks * BLOCK * depth];
+        data.par_chunks_mut(BLOCK * depth)
+            .enumerate()
+            .for_each(|(block, packed)| {
+                let (r0, count) = (block * BLOCK, BLOCK.min(m - block * BLOCK));
+                pack_rows(a, r0..r0 + count, k, depth, packed);
+            });
+        LeftRows {
+            data: std::borrow::Cow::Owned(data),
+            stride: depth,
+            whole_blocks: blocks,
+            tail: Vec::new(),
+            depth,
+        }
+    }
+
+    /// Block `block`'s first row onwards and its row stride.
+    fn block(&self, block: usize) -> (&[bf16], usize) {
+        if block < self.whole_blocks {
+            (&self.data[block * BLOCK * self.stride..], self.stride)
+        } else {
+            (&self.tail, self.depth)
+        }
+    }
+}
+
+/// Rows `rows` of `a` (`k` long) into `out`, row `i` at `out[i · depth..]` (the rest left zero):
+/// copied where rows are contiguous along `k`; where they lie side by side (a transposed operand),
+/// `k` by `k` across them, so that every read runs along memory.
+fn pack_rows(
+    a: Matrix<'_>,
+    rows: std::ops::Range<usize>,
+    k: usize,
+    depth: usize,
+    out: &mut [bf16],
+) {
+    let (first, count) = (rows.start, rows.len());
+    if a.cols == 1 {
+        for (r, dst) in rows.zip(out.chunks_exact_mut(depth)) {
+            dst[..k].copy_from_slice(&a.data[r * a.rows..][..k]);
+        }
+    } else if a.rows == 1 {
+        for i in 0..k {
+            let src = &a.data[i * a.cols + first..][..count];
+            for (r, &v) in src.iter().enumerate() {
+                out[r * depth + i] = v;
+            }
+        }
+    } else {
+        for (r, dst) in rows.zip(out.chunks_exact_mut(depth)) {
+            for (i, d) in dst[..k].iter_mut().enumerate() {
+                *d = a.data[r * a.rows + i * a.cols];
+            }
+        }
+    }
 }
 
 /// The lines `lines` of an operand, element `i < k` of line `l` at `data[l · line + i · depth]`
@@ -401,7 +653,7 @@ fn dot_rows_avx512<const T: usize, const R: usize>(
     }
 }
 
-/// The output, written by the column-block tasks: each task writes only its own columns. It holds
+/// The output, written by the tasks: each writes only its own block of rows and columns. It holds
 /// the exclusive borrow of the output for `'a`, so it cannot outlive it.
 #[derive(Clone, Copy)]
 struct OutRows<'a> {
@@ -411,9 +663,9 @@ struct OutRows<'a> {
     _out: PhantomData<&'a mut [bf16]>,
 }
 
-// SAFETY: the tasks that share an `OutRows` write disjoint columns of it (see `store`), and the
-// borrow of the output outlives them (`'a`; `matmul` and `weight_stationary` return after their
-// parallel loops).
+// SAFETY: the tasks that share an `OutRows` write disjoint elements of it (see `store`), and the
+// borrow of the output outlives them (`'a`; `matmul`, `weight_stationary`, `few_tokens` and
+// `tiled` return after their parallel loops).
 unsafe impl Send for OutRows<'_> {}
 // SAFETY: as above.
 unsafe impl Sync for OutRows<'_> {}
@@ -430,13 +682,14 @@ impl<'a> OutRows<'a> {
     }
 
     /// Rounds `values` into row `row`, columns `col..col + values.len()`, which must lie inside the
-    /// row (checked). The callers give each column block to one task.
+    /// row (checked). The callers give each block of the output (columns; rows and columns on
+    /// tiles) to one task.
     fn store(&self, row: usize, col: usize, values: &[f32]) {
         assert!(
             col + values.len() <= self.n && (row * self.n + col + values.len()) <= self.len,
             "bf16 matmul: a store outside the output"
         );
-        // SAFETY: the range is inside the borrowed output (checked above); each column block
+        // SAFETY: the range is inside the borrowed output (checked above); each block of it
         // belongs to one task, so no other thread touches these elements meanwhile.
         let dst = unsafe {
             std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), values.len())
@@ -514,6 +767,110 @@ unsafe fn micro_kernel_avx512(
         unsafe {
             _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
             _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bf16 operand in a buffer of its own: `rows × cols` at the given strides.
+    struct Operand {
+        data: Vec<bf16>,
+        strides: (usize, usize),
+    }
+
+    impl Operand {
+        /// Values in [-2, 2) from a small generator, laid out `(row, col)` at `strides` in a buffer
+        /// just long enough; unused elements (of strided layouts) are NaN, which no kernel may read
+        /// into a result.
+        fn new(seed: u64, (rows, cols): (usize, usize), strides: (usize, usize)) -> Operand {
+            let len = (rows - 1) * strides.0 + (cols - 1) * strides.1 + 1;
+            let mut data = vec![bf16::from_f32(f32::NAN); len];
+            let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            for r in 0..rows {
+                for c in 0..cols {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+                    data[r * strides.0 + c * strides.1] = bf16::from_f32(4.0 * unit - 2.0);
+                }
+            }
+            Operand { data, strides }
+        }
+
+        fn matrix(&self) -> Matrix<'_> {
+            Matrix {
+                data: &self.data,
+                rows: self.strides.0,
+                cols: self.strides.1,
+            }
+        }
+    }
+
+    /// Each path's products against f64 sums of the same bf16 values, within one bf16 rounding of
+    /// the result plus `f32` accumulation in another order: few tokens, a `Linear`'s product with
+    /// and without whole tile steps and blocks of rows, plain, transposed and strided operands, odd
+    /// depths, tails of every tile.
+    #[test]
+    fn every_path_matches_f64_products() {
+        let paths = Bf16Dot::paths();
+        if paths.iter().all(|(name, _)| *name != "amx") {
+            eprintln!("not run: the AMX path (this CPU or kernel has no AMX tiles)");
+        }
+        if paths.is_empty() {
+            eprintln!("not run: the AVX-512 BF16 paths (this CPU lacks AVX-512 BF16)");
+        }
+        // (m, k, n, a's layout, b's layout): "rows" contiguous along k, "cols" transposed (rows
+        // side by side), "gap" rows contiguous with a row stride past k, "strided" neither.
+        let cases: &[(usize, usize, usize, &str, &str)] = &[
+            (1, 64, 9, "rows", "weight"),
+            (5, 302, 70, "rows", "weight"),
+            (8, 64, 9, "gap", "weight"),
+            (9, 32, 33, "rows", "weight"),
+            (37, 320, 130, "rows", "weight"),
+            (64, 320, 64, "rows", "weight"),
+            (70, 96, 100, "gap", "weight"),
+            (37, 300, 130, "rows", "weight"),
+            (37, 301, 300, "rows", "rows"),
+            (33, 301, 37, "cols", "cols"),
+            (100, 96, 70, "cols", "rows"),
+            (40, 50, 45, "strided", "strided"),
+            (3, 5, 4, "rows", "rows"),
+        ];
+        for (name, dot) in paths {
+            for (i, &(m, k, n, la, lb)) in cases.iter().enumerate() {
+                let layout = |kind: &str, rows: usize, cols: usize| match kind {
+                    "rows" => (cols, 1),
+                    "gap" => (cols + 3, 1),
+                    "cols" => (1, rows),
+                    "weight" => (1, rows),
+                    _ => (2 * cols + 1, 2),
+                };
+                let a = Operand::new(2 * i as u64, (m, k), layout(la, m, k));
+                let b = Operand::new(2 * i as u64 + 1, (k, n), layout(lb, k, n));
+                let mut out = vec![bf16::ZERO; m * n];
+                matmul(dot, a.matrix(), b.matrix(), (m, k, n), &mut out);
+                let (am, bm) = (a.matrix(), b.matrix());
+                for r in 0..m {
+                    for c in 0..n {
+                        let terms = (0..k).map(|i| {
+                            f64::from(f32::from(am.at_value(r, i)))
+                                * f64::from(f32::from(bm.at_value(i, c)))
+                        });
+                        let (want, size) = terms.fold((0.0, 0.0), |(s, z), t| (s + t, z + t.abs()));
+                        let got = f64::from(f32::from(out[r * n + c]));
+                        let slack = want.abs() / 256.0 + k as f64 * size / (1u64 << 23) as f64;
+                        assert!(
+                            (got - want).abs() <= slack,
+                            "{name}, case {i} ({m}x{k}x{n}, {la} by {lb}): out[{r}][{c}] = {got}, \
+                             want {want}"
+                        );
+                    }
+                }
+            }
         }
     }
 }

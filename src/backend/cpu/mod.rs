@@ -6,6 +6,7 @@
 
 mod attention;
 mod bf16_gemm;
+mod bf16_tiles;
 mod elementwise;
 mod few_rows;
 mod fused;
