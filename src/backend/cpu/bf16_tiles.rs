@@ -114,7 +114,8 @@ impl Tiles {
         }
     }
 
-    /// `sums = left · right` over `steps` steps of [`STEP_PAIRS`] pairs: `left` is 32 rows of
+    /// `sums = left · right` (or `sums += left · right`, with `accumulate`) over `steps` steps of
+    /// [`STEP_PAIRS`] pairs: `left` is 32 rows of
     /// `bf16` starting `left_stride` elements apart (row `r`, element `i` at `left[r · left_stride
     /// + i]`, `i < 32 · steps`); `right` is `[pair][column]`, 32 `u32` per pair (the two `bf16` of
     /// column `c` at pair `p`: `right[32 p + c]`, the low half multiplying the even `k`).
@@ -127,6 +128,7 @@ impl Tiles {
         left_stride: usize,
         right: &[u32],
         steps: usize,
+        accumulate: bool,
         sums: &mut [[f32; BLOCK]; BLOCK],
     ) {
         let depth = steps * 2 * STEP_PAIRS;
@@ -144,9 +146,18 @@ impl Tiles {
         // last row's last step inside), and 16 rows of 128 bytes' stride of `right` at 64-byte
         // offsets 0 and 64 (the step's 16 pairs of 32 columns: inside by the assertion). The
         // stores write the four 16 × 16 accumulators into `sums`, 128 bytes a row (32 f32), which
-        // is exactly its 4 KiB. The loop runs `steps >= 1` times.
+        // is exactly its 4 KiB, and with `accumulate` first load them from there. The loop runs
+        // `steps >= 1` times.
         unsafe {
             std::arch::asm!(
+                "test {acc:e}, {acc:e}",
+                "jz 3f",
+                "tileloadd tmm0, [{c} + {sb}*1]",
+                "tileloadd tmm1, [{c} + {sb}*1 + 64]",
+                "tileloadd tmm2, [{c1} + {sb}*1]",
+                "tileloadd tmm3, [{c1} + {sb}*1 + 64]",
+                "jmp 2f",
+                "3:",
                 "tilezero tmm0",
                 "tilezero tmm1",
                 "tilezero tmm2",
@@ -177,6 +188,7 @@ impl Tiles {
                 n = inout(reg) steps => _,
                 c = in(reg) sums.as_mut_ptr(),
                 c1 = in(reg) sums.as_mut_ptr().add(16),
+                acc = in(reg) u32::from(accumulate),
                 options(nostack),
             );
         }
