@@ -207,8 +207,8 @@ const TILE_TASK_BLOCKS: usize = 4;
 /// as rows along `k`. A `Linear`'s product (the weight `[n, k]` used transposed, `k` in whole steps)
 /// is computed as `outᵀ = bᵀ aᵀ`: the weight's rows are the left tiles as they are stored (only a
 /// last partial block of rows is copied), the activations the packed panels. Anything else packs
-/// `a`'s rows, padded. Tasks take up to [`TILE_TASK_BLOCKS`] blocks of rows and [`TILE_TASK_PANELS`] panels of
-/// columns.
+/// `a`'s rows, padded. Tasks take up to [`TILE_TASK_BLOCKS`] blocks of rows and
+/// [`TILE_TASK_PANELS`] panels of columns.
 fn tiled(
     amx: Amx,
     a: Matrix<'_>,
