@@ -224,13 +224,7 @@ fn tiled(
         let left = LeftRows::in_place(b.data, b.cols, n, depth);
         tiled_blocks(amx, &left, a.transposed(), (n, k, m), |r0, c0, sums| {
             let (rows, width) = (BLOCK.min(n - r0), BLOCK.min(m - c0));
-            let mut column = [0.0f32; BLOCK];
-            for t in 0..width {
-                for (c, row) in column.iter_mut().zip(sums) {
-                    *c = row[t];
-                }
-                out_rows.store(c0 + t, r0, &column[..rows]);
-            }
+            out_rows.store_transposed(sums, rows, width, c0, r0);
         });
     } else {
         let left = LeftRows::packed(a, m, k, depth);
@@ -313,14 +307,13 @@ fn tiled_blocks(
 }
 
 /// The left operand of [`tiled_blocks`]: rows along `k`, `stride` elements apart, read in blocks of
-/// 32 rows; `tail` holds the last block's rows padded to 32 and to `depth` (empty when the rows
+/// 32 rows; `tail` holds the last block's 32 rows, padded, one after another (empty when the rows
 /// fill their blocks).
 struct LeftRows<'a> {
     data: std::borrow::Cow<'a, [bf16]>,
     stride: usize,
     whole_blocks: usize,
     tail: Vec<bf16>,
-    depth: usize,
 }
 
 impl<'a> LeftRows<'a> {
@@ -340,7 +333,6 @@ impl<'a> LeftRows<'a> {
             stride,
             whole_blocks,
             tail,
-            depth,
         }
     }
 
@@ -361,7 +353,6 @@ impl<'a> LeftRows<'a> {
             stride,
             whole_blocks: blocks,
             tail: Vec::new(),
-            depth,
         }
     }
 
@@ -370,7 +361,7 @@ impl<'a> LeftRows<'a> {
         if block < self.whole_blocks {
             (&self.data[block * BLOCK * self.stride..], self.stride)
         } else {
-            (&self.tail, self.depth)
+            (&self.tail, self.tail.len() / BLOCK)
         }
     }
 }
@@ -516,7 +507,6 @@ fn weight_stationary(
         .for_each(|task| {
             let mut tile = [[0.0f32; NR]; MR];
             let mut left = vec![0u32; pairs * MR];
-            let mut column = [0.0f32; MR];
             let end = n.min((task + 1) * ROWS_PER_TASK);
             for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
                 let rows = MR.min(n - j0);
@@ -528,12 +518,7 @@ fn weight_stationary(
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
                     micro_kernel(dot, &left, rp, pairs, &mut tile);
-                    for t in 0..NR.min(m - tp * NR) {
-                        for (c, row) in column.iter_mut().zip(&tile) {
-                            *c = row[t];
-                        }
-                        out_rows.store(tp * NR + t, j0, &column[..rows]);
-                    }
+                    out_rows.store_transposed(&tile, rows, NR.min(m - tp * NR), tp * NR, j0);
                 }
             }
         });
@@ -711,6 +696,25 @@ impl<'a> OutRows<'a> {
             len: out.len(),
             n,
             _out: PhantomData,
+        }
+    }
+
+    /// Stores a tile of `outᵀ` transposed: columns `0..width` of `tile`'s rows `0..rows` become
+    /// rows `first..first + width` of the output, columns `col..col + rows`.
+    fn store_transposed<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
+        let mut column = [0.0f32; R];
+        for t in 0..width {
+            for (c, row) in column.iter_mut().zip(tile) {
+                *c = row[t];
+            }
+            self.store(first + t, col, &column[..rows]);
         }
     }
 
