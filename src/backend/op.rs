@@ -744,6 +744,11 @@ mod tests {
 /// `p_ij = e^(s_ij - lse_i)` from the saved `lse` and, with `D_i = dout_i · out_i`:
 /// `dv_j = Σ_i p_ij dout_i`, `ds_ij = p_ij (dout_i · v_j - D_i)`, `dq_i = scale Σ_j ds_ij k_j`,
 /// `dk_j = scale Σ_i ds_ij q_i`.
+///
+/// Precision: in the compute type (`f32` for 16-bit operands, widened exactly), rounded once when
+/// stored — except the `bf16` forward pass on a host with AMX tiles (`backend/cpu/attention_tiles.rs`),
+/// which rounds the weights `softmax(s)_j` to `bf16` before they multiply `v` (scores, maxima and
+/// sums stay in `f32`): each output moves by at most 2⁻⁸ (a `bf16` rounding) of `Σ_j p_j |v_j|`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Attention {
     /// Multiplies every score (`1/sqrt(width)` unless the caller chose another).

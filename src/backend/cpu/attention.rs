@@ -12,12 +12,15 @@
 //! element and the result does not depend on the schedule.
 //!
 //! Everything is computed in the compute type: 16-bit operands are widened to `f32` once (exact), and
-//! results are rounded once when stored.
+//! results are rounded once when stored. The `bf16` forward pass on a CPU with AMX tiles (and the
+//! `bf16` products on them: [`Bf16Dot::tiles`]) runs in [`super::attention_tiles`] instead.
 
 use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::attention_tiles;
+use super::bf16_gemm::Bf16Dot;
 use super::matmul::{Strided, gemm_tile};
 use super::rows::{self, Real};
 use crate::backend::op::{Attention, Math};
@@ -26,9 +29,9 @@ use crate::dtype::{DType, Element, Float, bf16, f16};
 use crate::layout::{Layout, RowWalk};
 
 /// Queries per forward task and per backward tile.
-const QUERY_TILE: usize = 64;
+pub(super) const QUERY_TILE: usize = 64;
 /// Keys per tile: a forward tile's scores (`QUERY_TILE × KEY_TILE` floats, 32 KiB) stay in L1/L2.
-const KEY_TILE: usize = 128;
+pub(super) const KEY_TILE: usize = 128;
 /// Products smaller than this many multiply-adds run on the calling thread.
 const PARALLEL_WORK: usize = 1 << 18;
 /// One head of an operand in the compute type: row `i` is `data[start + i * row..][..width]`.
@@ -111,7 +114,7 @@ impl<'a, C: Element> Heads<'a, C> {
 }
 
 /// Stores rows `from..` of head `(b, h)` of a `[batch, heads, len, width]` output (width stride 1).
-fn store_rows<T: Math>(
+pub(super) fn store_rows<T: Math>(
     out: &mut [T],
     layout: &Layout,
     (b, h): (usize, usize),
@@ -133,12 +136,16 @@ fn store_rows<T: Math>(
 }
 
 /// How many keys batch `b` holds.
-fn keys_of(key_lengths: Option<&[i64]>, b: usize, keys: usize) -> usize {
+pub(super) fn keys_of(key_lengths: Option<&[i64]>, b: usize, keys: usize) -> usize {
     key_lengths.map_or(keys, |k| k[b].clamp(0, keys as i64) as usize)
 }
 
 /// `f(task)` for every task, in parallel when the work is large enough; results in task order.
-fn run_tasks<R: Send>(tasks: usize, work: usize, f: impl Fn(usize) -> R + Sync + Send) -> Vec<R> {
+pub(super) fn run_tasks<R: Send>(
+    tasks: usize,
+    work: usize,
+    f: impl Fn(usize) -> R + Sync + Send,
+) -> Vec<R> {
     if work < PARALLEL_WORK {
         (0..tasks).map(f).collect()
     } else {
@@ -151,7 +158,12 @@ pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, o
     match dtype {
         DType::F32 => forward_as::<f32>(math, inputs, out, lse),
         DType::F64 => forward_as::<f64>(math, inputs, out, lse),
-        DType::BF16 => forward_as::<bf16>(math, inputs, out, lse),
+        DType::BF16 => match Bf16Dot::detect().and_then(Bf16Dot::tiles) {
+            Some(amx) if attention_tiles::computes(&inputs) => {
+                attention_tiles::forward(amx, math, inputs, out, lse)
+            }
+            _ => forward_as::<bf16>(math, inputs, out, lse),
+        },
         DType::F16 => forward_as::<f16>(math, inputs, out, lse),
         DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
     }

@@ -71,6 +71,11 @@ impl Bf16Dot {
         })
     }
 
+    /// The tiles, where this path has them (for the other `bf16` kernels that run on tiles).
+    pub(super) fn tiles(self) -> Option<Amx> {
+        self.tiles
+    }
+
     /// The best path this CPU runs.
     fn best() -> Option<Bf16Dot> {
         #[cfg(target_arch = "x86_64")]

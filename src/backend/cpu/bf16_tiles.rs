@@ -131,12 +131,37 @@ impl Tiles {
         accumulate: bool,
         sums: &mut [[f32; BLOCK]; BLOCK],
     ) {
+        self.block_into(
+            (left, left_stride),
+            right,
+            steps,
+            accumulate,
+            (sums.as_flattened_mut(), BLOCK),
+        );
+    }
+
+    /// [`block`](Self::block) with the 32 × 32 sums in rows `sums_stride` apart (row `r`, column
+    /// `c` at `sums[r · sums_stride + c]`): a block of a wider matrix of sums, such as a row of
+    /// attention scores.
+    ///
+    /// # Panics
+    /// When a slice is too short for the rows and steps it is read or written at.
+    pub(super) fn block_into(
+        &mut self,
+        (left, left_stride): (&[bf16], usize),
+        right: &[u32],
+        steps: usize,
+        accumulate: bool,
+        (sums, sums_stride): (&mut [f32], usize),
+    ) {
         let depth = steps * 2 * STEP_PAIRS;
         assert!(
             steps > 0
                 && left_stride >= depth
                 && left.len() >= (BLOCK - 1) * left_stride + depth
-                && right.len() >= steps * STEP_PAIRS * BLOCK,
+                && right.len() >= steps * STEP_PAIRS * BLOCK
+                && sums_stride >= BLOCK
+                && sums.len() >= (BLOCK - 1) * sums_stride + BLOCK,
             "bf16 tiles: operands too short for a block"
         );
         #[cfg(target_arch = "x86_64")]
@@ -145,17 +170,17 @@ impl Tiles {
         // `left` at `r · left_stride`, 64 bytes each (32 bf16 of the step; the assertion keeps the
         // last row's last step inside), and 16 rows of 128 bytes' stride of `right` at 64-byte
         // offsets 0 and 64 (the step's 16 pairs of 32 columns: inside by the assertion). The
-        // stores write the four 16 × 16 accumulators into `sums`, 128 bytes a row (32 f32), which
-        // is exactly its 4 KiB, and with `accumulate` first load them from there. The loop runs
-        // `steps >= 1` times.
+        // stores write the four 16 × 16 accumulators into rows `r < 32` of `sums`, 128 bytes at
+        // `r · sums_stride` (inside by the assertion), and with `accumulate` first load them from
+        // there. The loop runs `steps >= 1` times.
         unsafe {
             std::arch::asm!(
                 "test {acc:e}, {acc:e}",
                 "jz 3f",
-                "tileloadd tmm0, [{c} + {sb}*1]",
-                "tileloadd tmm1, [{c} + {sb}*1 + 64]",
-                "tileloadd tmm2, [{c1} + {sb}*1]",
-                "tileloadd tmm3, [{c1} + {sb}*1 + 64]",
+                "tileloadd tmm0, [{c} + {sc}*1]",
+                "tileloadd tmm1, [{c} + {sc}*1 + 64]",
+                "tileloadd tmm2, [{c1} + {sc}*1]",
+                "tileloadd tmm3, [{c1} + {sc}*1 + 64]",
                 "jmp 2f",
                 "3:",
                 "tilezero tmm0",
@@ -176,10 +201,10 @@ impl Tiles {
                 "add {b}, 2048",
                 "dec {n}",
                 "jnz 2b",
-                "tilestored [{c} + {sb}*1], tmm0",
-                "tilestored [{c} + {sb}*1 + 64], tmm1",
-                "tilestored [{c1} + {sb}*1], tmm2",
-                "tilestored [{c1} + {sb}*1 + 64], tmm3",
+                "tilestored [{c} + {sc}*1], tmm0",
+                "tilestored [{c} + {sc}*1 + 64], tmm1",
+                "tilestored [{c1} + {sc}*1], tmm2",
+                "tilestored [{c1} + {sc}*1 + 64], tmm3",
                 a0 = inout(reg) left.as_ptr() => _,
                 a1 = inout(reg) left.as_ptr().add(16 * left_stride) => _,
                 sa = in(reg) left_stride * 2,
@@ -187,7 +212,8 @@ impl Tiles {
                 sb = in(reg) BLOCK * 4,
                 n = inout(reg) steps => _,
                 c = in(reg) sums.as_mut_ptr(),
-                c1 = in(reg) sums.as_mut_ptr().add(16),
+                c1 = in(reg) sums.as_mut_ptr().add(16 * sums_stride),
+                sc = in(reg) sums_stride * 4,
                 acc = in(reg) u32::from(accumulate),
                 options(nostack),
             );

@@ -5,6 +5,7 @@
 //! (contiguous, broadcast scalar, or strided), so the common cases are plain slice loops.
 
 mod attention;
+mod attention_tiles;
 mod bf16_gemm;
 mod bf16_tiles;
 mod elementwise;

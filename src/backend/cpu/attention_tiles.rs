@@ -1,0 +1,565 @@
+//! The `bf16` fused attention forward on AMX tiles ([`Attention`] states the math; the schedule is
+//! [`super::attention`]'s: one task per batch, head and tile of [`QUERY_TILE`] queries, keys in
+//! tiles of [`KEY_TILE`], a running maximum per query).
+//!
+//! Both products run on [`Tiles::block_into`] in 32 × 32 blocks: the scores `q kᵀ` from the query
+//! tile's rows (copied, zero-padded to whole steps) and the keys packed as right panels, and `p v`
+//! from the weights rounded to `bf16` and the values packed as right panels. Keys and values are
+//! packed once per batch and key head, before the tasks, and read by every query tile of the head
+//! (and of every query head of its group), so nothing is widened to `f32` on the way.
+//!
+//! What differs from [`super::attention`]'s `f32` computation: the weights `p = e^(s - max)` are
+//! rounded to `bf16` (relative error at most 2⁻⁸) before they multiply the values, as FlashAttention
+//! does on tensor cores and PyTorch's CPU attention does for `bf16`. Scores, maxima and sums stay in
+//! `f32`, so an output moves by at most 2⁻⁸ of `Σ p |v| / Σ p` from the `f32` result.
+
+use rayon::prelude::*;
+
+use super::attention::{KEY_TILE, QUERY_TILE, keys_of, run_tasks, store_rows};
+use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
+use crate::backend::op::Attention;
+use crate::backend::{AttentionInputs, Dst, Src};
+use crate::dtype::{Float, bf16, bf16_of_f32};
+
+/// `k` elements per step of a block: a tile row of 32 `bf16`.
+const STEP: usize = 2 * STEP_PAIRS;
+/// Row stride of the query tile and of the weights: one step past their depth, so that the 32 rows
+/// a tile load reads do not share L1 sets.
+const PAD: usize = STEP;
+/// Row stride of the weights of a key tile (`bf16`).
+const WEIGHT_STRIDE: usize = KEY_TILE + PAD;
+
+/// Whether the tiles compute this attention: head widths both non-zero (a block needs a step).
+pub(super) fn computes(inputs: &AttentionInputs) -> bool {
+    inputs.q.layout.shape()[3] > 0 && inputs.v.layout.shape()[3] > 0
+}
+
+/// One `[batch, heads, len, width]` operand of `bf16` elements (width stride 1).
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [bf16],
+    dims: [usize; 4],
+    strides: [usize; 3],
+    offset: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn of(x: &Src<'a>) -> Operand<'a> {
+        let (shape, st) = (x.layout.shape(), x.layout.strides());
+        Operand {
+            data: x.buf.host::<bf16>(),
+            dims: [shape[0], shape[1], shape[2], shape[3]],
+            strides: [st[0], st[1], st[2]],
+            offset: x.layout.offset(),
+        }
+    }
+
+    /// Row `i` of head `(b, h)`.
+    fn row(&self, (b, h): (usize, usize), i: usize) -> &'a [bf16] {
+        let [sb, sh, si] = self.strides;
+        &self.data[self.offset + b * sb + h * sh + i * si..][..self.dims[3]]
+    }
+}
+
+/// The two `bf16` of a pair as a panel's `u32` (the low half multiplies the even `k`).
+#[inline]
+fn pair(lo: bf16, hi: bf16) -> u32 {
+    u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16
+}
+
+/// Keys of one head as right panels of the scores: `[key block][width pair][key]`, 32 keys a
+/// block, the width padded to whole steps (`pairs` pairs) and the keys to whole blocks with zeros.
+fn pack_keys(k: &Operand<'_>, head: (usize, usize), pairs: usize, out: &mut [u32]) {
+    let keys = k.dims[2];
+    for (block, panel) in out.chunks_exact_mut(pairs * BLOCK).enumerate() {
+        for c in 0..BLOCK.min(keys - block * BLOCK) {
+            let row = k.row(head, block * BLOCK + c);
+            for (p, two) in row.chunks(2).enumerate() {
+                panel[p * BLOCK + c] = pair(two[0], two.get(1).copied().unwrap_or(bf16::ZERO));
+            }
+        }
+    }
+}
+
+/// Values of one head as right panels of `p v`: `[column block][key pair][column]`, 32 columns a
+/// block, the keys padded to whole blocks (`key_pairs` pairs) and the columns with zeros.
+fn pack_values(v: &Operand<'_>, head: (usize, usize), key_pairs: usize, out: &mut [u32]) {
+    let (keys, width) = (v.dims[2], v.dims[3]);
+    for (block, panel) in out.chunks_exact_mut(key_pairs * BLOCK).enumerate() {
+        let (c0, cols) = (block * BLOCK, BLOCK.min(width - block * BLOCK));
+        for (p, dst) in panel
+            .chunks_exact_mut(BLOCK)
+            .take(keys.div_ceil(2))
+            .enumerate()
+        {
+            let lo = &v.row(head, 2 * p)[c0..c0 + cols];
+            if 2 * p + 1 < keys {
+                let hi = &v.row(head, 2 * p + 1)[c0..c0 + cols];
+                for ((d, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
+                    *d = pair(l, h);
+                }
+            } else {
+                for (d, &l) in dst.iter_mut().zip(lo) {
+                    *d = pair(l, bf16::ZERO);
+                }
+            }
+        }
+    }
+}
+
+/// A head's keys and values, packed (see [`pack_keys`] and [`pack_values`]).
+struct PackedHead {
+    keys: Vec<u32>,
+    values: Vec<u32>,
+}
+
+/// Forward pass on tiles: `out` and `lse` of every query (`computes(&inputs)` must hold).
+pub(super) fn forward(amx: Amx, math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst) {
+    let operands = [
+        Operand::of(&inputs.q),
+        Operand::of(&inputs.k),
+        Operand::of(&inputs.v),
+    ];
+    let [_, heads, queries, _] = operands[0].dims;
+    let key_lengths = inputs.key_lengths.map(|l| l.contiguous_host::<i64>());
+    let results = query_tiles(amx, math, operands, key_lengths);
+    let tiles = queries.div_ceil(QUERY_TILE);
+    let (out_layout, out) = (out.layout, out.buf.host::<bf16>());
+    let lse = lse.contiguous_host::<f32>();
+    for (task, (o, l)) in results.into_iter().enumerate() {
+        let (bh, tile) = (task / tiles, task % tiles);
+        let from = tile * QUERY_TILE;
+        store_rows::<bf16>(out, out_layout, (bh / heads, bh % heads), from, &o);
+        lse[bh * queries + from..][..l.len()].copy_from_slice(&l);
+    }
+}
+
+/// The outputs (`rows × value width`, `f32`) and `lse` of every query tile, in the order batch,
+/// head, tile.
+fn query_tiles(
+    amx: Amx,
+    math: &Attention,
+    [q, k, v]: [Operand<'_>; 3],
+    key_lengths: Option<&[i64]>,
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    let ([batch, heads, queries, width], [_, key_heads, keys, dv]) = (q.dims, v.dims);
+    let steps = width.div_ceil(STEP);
+    let (pairs, key_blocks) = (steps * STEP_PAIRS, keys.div_ceil(BLOCK));
+    let key_pairs = key_blocks * BLOCK / 2;
+    let packed: Vec<PackedHead> = (0..batch * key_heads)
+        .into_par_iter()
+        .map(|bh| {
+            let head = (bh / key_heads, bh % key_heads);
+            let mut keys_packed = vec![0u32; key_blocks * pairs * BLOCK];
+            pack_keys(&k, head, pairs, &mut keys_packed);
+            let mut values = vec![0u32; dv.div_ceil(BLOCK) * key_pairs * BLOCK];
+            pack_values(&v, head, key_pairs, &mut values);
+            PackedHead {
+                keys: keys_packed,
+                values,
+            }
+        })
+        .collect();
+    let tiles = queries.div_ceil(QUERY_TILE);
+    let work = batch * heads * queries * keys * width;
+    run_tasks(batch * heads * tiles, work, |task| {
+        let (bh, tile) = (task / tiles, task % tiles);
+        let (b, h) = (bh / heads, bh % heads);
+        let from = tile * QUERY_TILE;
+        let rows = QUERY_TILE.min(queries - from);
+        // Grouped-query attention: query head h reads key and value head h / group.
+        let kv = &packed[b * key_heads + h / math.group];
+        let mut query_rows = vec![bf16::ZERO; QUERY_TILE * (steps * STEP + PAD)];
+        for (r, dst) in query_rows
+            .chunks_exact_mut(steps * STEP + PAD)
+            .take(rows)
+            .enumerate()
+        {
+            dst[..width].copy_from_slice(q.row((b, h), from + r));
+        }
+        forward_tile(
+            amx,
+            math,
+            (&query_rows, steps),
+            kv,
+            (dv, key_pairs),
+            keys_of(key_lengths, b, keys),
+            (from, rows),
+        )
+    })
+}
+
+/// `rows` queries from `from` of one head (their rows in `query_rows`, `steps` steps deep plus
+/// [`PAD`]): their outputs (`rows × dv`) and `lse`, against the first `keys` keys of `kv`.
+fn forward_tile(
+    amx: Amx,
+    math: &Attention,
+    (query_rows, steps): (&[bf16], usize),
+    kv: &PackedHead,
+    (dv, key_pairs): (usize, usize),
+    keys: usize,
+    (from, rows): (usize, usize),
+) -> (Vec<f32>, Vec<f32>) {
+    let mut tiles = Tiles::configure(amx);
+    let (query_stride, pairs) = (steps * STEP + PAD, steps * STEP_PAIRS);
+    let (row_blocks, out_stride) = (rows.div_ceil(BLOCK), dv.div_ceil(BLOCK) * BLOCK);
+    let mut out = vec![0.0f32; QUERY_TILE * out_stride];
+    let mut max = vec![f32::NEG_INFINITY; rows];
+    let mut sum = vec![0.0f32; rows];
+    let mut scores = vec![0.0f32; QUERY_TILE * KEY_TILE];
+    let mut weights = vec![bf16::ZERO; QUERY_TILE * WEIGHT_STRIDE];
+    let scale = math.scale as f32;
+    let seen_by_tile = math.visible(from + rows - 1, keys);
+    let start = math.first(from) / KEY_TILE * KEY_TILE;
+    for j0 in (start..seen_by_tile).step_by(KEY_TILE) {
+        let cols = KEY_TILE.min(seen_by_tile - j0);
+        let col_blocks = cols.div_ceil(BLOCK);
+        for rb in 0..row_blocks {
+            // Rows rb·32.. see keys first(r0)..visible(last): blocks outside that range are
+            // masked for every row of the block, and left uncomputed.
+            let (r0, last) = (rb * BLOCK, (rb * BLOCK + BLOCK).min(rows) - 1);
+            let (lo, hi) = (math.first(from + r0), math.visible(from + last, keys));
+            for cb in 0..col_blocks {
+                let c0 = j0 + cb * BLOCK;
+                if c0 >= hi || c0 + BLOCK <= lo {
+                    continue;
+                }
+                tiles.block_into(
+                    (&query_rows[r0 * query_stride..], query_stride),
+                    &kv.keys[(c0 / BLOCK) * pairs * BLOCK..],
+                    steps,
+                    false,
+                    (&mut scores[r0 * KEY_TILE + cb * BLOCK..], KEY_TILE),
+                );
+            }
+        }
+        let key_tile = KeyTile {
+            scores: &scores,
+            weights: &mut weights,
+            out: &mut out,
+            running: (&mut max, &mut sum),
+        };
+        let geometry = (math, scale, from, (j0, col_blocks * BLOCK), keys, dv);
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX-512F and FMA (checked on the line above), the features the
+            // function is compiled for.
+            unsafe { weigh_avx512(key_tile, geometry) };
+        } else {
+            weigh(key_tile, geometry);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        weigh(key_tile, geometry);
+        for rb in 0..row_blocks {
+            let r0 = rb * BLOCK;
+            for (vb, panel) in kv.values.chunks_exact(key_pairs * BLOCK).enumerate() {
+                tiles.block_into(
+                    (&weights[r0 * WEIGHT_STRIDE..], WEIGHT_STRIDE),
+                    &panel[j0 / 2 * BLOCK..],
+                    col_blocks,
+                    true,
+                    (&mut out[r0 * out_stride + vb * BLOCK..], out_stride),
+                );
+            }
+        }
+    }
+    drop(tiles);
+    let mut outputs = Vec::with_capacity(rows * dv);
+    let lse = (0..rows)
+        .map(|r| {
+            let row = &out[r * out_stride..][..dv];
+            if sum[r] == 0.0 {
+                // No key visible: the output is 0 and the row's log-sum is -inf.
+                outputs.extend(std::iter::repeat_n(0.0, dv));
+                return f32::NEG_INFINITY;
+            }
+            let inv = sum[r].recip();
+            outputs.extend(row.iter().map(|o| o * inv));
+            max[r] + sum[r].ln()
+        })
+        .collect();
+    (outputs, lse)
+}
+
+/// A query tile's state at one key tile: the scores of its rows (`q · k`, unscaled, [`KEY_TILE`]
+/// apart), and what [`weigh`] writes: the weights (`bf16`, [`WEIGHT_STRIDE`] apart), the outputs
+/// accumulated so far (rows of the value width rounded up to a block) and each row's running
+/// maximum and sum.
+struct KeyTile<'a> {
+    scores: &'a [f32],
+    weights: &'a mut [bf16],
+    out: &'a mut [f32],
+    running: (&'a mut [f32], &'a mut [f32]),
+}
+
+/// Where the key tile lies: the attention, its scale, the query tile's first query, the tile's
+/// first key and its width in whole blocks, the keys of the batch, the value width.
+type Geometry<'a> = (&'a Attention, f32, usize, (usize, usize), usize, usize);
+
+/// [`weigh`] compiled for AVX-512F: its row loops become 16-lane code.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn weigh_avx512(tile: KeyTile<'_>, geometry: Geometry<'_>) {
+    weigh(tile, geometry);
+}
+
+/// For every query row `r` of the tile: its weights `p_j = e^(scale s_j - max)` over the keys it
+/// sees (0 elsewhere, up to the tile's width), against the running maximum raised to the tile's
+/// (the row's outputs and sum rescaled by `e^(old - new)`); the sum grows by the weights in `f32`,
+/// and the weights are stored rounded to `bf16`. One pass for the maximum and one for the weights.
+#[inline(always)]
+fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry<'_>) {
+    const LANES: usize = 16;
+    let (max, sum) = tile.running;
+    let out_stride = tile.out.len() / QUERY_TILE;
+    for (r, (max, sum)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
+        let row = &tile.scores[r * KEY_TILE..][..width];
+        let weights = &mut tile.weights[r * WEIGHT_STRIDE..][..width];
+        let seen = math.visible(from + r, keys).saturating_sub(j0).min(width);
+        let skip = math.first(from + r).saturating_sub(j0).min(seen);
+        if seen == skip {
+            weights.fill(bf16::ZERO);
+            continue;
+        }
+        // Only the chunks of lanes that hold a key the row sees are computed; the rest weigh 0.
+        let (first, end) = (skip / LANES * LANES, seen.div_ceil(LANES) * LANES);
+        weights[..first].fill(bf16::ZERO);
+        weights[end..].fill(bf16::ZERO);
+        let (row, weights) = (&row[first..end], &mut weights[first..end]);
+        let sees = |c: usize| (skip..seen).contains(&(first + c));
+        // The tile's maximum over the keys the row sees; a NaN score makes it NaN (and so every
+        // weight of the row), as the f32 path's maximum does.
+        let mut lanes = [f32::NEG_INFINITY; LANES];
+        for (c0, chunk) in (0..).step_by(LANES).zip(row.chunks_exact(LANES)) {
+            for (i, (m, &s)) in lanes.iter_mut().zip(chunk).enumerate() {
+                let x = if sees(c0 + i) {
+                    s * scale
+                } else {
+                    f32::NEG_INFINITY
+                };
+                *m = if x > *m || x.is_nan() { x } else { *m };
+            }
+        }
+        let tile_max =
+            lanes.iter().fold(
+                f32::NEG_INFINITY,
+                |m, &x| if x > m || x.is_nan() { x } else { m },
+            );
+        let new_max = if tile_max > *max || tile_max.is_nan() {
+            tile_max
+        } else {
+            *max
+        };
+        let rescale = Float::exp(*max - new_max);
+        let mut sums = [0.0f32; LANES];
+        for (c0, (chunk, dst)) in (0..)
+            .step_by(LANES)
+            .zip(row.chunks_exact(LANES).zip(weights.chunks_exact_mut(LANES)))
+        {
+            for (i, ((total, &s), w)) in sums.iter_mut().zip(chunk).zip(dst).enumerate() {
+                let p = exp_weight(s * scale - new_max);
+                let p = if sees(c0 + i) { p } else { 0.0 };
+                *total += p;
+                *w = bf16_of_f32(p);
+            }
+        }
+        *sum = *sum * rescale + sums.iter().sum::<f32>();
+        *max = new_max;
+        if rescale != 1.0 {
+            tile.out[r * out_stride..][..dv]
+                .iter_mut()
+                .for_each(|o| *o *= rescale);
+        }
+    }
+}
+
+/// `e^x` for a weight: `x <= 0` (a score less its row's maximum) or NaN (which stays NaN); 0 below
+/// -87, where `e^x` is no longer a normal `f32`. `x = k ln 2 + r` with `|r| <= ln 2 / 2` (Cody and
+/// Waite's two-part `ln 2`), `e^r` by its Taylor series to degree 6 (the first omitted term is
+/// below 2^-22 of the result), and `2^k` from exponent bits (`k` in -126..=0). Fused multiply-adds:
+/// compiled into [`weigh_avx512`], whose features include FMA. Weights are rounded to `bf16`, so
+/// [`crate::fastmath`]'s `exp` (degree 7, overflow and the whole range handled) would spend its
+/// extra work on bits no weight keeps; the row sums, in `f32`, see an error far below the 2^-8 of
+/// the rounding.
+#[inline(always)]
+fn exp_weight(x: f32) -> f32 {
+    /// `1.5 · 2^23`: adding it rounds a float of magnitude below `2^22` to an integer.
+    const ROUND_MAGIC: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const FLOOR: f32 = -87.0;
+    let xc = if x < FLOOR { FLOOR } else { x };
+    let shifted = xc.mul_add(std::f32::consts::LOG2_E, ROUND_MAGIC);
+    let k = shifted - ROUND_MAGIC;
+    let k_int = shifted.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()) as i32;
+    let r = k.mul_add(-LN2_LO, k.mul_add(-LN2_HI, xc));
+    let p = r.mul_add(1.0 / 720.0, 1.0 / 120.0);
+    let p = r.mul_add(p, 1.0 / 24.0);
+    let p = r.mul_add(p, 1.0 / 6.0);
+    let p = r.mul_add(p, 0.5);
+    let p = r.mul_add(p, 1.0);
+    let p = r.mul_add(p, 1.0);
+    let y = p * f32::from_bits((k_int.wrapping_add(127) as u32) << 23);
+    if x < FLOOR { 0.0 } else { y }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `n` values in [-2, 2) from a seeded generator, as `bf16`.
+    fn values(n: usize, seed: u64) -> Vec<bf16> {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                bf16_of_f32(((state >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32)
+            })
+            .collect()
+    }
+
+    /// One case: dims `[batch, heads, key heads, queries, keys, width, value width]`.
+    struct Case {
+        dims: [usize; 7],
+        causal: Option<i64>,
+        window: Option<usize>,
+        key_lengths: Option<Vec<i64>>,
+        /// The queries stored `[batch, queries, heads, width]` and read through a permuted view.
+        permuted_queries: bool,
+    }
+
+    /// `out` and `lse` of query `i` of head `(b, h)`, in f64 from the `bf16` values.
+    fn reference(
+        math: &Attention,
+        [q, k, v]: [&Operand<'_>; 3],
+        (b, h): (usize, usize),
+        i: usize,
+        keys: usize,
+    ) -> (Vec<f64>, f64) {
+        let kh = h / math.group;
+        let (first, seen) = (math.first(i), math.visible(i, keys));
+        let f = |x: &[bf16]| x.iter().map(|x| f64::from(x.to_f32())).collect::<Vec<_>>();
+        let qi = f(q.row((b, h), i));
+        let scores: Vec<f64> = (first..seen.max(first))
+            .map(|j| {
+                let kj = f(k.row((b, kh), j));
+                math.scale * qi.iter().zip(&kj).map(|(a, b)| a * b).sum::<f64>()
+            })
+            .collect();
+        let dv = v.dims[3];
+        if scores.is_empty() {
+            return (vec![0.0; dv], f64::NEG_INFINITY);
+        }
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum: f64 = weights.iter().sum();
+        let mut out = vec![0.0; dv];
+        for (j, w) in (first..).zip(&weights) {
+            for (o, x) in out.iter_mut().zip(f(v.row((b, kh), j))) {
+                *o += w / sum * x;
+            }
+        }
+        (out, max + sum.ln())
+    }
+
+    #[test]
+    fn tiles_match_f64_attention() {
+        let Some(amx) = Amx::detect() else {
+            eprintln!("bf16 attention on AMX tiles: not run (this CPU or kernel has no AMX)");
+            return;
+        };
+        let cases = [
+            Case {
+                dims: [2, 2, 2, 70, 150, 16, 16],
+                causal: Some(80),
+                window: None,
+                key_lengths: None,
+                permuted_queries: false,
+            },
+            Case {
+                dims: [1, 4, 2, 200, 200, 64, 64],
+                causal: Some(0),
+                window: None,
+                key_lengths: None,
+                permuted_queries: true,
+            },
+            Case {
+                dims: [2, 3, 3, 33, 130, 80, 48],
+                causal: None,
+                window: None,
+                key_lengths: Some(vec![100, 0]),
+                permuted_queries: false,
+            },
+            Case {
+                dims: [1, 2, 1, 300, 300, 32, 40],
+                causal: Some(0),
+                window: Some(40),
+                key_lengths: None,
+                permuted_queries: true,
+            },
+            Case {
+                dims: [1, 1, 1, 5, 1, 7, 3],
+                causal: None,
+                window: None,
+                key_lengths: None,
+                permuted_queries: false,
+            },
+        ];
+        for (n, case) in cases.iter().enumerate() {
+            let [batch, heads, key_heads, queries, keys, width, dv] = case.dims;
+            let math = Attention {
+                scale: 1.0 / (width as f64).sqrt(),
+                causal: case.causal,
+                group: heads / key_heads,
+                window: case.window,
+            };
+            let q_data = values(batch * heads * queries * width, 3 * n as u64 + 1);
+            let k_data = values(batch * key_heads * keys * width, 3 * n as u64 + 2);
+            let v_data = values(batch * key_heads * keys * dv, 3 * n as u64 + 3);
+            let contiguous = |data, [b, h, l, w]: [usize; 4]| Operand {
+                data,
+                dims: [b, h, l, w],
+                strides: [h * l * w, l * w, w],
+                offset: 0,
+            };
+            let q = if case.permuted_queries {
+                Operand {
+                    data: &q_data,
+                    dims: [batch, heads, queries, width],
+                    strides: [queries * heads * width, width, heads * width],
+                    offset: 0,
+                }
+            } else {
+                contiguous(&q_data, [batch, heads, queries, width])
+            };
+            let k = contiguous(&k_data, [batch, key_heads, keys, width]);
+            let v = contiguous(&v_data, [batch, key_heads, keys, dv]);
+            let results = query_tiles(amx, &math, [q, k, v], case.key_lengths.as_deref());
+            let tiles = queries.div_ceil(QUERY_TILE);
+            for (task, (out, lse)) in results.iter().enumerate() {
+                let (bh, tile) = (task / tiles, task % tiles);
+                let (b, h) = (bh / heads, bh % heads);
+                let keys = keys_of(case.key_lengths.as_deref(), b, keys);
+                for (r, got) in out.chunks(dv).enumerate() {
+                    let i = tile * QUERY_TILE + r;
+                    let (want, want_lse) = reference(&math, [&q, &k, &v], (b, h), i, keys);
+                    // The weights are rounded to bf16 (2^-8 relative) and |v| <= 2.
+                    for (c, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (f64::from(*g) - w).abs() <= 2.0 * 2f64.powi(-8) + 1e-5,
+                            "case {n}, batch {b}, head {h}, query {i}, column {c}: {g} vs {w}"
+                        );
+                    }
+                    let got_lse = f64::from(lse[r]);
+                    assert!(
+                        got_lse == want_lse
+                            || (got_lse - want_lse).abs() <= 1e-4 * want_lse.abs().max(1.0),
+                        "case {n}, batch {b}, head {h}, query {i}: lse {got_lse} vs {want_lse}"
+                    );
+                }
+            }
+        }
+    }
+}
