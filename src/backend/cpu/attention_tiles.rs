@@ -412,16 +412,11 @@ fn exp_weight(x: f32) -> f32 {
 mod tests {
     use super::*;
 
-    /// `n` values in [-2, 2) from a seeded generator, as `bf16`.
+    /// `n` values in [-2, 2) from the crate's seeded generator, as `bf16`.
     fn values(n: usize, seed: u64) -> Vec<bf16> {
-        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut rng = crate::rng::Rng::new(seed);
         (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                bf16_of_f32(((state >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0) as f32)
-            })
+            .map(|_| bf16_of_f32((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0))
             .collect()
     }
 
