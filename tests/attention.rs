@@ -275,9 +275,9 @@ fn sixteen_bit_attention_is_within_one_step_of_the_rounded_result() {
             assert_eq!(got.dtype(), dtype);
             let rounded = s.from_slice(&want, &[want.len()])?.to_dtype(dtype)?;
             let (got, rounded) = (got.to_vec_f64()?, rounded.to_vec_f64()?);
-            // Within one 16-bit step of the correctly rounded result: f32 accumulation may land
-            // on the other side of a rounding boundary, and on AMX tiles the bf16 weights (each
-            // within 2^-8) move an output by at most 2^-8 of the mean |v|.
+            // Within one 16-bit step of the correctly rounded result: f32 accumulation (and on
+            // AMX tiles, weights carried in 16 bits) may land on the other side of a rounding
+            // boundary.
             let step = if dtype == DType::BF16 {
                 1.0 / 128.0
             } else {

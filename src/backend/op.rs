@@ -746,9 +746,9 @@ mod tests {
 /// `dk_j = scale Σ_i ds_ij q_i`.
 ///
 /// Precision: in the compute type (`f32` for 16-bit operands, widened exactly), rounded once when
-/// stored — except the `bf16` forward pass on a host with AMX tiles (`backend/cpu/attention_tiles.rs`),
-/// which rounds the weights `softmax(s)_j` to `bf16` before they multiply `v` (scores, maxima and
-/// sums stay in `f32`): each output moves by at most 2⁻⁸ (a `bf16` rounding) of `Σ_j p_j |v_j|`.
+/// stored. The `bf16` forward pass on a host with AMX tiles (`backend/cpu/attention_tiles.rs`)
+/// multiplies the weights `softmax(s)_j` by `v` as two `bf16` parts (16 significant bits; scores,
+/// maxima and sums in `f32`): each output within 2⁻¹⁶ of `Σ_j p_j |v_j|` of the `f32` result.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Attention {
     /// Multiplies every score (`1/sqrt(width)` unless the caller chose another).

@@ -4,14 +4,16 @@
 //!
 //! Both products run on [`Tiles::block_into`] in 32 × 32 blocks: the scores `q kᵀ` from the query
 //! tile's rows (copied, zero-padded to whole steps) and the keys packed as right panels, and `p v`
-//! from the weights rounded to `bf16` and the values packed as right panels. Keys and values are
+//! from the weights (in two `bf16` parts) and the values packed as right panels. Keys and values are
 //! packed once per batch and key head, before the tasks, and read by every query tile of the head
 //! (and of every query head of its group), so nothing is widened to `f32` on the way.
 //!
-//! What differs from [`super::attention`]'s `f32` computation: the weights `p = e^(s - max)` are
-//! rounded to `bf16` (relative error at most 2⁻⁸) before they multiply the values, as FlashAttention
-//! does on tensor cores and PyTorch's CPU attention does for `bf16`. Scores, maxima and sums stay in
-//! `f32`, so an output moves by at most 2⁻⁸ of `Σ p |v| / Σ p` from the `f32` result.
+//! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi = bf16(p)` and `lo = bf16(p -
+//! hi)` (two tile products instead of one): 16 significant bits, so an output moves by at most 2⁻¹⁶
+//! of `Σ p |v| / Σ p` from [`super::attention`]'s `f32` result, the size of its own summation-order
+//! noise. Rounding `p` once to `bf16`, as FlashAttention and PyTorch's CPU attention do, moved outputs
+//! by up to 2⁻⁸, and a bf16-autocast GPT-2's logits then left the GPU's (which multiply in `f32`) by
+//! more than the tolerance of `tests/cuda.rs`; the second part costs a tenth of the time.
 
 use rayon::prelude::*;
 
@@ -212,7 +214,8 @@ fn forward_tile(
     let mut max = vec![f32::NEG_INFINITY; rows];
     let mut sum = vec![0.0f32; rows];
     let mut scores = vec![0.0f32; QUERY_TILE * KEY_TILE];
-    let mut weights = vec![bf16::ZERO; QUERY_TILE * WEIGHT_STRIDE];
+    // The weights' high parts, then their low parts (`p ≈ hi + lo`, both bf16).
+    let mut weights = vec![bf16::ZERO; 2 * QUERY_TILE * WEIGHT_STRIDE];
     let scale = math.scale as f32;
     let seen_by_tile = math.visible(from + rows - 1, keys);
     let start = math.first(from) / KEY_TILE * KEY_TILE;
@@ -258,13 +261,15 @@ fn forward_tile(
         for rb in 0..row_blocks {
             let r0 = rb * BLOCK;
             for (vb, panel) in kv.values.chunks_exact(key_pairs * BLOCK).enumerate() {
-                tiles.block_into(
-                    (&weights[r0 * WEIGHT_STRIDE..], WEIGHT_STRIDE),
-                    &panel[j0 / 2 * BLOCK..],
-                    col_blocks,
-                    true,
-                    (&mut out[r0 * out_stride + vb * BLOCK..], out_stride),
-                );
+                for part in weights.chunks_exact(QUERY_TILE * WEIGHT_STRIDE) {
+                    tiles.block_into(
+                        (&part[r0 * WEIGHT_STRIDE..], WEIGHT_STRIDE),
+                        &panel[j0 / 2 * BLOCK..],
+                        col_blocks,
+                        true,
+                        (&mut out[r0 * out_stride + vb * BLOCK..], out_stride),
+                    );
+                }
             }
         }
     }
@@ -287,7 +292,8 @@ fn forward_tile(
 }
 
 /// A query tile's state at one key tile: the scores of its rows (`q · k`, unscaled, [`KEY_TILE`]
-/// apart), and what [`weigh`] writes: the weights (`bf16`, [`WEIGHT_STRIDE`] apart), the outputs
+/// apart), and what [`weigh`] writes: the weights (two `bf16` parts, the high parts' rows then the
+/// low parts', [`WEIGHT_STRIDE`] apart), the outputs
 /// accumulated so far (rows of the value width rounded up to a block) and each row's running
 /// maximum and sum.
 struct KeyTile<'a> {
@@ -311,26 +317,33 @@ fn weigh_avx512(tile: KeyTile<'_>, geometry: Geometry<'_>) {
 /// For every query row `r` of the tile: its weights `p_j = e^(scale s_j - max)` over the keys it
 /// sees (0 elsewhere, up to the tile's width), against the running maximum raised to the tile's
 /// (the row's outputs and sum rescaled by `e^(old - new)`); the sum grows by the weights in `f32`,
-/// and the weights are stored rounded to `bf16`. One pass for the maximum and one for the weights.
+/// and the weights are stored as two `bf16` parts (the high parts first, then the low ones). One
+/// pass for the maximum and one for the weights.
 #[inline(always)]
 fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry<'_>) {
     const LANES: usize = 16;
     let (max, sum) = tile.running;
     let out_stride = tile.out.len() / QUERY_TILE;
+    let (high, low) = tile.weights.split_at_mut(QUERY_TILE * WEIGHT_STRIDE);
     for (r, (max, sum)) in max.iter_mut().zip(sum.iter_mut()).enumerate() {
         let row = &tile.scores[r * KEY_TILE..][..width];
-        let weights = &mut tile.weights[r * WEIGHT_STRIDE..][..width];
+        let high = &mut high[r * WEIGHT_STRIDE..][..width];
+        let low = &mut low[r * WEIGHT_STRIDE..][..width];
         let seen = math.visible(from + r, keys).saturating_sub(j0).min(width);
         let skip = math.first(from + r).saturating_sub(j0).min(seen);
         if seen == skip {
-            weights.fill(bf16::ZERO);
+            high.fill(bf16::ZERO);
+            low.fill(bf16::ZERO);
             continue;
         }
         // Only the chunks of lanes that hold a key the row sees are computed; the rest weigh 0.
         let (first, end) = (skip / LANES * LANES, seen.div_ceil(LANES) * LANES);
-        weights[..first].fill(bf16::ZERO);
-        weights[end..].fill(bf16::ZERO);
-        let (row, weights) = (&row[first..end], &mut weights[first..end]);
+        for part in [&mut *high, &mut *low] {
+            part[..first].fill(bf16::ZERO);
+            part[end..].fill(bf16::ZERO);
+        }
+        let row = &row[first..end];
+        let (high, low) = (&mut high[first..end], &mut low[first..end]);
         let sees = |c: usize| (skip..seen).contains(&(first + c));
         // The tile's maximum over the keys the row sees; a NaN score makes it NaN (and so every
         // weight of the row), as the f32 path's maximum does.
@@ -357,15 +370,20 @@ fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry
         };
         let rescale = Float::exp(*max - new_max);
         let mut sums = [0.0f32; LANES];
-        for (c0, (chunk, dst)) in (0..)
-            .step_by(LANES)
-            .zip(row.chunks_exact(LANES).zip(weights.chunks_exact_mut(LANES)))
+        let parts = high
+            .chunks_exact_mut(LANES)
+            .zip(low.chunks_exact_mut(LANES));
+        for (c0, (chunk, (hi, lo))) in (0..).step_by(LANES).zip(row.chunks_exact(LANES).zip(parts))
         {
-            for (i, ((total, &s), w)) in sums.iter_mut().zip(chunk).zip(dst).enumerate() {
+            for (i, (((total, &s), hi), lo)) in
+                sums.iter_mut().zip(chunk).zip(hi).zip(lo).enumerate()
+            {
                 let p = exp_weight(s * scale - new_max);
                 let p = if sees(c0 + i) { p } else { 0.0 };
                 *total += p;
-                *w = bf16_of_f32(p);
+                let high = bf16_of_f32(p);
+                *hi = high;
+                *lo = bf16_of_f32(p - f32::from_bits(u32::from(high.to_bits()) << 16));
             }
         }
         *sum = *sum * rescale + sums.iter().sum::<f32>();
@@ -384,8 +402,7 @@ fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry
 /// below 2^-22 of the result), and `2^k` from exponent bits (`k` in -126..=0). Fused multiply-adds:
 /// compiled into [`weigh_avx512`], whose features include FMA. Weights are rounded to `bf16`, so
 /// [`crate::fastmath`]'s `exp` (degree 7, overflow and the whole range handled) would spend its
-/// extra work on bits no weight keeps; the row sums, in `f32`, see an error far below the 2^-8 of
-/// the rounding.
+/// extra work on bits the two parts of a weight do not keep.
 #[inline(always)]
 fn exp_weight(x: f32) -> f32 {
     /// `1.5 · 2^23`: adding it rounds a float of magnitude below `2^22` to an integer.
@@ -555,10 +572,10 @@ mod tests {
                 for (r, got) in out.chunks(dv).enumerate() {
                     let i = tile * QUERY_TILE + r;
                     let (want, want_lse) = reference(&math, [&q, &k, &v], (b, h), i, keys);
-                    // The weights are rounded to bf16 (2^-8 relative) and |v| <= 2.
+                    // The weights are carried as two bf16 (within 2^-16) and |v| <= 2.
                     for (c, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert!(
-                            (f64::from(*g) - w).abs() <= 2.0 * 2f64.powi(-8) + 1e-5,
+                            (f64::from(*g) - w).abs() <= 2.0 * 2f64.powi(-16) + 2e-5,
                             "case {n}, batch {b}, head {h}, query {i}, column {c}: {g} vs {w}"
                         );
                     }
