@@ -18,16 +18,17 @@
 use rayon::prelude::*;
 
 use super::attention::{QUERY_TILE, keys_of, run_tasks, store_rows};
-/// Keys per tile: twice the `f32` path's, since the weights' row pass has a fixed cost per row and
-/// tile (two lane reductions, the outputs' rescaling) that 128 keys did not cover (criterion's
-/// `fused_forward/bf16`, `[1, 12, 1024, 64]` causal, on the Xeon with AMX: 16.0-17.4 ms at 128 keys,
-/// 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.
-const KEY_TILE: usize = 256;
+use super::bf16_gemm::pack_panel;
 use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
 use crate::backend::op::Attention;
 use crate::backend::{AttentionInputs, Dst, Src};
 use crate::dtype::{Float, bf16, bf16_of_f32};
 
+/// Keys per tile: twice the `f32` path's, since the weights' row pass has a fixed cost per row and
+/// tile (two lane reductions, the outputs' rescaling) that 128 keys did not cover (criterion's
+/// `fused_forward/bf16`, `[1, 12, 1024, 64]` causal, on the Xeon with AMX: 16.0-17.4 ms at 128 keys,
+/// 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.
+const KEY_TILE: usize = 256;
 /// `k` elements per step of a block: a tile row of 32 `bf16`.
 const STEP: usize = 2 * STEP_PAIRS;
 /// Row stride of the query tile and of the weights: one step past their depth, so that the 32 rows
@@ -62,55 +63,39 @@ impl<'a> Operand<'a> {
     }
 
     /// Row `i` of head `(b, h)`.
-    fn row(&self, (b, h): (usize, usize), i: usize) -> &'a [bf16] {
-        let [sb, sh, si] = self.strides;
-        &self.data[self.offset + b * sb + h * sh + i * si..][..self.dims[3]]
+    fn row(&self, head: (usize, usize), i: usize) -> &'a [bf16] {
+        &self.head(head)[i * self.strides[2]..][..self.dims[3]]
+    }
+
+    /// Head `(b, h)`'s elements from its first row on: row `i`, element `c` at `i · strides[2] + c`.
+    fn head(&self, (b, h): (usize, usize)) -> &'a [bf16] {
+        let [sb, sh, _] = self.strides;
+        &self.data[self.offset + b * sb + h * sh..]
     }
 }
 
-/// The two `bf16` of a pair as a panel's `u32` (the low half multiplies the even `k`).
-#[inline]
-fn pair(lo: bf16, hi: bf16) -> u32 {
-    u32::from(lo.to_bits()) | u32::from(hi.to_bits()) << 16
-}
-
 /// Keys of one head as right panels of the scores: `[key block][width pair][key]`, 32 keys a
-/// block, the width padded to whole steps (`pairs` pairs) and the keys to whole blocks with zeros.
+/// block, the width padded to whole steps (`pairs` pairs) and the keys to whole blocks with zeros
+/// (left as they are in `out`).
 fn pack_keys(k: &Operand<'_>, head: (usize, usize), pairs: usize, out: &mut [u32]) {
-    let keys = k.dims[2];
+    let (keys, width) = (k.dims[2], k.dims[3]);
     for (block, panel) in out.chunks_exact_mut(pairs * BLOCK).enumerate() {
-        for c in 0..BLOCK.min(keys - block * BLOCK) {
-            let row = k.row(head, block * BLOCK + c);
-            for (p, two) in row.chunks(2).enumerate() {
-                panel[p * BLOCK + c] = pair(two[0], two.get(1).copied().unwrap_or(bf16::ZERO));
-            }
-        }
+        let first = block * BLOCK;
+        let lines = first..keys.min(first + BLOCK);
+        pack_panel(k.head(head), (k.strides[2], 1), lines, width, BLOCK, panel);
     }
 }
 
 /// Values of one head as right panels of `p v`: `[column block][key pair][column]`, 32 columns a
-/// block, the keys padded to whole blocks (`key_pairs` pairs) and the columns with zeros.
+/// block, the keys padded to whole blocks (`key_pairs` pairs) and the columns with zeros (left as
+/// they are in `out`).
 fn pack_values(v: &Operand<'_>, head: (usize, usize), key_pairs: usize, out: &mut [u32]) {
     let (keys, width) = (v.dims[2], v.dims[3]);
     for (block, panel) in out.chunks_exact_mut(key_pairs * BLOCK).enumerate() {
-        let (c0, cols) = (block * BLOCK, BLOCK.min(width - block * BLOCK));
-        for (p, dst) in panel
-            .chunks_exact_mut(BLOCK)
-            .take(keys.div_ceil(2))
-            .enumerate()
-        {
-            let lo = &v.row(head, 2 * p)[c0..c0 + cols];
-            if 2 * p + 1 < keys {
-                let hi = &v.row(head, 2 * p + 1)[c0..c0 + cols];
-                for ((d, &l), &h) in dst.iter_mut().zip(lo).zip(hi) {
-                    *d = pair(l, h);
-                }
-            } else {
-                for (d, &l) in dst.iter_mut().zip(lo) {
-                    *d = pair(l, bf16::ZERO);
-                }
-            }
-        }
+        let first = block * BLOCK;
+        let lines = first..width.min(first + BLOCK);
+        let panel = &mut panel[..keys.div_ceil(2) * BLOCK];
+        pack_panel(v.head(head), (1, v.strides[2]), lines, keys, BLOCK, panel);
     }
 }
 

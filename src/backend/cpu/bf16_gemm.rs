@@ -405,10 +405,10 @@ fn pack_rows(
 /// The lines `lines` of an operand, element `i < k` of line `l` at `data[l · line + i · depth]`
 /// (`strides` = `(line, depth)`), as a panel `[pair][lane]` in `out` (`lanes` ≥ the lines; lanes
 /// past them, and the high half past an odd `k`, are left as they are: zero). Every packing of both
-/// products goes through here: lines contiguous along `k` ([`transpose_pairs`]), lines side by side
+/// products (and of the attention on tiles) goes through here: lines contiguous along `k` ([`transpose_pairs`]), lines side by side
 /// (a transposed operand, or a weight `[k, n]` as stored: [`interleave_pairs`] of two runs), or
 /// neither (element by element).
-fn pack_panel(
+pub(super) fn pack_panel(
     data: &[bf16],
     (line, depth): (usize, usize),
     lines: std::ops::Range<usize>,
