@@ -40,7 +40,7 @@ const PARALLEL_BYTES: usize = 256 << 10;
 
 /// The vector instructions the kernel uses, found once per call (`std` caches the detection).
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Isa {
+pub(super) enum Isa {
     #[cfg(target_arch = "x86_64")]
     Avx512,
     #[cfg(target_arch = "x86_64")]
@@ -49,7 +49,7 @@ enum Isa {
 }
 
 impl Isa {
-    fn detect() -> Isa {
+    pub(super) fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if std::is_x86_feature_detected!("avx512f") {

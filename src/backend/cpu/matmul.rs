@@ -8,7 +8,7 @@
 
 use gemm::Parallelism;
 
-use super::{bf16_gemm, few_rows};
+use super::{bf16_gemm, few_rows, few_rows_in_out};
 use rayon::prelude::*;
 
 use crate::backend::{Dst, Src};
@@ -27,12 +27,16 @@ pub(super) fn matmul(
     out: Dst,
 ) {
     match dtype {
-        DType::F32 if let Some((ldx, ldw)) = streamed_strides(a.layout, b.layout, mkn) => {
+        DType::F32 if let Some((weight, ldx, ldw)) = streamed(a.layout, b.layout, mkn) => {
             let (da, db) = (a.buf.host::<f32>(), b.buf.host::<f32>());
             let out = out.contiguous_host::<f32>();
             let (m, _, n) = mkn;
+            let product = match weight {
+                Streamed::Transposed => few_rows::product,
+                Streamed::AlongOutputs => few_rows_in_out::product,
+            };
             each_product(a.layout, b.layout, batch, (m, n), |ia, ib, io| {
-                few_rows::product(
+                product(
                     &da[ia..],
                     ldx,
                     &db[ib..],
@@ -86,29 +90,43 @@ pub(super) fn matmul(
     }
 }
 
-/// The row strides `(ldx, ldw)` with which [`few_rows::product`] streams `a b`, when it is a few
-/// rows by a weight used transposed: at most `MAX_ROWS` rows of `a`, each contiguous along `k`,
-/// and `b`'s columns contiguous along `k` (a `[n, k]` weight read as `Wᵀ`), rows and columns apart
-/// by at least `k` (a single row's stride is never read: `k` stands for it).
-fn streamed_strides(
+/// How a product of a few rows streams its right operand, the weight.
+enum Streamed {
+    /// A `[n, k]` weight read as `Wᵀ`, its columns contiguous along `k`: [`few_rows::product`].
+    Transposed,
+    /// A `[k, n]` weight, its rows contiguous along `n`: [`few_rows_in_out::product`].
+    AlongOutputs,
+}
+
+/// Whether `a b` is a few rows by a weight that one of the streamed products reads, and with which
+/// row strides `(ldx, ldw)`: at most `MAX_ROWS` rows of `a`, each contiguous along `k`, and `b`
+/// contiguous along `k` ([`Streamed::Transposed`], preferred) or along `n`
+/// ([`Streamed::AlongOutputs`]), rows apart by at least their length (a single row's stride is never
+/// read: its length stands for it).
+fn streamed(
     a: &Layout,
     b: &Layout,
     (m, k, n): (usize, usize, usize),
-) -> Option<(usize, usize)> {
+) -> Option<(Streamed, usize, usize)> {
     let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
-    let stride = |rows: usize, stride: isize| match rows {
-        1 => Some(k),
-        _ => usize::try_from(stride).ok().filter(|&s| s >= k),
+    let stride = |rows: usize, stride: isize, len: usize| match rows {
+        1 => Some(len),
+        _ => usize::try_from(stride).ok().filter(|&s| s >= len),
     };
-    let shaped = (1..=few_rows::MAX_ROWS).contains(&m)
-        && k >= 1
-        && n >= 1
-        && (a_cs == 1 || k == 1)
-        && (b_rs == 1 || k == 1);
+    let shaped = (1..=few_rows::MAX_ROWS).contains(&m) && k >= 1 && n >= 1 && (a_cs == 1 || k == 1);
     if !shaped {
         return None;
     }
-    Some((stride(m, a_rs)?, stride(n, b_cs)?))
+    let ldx = stride(m, a_rs, k)?;
+    if (b_rs == 1 || k == 1)
+        && let Some(ldw) = stride(n, b_cs, k)
+    {
+        return Some((Streamed::Transposed, ldx, ldw));
+    }
+    if b_cs == 1 || n == 1 {
+        return Some((Streamed::AlongOutputs, ldx, stride(k, b_rs, n)?));
+    }
+    None
 }
 
 /// A product in the operands' own type (`gemm` widens `f16` itself).

@@ -10,6 +10,7 @@ mod bf16_gemm;
 mod bf16_tiles;
 mod elementwise;
 mod few_rows;
+mod few_rows_in_out;
 mod fused;
 mod index;
 mod matmul;
