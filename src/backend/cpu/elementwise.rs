@@ -4,6 +4,15 @@
 //! Maps run in the element type's compute type ([`Math::Compute`]): a 16-bit element is widened to
 //! `f32` when loaded and rounded once when stored; for the other types loading and storing are the
 //! identity, so their loops are unchanged.
+//!
+//! The out-of-place maps' row loops run in a twin compiled for AVX-512 where the CPU has it
+//! (detected at run time, [`unary_rows`], [`binary_rows`]): the loops are generic over the op's
+//! closure, and the baseline x86-64 build vectorises them 4 lanes wide in 16 registers; on an
+//! Intel Xeon with AMX the bf16 GPT-2 forward spent 10 % of its time in GELU's `tanh` that way.
+//! The choice is made once per op, as the visitor's `WIDE` parameter, so that the op's closure
+//! (a distinct type per visitor) is inlined into the one loop that calls it: with both loops
+//! calling one closure, the AVX-512 loop called it per element. The twin runs the same IEEE
+//! operations in the same order per element, so both give the same bits (unit-tested).
 
 use std::marker::PhantomData;
 
@@ -70,52 +79,132 @@ fn binary_row<T: Copy, U>(
     }
 }
 
+/// Whether the AVX-512 twins can run: AVX-512F with BW (the 16-bit elements' byte and word
+/// shuffles). `std` caches the detection.
+fn avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`unary_row`], compiled for AVX-512 when `WIDE` (which the caller sets only where `avx512()`).
+fn unary_rows<const WIDE: bool, T: Copy, U>(
+    out: &mut [U],
+    a: &[T],
+    ia: usize,
+    sa: usize,
+    f: impl Fn(T) -> U,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        // SAFETY: `avx512()` found AVX-512F and BW on this CPU, all the twin is compiled for; the
+        // twin is `unary_row` itself (safe code, bounds-checked).
+        return unsafe { unary_row_avx512(out, a, ia, sa, f) };
+    }
+    unary_row(out, a, ia, sa, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+fn unary_row_avx512<T: Copy, U>(out: &mut [U], a: &[T], ia: usize, sa: usize, f: impl Fn(T) -> U) {
+    unary_row(out, a, ia, sa, f)
+}
+
+/// [`binary_row`], compiled for AVX-512 when `WIDE` (which the caller sets only where `avx512()`).
+#[allow(clippy::too_many_arguments)]
+fn binary_rows<const WIDE: bool, T: Copy, U>(
+    out: &mut [U],
+    a: &[T],
+    ia: usize,
+    sa: usize,
+    b: &[T],
+    ib: usize,
+    sb: usize,
+    f: impl Fn(T, T) -> U,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
+        // `binary_row` (safe code).
+        return unsafe { binary_row_avx512(out, a, ia, sa, b, ib, sb, f) };
+    }
+    binary_row(out, a, ia, sa, b, ib, sb, f)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+#[allow(clippy::too_many_arguments)]
+fn binary_row_avx512<T: Copy, U>(
+    out: &mut [U],
+    a: &[T],
+    ia: usize,
+    sa: usize,
+    b: &[T],
+    ib: usize,
+    sb: usize,
+    f: impl Fn(T, T) -> U,
+) {
+    binary_row(out, a, ia, sa, b, ib, sb, f)
+}
+
 /// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads when large.
-fn map_contiguous<T: Element, U: Element>(out: &mut [U], a: &[T], f: &(impl Fn(T) -> U + Sync)) {
+fn map_contiguous<const WIDE: bool, T: Element, U: Element>(
+    out: &mut [U],
+    a: &[T],
+    f: &(impl Fn(T) -> U + Sync),
+) {
     if out.len() < PARALLEL_MIN {
-        for (o, &x) in out.iter_mut().zip(a) {
-            *o = f(x);
-        }
+        unary_rows::<WIDE, _, _>(out, a, 0, 1, f);
         return;
     }
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK))
-        .for_each(|(o, a)| map_contiguous(o, a, f));
+        .for_each(|(o, a)| map_contiguous::<WIDE, _, _>(o, a, f));
 }
 
 /// `out[i] = f(a[i], b[i])` over equal-length contiguous slices, on rayon's threads when large.
-fn zip_contiguous<T: Element>(out: &mut [T], a: &[T], b: &[T], f: &(impl Fn(T, T) -> T + Sync)) {
+fn zip_contiguous<const WIDE: bool, T: Element>(
+    out: &mut [T],
+    a: &[T],
+    b: &[T],
+    f: &(impl Fn(T, T) -> T + Sync),
+) {
     if out.len() < PARALLEL_MIN {
-        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-            *o = f(x, y);
-        }
+        binary_rows::<WIDE, _, _>(out, a, 0, 1, b, 0, 1, f);
         return;
     }
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-        .for_each(|(o, (a, b))| zip_contiguous(o, a, b, f));
+        .for_each(|(o, (a, b))| zip_contiguous::<WIDE, _>(o, a, b, f));
 }
 
 /// Runs a unary op's host function from `x` into the fresh contiguous `out`, both of element type `T`.
-struct MapInto<'a, T> {
+struct MapInto<'a, T, const WIDE: bool> {
     x: Src<'a>,
     out: Dst<'a>,
     _element: PhantomData<T>,
 }
 
-impl<T: Math> MapFn<T::Compute> for MapInto<'_, T> {
+impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
         let MapInto { x, out, .. } = self;
         let f = move |v: T| T::store(f(v.load()));
         let out = out.contiguous_host::<T>();
         if x.layout.is_contiguous() {
-            map_contiguous(out, x.contiguous_host::<T>(), &f);
+            map_contiguous::<WIDE, _, _>(out, x.contiguous_host::<T>(), &f);
             return;
         }
         let a = x.buf.host::<T>();
         let walk = RowWalk::new(x.layout.shape(), [x.layout.strides()], [x.layout.offset()]);
         let [sa] = walk.row_strides();
-        fill_segments(&walk, out, |o, [ia]| unary_row(o, a, ia, sa, f));
+        fill_segments(&walk, out, |o, [ia]| {
+            unary_rows::<WIDE, _, _>(o, a, ia, sa, f)
+        });
     }
 }
 
@@ -133,14 +222,14 @@ impl<T: Math> MapFn<T::Compute> for MapInPlace<'_, T> {
 
 /// Runs a binary op's host function from `a` and `b` (laid out with `out`'s shape) into `out`, all
 /// of element type `T`.
-struct ZipInto<'a, T> {
+struct ZipInto<'a, T, const WIDE: bool> {
     a: Src<'a>,
     b: Src<'a>,
     out: Dst<'a>,
     _element: PhantomData<T>,
 }
 
-impl<T: Math> ZipFn<T::Compute> for ZipInto<'_, T> {
+impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInto<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
         let ZipInto { a, b, out, .. } = self;
         let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
@@ -148,7 +237,7 @@ impl<T: Math> ZipFn<T::Compute> for ZipInto<'_, T> {
         let out = out.contiguous_host::<T>();
         if a.layout.is_contiguous() && b.layout.is_contiguous() {
             // The common case, without broadcasting or a strided walk.
-            zip_contiguous(out, a.contiguous_host::<T>(), b.contiguous_host::<T>(), &f);
+            zip_contiguous::<WIDE, _>(out, a.contiguous_host::<T>(), b.contiguous_host::<T>(), &f);
             return;
         }
         let (da, db) = (a.buf.host::<T>(), b.buf.host::<T>());
@@ -159,7 +248,7 @@ impl<T: Math> ZipFn<T::Compute> for ZipInto<'_, T> {
         );
         let [sa, sb] = walk.row_strides();
         fill_segments(&walk, out, |o, [ia, ib]| {
-            binary_row(o, da, ia, sa, db, ib, sb, f)
+            binary_rows::<WIDE, _, _>(o, da, ia, sa, db, ib, sb, f)
         });
     }
 }
@@ -193,7 +282,13 @@ impl<T: Math> ZipFn<T::Compute> for ZipInPlace<'_, T> {
 }
 
 pub(super) fn unary(dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) {
-    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T> { x, out, _element: PhantomData }));
+    // Two visitor types, so that the op's closure is a different type in each and is inlined into
+    // its one loop (shared by both loops, it was called per element from the AVX-512 one).
+    if avx512() {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, true> { x, out, _element: PhantomData }));
+    } else {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, false> { x, out, _element: PhantomData }));
+    }
 }
 
 pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) {
@@ -201,7 +296,12 @@ pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) 
 }
 
 pub(super) fn binary(dtype: DType, op: Binary, params: [f64; 2], a: Src, b: Src, out: Dst) {
-    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T> { a, b, out, _element: PhantomData }));
+    // Two visitor types, as in `unary`.
+    if avx512() {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T, true> { a, b, out, _element: PhantomData }));
+    } else {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T, false> { a, b, out, _element: PhantomData }));
+    }
 }
 
 pub(super) fn binary_in_place(dtype: DType, op: Binary, params: [f64; 2], x: Dst, b: Src) {
@@ -314,4 +414,122 @@ pub(super) fn download(dtype: DType, x: Src, out: &mut [u8]) {
             }
         });
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs an op's host function over `x` (and `y`, for binary ops) with the baseline loop and with
+    /// its AVX-512 twin, and asserts the same bits (any NaN for any NaN).
+    struct Twins<'a, T> {
+        x: &'a [T],
+        y: &'a [T],
+        op: &'a str,
+    }
+
+    fn assert_same<T: Element>(base: &[T], wide: &[T], op: &str) {
+        for (i, (b, w)) in base.iter().zip(wide).enumerate() {
+            let (b, w) = (b.to_f64(), w.to_f64());
+            assert!(
+                b.to_bits() == w.to_bits() || (b.is_nan() && w.is_nan()),
+                "{op} {}: element {i}: {b} (baseline) vs {w} (AVX-512)",
+                T::DTYPE
+            );
+        }
+    }
+
+    impl<T: Math> MapFn<T::Compute> for Twins<'_, T> {
+        fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
+            let f = move |v: T| T::store(f(v.load()));
+            let (mut base, mut wide) =
+                (vec![T::zero(); self.x.len()], vec![T::zero(); self.x.len()]);
+            unary_row(&mut base, self.x, 0, 1, f);
+            // SAFETY: the test runs the twins only where `avx512()` found the features.
+            unsafe { unary_row_avx512(&mut wide, self.x, 0, 1, f) };
+            assert_same(&base, &wide, self.op);
+        }
+    }
+
+    impl<T: Math> ZipFn<T::Compute> for Twins<'_, T> {
+        fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
+            let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
+            let (mut base, mut wide) =
+                (vec![T::zero(); self.x.len()], vec![T::zero(); self.x.len()]);
+            binary_row(&mut base, self.x, 0, 1, self.y, 0, 1, f);
+            // SAFETY: as above.
+            unsafe { binary_row_avx512(&mut wide, self.x, 0, 1, self.y, 0, 1, f) };
+            assert_same(&base, &wide, self.op);
+        }
+    }
+
+    /// Values across the ranges the maps branch on: small, large, signed zeros, infinities.
+    fn values<T: Element>(len: usize, seed: u64) -> Vec<T> {
+        let mut rng = crate::rng::Rng::new(seed);
+        let mut v: Vec<T> = (0..len)
+            .map(|_| {
+                let u = (rng.next_u64() >> 40) as f64 / (1u64 << 24) as f64;
+                T::from_f64((u * 2.0 - 1.0) * 12.0)
+            })
+            .collect();
+        for (slot, special) in v
+            .iter_mut()
+            .zip([0.0, -0.0, 1e-30, -100.0, 100.0, f64::INFINITY])
+        {
+            *slot = T::from_f64(special);
+        }
+        v
+    }
+
+    fn both_paths<T: Math>() {
+        let (x, y) = (values::<T>(1003, 1), values::<T>(1003, 2));
+        for op in [
+            Unary::Gelu,
+            Unary::GeluExact,
+            Unary::Tanh,
+            Unary::Exp,
+            Unary::Sigmoid,
+            Unary::Silu,
+            Unary::Log,
+            Unary::Sqrt,
+            Unary::Relu,
+            Unary::Erf,
+            Unary::Clamp,
+            Unary::Powf,
+        ] {
+            let op_name = format!("{op:?}");
+            op.host::<T::Compute>(
+                [-0.5, 2.5],
+                Twins {
+                    x: &x,
+                    y: &y,
+                    op: &op_name,
+                },
+            );
+        }
+        for op in [Binary::Add, Binary::Mul, Binary::Div, Binary::GeluGrad] {
+            let op_name = format!("{op:?}");
+            op.host::<T::Compute>(
+                [0.0, 0.0],
+                Twins {
+                    x: &x,
+                    y: &y,
+                    op: &op_name,
+                },
+            );
+        }
+    }
+
+    /// The maps' AVX-512 twins give the baseline's bits, for `f32` and for `bf16` elements (widened
+    /// and rounded around the op).
+    #[test]
+    fn the_avx512_twins_give_the_baseline_bits() {
+        if !avx512() {
+            println!("elementwise: the AVX-512 twins not run (this CPU lacks AVX-512F or BW)");
+            return;
+        }
+        both_paths::<f32>();
+        both_paths::<bf16>();
+        both_paths::<f64>();
+    }
 }
