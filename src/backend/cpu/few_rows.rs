@@ -474,22 +474,23 @@ fn dots_avx2<const T: usize, const R: usize>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    /// The f64 product, for comparison.
-    fn reference(
+    /// The f64 product `x w` (`m × n`), for comparison: token `t`'s element `c` at `x[t * ldx + c]`,
+    /// the weight's element for `c` and output `j` at `w[c * along_k + j * along_n]`.
+    pub(in crate::backend::cpu) fn reference(
         x: &[f32],
         ldx: usize,
         w: &[f32],
-        ldw: usize,
+        (along_k, along_n): (usize, usize),
         (m, k, n): (usize, usize, usize),
     ) -> Vec<f64> {
         let mut out = vec![0.0; m * n];
         for t in 0..m {
             for j in 0..n {
                 out[t * n + j] = (0..k)
-                    .map(|c| f64::from(x[t * ldx + c]) * f64::from(w[j * ldw + c]))
+                    .map(|c| f64::from(x[t * ldx + c]) * f64::from(w[c * along_k + j * along_n]))
                     .sum();
             }
         }
@@ -545,7 +546,7 @@ mod tests {
                     n,
                     &mut Columns::new(&mut dst, m, n),
                 );
-                let want = reference(&x, ldx, &w, ldw, (m, k, n));
+                let want = reference(&x, ldx, &w, (1, ldw), (m, k, n));
                 for t in 0..m {
                     for j in 0..n {
                         let (got, want) = (f64::from(dst[t * n + j]), want[t * n + j]);
@@ -562,7 +563,7 @@ mod tests {
         let (x, w) = (values(m * k, 3), values(n * k, 4));
         let mut out = vec![0.0; m * n];
         product(&x, k, &w, k, (m, k, n), &mut out);
-        let want = reference(&x, k, &w, k, (m, k, n));
+        let want = reference(&x, k, &w, (1, k), (m, k, n));
         for (g, w) in out.iter().zip(&want) {
             assert!(
                 (f64::from(*g) - w).abs() <= 1e-4 * (1.0 + w.abs()),

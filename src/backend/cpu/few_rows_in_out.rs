@@ -300,26 +300,8 @@ fn strips_avx2<const T: usize, const V: usize>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::few_rows::tests::reference;
     use super::*;
-
-    /// The f64 product, for comparison.
-    fn reference(
-        x: &[f32],
-        ldx: usize,
-        w: &[f32],
-        ldw: usize,
-        (m, k, n): (usize, usize, usize),
-    ) -> Vec<f64> {
-        let mut out = vec![0.0; m * n];
-        for t in 0..m {
-            for j in 0..n {
-                out[t * n + j] = (0..k)
-                    .map(|r| f64::from(x[t * ldx + r]) * f64::from(w[r * ldw + j]))
-                    .sum();
-            }
-        }
-        out
-    }
 
     fn values(len: usize, seed: u64) -> Vec<f32> {
         let mut rng = crate::rng::Rng::new(seed);
@@ -366,7 +348,7 @@ mod tests {
             let (ldx, ldw) = (k + 3, n + 5);
             let x = values(m * ldx, 1);
             let w = values(k * ldw, 2);
-            let want = reference(&x, ldx, &w, ldw, (m, k, n));
+            let want = reference(&x, ldx, &w, (ldw, 1), (m, k, n));
             let mut first: Option<Vec<u32>> = None;
             for &isa in &isas {
                 let mut out = vec![f32::NAN; m * n];
@@ -405,7 +387,7 @@ mod tests {
         let w = values(k * n, 4);
         let mut batched = vec![0.0; 16 * n];
         product(&x, k, &w, n, (16, k, n), &mut batched);
-        let want = reference(&x, k, &w, n, (16, k, n));
+        let want = reference(&x, k, &w, (n, 1), (16, k, n));
         for (g, w) in batched.iter().zip(&want) {
             assert!(
                 (f64::from(*g) - w).abs() <= 1e-4 * (1.0 + w.abs()),
