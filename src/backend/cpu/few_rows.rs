@@ -497,6 +497,25 @@ pub(super) mod tests {
         out
     }
 
+    /// The paths this CPU has, the portable one first.
+    pub(in crate::backend::cpu) fn isas() -> Vec<Isa> {
+        let mut isas = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2);
+            } else {
+                println!("few-row products: the AVX2 kernels not run (this CPU lacks AVX2 or FMA)");
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            } else {
+                println!("few-row products: the AVX-512 kernels not run (this CPU lacks AVX-512F)");
+            }
+        }
+        isas
+    }
+
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len)
             .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 - 1001.0) / 997.0)
@@ -508,17 +527,7 @@ pub(super) mod tests {
     /// large enough to run in parallel.
     #[test]
     fn every_path_matches_the_f64_product() {
-        let mut isas = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                isas.push(Isa::Avx2);
-            }
-            if std::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            }
-        }
-        for &isa in &isas {
+        for isa in isas() {
             for (m, k, n) in [
                 (1, 1, 1),
                 (1, 17, 5),

@@ -300,7 +300,7 @@ fn strips_avx2<const T: usize, const V: usize>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::few_rows::tests::reference;
+    use super::super::few_rows::tests::{isas, reference};
     use super::*;
 
     fn values(len: usize, seed: u64) -> Vec<f32> {
@@ -308,25 +308,6 @@ mod tests {
         (0..len)
             .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
             .collect()
-    }
-
-    /// The paths this CPU has, the portable one first.
-    fn isas() -> Vec<Isa> {
-        let mut isas = vec![Isa::Portable];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-                isas.push(Isa::Avx2);
-            } else {
-                println!("few_rows_in_out: the AVX2 kernel not run (this CPU lacks AVX2 or FMA)");
-            }
-            if std::is_x86_feature_detected!("avx512f") {
-                isas.push(Isa::Avx512);
-            } else {
-                println!("few_rows_in_out: the AVX-512 kernel not run (this CPU lacks AVX-512F)");
-            }
-        }
-        isas
     }
 
     /// Every path this CPU has, on odd shapes (strips of every width below a vector and across
