@@ -1,6 +1,6 @@
 //! The `bf16` fused attention forward on AMX tiles ([`Attention`] states the math; the schedule is
 //! [`super::attention`]'s: one task per batch, head and tile of [`QUERY_TILE`] queries, keys in
-//! tiles of [`KEY_TILE`] (twice its key tile), a running maximum per query).
+//! tiles of [`KEY_TILE`], a running maximum per query).
 //!
 //! Both products run on [`Tiles::block_into`] in 32 × 32 blocks: the scores `q kᵀ` from the query
 //! tile's rows (copied, zero-padded to whole steps) and the keys packed as right panels, and `p v`
@@ -24,7 +24,7 @@ use crate::backend::op::Attention;
 use crate::backend::{AttentionInputs, Dst, Src};
 use crate::dtype::{Float, bf16, bf16_of_f32};
 
-/// Keys per tile: twice the `f32` path's, since the weights' row pass has a fixed cost per row and
+/// Keys per tile (as many as the `f32` path's, for the same reason): the weights' row pass has a fixed cost per row and
 /// tile (two lane reductions, the outputs' rescaling) that 128 keys did not cover (criterion's
 /// `fused_forward/bf16`, `[1, 12, 1024, 64]` causal, on the Xeon with AMX: 16.0-17.4 ms at 128 keys,
 /// 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.

@@ -28,34 +28,27 @@ pub(super) trait Real:
 impl Real for f32 {}
 impl Real for f64 {}
 
+/// `b` if it is larger than `a` or NaN, else `a`: a NaN, once taken, stays.
 #[inline(always)]
-fn larger<C: Real>(a: C, b: C) -> C {
-    if b > a { b } else { a }
+fn larger_or_nan<C: Real>(a: C, b: C) -> C {
+    if b > a || Float::is_nan(b) { b } else { a }
 }
 
 /// The largest element (`-inf` for an empty row), NaN if any element is NaN.
 #[inline(always)]
 pub(super) fn max<C: Real>(xs: &[C]) -> C {
+    // NaN travels in the lanes themselves (a flag per lane beside them kept the compiler from
+    // vectorising the loop: it shuffled lanes between registers instead).
     let mut lanes = [C::lowest(); LANES];
-    let mut nan = [false; LANES];
     let chunks = xs.chunks_exact(LANES);
     let tail = chunks.remainder();
     for chunk in chunks {
         for l in 0..LANES {
-            lanes[l] = larger(lanes[l], chunk[l]);
-            nan[l] |= Float::is_nan(chunk[l]);
+            lanes[l] = larger_or_nan(lanes[l], chunk[l]);
         }
     }
-    let mut m = lanes.iter().fold(C::lowest(), |m, &x| larger(m, x));
-    for &x in tail {
-        m = larger(m, x);
-        nan[0] |= Float::is_nan(x);
-    }
-    if nan.iter().any(|&n| n) {
-        C::from_f64(f64::NAN)
-    } else {
-        m
-    }
+    let m = tail.iter().fold(C::lowest(), |m, &x| larger_or_nan(m, x));
+    lanes.iter().fold(m, |m, &x| larger_or_nan(m, x))
 }
 
 /// `Σ e^(x - shift)`.
