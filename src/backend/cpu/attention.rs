@@ -189,6 +189,7 @@ where
     let ([batch, heads, queries, width], keys) = (q.dims(), k.dims()[2]);
     let tiles = queries.div_ceil(QUERY_TILE);
     let work = batch * heads * queries * keys * width;
+    let unit = Unit::widest();
     let results = run_tasks(batch * heads * tiles, work, |task| {
         let (bh, tile) = (task / tiles, task % tiles);
         let (b, h) = (bh / heads, bh % heads);
@@ -196,6 +197,7 @@ where
         let rows = QUERY_TILE.min(queries - from);
         let keys = keys_of(key_lengths, b, keys);
         forward_tile(
+            unit,
             math,
             // Grouped-query attention: query head h reads key and value head h / group.
             [
@@ -218,26 +220,59 @@ where
     }
 }
 
+/// The version of the forward tile and the backward head that runs: the baseline's, or one compiled
+/// for a vector unit. A vector unit is named only where [`Unit::available`] found it on this CPU.
+#[derive(Clone, Copy, Debug)]
+enum Unit {
+    Baseline,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Unit {
+    /// The versions this CPU runs, the baseline first and the widest last.
+    fn available() -> Vec<Unit> {
+        #[allow(unused_mut)]
+        let mut units = vec![Unit::Baseline];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2") {
+                units.push(Unit::Avx2);
+            }
+            if std::is_x86_feature_detected!("avx512f") {
+                units.push(Unit::Avx512);
+            }
+        }
+        units
+    }
+
+    fn widest() -> Unit {
+        *Unit::available()
+            .last()
+            .expect("the baseline is always available")
+    }
+}
+
 /// `rows` queries from `from` of one head: their outputs (`rows × value width`) and `lse`.
 fn forward_tile<C: Real>(
+    unit: Unit,
     math: &Attention,
     heads: [Head<'_, C>; 3],
     keys: usize,
     from: usize,
     rows: usize,
 ) -> (Vec<C>, Vec<C>) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, the only feature the version is compiled for.
-            return unsafe { forward_tile_avx512(math, heads, keys, from, rows) };
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, the only feature the version is compiled for.
-            return unsafe { forward_tile_avx2(math, heads, keys, from, rows) };
-        }
+    match unit {
+        Unit::Baseline => forward_tile_with(math, heads, keys, from, rows),
+        // SAFETY: `Unit::Avx2` is made only on a CPU with AVX2, the version's one feature.
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx2 => unsafe { forward_tile_avx2(math, heads, keys, from, rows) },
+        // SAFETY: `Unit::Avx512` is made only on a CPU with AVX-512F, the version's one feature.
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx512 => unsafe { forward_tile_avx512(math, heads, keys, from, rows) },
     }
-    forward_tile_with(math, heads, keys, from, rows)
 }
 
 /// [`forward_tile_with`] and [`backward_head_with`] compiled for a vector unit, so that their row
@@ -390,9 +425,11 @@ fn backward_as<T: Math>(
     let key_lengths = inputs.key_lengths.map(|l| l.contiguous_host::<i64>());
     let ([batch, heads, queries, width], keys) = (q.dims(), k.dims()[2]);
     let work = batch * heads * queries * keys * width;
+    let unit = Unit::widest();
     let results = run_tasks(batch * heads, work, |bh| {
         let (b, h) = (bh / heads, bh % heads);
         backward_head(
+            unit,
             math,
             [
                 q.head(b, h),
@@ -418,24 +455,22 @@ fn backward_as<T: Math>(
 
 /// One head's gradients `[dq, dk, dv]` (rows of the queries', keys' and values' widths).
 fn backward_head<C: Real>(
+    unit: Unit,
     math: &Attention,
     qkv: [Head<'_, C>; 3],
     out_dout: [Head<'_, C>; 2],
     lse: &[C],
     keys: (usize, usize),
 ) -> [Vec<C>; 3] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F, the only feature the version is compiled for.
-            return unsafe { backward_head_avx512(math, qkv, out_dout, lse, keys) };
-        }
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2, the only feature the version is compiled for.
-            return unsafe { backward_head_avx2(math, qkv, out_dout, lse, keys) };
-        }
+    match unit {
+        Unit::Baseline => backward_head_with(math, qkv, out_dout, lse, keys),
+        // SAFETY: `Unit::Avx2` is made only on a CPU with AVX2, the version's one feature.
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx2 => unsafe { backward_head_avx2(math, qkv, out_dout, lse, keys) },
+        // SAFETY: `Unit::Avx512` is made only on a CPU with AVX-512F, the version's one feature.
+        #[cfg(target_arch = "x86_64")]
+        Unit::Avx512 => unsafe { backward_head_avx512(math, qkv, out_dout, lse, keys) },
     }
-    backward_head_with(math, qkv, out_dout, lse, keys)
 }
 
 #[inline(always)]
@@ -561,72 +596,17 @@ fn backward_head_with<C: Real>(
 mod tests {
     use super::*;
 
-    /// A version of the forward tile and the backward head: the baseline, or one compiled for a
-    /// vector unit.
-    #[derive(Clone, Copy, Debug)]
-    enum Unit {
-        Baseline,
-        #[cfg(target_arch = "x86_64")]
-        Avx2,
-        #[cfg(target_arch = "x86_64")]
-        Avx512,
-    }
-
     /// The versions this CPU runs; the ones it cannot are reported as not run.
     fn units() -> Vec<Unit> {
-        #[allow(unused_mut)]
-        let mut units = vec![Unit::Baseline];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx2") {
-                units.push(Unit::Avx2);
-            } else {
-                println!("fused attention: the AVX2 version not run (this CPU lacks AVX2)");
-            }
-            if std::is_x86_feature_detected!("avx512f") {
-                units.push(Unit::Avx512);
-            } else {
-                println!("fused attention: the AVX-512 version not run (this CPU lacks AVX-512F)");
+        let units = Unit::available();
+        for name in ["Avx2", "Avx512"] {
+            if !units.iter().any(|u| format!("{u:?}") == name) {
+                println!(
+                    "fused attention: the {name} version not run (this CPU lacks the feature)"
+                );
             }
         }
         units
-    }
-
-    fn forward_on(
-        unit: Unit,
-        math: &Attention,
-        heads: [Head<'_, f32>; 3],
-        keys: usize,
-        (from, rows): (usize, usize),
-    ) -> (Vec<f32>, Vec<f32>) {
-        match unit {
-            Unit::Baseline => forward_tile_with(math, heads, keys, from, rows),
-            // SAFETY: `units` lists the version only when the CPU has AVX2.
-            #[cfg(target_arch = "x86_64")]
-            Unit::Avx2 => unsafe { forward_tile_avx2(math, heads, keys, from, rows) },
-            // SAFETY: `units` lists the version only when the CPU has AVX-512F.
-            #[cfg(target_arch = "x86_64")]
-            Unit::Avx512 => unsafe { forward_tile_avx512(math, heads, keys, from, rows) },
-        }
-    }
-
-    fn backward_on(
-        unit: Unit,
-        math: &Attention,
-        heads: [Head<'_, f32>; 3],
-        out_dout: [Head<'_, f32>; 2],
-        lse: &[f32],
-        keys: (usize, usize),
-    ) -> [Vec<f32>; 3] {
-        match unit {
-            Unit::Baseline => backward_head_with(math, heads, out_dout, lse, keys),
-            // SAFETY: `units` lists the version only when the CPU has AVX2.
-            #[cfg(target_arch = "x86_64")]
-            Unit::Avx2 => unsafe { backward_head_avx2(math, heads, out_dout, lse, keys) },
-            // SAFETY: `units` lists the version only when the CPU has AVX-512F.
-            #[cfg(target_arch = "x86_64")]
-            Unit::Avx512 => unsafe { backward_head_avx512(math, heads, out_dout, lse, keys) },
-        }
     }
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -676,7 +656,7 @@ mod tests {
             let forward = |unit| {
                 let (mut out, mut lse) = (vec![], vec![]);
                 for &tile in &tiles {
-                    let (o, l) = forward_on(unit, &math, heads, keys, tile);
+                    let (o, l) = forward_tile(unit, &math, heads, keys, tile.0, tile.1);
                     out.extend(o);
                     lse.extend(l);
                 }
@@ -688,7 +668,7 @@ mod tests {
                 causal.is_some_and(|c| c < 0)
             );
             let out_dout = [head(&out[..], dv), head(&dout[..], dv)];
-            let grads = backward_on(
+            let grads = backward_head(
                 Unit::Baseline,
                 &math,
                 heads,
@@ -714,7 +694,7 @@ mod tests {
                 let (o, l) = forward(unit);
                 same("outputs", &o, &out);
                 same("lse", &l, &lse);
-                let g = backward_on(unit, &math, heads, out_dout, &lse, (keys, all_keys));
+                let g = backward_head(unit, &math, heads, out_dout, &lse, (keys, all_keys));
                 for (name, (g, want)) in ["dq", "dk", "dv"].iter().zip(g.iter().zip(&grads)) {
                     same(name, g, want);
                 }
