@@ -24,6 +24,7 @@ use crate::tensor::Tensor;
 
 mod flight;
 mod group;
+mod half_sum;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod parallel;
