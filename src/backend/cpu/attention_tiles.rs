@@ -20,14 +20,15 @@ use rayon::prelude::*;
 use super::attention::{QUERY_TILE, keys_of, run_tasks, store_rows};
 use super::bf16_gemm::pack_panel;
 use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
+use super::rows::larger_or_nan;
 use crate::backend::op::Attention;
 use crate::backend::{AttentionInputs, Dst, Src};
 use crate::dtype::{Float, bf16, bf16_of_f32};
 
-/// Keys per tile (as many as the `f32` path's, for the same reason): the weights' row pass has a fixed cost per row and
-/// tile (two lane reductions, the outputs' rescaling) that 128 keys did not cover (criterion's
-/// `fused_forward/bf16`, `[1, 12, 1024, 64]` causal, on the Xeon with AMX: 16.0-17.4 ms at 128 keys,
-/// 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.
+/// Keys per tile (as many as the `f32` path's, for the same reason): the weights' row pass has a
+/// fixed cost per row and tile (two lane reductions, the outputs' rescaling) that 128 keys did not
+/// cover (criterion's `fused_forward/bf16`, `[1, 12, 1024, 64]` causal, on the Xeon with AMX:
+/// 16.0-17.4 ms at 128 keys, 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.
 const KEY_TILE: usize = 256;
 /// `k` elements per step of a block: a tile row of 32 `bf16`.
 const STEP: usize = 2 * STEP_PAIRS;
@@ -340,19 +341,13 @@ fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry
                 } else {
                     f32::NEG_INFINITY
                 };
-                *m = if x > *m || x.is_nan() { x } else { *m };
+                *m = larger_or_nan(*m, x);
             }
         }
-        let tile_max =
-            lanes.iter().fold(
-                f32::NEG_INFINITY,
-                |m, &x| if x > m || x.is_nan() { x } else { m },
-            );
-        let new_max = if tile_max > *max || tile_max.is_nan() {
-            tile_max
-        } else {
-            *max
-        };
+        let tile_max = lanes
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &x| larger_or_nan(m, x));
+        let new_max = larger_or_nan(*max, tile_max);
         let rescale = Float::exp(*max - new_max);
         let mut sums = [0.0f32; LANES];
         let parts = high

@@ -309,6 +309,33 @@ pub(super) fn gemm_tile<T: Element>(
         }
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if T::DTYPE == DType::F32
+        && b.cols == 1
+        && let Some(unit) = super::tile_product::Avx512::detect()
+    {
+        let f32s = |s: &[T]| {
+            // SAFETY: `T::DTYPE` is `F32`, so `T` is `f32` (each dtype has one element type): the
+            // same length, layout and lifetime.
+            unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<f32>(), s.len()) }
+        };
+        let (a, b) = (
+            Strided {
+                data: f32s(a.data),
+                rows: a.rows,
+                cols: a.cols,
+            },
+            Strided {
+                data: f32s(b.data),
+                rows: b.rows,
+                cols: b.cols,
+            },
+        );
+        // SAFETY: as above; `c` stays borrowed mutably for the product and no longer.
+        let c = unsafe { std::slice::from_raw_parts_mut(c.as_mut_ptr().cast::<f32>(), c.len()) };
+        let scale = scale.to_f64() as f32;
+        return super::tile_product::product(unit, (m, n, k), c, ldc, accumulate, a, b, scale);
+    }
     let last =
         |s: Strided<'_, T>, rows: usize, cols: usize| (rows - 1) * s.rows + (cols - 1) * s.cols;
     assert!(

@@ -27,6 +27,8 @@ mod quant_vnni;
 mod reduce;
 mod rotary;
 mod rows;
+#[cfg(target_arch = "x86_64")]
+mod tile_product;
 mod warm;
 mod window;
 

@@ -30,7 +30,7 @@ impl Real for f64 {}
 
 /// `b` if it is larger than `a` or NaN, else `a`: a NaN, once taken, stays.
 #[inline(always)]
-fn larger_or_nan<C: Real>(a: C, b: C) -> C {
+pub(super) fn larger_or_nan<C: Real>(a: C, b: C) -> C {
     if b > a || Float::is_nan(b) { b } else { a }
 }
 
