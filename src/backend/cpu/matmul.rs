@@ -282,6 +282,23 @@ pub(super) struct Strided<'a, T> {
     pub(super) cols: usize,
 }
 
+/// Whether an `m×k` by `k×n` product (each at least 1) reads only elements inside `a` and `b`, and
+/// writes only inside the `c` of `c_len` elements whose rows, `n` wide, are `ldc` apart.
+pub(super) fn tile_fits<T: Copy>(
+    (m, n, k): (usize, usize, usize),
+    a: Strided<'_, T>,
+    b: Strided<'_, T>,
+    c_len: usize,
+    ldc: usize,
+) -> bool {
+    let last =
+        |s: Strided<'_, T>, rows: usize, cols: usize| (rows - 1) * s.rows + (cols - 1) * s.cols;
+    last(a, m, k) < a.data.len()
+        && last(b, k, n) < b.data.len()
+        && (m - 1) * ldc + n <= c_len
+        && n <= ldc
+}
+
 /// `c = scale · a b` (or `c += scale · a b` when `accumulate`) on the calling thread, for `a` `m×k`,
 /// `b` `k×n` and the `m×n` block `c` whose rows are `ldc` apart: the small products of the fused
 /// kernels, which parallelise over their own tasks.
@@ -309,6 +326,10 @@ pub(super) fn gemm_tile<T: Element>(
         }
         return;
     }
+    assert!(
+        tile_fits((m, n, k), a, b, c.len(), ldc),
+        "ndscope bug: a matrix tile outside its slice"
+    );
     #[cfg(target_arch = "x86_64")]
     if T::DTYPE == DType::F32
         && b.cols == 1
@@ -336,16 +357,7 @@ pub(super) fn gemm_tile<T: Element>(
         let scale = scale.to_f64() as f32;
         return super::tile_product::product(unit, (m, n, k), c, ldc, accumulate, a, b, scale);
     }
-    let last =
-        |s: Strided<'_, T>, rows: usize, cols: usize| (rows - 1) * s.rows + (cols - 1) * s.cols;
-    assert!(
-        last(a, m, k) < a.data.len()
-            && last(b, k, n) < b.data.len()
-            && (m - 1) * ldc + n <= c.len()
-            && n <= ldc,
-        "ndscope bug: a matrix tile outside its slice"
-    );
-    // SAFETY: the assertion keeps every element the product reads (`a`: rows below m, columns below
+    // SAFETY: the assertion above keeps every element the product reads (`a`: rows below m, columns below
     // k; `b`: rows below k, columns below n) inside its slice and every element it writes inside `c`,
     // whose rows (n <= ldc elements apart) do not overlap; `c` is borrowed mutably, so it overlaps
     // neither input. With `read_dst = false` the old contents of `c` are not read.

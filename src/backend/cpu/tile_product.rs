@@ -18,7 +18,7 @@ use std::arch::x86_64::{
     _mm512_mul_ps, _mm512_set1_ps, _mm512_setzero_ps,
 };
 
-use super::matmul::Strided;
+use super::matmul::{Strided, tile_fits};
 
 /// Rows of `c` per block.
 const ROWS: usize = 6;
@@ -59,15 +59,8 @@ pub(super) fn product(
     if m == 0 || n == 0 {
         return;
     }
-    let last =
-        |s: Strided<'_, f32>, rows: usize, cols: usize| (rows - 1) * s.rows + (cols - 1) * s.cols;
     assert!(
-        b.cols == 1
-            && k >= 1
-            && last(a, m, k) < a.data.len()
-            && last(b, k, n) < b.data.len()
-            && (m - 1) * ldc + n <= c.len()
-            && n <= ldc,
+        b.cols == 1 && k >= 1 && tile_fits((m, n, k), a, b, c.len(), ldc),
         "ndscope bug: a tile product's operand outside its slice"
     );
     for i0 in (0..m).step_by(ROWS) {
