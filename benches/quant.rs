@@ -82,10 +82,10 @@ fn products(c: &mut Criterion) {
     group.finish();
 }
 
-/// Weights that no cache holds: one pass over 8 distinct `[8192, 2048]` weights (38-107 MB, past
-/// the 32 MiB L3 of the machines measured), as decoding walks a model's layers. What the in-cache
-/// figures above cannot show: whether a kernel keeps enough of the weight's lines in flight while
-/// its tokens' arithmetic slows the walk.
+/// Weights that no cache holds: one pass over 8 distinct `[8192, 2048]` weights (38-107 MB
+/// quantized, 512 MiB in `f32`, past the 32 MiB L3 of the machines measured), as decoding walks a
+/// model's layers. What the in-cache figures above cannot show: whether a kernel keeps enough of
+/// the weight's lines in flight while its tokens' arithmetic slows the walk.
 fn streamed(c: &mut Criterion) {
     const LAYERS: usize = 8;
     let (n, k) = (8192usize, 2048usize);
@@ -115,6 +115,33 @@ fn streamed(c: &mut Criterion) {
                     })
                 });
             }
+        }
+        // The same walk over `f32` weights, read transposed (`[n, k]`, a `Linear`'s) and along
+        // their outputs (`[k, n]`, GPT-2's `Conv1D`): 512 MiB a pass, what `f32` decoding streams.
+        let dense = (0..LAYERS)
+            .map(|_| s.randn(&[n, k]))
+            .collect::<Result<Vec<_>>>()?;
+        let in_out = (0..LAYERS)
+            .map(|_| s.randn(&[k, n]))
+            .collect::<Result<Vec<_>>>()?;
+        group.throughput(Throughput::Bytes((n * k * 4 * LAYERS) as u64));
+        for m in [1usize, 8] {
+            let x = s.randn(&[m, k])?;
+            let shape = format!("{m}x{k}x{n}x{LAYERS}");
+            group.bench_function(BenchmarkId::new("f32", &shape), |b| {
+                b.iter(|| {
+                    for w in &dense {
+                        s.scope(|_| black_box(x.matmul(&w.t()?)).map(drop)).unwrap()
+                    }
+                })
+            });
+            group.bench_function(BenchmarkId::new("f32_in_out", &shape), |b| {
+                b.iter(|| {
+                    for w in &in_out {
+                        s.scope(|_| black_box(x.matmul(w)).map(drop)).unwrap()
+                    }
+                })
+            });
         }
         Ok(())
     })

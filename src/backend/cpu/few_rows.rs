@@ -248,6 +248,21 @@ fn block_product(
     columns: &mut Columns<'_>,
 ) {
     debug_assert!(columns.len() == rows && w.len() >= (rows - 1) * ldw + k);
+    if m == 1 {
+        // One token: each weight row whole before the next, so that the task reads one sequential
+        // stream (four rows side by side were four streams, which the prefetchers kept fewer lines
+        // of in flight). Each row's sum is the same chain of tiles as below.
+        for r in 0..rows {
+            let row = &w[r * ldw..][..k];
+            let mut total = 0.0f32;
+            for c0 in (0..k).step_by(K_TILE) {
+                let c1 = k.min(c0 + K_TILE);
+                total += dot(isa, &x[c0..c1], &row[c0..c1]);
+            }
+            columns.set_column(r, 0, &[total]);
+        }
+        return;
+    }
     let mut sums = [[0.0f32; TOKENS_PER_PASS]; ROWS];
     let mut totals = [[0.0f32; MAX_ROWS]; ROWS];
     for r0 in (0..rows).step_by(ROWS) {
@@ -325,6 +340,24 @@ fn dots(
             by_tokens!(dots_portable, 1 => 4, 2 => 4, 3 => 4, 4 => 4, 5 => 4, 6 => 4, 7 => 4, 8 => 4)
         }
     }
+}
+
+/// `x · w` by the kernel of `isa`, with the bits [`dots`] gives the same row and token.
+fn dot(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
+    assert_eq!(x.len(), w.len(), "few-rows product: rows of unequal length");
+    let xs = [x; TOKENS_PER_PASS];
+    let mut sums = [[0.0f32; TOKENS_PER_PASS]; 1];
+    match isa {
+        // SAFETY: `Isa::detect` returned `Avx512` only where the CPU has AVX-512F; both slices
+        // have the same length (asserted), which is all the kernel reads.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { dots_avx512::<1, 1>(&xs, &[w], &mut sums) },
+        // SAFETY: `Avx2` only where the CPU has AVX2 and FMA; slices as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dots_avx2::<1, 1>(&xs, &[w], &mut sums) },
+        Isa::Portable => dots_portable::<1, 1>(&xs, &[w], &mut sums),
+    }
+    sums[0][0]
 }
 
 /// Lanes of the portable kernel's partial sums (the compiler may vectorise them).
@@ -536,6 +569,8 @@ pub(super) mod tests {
                 (9, 100, 13),
                 (16, 15, 6),
                 (5, 257, 3),
+                (1, 1100, 9),
+                (2, 1100, 5),
             ] {
                 let (ldx, ldw) = (k + 3, k + 1);
                 let x = values(m * ldx, 1);
@@ -617,7 +652,8 @@ pub(super) mod tests {
     /// A row's sum does not depend on the other rows: decoding alone or batched gives the same bits.
     #[test]
     fn a_row_gets_the_same_bits_alone_or_with_others() {
-        let (k, n) = (333, 70);
+        // Rows of three `K_TILE` tiles, the last one short.
+        let (k, n) = (1100, 70);
         let x = values(16 * k, 5);
         let w = values(n * k, 6);
         let mut alone = vec![0.0; n];

@@ -9,8 +9,11 @@
 //! loaded once however many tokens there are (up to [`MAX_ROWS`]). Before this path such products
 //! went to `gemm`'s matrix-vector kernel, on one core: 45 % of GPT-2 small's batch-1 decoding.
 //!
-//! Tasks take strips of output columns of about 512 KiB of weight. A strip reads a few cache lines
-//! of every weight row, rows a whole weight row apart, which the hardware prefetcher does not follow
+//! Tasks take strips of output columns, each reading a run of every weight row, the runs a whole
+//! weight row apart. Short runs starve the memory: strips of 512 KiB of weight (64 columns, 256
+//! bytes a row, for an 8,192 × 2,048 weight) read 20-25 GiB/s where 512 columns read 28-44 on the
+//! same 2-core machine in the same minutes, so strips are [`STRIP_COLUMNS`] wide and their number a
+//! multiple of the threads ([`strip_width`]). The hardware prefetcher does not follow the runs
 //! across pages, so the kernels prefetch [`PREFETCH_ROWS`] rows ahead.
 //!
 //! Every output is one chain of fused multiply-adds over `r = 0..k` in order, whatever the other
@@ -25,8 +28,8 @@ use super::few_rows::{Columns, Isa, MAX_ROWS, by_weight_rows};
 const TOKENS_PER_PASS: usize = 8;
 /// How many weight rows ahead the kernels prefetch their strip's lines.
 const PREFETCH_ROWS: usize = 8;
-/// Weight bytes per rayon task (rounded to whole vectors of columns).
-const TASK_BYTES: usize = 512 << 10;
+/// The widest strip of output columns one task takes (2 KiB of each weight row).
+const STRIP_COLUMNS: usize = 512;
 /// Products whose weight is smaller than this run on the calling thread.
 const PARALLEL_BYTES: usize = 256 << 10;
 /// Columns per vector on the widest path; strips are cut at multiples of it.
@@ -61,12 +64,21 @@ pub(super) fn product(
         return;
     }
     let isa = Isa::detect();
-    let width = (TASK_BYTES / (4 * k)).max(1).next_multiple_of(LANES);
+    let width = strip_width(n, rayon::current_num_threads());
     let parallel = n * k * 4 >= PARALLEL_BYTES;
     by_weight_rows((m, n), width, parallel, out, |mut columns| {
         let first = columns.first();
         strip_product(isa, x, ldx, m, k, &w[first..], ldw, &mut columns);
     });
+}
+
+/// The columns of each task's strip for `n` outputs on `threads` threads: at most
+/// [`STRIP_COLUMNS`], as many strips as a multiple of the threads needs for that (so every thread
+/// gets the same number), the columns shared out evenly in whole vectors.
+fn strip_width(n: usize, threads: usize) -> usize {
+    let threads = threads.max(1);
+    let strips = threads * n.div_ceil(threads * STRIP_COLUMNS);
+    n.div_ceil(strips).next_multiple_of(LANES)
 }
 
 /// `columns` (token `t`'s outputs at row `t`) `= x_t w` for the `m` tokens of `x` (stride `ldx`)
@@ -357,6 +369,28 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Strips are whole vectors, at most `STRIP_COLUMNS` wide, and there are enough of them for
+    /// every thread (but where rounding to whole vectors leaves one short).
+    #[test]
+    fn strips_are_at_most_2_kib_a_row_and_enough_for_the_threads() {
+        for threads in [1, 2, 3, 8] {
+            for n in [1, 16, 333, 768, 2304, 3072, 8192, 50257] {
+                let width = strip_width(n, threads);
+                let strips = n.div_ceil(width);
+                assert!(
+                    width.is_multiple_of(LANES)
+                        && width <= STRIP_COLUMNS
+                        && strips + 1 >= threads.min(n.div_ceil(LANES)),
+                    "{n} outputs on {threads} threads: {strips} strips of {width}"
+                );
+            }
+        }
+        // GPT-2 small's products on two threads: two or six strips, none narrower than 384.
+        assert_eq!(strip_width(768, 2), 384);
+        assert_eq!(strip_width(2304, 2), 384);
+        assert_eq!(strip_width(3072, 2), 512);
     }
 
     /// Through `product`: large enough to run on rayon's tasks (strips of several widths), and a
