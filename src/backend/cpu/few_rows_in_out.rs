@@ -11,7 +11,7 @@
 //!
 //! Tasks take strips of output columns, each reading a run of every weight row, the runs a whole
 //! weight row apart. Short runs starve the memory: strips of 512 KiB of weight (64 columns, 256
-//! bytes a row, for an 8,192 × 2,048 weight) read 20-25 GiB/s where 512 columns read 28-44 on the
+//! bytes a row, of a 2,048 × 8,192 weight) read 19-25 GiB/s where 512 columns read 28-44 on the
 //! same 2-core machine in the same minutes, so strips are [`STRIP_COLUMNS`] wide and their number a
 //! multiple of the threads ([`strip_width`]). The hardware prefetcher does not follow the runs
 //! across pages, so the kernels prefetch [`PREFETCH_ROWS`] rows ahead.

@@ -357,10 +357,11 @@ pub(super) fn gemm_tile<T: Element>(
         let scale = scale.to_f64() as f32;
         return super::tile_product::product(unit, (m, n, k), c, ldc, accumulate, a, b, scale);
     }
-    // SAFETY: the assertion above keeps every element the product reads (`a`: rows below m, columns below
-    // k; `b`: rows below k, columns below n) inside its slice and every element it writes inside `c`,
-    // whose rows (n <= ldc elements apart) do not overlap; `c` is borrowed mutably, so it overlaps
-    // neither input. With `read_dst = false` the old contents of `c` are not read.
+    // SAFETY: the `tile_fits` assertion above keeps every element the product reads (`a`: rows
+    // below m, columns below k; `b`: rows below k, columns below n) inside its slice and every
+    // element it writes inside `c`, whose rows (n <= ldc elements apart) do not overlap; `c` is
+    // borrowed mutably, so it overlaps neither input. With `read_dst = false` the old contents of
+    // `c` are not read.
     unsafe {
         gemm::gemm(
             m,
