@@ -31,24 +31,34 @@ use crate::quant::{QK_K, QuantType};
 
 /// The most tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 16;
-/// How far ahead of the bytes a kernel reads it asks for the strip's lines. Batched decoding
-/// streams weights too large for any cache while its tokens' arithmetic slows the walk: the
-/// hardware prefetcher alone then kept too few lines in flight, and the kernel stalled on the
-/// first loads of every block.
+/// How far ahead of the bytes a kernel reads it asks for the strip's lines when it walks several
+/// tokens. Batched decoding streams weights too large for any cache while its tokens' arithmetic
+/// slows the walk: the hardware prefetcher alone then kept too few lines in flight, and the kernel
+/// stalled on the first loads of every block.
 pub(super) const PREFETCH: usize = 2048;
+/// How far ahead the K formats' kernels ask for lines for one token. Their blocks of 256 values
+/// interleave scales, levels and high bits, and the hardware prefetcher alone streamed them at
+/// 21-29 GiB/s on the Zen 5 measured (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`)
+/// against 31-45 asked 4 KiB ahead (2 KiB: 30-41; 1 KiB: 31-35). The 32-value formats' one-token
+/// walk is left to the hardware: Q8_0's fell from 57 to 37 GiB/s with the prefetches.
+const ONE_TOKEN_K_PREFETCH: usize = 4096;
 
-/// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at`, when the kernel walks
-/// `tokens` tokens: one token's walk is paced by the memory and the hardware prefetcher keeps up
-/// (the prefetches would only add instructions there). A prefetch never faults, so one past
-/// the strip's end (into the next strip, or past the weight) is harmless and the address is
-/// formed with `wrapping_add`.
-#[target_feature(enable = "sse")]
-fn prefetch_ahead(tokens: usize, at: *const u8, len: usize) {
-    if tokens < 2 {
-        return;
+/// How far ahead the K formats' kernel for `tokens` tokens asks for lines.
+const fn k_prefetch(tokens: usize) -> usize {
+    if tokens == 1 {
+        ONE_TOKEN_K_PREFETCH
+    } else {
+        PREFETCH
     }
+}
+
+/// Asks for the cache lines of the `len` bytes `distance` after `at`. A prefetch never faults, so
+/// one past the strip's end (into the next strip, or past the weight) is harmless and the address
+/// is formed with `wrapping_add`.
+#[target_feature(enable = "sse")]
+fn prefetch_ahead(distance: usize, at: *const u8, len: usize) {
     for line in (0..len).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + line).cast());
+        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(distance + line).cast());
     }
 }
 
@@ -335,7 +345,11 @@ unsafe fn tokens<const N: usize, F: Small>(
         // `sums`; `loadu` takes any alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
-            prefetch_ahead(N, block, bytes);
+            // One token's walk is paced by the memory, and the hardware prefetcher keeps up
+            // with these formats' blocks (the prefetches would only add instructions).
+            if N > 1 {
+                prefetch_ahead(PREFETCH, block, bytes);
+            }
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             let levels = block.add(levels_at);
             let mut w = if F::NIBBLES {
@@ -414,7 +428,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
             let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(32).cast()));
             for s in 0..QK_K / BLOCK {
                 // An eighth of the block per sub-block: the lines of the whole block, spread.
-                prefetch_ahead(N, block.add(s * bytes / 8), bytes / 8 + 1);
+                prefetch_ahead(k_prefetch(N), block.add(s * bytes / 8), bytes / 8 + 1);
                 let bytes16 = |at: usize| {
                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(at + 16 * s).cast(),
@@ -477,7 +491,7 @@ unsafe fn tokens_q6_k<const N: usize>(
             let block = strip.as_ptr().add(i * bytes);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             for c in 0..QK_K / BLOCK {
-                prefetch_ahead(N, block.add(c * bytes / 8), bytes / 8 + 1);
+                prefetch_ahead(k_prefetch(N), block.add(c * bytes / 8), bytes / 8 + 1);
                 let chunk = block.add(288 + 384 * c);
                 let mut w = nibble_groups(chunk);
                 for h in 0..2 {
