@@ -37,10 +37,11 @@ const TOKENS: usize = 16;
 /// stalled on the first loads of every block.
 pub(super) const PREFETCH: usize = 2048;
 /// How far ahead the K formats' kernels ask for lines for one token. Their blocks of 256 values
-/// interleave scales, levels and high bits, and the hardware prefetcher alone streamed them at
-/// 21-29 GiB/s on the Zen 5 measured (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`)
-/// against 31-45 asked 4 KiB ahead (2 KiB: 30-41; 1 KiB: 31-35). The 32-value formats' one-token
-/// walk is left to the hardware: Q8_0's fell from 57 to 37 GiB/s with the prefetches.
+/// interleave scales, levels and high bits, which the hardware prefetcher alone streamed at 20-41
+/// GiB/s on the Zen 5 measured (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`, builds
+/// alternated) against 38-45 asked 4 KiB ahead (2 KiB: 30-46; 1 KiB: 31-35). The 32-value
+/// formats' one-token walk is left to the hardware: Q8_0's fell from 57 to 37 GiB/s with the
+/// prefetches.
 const ONE_TOKEN_K_PREFETCH: usize = 4096;
 
 /// How far ahead the K formats' kernel for `tokens` tokens asks for lines.
