@@ -51,6 +51,23 @@ pub(crate) const PARALLEL_MIN: usize = 1 << 16;
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
+/// Asks for the cache lines of the `len` bytes from `start`, for a kernel that will read them soon
+/// (the kernels that stream weights or caches faster than the hardware prefetcher follows). A
+/// prefetch reads nothing the program sees and never faults, so `start..start + len` may reach past
+/// any allocation: form such addresses with `wrapping_add`.
+#[inline(always)]
+fn prefetch_lines(start: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..len).step_by(64) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: SSE, the prefetch's only feature, is part of every x86-64 CPU; a prefetch of
+        // any address is defined.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (start, len);
+}
+
 /// Fills the contiguous `out` from a walk over the same elements: `f(out_piece, starts)` computes one
 /// row piece, reading operand `k` from `starts[k]` with the walk's row strides. Large outputs are split
 /// across rayon's threads.

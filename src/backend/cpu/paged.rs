@@ -43,21 +43,10 @@ const BLOCK: usize = 64;
 /// tokens/s rose 5-20 % (A/B runs alternated, `benches/gguf.rs`, `gpt2-small-Q8_0/engine`).
 const AHEAD: usize = 32;
 
-/// Asks for the cache lines of `row`. A prefetch reads nothing the program sees and never faults.
+/// Asks for the cache lines of `row`.
 #[inline(always)]
 fn prefetch<C>(row: &[C]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        let start = row.as_ptr().cast::<i8>();
-        for line in (0..std::mem::size_of_val(row)).step_by(64) {
-            // SAFETY: SSE, the prefetch's only feature, is part of every x86-64 CPU; a prefetch
-            // of any address is defined (it reads nothing the program sees).
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(line)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = row;
+    super::prefetch_lines(row.as_ptr().cast(), std::mem::size_of_val(row));
 }
 
 pub(super) fn attention(

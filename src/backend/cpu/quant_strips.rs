@@ -53,14 +53,11 @@ const fn k_prefetch(tokens: usize) -> usize {
     }
 }
 
-/// Asks for the cache lines of the `len` bytes `distance` after `at`. A prefetch never faults, so
-/// one past the strip's end (into the next strip, or past the weight) is harmless and the address
-/// is formed with `wrapping_add`.
-#[target_feature(enable = "sse")]
+/// Asks for the cache lines of the `len` bytes `distance` after `at` (one past the strip's end,
+/// into the next strip or past the weight, is harmless: [`super::prefetch_lines`]).
+#[inline(always)]
 fn prefetch_ahead(distance: usize, at: *const u8, len: usize) {
-    for line in (0..len).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(distance + line).cast());
-    }
+    super::prefetch_lines(at.wrapping_add(distance), len);
 }
 
 /// What the strip kernels read of the tokens besides their levels and scales: `Σ q` per block of

@@ -38,14 +38,11 @@ use crate::quant::{QK_K, QuantType};
 /// only for batches). Later passes (a prompt's tokens past the first chunk) find the strip in cache.
 /// The K formats' blocks (2-3 KiB) are asked for a sixteenth at a time, before each 32 values of
 /// each half: asking for a whole block at once made the one-token walk 20 % slower than asking for
-/// nothing. A prefetch never faults, so the address is formed with `wrapping_add`.
-#[target_feature(enable = "sse")]
+/// nothing. A prefetch never faults ([`super::prefetch_lines`]).
+#[inline(always)]
 fn prefetch(first: bool, at: *const u8, len: usize) {
-    if !first {
-        return;
-    }
-    for line in (0..len).step_by(64) {
-        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + line).cast());
+    if first {
+        super::prefetch_lines(at.wrapping_add(PREFETCH), len);
     }
 }
 
