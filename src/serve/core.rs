@@ -9,6 +9,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use super::generate::{Decoding, Finish, GenerateOptions, Generation, host_rows};
+use super::sample::Summary;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvCache, KvPool, KvPoolStats};
 use crate::scope::Scope;
@@ -457,6 +458,7 @@ where
             }
         };
         let vocab = rows.len() / inputs.len();
+        let summaries = self.summaries(&rows, vocab, &inputs);
         let max_positions = model.max_positions();
         let mut finished_at = Vec::new();
         let mut forks = Vec::new();
@@ -483,7 +485,8 @@ where
                         continue;
                     }
                 };
-                let finish = decoding.choose(logits, cache.len(), max_positions);
+                let finish =
+                    decoding.choose_summarized(logits, summaries[row], cache.len(), max_positions);
                 let fork = Running {
                     id,
                     cache,
@@ -503,7 +506,10 @@ where
                     }
                 }
             }
-            match r.decoding.choose(logits, r.cache.len(), max_positions) {
+            match r
+                .decoding
+                .choose_summarized(logits, summaries[row], r.cache.len(), max_positions)
+            {
                 Some(finish) => finished_at.push((*i, finish)),
                 None => events.push(token_event(r)),
             }
@@ -524,6 +530,31 @@ where
         });
         self.steps += 1;
         Ok(events)
+    }
+
+    /// The [`Summary`] of each row of the step's logits (`vocab` a row, one row per input) whose
+    /// request chooses a token now (its prompt has run), on every thread when several do: eight
+    /// requests' rows of GPT-2's 50,257 logits took 7 % of the calling thread's time in their
+    /// decoding, while the other thread waited.
+    fn summaries(
+        &self,
+        rows: &[f32],
+        vocab: usize,
+        inputs: &[(usize, Vec<i64>)],
+    ) -> Vec<Option<Summary>> {
+        use rayon::prelude::*;
+        let choosing: Vec<bool> = inputs
+            .iter()
+            .map(|(i, _)| self.running[*i].decoding.next.is_empty())
+            .collect();
+        let summary = |(row, &chooses): (usize, &bool)| {
+            chooses.then(|| Summary::of(&rows[row * vocab..(row + 1) * vocab]))
+        };
+        if choosing.iter().filter(|&&c| c).count() > 1 {
+            choosing.par_iter().enumerate().map(summary).collect()
+        } else {
+            choosing.iter().enumerate().map(summary).collect()
+        }
     }
 
     /// Starts waiting requests, first come first served, while the batch and the pool have room;

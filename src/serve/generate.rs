@@ -1,6 +1,6 @@
 //! One request: a prompt's continuation, decoded against its own KV cache.
 
-use super::sample::{Sampler, Sampling};
+use super::sample::{Sampler, Sampling, Summary};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::kv::{CausalLm, KvCache, KvPool, KvUsage};
@@ -152,19 +152,37 @@ impl Decoding {
         cached: usize,
         max_positions: usize,
     ) -> Option<Finish> {
-        let choice =
-            if self.tokens.len() < self.options.min_new_tokens && !self.options.stop.is_empty() {
-                self.masked.clear();
-                self.masked.extend_from_slice(logits);
-                for &t in &self.options.stop {
-                    if let Some(x) = usize::try_from(t).ok().and_then(|t| self.masked.get_mut(t)) {
-                        *x = f32::NEG_INFINITY;
-                    }
+        self.choose_summarized(logits, None, cached, max_positions)
+    }
+
+    /// Whether the next choice masks the stop tokens (the minimum count of new tokens is not
+    /// reached yet): it then chooses from other logits than the model's row.
+    pub(crate) fn masks_stops(&self) -> bool {
+        self.tokens.len() < self.options.min_new_tokens && !self.options.stop.is_empty()
+    }
+
+    /// [`choose`](Self::choose) with the [`Summary`] of `logits` when the caller has it (unused
+    /// where the choice [`masks_stops`](Self::masks_stops)).
+    pub(crate) fn choose_summarized(
+        &mut self,
+        logits: &[f32],
+        summary: Option<Summary>,
+        cached: usize,
+        max_positions: usize,
+    ) -> Option<Finish> {
+        let choice = if self.masks_stops() {
+            self.masked.clear();
+            self.masked.extend_from_slice(logits);
+            for &t in &self.options.stop {
+                if let Some(x) = usize::try_from(t).ok().and_then(|t| self.masked.get_mut(t)) {
+                    *x = f32::NEG_INFINITY;
                 }
-                self.sampler.choose(&self.masked)
-            } else {
-                self.sampler.choose(logits)
-            };
+            }
+            self.sampler.choose(&self.masked)
+        } else {
+            let summary = summary.unwrap_or_else(|| Summary::of(logits));
+            self.sampler.choose_summarized(logits, summary)
+        };
         self.tokens.push(choice.token);
         self.logprobs.push(choice.logprob);
         self.next.clear();

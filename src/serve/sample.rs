@@ -101,6 +101,11 @@ impl Sampler {
 
     /// The next token from `logits` (one row; NaN counts as `-inf`).
     pub(crate) fn choose(&mut self, logits: &[f32]) -> Choice {
+        self.choose_summarized(logits, Summary::of(logits))
+    }
+
+    /// [`choose`](Self::choose) with the row's [`Summary`] computed already.
+    pub(crate) fn choose_summarized(&mut self, logits: &[f32], summary: Summary) -> Choice {
         let value = |x: f32| {
             if x.is_nan() {
                 f64::NEG_INFINITY
@@ -108,19 +113,12 @@ impl Sampler {
                 f64::from(x)
             }
         };
-        let (best, largest) = first_largest(logits);
+        let Summary {
+            best,
+            largest,
+            log_sum,
+        } = summary;
         let best_value = f64::from(largest);
-        let log_sum = if largest.is_finite() {
-            best_value + log_sum_exp_below(logits, largest).ln()
-        } else {
-            // Every logit NaN or infinite: the plain sum, whatever it makes of them.
-            best_value
-                + logits
-                    .iter()
-                    .map(|&x| (value(x) - best_value).exp())
-                    .sum::<f64>()
-                    .ln()
-        };
         let logprob = |i: usize| (value(logits[i]) - log_sum) as f32;
         let s = self.sampling;
         if s.temperature == 0.0 || !best_value.is_finite() {
@@ -175,6 +173,51 @@ impl Sampler {
         Choice {
             token: token as i64,
             logprob: logprob(token),
+        }
+    }
+}
+
+/// What every choice from a row of logits needs first, whatever the sampling: the first largest
+/// logit and the log of the softmax's denominator. A function of the row alone (two passes over
+/// it, the cost of a greedy choice), so that the engine can summarise a step's rows on every
+/// thread and then choose from them in order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Summary {
+    /// The index of the first largest logit.
+    best: usize,
+    /// That logit.
+    largest: f32,
+    /// `ln Σ e^x` over the row, in `f64`.
+    log_sum: f64,
+}
+
+impl Summary {
+    /// The summary of `logits` (one row; NaN counts as `-inf`).
+    pub(crate) fn of(logits: &[f32]) -> Summary {
+        let (best, largest) = first_largest(logits);
+        let best_value = f64::from(largest);
+        let log_sum = if largest.is_finite() {
+            best_value + log_sum_exp_below(logits, largest).ln()
+        } else {
+            // Every logit NaN or infinite: the plain sum, whatever it makes of them.
+            let value = |x: f32| {
+                if x.is_nan() {
+                    f64::NEG_INFINITY
+                } else {
+                    f64::from(x)
+                }
+            };
+            best_value
+                + logits
+                    .iter()
+                    .map(|&x| (value(x) - best_value).exp())
+                    .sum::<f64>()
+                    .ln()
+        };
+        Summary {
+            best,
+            largest,
+            log_sum,
         }
     }
 }

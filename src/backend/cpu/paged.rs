@@ -297,36 +297,51 @@ fn key_tile<'w, T: Math>(
     wide: &'w mut Vec<T::Compute>,
 ) -> (Vec<&'w [T::Compute]>, Vec<&'w [T::Compute]>) {
     let g = cache.geometry;
-    let at = |which: usize, j: usize| {
-        let (page, slot) = (j / g.tokens, j % g.tokens);
-        (page, g.row(cache.layer, which, cache.head, slot))
-    };
+    let len = tokens.len();
     if !T::DTYPE.is_half() {
-        let row = |which: usize, j: usize| -> &'w [T::Compute] {
-            let (page, at) = at(which, j);
-            match cache.table[page] {
-                Page::Compute(x) => &x[at..at + g.width],
-                Page::Stored(_) => unreachable!("only 16-bit pages are stored to widen"),
-            }
+        let rows = |which: usize| -> Vec<&'w [T::Compute]> {
+            slots(cache, which, tokens.clone())
+                .map(|(page, at)| match cache.table[page] {
+                    Page::Compute(x) => &x[at..at + g.width],
+                    Page::Stored(_) => unreachable!("only 16-bit pages are stored to widen"),
+                })
+                .collect()
         };
-        return (
-            tokens.clone().map(|j| row(0, j)).collect(),
-            tokens.map(|j| row(1, j)).collect(),
-        );
+        return (rows(0), rows(1));
     }
-    wide.resize(2 * tokens.len() * g.width, T::Compute::zero());
-    for (i, j) in tokens.clone().enumerate() {
-        for which in 0..2 {
-            let (page, from) = at(which, j);
-            let into = (which * tokens.len() + i) * g.width;
+    wide.resize(2 * len * g.width, T::Compute::zero());
+    for which in 0..2 {
+        for (i, (page, from)) in slots(cache, which, tokens.clone()).enumerate() {
+            let into = (which * len + i) * g.width;
             cache.table[page].read(from, &mut wide[into..into + g.width]);
         }
     }
-    let (keys, values) = wide.split_at(tokens.len() * g.width);
+    let (keys, values) = wide.split_at(len * g.width);
     (
         keys.chunks(g.width).collect(),
         values.chunks(g.width).collect(),
     )
+}
+
+/// The page and the element where the key (`which` 0) or value (1) row of each token of `tokens`
+/// starts, walked slot after slot: one division a tile rather than one a key (dividing by the
+/// page's token count for every key took 6 % of eight requests' decoding of GPT-2 small).
+fn slots<T: Math>(
+    cache: &Cached<'_, '_, T>,
+    which: usize,
+    tokens: std::ops::Range<usize>,
+) -> impl Iterator<Item = (usize, usize)> {
+    let g = cache.geometry;
+    let first = g.row(cache.layer, which, cache.head, 0);
+    let (mut page, mut slot) = (tokens.start / g.tokens, tokens.start % g.tokens);
+    tokens.map(move |_| {
+        let at = (page, first + slot * g.width);
+        slot += 1;
+        if slot == g.tokens {
+            (page, slot) = (page + 1, 0);
+        }
+        at
+    })
 }
 
 /// `out += Σ_j weights[j] · values[j]`, each element summed key after key in order. [`BLOCK`]

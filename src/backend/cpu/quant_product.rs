@@ -204,11 +204,66 @@ fn quantize_blocks(q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]) {
     quantize_blocks_with(q, d, sums, x);
 }
 
-/// [`quantize_blocks`] for AVX-512.
+/// [`quantize_blocks`] for AVX-512: a block's two halves are two registers, so its maximum, levels
+/// and half sums are a few whole-register instructions, where the compiler's version of the
+/// portable loop moved the levels through the stack to sum them (0.55 ms of each step of eight
+/// requests' decoding of GPT-2 small, 6 % of the calling thread's time). The same operations on
+/// each value as [`quantize_block`], so the same bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 fn quantize_blocks_avx512(q: &mut [i8], d: &mut [f32], sums: &mut [f32], x: &[f32]) {
-    quantize_blocks_with(q, d, sums, x);
+    use std::arch::x86_64::*;
+    let blocks = (x.len() / BLOCK)
+        .min(q.len() / BLOCK)
+        .min(d.len())
+        .min(sums.len() / 2);
+    let sign = _mm512_set1_ps(-0.0);
+    let almost_half = _mm512_set1_ps(0.499_999_97);
+    let (lowest, highest) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
+    for b in 0..blocks {
+        // SAFETY: block `b < blocks` has its 32 values in `x` and its 32 levels in `q`; `loadu`
+        // and `storeu` take any alignment.
+        let halves = unsafe {
+            [
+                _mm512_loadu_ps(x.as_ptr().add(b * BLOCK)),
+                _mm512_loadu_ps(x.as_ptr().add(b * BLOCK + 16)),
+            ]
+        };
+        // `max(a, m)` keeps `m` where `a` is NaN, as the portable `a > m` does; the maximum of
+        // non-negative numbers is exact in any order.
+        let abs = halves.map(|h| _mm512_abs_ps(h));
+        let lanes = _mm512_max_ps(abs[1], _mm512_max_ps(abs[0], _mm512_setzero_ps()));
+        let amax = _mm512_reduce_max_ps(lanes);
+        let exact = amax / 127.0;
+        let id = _mm512_set1_ps(if exact == 0.0 { 0.0 } else { 1.0 / exact });
+        let levels = halves.map(|h| {
+            // `round_half_away`, lane by lane.
+            let y = _mm512_mul_ps(h, id);
+            // `0.49999997` with `y`'s sign: its magnitude, `y`'s sign bit.
+            let signed_half = _mm512_or_si512(
+                _mm512_and_si512(_mm512_castps_si512(y), _mm512_castps_si512(sign)),
+                _mm512_castps_si512(almost_half),
+            );
+            let r = _mm512_add_ps(y, _mm512_castsi512_ps(signed_half));
+            let number = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(r, r);
+            let r = _mm512_min_ps(_mm512_max_ps(r, lowest), highest);
+            _mm512_maskz_cvttps_epi32(number, r)
+        });
+        // SAFETY: as above, for the levels of block `b`.
+        unsafe {
+            _mm512_mask_cvtepi32_storeu_epi8(q.as_mut_ptr().add(b * BLOCK).cast(), !0, levels[0]);
+            _mm512_mask_cvtepi32_storeu_epi8(
+                q.as_mut_ptr().add(b * BLOCK + 16).cast(),
+                !0,
+                levels[1],
+            );
+        }
+        let scale = stored_scale(exact);
+        d[b] = scale;
+        for (half, levels) in levels.into_iter().enumerate() {
+            sums[2 * b + half] = scale * _mm512_reduce_add_epi32(levels) as f32;
+        }
+    }
 }
 
 /// [`quantize_blocks`]' loop, inlined into each version.
@@ -1298,6 +1353,46 @@ mod tests {
                 Ok(Kernel::Avx2)
             );
         }
+    }
+
+    #[test]
+    fn every_version_rounds_the_activations_to_the_same_bits() {
+        // Blocks of ordinary values, halves a level apart, zeros, NaN, infinities, denormals and
+        // values whose scale f16 cannot hold.
+        let mut x = values(64 * 32, 11);
+        for (b, block) in x.chunks_mut(32).enumerate() {
+            match b % 8 {
+                0 => block.fill(0.0),
+                1 => block[3] = f32::NAN,
+                2 => block[5] = f32::INFINITY,
+                3 => block.iter_mut().for_each(|v| *v *= 1e-40),
+                4 => block.iter_mut().for_each(|v| *v *= 1e8),
+                5 => {
+                    for (i, v) in block.iter_mut().enumerate() {
+                        *v = (i as f32 - 16.0) + 0.5;
+                    }
+                }
+                6 => block.iter_mut().for_each(|v| *v = -v.abs()),
+                _ => {}
+            }
+        }
+        let blocks = x.len() / 32;
+        let mut portable = (
+            vec![0i8; x.len()],
+            vec![0f32; blocks],
+            vec![0f32; 2 * blocks],
+        );
+        quantize_blocks_with(&mut portable.0, &mut portable.1, &mut portable.2, &x);
+        let mut dispatched = (
+            vec![0i8; x.len()],
+            vec![0f32; blocks],
+            vec![0f32; 2 * blocks],
+        );
+        quantize_blocks(&mut dispatched.0, &mut dispatched.1, &mut dispatched.2, &x);
+        assert_eq!(portable.0, dispatched.0);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&portable.1), bits(&dispatched.1));
+        assert_eq!(bits(&portable.2), bits(&dispatched.2));
     }
 
     #[test]
