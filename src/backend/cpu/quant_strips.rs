@@ -31,11 +31,17 @@ use crate::quant::{QK_K, QuantType};
 
 /// The most tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 16;
-/// How far ahead of the bytes a kernel reads it asks for the strip's lines when it walks several
-/// tokens. Batched decoding streams weights too large for any cache while its tokens' arithmetic
-/// slows the walk: the hardware prefetcher alone then kept too few lines in flight, and the kernel
-/// stalled on the first loads of every block.
+/// How far ahead of the bytes the AVX2 kernels read they ask for the strip's lines when they walk
+/// several tokens. Batched decoding streams weights too large for any cache while its tokens'
+/// arithmetic slows the walk: the hardware prefetcher alone then kept too few lines in flight, and
+/// the kernel stalled on the first loads of every block.
 pub(super) const PREFETCH: usize = 2048;
+/// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
+/// tokens streamed Q8_0 at 22-24 GiB/s, Q4_0 at 22, Q4_K at 21, Q6_K at 20 on the Zen 5 measured
+/// (`streamed/*/8x` in `benches/quant.rs`, two threads); 8 KiB ahead, 35-39, 26-29, 28-30 and 28
+/// (4 KiB: 29-34, 28, 28-31, 25-27; 16 KiB no better): a block of several tokens takes long enough
+/// that the lines asked for 2 KiB ahead had not arrived when it came to them.
+const SEVERAL_TOKENS_PREFETCH: usize = 8192;
 /// How far ahead the K formats' kernels ask for lines for one token. Their blocks of 256 values
 /// interleave scales, levels and high bits, which the hardware prefetcher alone streamed at 20-41
 /// GiB/s on the Zen 5 measured (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`, builds
@@ -49,7 +55,7 @@ const fn k_prefetch(tokens: usize) -> usize {
     if tokens == 1 {
         ONE_TOKEN_K_PREFETCH
     } else {
-        PREFETCH
+        SEVERAL_TOKENS_PREFETCH
     }
 }
 
@@ -346,7 +352,7 @@ unsafe fn tokens<const N: usize, F: Small>(
             // One token's walk is paced by the memory, and the hardware prefetcher keeps up
             // with these formats' blocks (the prefetches would only add instructions).
             if N > 1 {
-                prefetch_ahead(PREFETCH, block, bytes);
+                prefetch_ahead(SEVERAL_TOKENS_PREFETCH, block, bytes);
             }
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             let levels = block.add(levels_at);
