@@ -39,8 +39,8 @@ pub(super) const PREFETCH: usize = 2048;
 /// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
 /// tokens streamed Q8_0 at 22-24 GiB/s, Q4_0 at 22, Q4_K at 21, Q6_K at 20 on the Zen 5 measured
 /// (`streamed/*/8x` in `benches/quant.rs`, two threads); 8 KiB ahead, 35-39, 26-29, 28-30 and 28
-/// (4 KiB: 29-34, 28, 28-31, 25-27; 16 KiB no better): a block of several tokens takes long enough
-/// that the lines asked for 2 KiB ahead had not arrived when it came to them.
+/// (4 KiB: 25-34, 22-28, 28-31, 25-27; 16 KiB no better): the samples of the 2 KiB build sat on
+/// the instructions right after each block's weight loads.
 const SEVERAL_TOKENS_PREFETCH: usize = 8192;
 /// How far ahead the K formats' kernels ask for lines for one token. Their blocks of 256 values
 /// interleave scales, levels and high bits, which the hardware prefetcher alone streamed at 20-41
