@@ -157,7 +157,7 @@ impl Decoding {
 
     /// Whether the next choice masks the stop tokens (the minimum count of new tokens is not
     /// reached yet): it then chooses from other logits than the model's row.
-    pub(crate) fn masks_stops(&self) -> bool {
+    fn masks_stops(&self) -> bool {
         self.tokens.len() < self.options.min_new_tokens && !self.options.stop.is_empty()
     }
 

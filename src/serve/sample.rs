@@ -106,13 +106,6 @@ impl Sampler {
 
     /// [`choose`](Self::choose) with the row's [`Summary`] computed already.
     pub(crate) fn choose_summarized(&mut self, logits: &[f32], summary: Summary) -> Choice {
-        let value = |x: f32| {
-            if x.is_nan() {
-                f64::NEG_INFINITY
-            } else {
-                f64::from(x)
-            }
-        };
         let Summary {
             best,
             largest,
@@ -200,13 +193,6 @@ impl Summary {
             best_value + log_sum_exp_below(logits, largest).ln()
         } else {
             // Every logit NaN or infinite: the plain sum, whatever it makes of them.
-            let value = |x: f32| {
-                if x.is_nan() {
-                    f64::NEG_INFINITY
-                } else {
-                    f64::from(x)
-                }
-            };
             best_value
                 + logits
                     .iter()
@@ -219,6 +205,15 @@ impl Summary {
             largest,
             log_sum,
         }
+    }
+}
+
+/// A logit as the softmax counts it: in `f64`, NaN as `-inf`.
+fn value(x: f32) -> f64 {
+    if x.is_nan() {
+        f64::NEG_INFINITY
+    } else {
+        f64::from(x)
     }
 }
 

@@ -31,11 +31,6 @@ use crate::quant::{QK_K, QuantType};
 
 /// The most tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 16;
-/// How far ahead of the bytes the AVX2 kernels read they ask for the strip's lines when they walk
-/// several tokens. Batched decoding streams weights too large for any cache while its tokens'
-/// arithmetic slows the walk: the hardware prefetcher alone then kept too few lines in flight, and
-/// the kernel stalled on the first loads of every block.
-pub(super) const PREFETCH: usize = 2048;
 /// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
 /// tokens streamed Q8_0 at 22-24 GiB/s, Q4_0 at 22, Q4_K at 21, Q6_K at 20 on the Zen 5 measured
 /// (`streamed/*/8x` in `benches/quant.rs`, two threads); 8 KiB ahead, 35-39, 26-29, 28-30 and 28

@@ -26,10 +26,17 @@ use std::arch::x86_64::*;
 
 use super::few_rows::Columns;
 use super::quant_product::{Activations, BLOCK};
-use super::quant_strips::{BlockSums, PREFETCH, operands_fit};
+use super::quant_strips::{BlockSums, operands_fit};
 use super::quant_vnni::by_token_chunks;
 use crate::quant::strips::{STRIP_ROWS, k4_sub_block, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
+
+/// How far ahead of the bytes they read the AVX2 kernels ask for the strip's lines. Batched
+/// decoding streams weights too large for any cache while its tokens' arithmetic slows the walk:
+/// the hardware prefetcher alone then kept too few lines in flight, and the kernel stalled on the
+/// first loads of every block. (The AVX-512 kernels ask 8 KiB ahead for several tokens since a
+/// Zen 5 measured it; no AVX2-only machine has measured a change from 2 KiB.)
+const PREFETCH: usize = 2048;
 
 /// Asks for the cache lines of the `len` bytes [`PREFETCH`] after `at` on the `first` pass over a
 /// strip (tokens from 0), for any number of tokens: on the AVX2-only Zen 1 even one token's walk
