@@ -3,7 +3,9 @@
 //! `nn::scaled_dot_product_attention` makes), forward and forward+backward; one query against a
 //! 1,024-token cache (decoding); softmax over `[12, 1024, 1024]`; log-softmax and cross-entropy
 //! (forward+backward) over GPT-2's vocabulary `[1023, 50257]`. `benches/attention_reference.py`
-//! runs the same shapes in PyTorch. Run with
+//! runs the same shapes in PyTorch. And a decoding step's attention over paged KV caches kept in
+//! `f32`, `f16` and `bf16`: eight sequences of 160 cached tokens, GPT-2 small's 12 layers of 12
+//! heads (the cache bytes a step reads, as throughput). Run with
 //!
 //! ```text
 //! RAYON_NUM_THREADS=2 cargo bench --bench attention -- --noplot
@@ -11,7 +13,8 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use ndscope::kv::{KvCache, KvPool, KvShape, KvStep};
 use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
 use ndscope::{AttentionSpec, Causal, DType, Device, Result, Tape, root};
 
@@ -129,5 +132,61 @@ fn attention(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, attention);
+/// One decoding step's attention, every layer, for eight sequences of 160 cached tokens each, with
+/// the caches in each float dtype (the queries, keys and values computed in `f32`).
+fn paged_decode(c: &mut Criterion) {
+    const SEQUENCES: usize = 8;
+    const CACHED: usize = 160;
+    let mut group = c.benchmark_group("paged_decode_8x160_gpt2_small");
+    group.sample_size(20);
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let shape = KvShape {
+            layers: 12,
+            heads: 12,
+            head_width: 64,
+            dtype,
+        };
+        root(Device::Cpu, |m| -> Result<()> {
+            let pool = KvPool::for_tokens(m, shape, 16, SEQUENCES * (CACHED + 16))?;
+            m.scope(|r| -> Result<()> {
+                let mut caches: Vec<KvCache<'_>> = (0..SEQUENCES)
+                    .map(|_| pool.cache(r, CACHED + 1))
+                    .collect::<Result<_>>()?;
+                r.scope(|fill| -> Result<()> {
+                    let mut step =
+                        KvStep::new(&pool, caches.iter_mut().collect(), &[CACHED; SEQUENCES])?;
+                    let qkv = fill.randn(&[SEQUENCES * CACHED, 3, 12, 64])?;
+                    for layer in 0..12 {
+                        step.attend(layer, &qkv, 0.125)?;
+                    }
+                    step.finish();
+                    Ok(())
+                })?;
+                let qkv = r.randn(&[SEQUENCES, 3, 12, 64])?;
+                // Every layer reads the keys and values of each cached token and the new one.
+                let read = SEQUENCES * (CACHED + 1) * shape.token_bytes();
+                group.throughput(Throughput::Bytes(read as u64));
+                group.bench_function(BenchmarkId::from_parameter(dtype), |bench| {
+                    bench.iter(|| {
+                        r.scope(|_| -> Result<()> {
+                            // The step is dropped unfinished: the caches keep their 160 tokens.
+                            let mut step =
+                                KvStep::new(&pool, caches.iter_mut().collect(), &[1; SEQUENCES])?;
+                            for layer in 0..12 {
+                                black_box(step.attend(layer, &qkv, 0.125)?);
+                            }
+                            Ok(())
+                        })
+                        .unwrap()
+                    })
+                });
+                Ok(())
+            })
+        })
+        .unwrap();
+    }
+    group.finish();
+}
+
+criterion_group!(benches, attention, paged_decode);
 criterion_main!(benches);

@@ -12,6 +12,9 @@
 //! RAYON_NUM_THREADS=2 cargo bench --bench gguf -- llama-1b-Q4_0  # a filter on "<file>/<figure>"
 //! ```
 //!
+//! The KV caches keep `f16`, as `llama-bench`'s do by default; `GGUF_BENCH_KV=f32` (or `bf16`)
+//! measures another cache dtype.
+//!
 //! A pass takes up to seconds, so this bench times medians itself (after a warm-up run) rather than
 //! through criterion's sampling.
 
@@ -20,7 +23,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ndscope::gguf::Gguf;
-use ndscope::kv::{CausalLm, KvPool};
+use ndscope::kv::{CausalLm, KvPool, KvShape};
 use ndscope::models::AutoModel;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
 use ndscope::{DType, Device, Result, Scope, root};
@@ -39,6 +42,25 @@ const FILES: [&str; 9] = [
     "gpt2-small-f32",
 ];
 const RUNS: usize = 3;
+
+/// The dtype the caches keep: `f16` (llama.cpp's default), or `GGUF_BENCH_KV`'s.
+fn kv_dtype() -> Result<DType> {
+    match std::env::var("GGUF_BENCH_KV") {
+        Ok(name) => name.parse().map_err(|_| ndscope::Error::InvalidArgument {
+            op: "gguf bench",
+            reason: format!("GGUF_BENCH_KV={name} is not a dtype; give f32, bf16 or f16"),
+        }),
+        Err(_) => Ok(DType::F16),
+    }
+}
+
+/// The model's cache shape in the dtype the caches keep here.
+fn kv_shape(model: &AutoModel<'_>) -> Result<KvShape> {
+    Ok(KvShape {
+        dtype: kv_dtype()?,
+        ..model.kv_shape()
+    })
+}
 
 /// The median of `runs` timings of `work`, after one untimed run.
 fn median(runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Duration> {
@@ -88,7 +110,7 @@ fn status_bytes(key: &str) -> Option<u64> {
 
 fn prompt_processing<'m>(m: &Scope<'m>, model: &AutoModel<'m>, name: &str) -> Result<()> {
     let len = 512.min(model.max_positions());
-    let pool = KvPool::for_tokens(m, model.kv_shape(), 16, len)?;
+    let pool = KvPool::for_tokens(m, kv_shape(model)?, 16, len)?;
     let prompt = ids(len, model.vocab_size());
     let t = median(RUNS, || {
         m.scope(|s| {
@@ -110,7 +132,7 @@ fn prompt_processing<'m>(m: &Scope<'m>, model: &AutoModel<'m>, name: &str) -> Re
 
 fn decoding<'m>(m: &Scope<'m>, model: &AutoModel<'m>, name: &str, batch8: bool) -> Result<()> {
     let (prompt_len, new) = (32, 128);
-    let pool = KvPool::for_tokens(m, model.kv_shape(), 16, 8 * (prompt_len + new))?;
+    let pool = KvPool::for_tokens(m, kv_shape(model)?, 16, 8 * (prompt_len + new))?;
     let prompt = ids(prompt_len, model.vocab_size());
     let options = GenerateOptions::greedy(new).with_min_new_tokens(new);
     // The prompt's pass is timed apart, so that the rate counts the 128 single-token steps.
@@ -164,6 +186,7 @@ fn main() -> Result<()> {
     // Criterion-style arguments: `--bench` is ignored; a filter keeps the figures whose
     // "<file>/<figure>" holds it (figures: load, pp512, tg128, engine).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    println!("gguf: the KV caches keep {}", kv_dtype()?);
     let wanted = |name: &str| filter.as_ref().is_none_or(|f| name.contains(f.as_str()));
     for name in FILES {
         let path = Path::new("target").join(format!("{name}.gguf"));

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ndscope::data::Tokenizer;
-use ndscope::kv::{CausalLm, KvPool};
+use ndscope::kv::{CausalLm, KvPool, KvShape};
 use ndscope::models::AutoModel;
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, Sampling, generate};
 use ndscope::{DType, Device, Error, Result, Scope, root};
@@ -44,6 +44,8 @@ usage: cargo run --release --example generate -- [options]
   --seed S          the sampling seed                                  [default: 42]
   --device D        cpu, or cuda:N (needs --features cuda)             [default: cpu]
   --block B         tokens per KV block                                [default: 16]
+  --kv-dtype D      what the KV cache keeps: f32, bf16 or f16 (half the bytes; llama.cpp's
+                    default)                                           [default: the model's]
   --serve N         serve N concurrent requests of mixed lengths instead of one prompt
   --batch B         requests decoded together when serving             [default: 8]
   --help            this text";
@@ -57,6 +59,7 @@ struct Options {
     seed: u64,
     device: Device,
     block: usize,
+    kv_dtype: Option<DType>,
     serve: Option<usize>,
     batch: usize,
     decoded: bool,
@@ -72,6 +75,7 @@ impl Options {
             seed: 42,
             device: Device::Cpu,
             block: KvPool::BLOCK_TOKENS,
+            kv_dtype: None,
             serve: None,
             batch: 8,
             decoded: false,
@@ -112,6 +116,17 @@ impl Options {
                 "--seed" => o.seed = value.parse().map_err(|_| format!("--seed: `{value}`"))?,
                 "--device" => o.device = value.parse().map_err(|e: Error| e.to_string())?,
                 "--block" => o.block = count(&value)?,
+                "--kv-dtype" => {
+                    o.kv_dtype = Some(
+                        value
+                            .parse()
+                            .ok()
+                            .filter(|d: &DType| d.is_float() && *d != DType::F64)
+                            .ok_or_else(|| {
+                                format!("--kv-dtype: `{value}` is not one of f32, bf16, f16")
+                            })?,
+                    )
+                }
                 "--serve" => o.serve = Some(count(&value)?),
                 "--batch" => o.batch = count(&value)?,
                 _ => return Err(format!("unknown option {flag}")),
@@ -157,6 +172,11 @@ fn serve<'m, M: CausalLm<'m>>(
         }
         options
     };
+    // The model's cache shape, kept in the dtype asked for.
+    let kv_shape = KvShape {
+        dtype: o.kv_dtype.unwrap_or(model.kv_shape().dtype),
+        ..model.kv_shape()
+    };
     {
         let positions = model.max_positions();
         let Some(n) = o.serve else {
@@ -166,7 +186,7 @@ fn serve<'m, M: CausalLm<'m>>(
             // (Llama 3.2's 131,072 positions: 8 GiB of f32 keys and values for a 1B model) would
             // cost more than the model.
             let tokens = positions.min(prompt.len() + o.max_new);
-            let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, tokens)?;
+            let pool = KvPool::for_tokens(m, kv_shape, o.block, tokens)?;
             let options = with_stops(GenerateOptions::sampled(o.max_new, o.sampling, o.seed));
             let started = Instant::now();
             let out = generate(model, m, &pool, &prompt, &options)?;
@@ -192,7 +212,7 @@ fn serve<'m, M: CausalLm<'m>>(
         })?;
         let corpus = tokenizer.encode(&text)?;
         let mut rng = Rng(o.seed);
-        let pool = KvPool::for_tokens(m, model.kv_shape(), o.block, o.batch * positions)?;
+        let pool = KvPool::for_tokens(m, kv_shape, o.block, o.batch * positions)?;
         let mut engine = Engine::new(model, &pool, EngineConfig { max_batch: o.batch });
         let mut generated_max = 0;
         for i in 0..n {

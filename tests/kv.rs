@@ -337,6 +337,148 @@ fn paged_attention_16_bit_matches_the_reference_of_its_rounded_inputs() {
     paged_attention_matches_reference(DType::F16, 8, 2e-3);
 }
 
+/// The outputs of `rounds` steps (new tokens per sequence, three sequences) of every layer's
+/// attention through a pool of `cache` dtype, fed queries, keys and values drawn in `f32` (seed
+/// `seed`) and given to the step as `fed`.
+fn attention_outputs(
+    shape: KvShape,
+    cache: DType,
+    fed: DType,
+    rounds: &[[usize; 3]],
+    seed: u64,
+) -> Vec<Vec<f64>> {
+    let (heads, w) = (shape.heads, shape.head_width);
+    let shape = KvShape {
+        dtype: cache,
+        ..shape
+    };
+    root(Device::Cpu, |m| {
+        m.set_seed(seed);
+        let pool = KvPool::for_tokens(m, shape, 16, 3 * 400)?;
+        let mut outputs = Vec::new();
+        m.scope(|request| {
+            let mut caches = [
+                pool.cache(request, 400)?,
+                pool.cache(request, 400)?,
+                pool.cache(request, 400)?,
+            ];
+            for counts in rounds {
+                let rows: usize = counts.iter().sum();
+                request.scope(|s| {
+                    let mut step = KvStep::new(&pool, caches.iter_mut().collect(), counts)?;
+                    for layer in 0..shape.layers {
+                        let qkv = s.randn(&[rows, 3, heads, w])?.to_dtype(fed)?;
+                        let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
+                        assert_eq!(out.dtype(), fed);
+                        outputs.push(out.to_vec_f64()?);
+                    }
+                    step.finish();
+                    Ok::<_, Error>(())
+                })?;
+            }
+            Ok::<_, Error>(())
+        })?;
+        Ok::<_, Error>(outputs)
+    })
+    .unwrap()
+}
+
+/// Prompts past one key tile (128 tokens), single tokens, a chunk; heads of 64 and of 72 (a
+/// partial 16 and a partial 64 in the kernels' loops).
+const HALF_ROUNDS: [[usize; 3]; 4] = [[150, 1, 37], [1, 1, 1], [1, 20, 1], [3, 1, 200]];
+
+#[test]
+fn sixteen_bit_pages_give_the_bits_of_their_widened_f32_copy() {
+    // A 16-bit page is scored and summed in f32, each element widened exactly: the same bits as
+    // the f32 kernels over the widened values, rounded to 16 bits once at the end.
+    for head_width in [64, 72] {
+        let shape = KvShape {
+            layers: 2,
+            heads: 2,
+            head_width,
+            dtype: DType::F32,
+        };
+        for dtype in [DType::F16, DType::BF16] {
+            let half = attention_outputs(shape, dtype, dtype, &HALF_ROUNDS, 5);
+            // The same draws, rounded to 16 bits, then widened into an f32 pool.
+            let wide = root(Device::Cpu, |m| {
+                let (heads, w) = (shape.heads, shape.head_width);
+                m.set_seed(5);
+                let pool = KvPool::for_tokens(m, shape, 16, 3 * 400)?;
+                let mut outputs = Vec::new();
+                m.scope(|request| {
+                    let mut caches = [
+                        pool.cache(request, 400)?,
+                        pool.cache(request, 400)?,
+                        pool.cache(request, 400)?,
+                    ];
+                    for counts in &HALF_ROUNDS {
+                        let rows: usize = counts.iter().sum();
+                        request.scope(|s| {
+                            let mut step = KvStep::new(&pool, caches.iter_mut().collect(), counts)?;
+                            for layer in 0..shape.layers {
+                                let qkv = s
+                                    .randn(&[rows, 3, heads, w])?
+                                    .to_dtype(dtype)?
+                                    .to_dtype(DType::F32)?;
+                                let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
+                                outputs.push(out.to_dtype(dtype)?.to_vec_f64()?);
+                            }
+                            step.finish();
+                            Ok::<_, Error>(())
+                        })?;
+                    }
+                    Ok::<_, Error>(())
+                })?;
+                Ok::<_, Error>(outputs)
+            })
+            .unwrap();
+            assert_eq!(half.len(), wide.len());
+            for (i, (h, w)) in half.iter().zip(&wide).enumerate() {
+                let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(
+                    bits(h) == bits(w),
+                    "{dtype} pages, heads of {head_width}: output {i} differs"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_16_bit_cache_under_an_f32_model_rounds_its_inputs_and_output() {
+    // The step rounds the f32 queries, keys and values to the cache's dtype, attends there and
+    // widens the output back: the bits of feeding it the rounded inputs.
+    let shape = KvShape {
+        layers: 2,
+        heads: 2,
+        head_width: 64,
+        dtype: DType::F32,
+    };
+    let rounds = [[20, 1, 5], [1, 1, 1]];
+    for dtype in [DType::F16, DType::BF16] {
+        let from_f32 = attention_outputs(shape, dtype, DType::F32, &rounds, 9);
+        let rounded = attention_outputs(shape, dtype, dtype, &rounds, 9);
+        for (i, (a, b)) in from_f32.iter().zip(&rounded).enumerate() {
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.to_bits(), y.to_bits(), "{dtype} cache: output {i}");
+            }
+        }
+        // And within the 16-bit rounding of the f32 cache's attention.
+        let exact = attention_outputs(shape, DType::F32, DType::F32, &rounds, 9);
+        let tolerance = if dtype == DType::F16 { 1e-2 } else { 5e-2 };
+        for (a, b) in from_f32.iter().zip(&exact) {
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x - y).abs() <= tolerance * (1.0 + y.abs()),
+                    "{dtype}: {x} vs {y}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn promises_are_kept_and_everything_goes_back() {
     root(Device::Cpu, |m| {

@@ -24,7 +24,12 @@ pub struct KvShape {
     pub heads: usize,
     /// The width of one head's key (and value).
     pub head_width: usize,
-    /// The dtype of the cached keys and values (the model's).
+    /// The dtype of the cached keys and values: the model's ([`CausalLm::kv_shape`] says so), or
+    /// `f16` or `bf16` under an `f32` model, to halve the cache and the bytes attention reads
+    /// (llama.cpp keeps `f16` by default); [`KvStep`] rounds to it and widens back.
+    ///
+    /// [`CausalLm::kv_shape`]: super::CausalLm::kv_shape
+    /// [`KvStep`]: super::KvStep
     pub dtype: DType,
 }
 

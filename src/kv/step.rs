@@ -3,6 +3,8 @@
 
 use super::cache::KvCache;
 use super::pool::KvPool;
+#[cfg(doc)]
+use super::pool::KvShape;
 use crate::autograd::{Tape, Var};
 use crate::error::{Error, Result};
 use crate::ops::paged::{PagedAttention, PagedWrite, paged_attention, write_pages};
@@ -238,11 +240,17 @@ impl<'a, 'r> KvStep<'a, 'r> {
     /// `layer`'s attention: stores the new tokens' keys and values from `qkv` (`[rows, 3, heads,
     /// head width]`: queries, keys, values of every new token, sequence after sequence) in the caches
     /// and returns each new query's attention over its sequence's cached tokens up to its own
-    /// position (`[rows, heads, head width]`, contiguous), scores scaled by `scale`.
+    /// position (`[rows, heads, head width]`, contiguous, in `qkv`'s dtype), scores scaled by
+    /// `scale`.
+    ///
+    /// The pool may keep `f16` or `bf16` under a model of another float dtype ([`KvShape::dtype`]):
+    /// the keys and values are then rounded to it as they are stored, the queries as they are
+    /// read, and the attention (computed in `f32`) is rounded to it before it is widened back.
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for a `qkv` of another shape; dtype and device mismatches with the
-    /// pool.
+    /// [`Error::InvalidShape`] for a `qkv` of another shape; [`Error::UnsupportedDType`] for an
+    /// integer `qkv`; [`Error::DTypeMismatch`] for a `qkv` of another dtype than a pool that is not
+    /// 16-bit; a device mismatch with the pool.
     #[track_caller]
     pub fn attend<'s>(&mut self, layer: usize, qkv: &Tensor<'s>, scale: f64) -> Result<Tensor<'s>> {
         let shape = self.pool.shape();
@@ -268,7 +276,9 @@ impl<'a, 'r> KvStep<'a, 'r> {
     /// key and value heads (Llama 3, Qwen2, Mistral).
     ///
     /// # Errors
-    /// [`Error::InvalidShape`] for other shapes; dtype and device mismatches with the pool.
+    /// [`Error::InvalidShape`] for other shapes; [`Error::DTypeMismatch`] when `q` and `kv` differ
+    /// in dtype, or differ from a pool that is not 16-bit; [`Error::UnsupportedDType`] for integer
+    /// ones; a device mismatch with the pool.
     #[track_caller]
     pub fn attend_grouped<'s>(
         &mut self,
@@ -325,6 +335,35 @@ impl<'a, 'r> KvStep<'a, 'r> {
                 ),
             });
         }
+        // A cache of another float dtype than the model's (a 16-bit cache under an f32 model, as
+        // llama.cpp keeps by default): the new keys and values are rounded to it as they are
+        // stored, the queries as they are read, and the output is widened back.
+        let (model_dtype, cached) = (q.dtype(), shape.dtype);
+        if kv.dtype() != model_dtype {
+            return Err(Error::DTypeMismatch {
+                op: "KvStep::attend_grouped",
+                lhs: model_dtype,
+                rhs: kv.dtype(),
+            });
+        }
+        if cached != model_dtype && (!cached.is_half() || !model_dtype.is_float()) {
+            // Only a 16-bit cache takes another dtype than the model's: a narrower cache on
+            // purpose, never a model computing in one dtype against a pool made for another.
+            return Err(Error::DTypeMismatch {
+                op: "KvStep::attend_grouped",
+                lhs: cached,
+                rhs: model_dtype,
+            });
+        }
+        if !model_dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "KvStep::attend_grouped",
+                dtype: model_dtype,
+                expected: "float queries, keys and values (f32, f64, bf16 or f16)",
+            });
+        }
+        let kv = &kv.to_dtype(cached)?;
+        let q = &q.to_dtype(cached)?;
         let geometry = self.pool.geometry();
         let mut writes: Vec<PagedWrite<'_>> = self
             .caches
@@ -360,7 +399,8 @@ impl<'a, 'r> KvStep<'a, 'r> {
             &tables,
             &lengths,
             &self.new,
-        )
+        )?
+        .to_dtype(model_dtype)
     }
 
     /// The first layer whose cache this step has not written, if any.

@@ -30,6 +30,7 @@ mod rows;
 #[cfg(target_arch = "x86_64")]
 mod tile_product;
 mod warm;
+mod widen;
 mod window;
 
 use rayon::prelude::*;

@@ -17,9 +17,12 @@
 use rayon::prelude::*;
 
 use super::rows::{self, Real};
+use super::widen::Widen;
+
+mod half_rows;
 use crate::backend::op::{Math, PagedAttention};
-use crate::backend::{Buf, Dst, PageGeometry, PageRows, PagedSeqs, Src};
-use crate::dtype::{DType, Element, bf16, f16};
+use crate::backend::{Dst, PageGeometry, PageRows, PagedSeqs, Src};
+use crate::dtype::{DType, Element, Float, bf16, f16};
 
 /// Multiply-adds below which one thread does the whole call. A decoding step's attention (one
 /// query per head) reads the cache from memory, not from cache, so even a short one is worth both
@@ -42,6 +45,11 @@ const BLOCK: usize = 64;
 /// fell from 20 % to 18 % of that decoding, the values' loop from 9 % to 5 %, and the engine's
 /// tokens/s rose 5-20 % (A/B runs alternated, `benches/gguf.rs`, `gpt2-small-Q8_0/engine`).
 const AHEAD: usize = 32;
+
+/// How many runs of a page's rows ahead (2 KiB each: 16 rows of 64 `f16`) a key tile of 16-bit
+/// pages asks for while it widens: the runs lie scattered in memory, each too short for the
+/// hardware prefetcher to find.
+const RUNS_AHEAD: usize = 2;
 
 /// Asks for the cache lines of `row`.
 #[inline(always)]
@@ -66,35 +74,14 @@ pub(super) fn attention(
     }
 }
 
-/// A page (or the queries) as the kernel reads it: in the compute type already, or stored elements
-/// to widen.
-#[derive(Clone, Copy)]
-enum Page<'a, T: Math> {
-    Compute(&'a [T::Compute]),
-    Stored(&'a [T]),
-}
+/// A page (or the queries) as stored.
+type Page<'a, T> = &'a [T];
 
-impl<'a, T: Math> Page<'a, T> {
-    fn of(page: Buf<'a>) -> Page<'a, T> {
-        if T::DTYPE.is_half() {
-            Page::Stored(page.host::<T>())
-        } else {
-            // Not 16-bit: the element type is its own compute type.
-            Page::Compute(page.host::<T::Compute>())
-        }
-    }
-
-    /// Copies `into.len()` elements from `at` into `into`, in the compute type.
-    fn read(self, at: usize, into: &mut [T::Compute]) {
-        let len = into.len();
-        match self {
-            Page::Compute(x) => into.copy_from_slice(&x[at..at + len]),
-            Page::Stored(x) => into
-                .iter_mut()
-                .zip(&x[at..at + len])
-                .for_each(|(i, v)| *i = v.load()),
-        }
-    }
+/// Widens `into.len()` elements of `page` from `at` into `into`.
+#[inline(always)]
+fn read<T: PageElement>(page: Page<'_, T>, at: usize, into: &mut [T::Compute]) {
+    let len = into.len();
+    T::widen(&page[at..at + len], into);
 }
 
 /// The queries of one task: `rows` consecutive packed rows from `first`, all of sequence `seq`.
@@ -105,7 +92,7 @@ struct Tile {
     rows: usize,
 }
 
-fn attention_as<T: Math>(
+fn attention_as<T: PageElement>(
     math: &PagedAttention,
     geometry: PageGeometry,
     q: Src,
@@ -117,7 +104,7 @@ fn attention_as<T: Math>(
     let shape = q.layout.shape();
     let (heads, width) = (shape[1], shape[2]);
     let (qs, qst, qoff) = (q.buf.host::<T>(), q.layout.strides(), q.layout.offset());
-    let pages: Vec<Page<'_, T>> = seqs.pages.iter().map(|&p| Page::of(p)).collect();
+    let pages: Vec<Page<'_, T>> = seqs.pages.iter().map(|p| p.host::<T>()).collect();
     let scale = T::Compute::from_f64(math.scale);
     let tiles: Vec<Tile> = (0..seqs.lengths.len())
         .flat_map(|seq| {
@@ -129,13 +116,15 @@ fn attention_as<T: Math>(
             })
         })
         .collect();
-    let task = |t: usize| -> Vec<T::Compute> {
+    // A task widens 16-bit pages into `wide`, reused by the tasks a thread runs (zeroing a fresh
+    // tile's buffer for every task was 3 % of eight requests' decoding of GPT-2 small).
+    let task = |wide: &mut Vec<T::Compute>, t: usize| -> Vec<T::Compute> {
         let (tile, h) = (tiles[t / heads], t % heads);
         let s = tile.seq;
         let count = seqs.queries[s + 1] - seqs.queries[s];
         let mut queries = vec![T::Compute::zero(); tile.rows * width];
         for (r, query) in queries.chunks_mut(width).enumerate() {
-            Page::<T>::Stored(qs).read(qoff + (tile.first + r) * qst[0] + h * qst[1], query);
+            read(qs, qoff + (tile.first + r) * qst[0] + h * qst[1], query);
         }
         let cache = Cached {
             geometry,
@@ -144,7 +133,7 @@ fn attention_as<T: Math>(
             // Grouped-query attention: query head h reads key and value head h / group.
             head: h / (heads / geometry.heads),
         };
-        attend_rows(cache, &queries, scale, |r| {
+        attend_rows(cache, &queries, scale, wide, |r| {
             let i = tile.first + r - seqs.queries[s];
             math.first(i, count, seqs.lengths[s])..math.visible(i, count, seqs.lengths[s])
         })
@@ -156,10 +145,16 @@ fn attention_as<T: Math>(
         * heads
         * width;
     let results: Vec<Vec<T::Compute>> = if work < PARALLEL_WORK {
-        (0..tiles.len() * heads).map(task).collect()
+        let mut wide = Vec::new();
+        (0..tiles.len() * heads)
+            .map(|t| task(&mut wide, t))
+            .collect()
     } else {
         super::warm::hold();
-        (0..tiles.len() * heads).into_par_iter().map(task).collect()
+        (0..tiles.len() * heads)
+            .into_par_iter()
+            .map_init(Vec::new, task)
+            .collect()
     };
     let o = out.contiguous_host::<T>();
     for (t, result) in results.iter().enumerate() {
@@ -174,7 +169,7 @@ fn attention_as<T: Math>(
 }
 
 /// Where a task reads its keys and values: one key/value head of one layer in one sequence's pages.
-struct Cached<'p, 'a, T: Math> {
+struct Cached<'p, 'a, T: PageElement> {
     geometry: PageGeometry,
     layer: usize,
     table: &'p [Page<'a, T>],
@@ -188,10 +183,11 @@ struct Cached<'p, 'a, T: Math> {
 /// picked at run time. Every version does the same operations in the same order (the compiler
 /// vectorises across independent sums and never reassociates one), so the bits do not depend on the
 /// CPU's vector unit either.
-fn attend_rows<T: Math>(
+fn attend_rows<T: PageElement>(
     cache: Cached<'_, '_, T>,
     queries: &[T::Compute],
     scale: T::Compute,
+    wide: &mut Vec<T::Compute>,
     window: impl Fn(usize) -> std::ops::Range<usize>,
 ) -> Vec<T::Compute>
 where
@@ -201,14 +197,14 @@ where
     {
         if std::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU has AVX-512F, the only feature the version is compiled for.
-            return unsafe { attend_rows_avx512(cache, queries, scale, window) };
+            return unsafe { attend_rows_avx512(cache, queries, scale, wide, window) };
         }
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2, the only feature the version is compiled for.
-            return unsafe { attend_rows_avx2(cache, queries, scale, window) };
+            return unsafe { attend_rows_avx2(cache, queries, scale, wide, window) };
         }
     }
-    attend_rows_with(cache, queries, scale, window)
+    attend_rows_with(cache, queries, scale, wide, window)
 }
 
 /// [`attend_rows_with`] compiled for a vector unit: `$name` with `$features`.
@@ -216,16 +212,17 @@ macro_rules! attend_rows_for {
     ($name:ident, $features:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        fn $name<T: Math>(
+        fn $name<T: PageElement>(
             cache: Cached<'_, '_, T>,
             queries: &[T::Compute],
             scale: T::Compute,
+            wide: &mut Vec<T::Compute>,
             window: impl Fn(usize) -> std::ops::Range<usize>,
         ) -> Vec<T::Compute>
         where
             T::Compute: Scores,
         {
-            attend_rows_with(cache, queries, scale, window)
+            attend_rows_with(cache, queries, scale, wide, window)
         }
     };
 }
@@ -235,88 +232,178 @@ attend_rows_for!(attend_rows_avx2, "avx2");
 
 /// [`attend_rows`]' loops, inlined into each version.
 #[inline(always)]
-fn attend_rows_with<T: Math>(
+fn attend_rows_with<T: PageElement>(
     cache: Cached<'_, '_, T>,
     queries: &[T::Compute],
     scale: T::Compute,
+    wide: &mut Vec<T::Compute>,
     window: impl Fn(usize) -> std::ops::Range<usize>,
 ) -> Vec<T::Compute>
 where
     T::Compute: Scores,
 {
-    let (g, zero) = (cache.geometry, T::Compute::zero());
+    let g = cache.geometry;
     let rows = queries.len() / g.width;
-    let mut out = vec![zero; rows * g.width];
-    let (mut max, mut sum) = (vec![T::Compute::lowest(); rows], vec![zero; rows]);
-    let mut scores = [zero; KEY_TILE];
-    // 16-bit pages are widened a key tile at a time; wider ones are read where they lie.
-    let mut wide = Vec::new();
+    let mut online = Online::new(rows, g.width);
     let (start, end) = (window(0).start / KEY_TILE * KEY_TILE, window(rows - 1).end);
+    let in_place = T::in_place();
     for j0 in (start..end).step_by(KEY_TILE) {
         let j1 = (j0 + KEY_TILE).min(end);
-        let (keys, values) = key_tile(&cache, j0..j1, &mut wide);
-        // The first row to meet the tile reads it from memory; later ones find it in cache.
-        let mut first_row = true;
-        for (r, query) in queries.chunks(g.width).enumerate() {
+        if in_place {
+            let (keys, values) = (rows_of(&cache, 0, j0..j1), rows_of(&cache, 1, j0..j1));
+            online.tile(
+                queries,
+                j0..j1,
+                &window,
+                &keys,
+                &values,
+                true,
+                |q, k, f, o| T::scores(q, k, f, scale, o),
+            );
+        } else {
+            let (keys, values) = widened_tile(&cache, j0..j1, wide);
+            online.tile(
+                queries,
+                j0..j1,
+                &window,
+                &keys,
+                &values,
+                false,
+                |q, k, f, o| T::Compute::scores(q, k, f, scale, o),
+            );
+        }
+    }
+    online.finish()
+}
+
+/// Each query row's online softmax over the key tiles so far: the largest score, the sum of the
+/// weights, and the weighted values added (rescaled when the largest score grows).
+struct Online<C> {
+    width: usize,
+    out: Vec<C>,
+    max: Vec<C>,
+    sum: Vec<C>,
+    scores: [C; KEY_TILE],
+}
+
+impl<C: Real> Online<C> {
+    fn new(rows: usize, width: usize) -> Online<C> {
+        Online {
+            width,
+            out: vec![C::zero(); rows * width],
+            max: vec![C::lowest(); rows],
+            sum: vec![C::zero(); rows],
+            scores: [C::zero(); KEY_TILE],
+        }
+    }
+
+    /// Passes the key tile `tokens` (its key and value rows) to every query row that sees part of
+    /// it. With `fetch`, the first row to meet the tile asks for its lines ahead as it scores
+    /// ([`fetch_for`]): it reads the tile from memory, later rows find it in cache.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn tile<E: AddWeighted<C>>(
+        &mut self,
+        queries: &[C],
+        tokens: std::ops::Range<usize>,
+        window: &impl Fn(usize) -> std::ops::Range<usize>,
+        keys: &[&[E]],
+        values: &[&[E]],
+        fetch: bool,
+        scores_of: impl Fn(&[C], &[&[E]], Option<&[&[E]]>, &mut [C]),
+    ) {
+        let (j0, j1, w) = (tokens.start, tokens.end, self.width);
+        let mut fetch = fetch;
+        for (r, query) in queries.chunks(w).enumerate() {
             let sees = window(r);
             let (from, to) = (sees.start.max(j0), sees.end.min(j1));
             if from >= to {
                 continue;
             }
             let (keys, values) = (&keys[from - j0..to - j0], &values[from - j0..to - j0]);
-            let scores = &mut scores[..to - from];
-            let fetch = std::mem::take(&mut first_row).then_some(values);
-            T::Compute::scores(query, keys, fetch, scale, scores);
+            let scores = &mut self.scores[..to - from];
+            scores_of(
+                query,
+                keys,
+                std::mem::take(&mut fetch).then_some(values),
+                scores,
+            );
             let tile_max = rows::max(scores);
-            let out = &mut out[r * g.width..(r + 1) * g.width];
-            if tile_max > max[r] {
-                let rescale = (max[r] - tile_max).exp();
-                sum[r] *= rescale;
+            let out = &mut self.out[r * w..(r + 1) * w];
+            if tile_max > self.max[r] {
+                let rescale = Float::exp(self.max[r] - tile_max);
+                self.sum[r] *= rescale;
                 out.iter_mut().for_each(|o| *o *= rescale);
-                max[r] = tile_max;
+                self.max[r] = tile_max;
             }
-            sum[r] += rows::exp_in_place(scores, max[r]);
-            add_weighted(out, scores, values);
+            self.sum[r] += rows::exp_in_place(scores, self.max[r]);
+            E::add_weighted(out, scores, values);
         }
     }
-    for (out, &sum) in out.chunks_mut(g.width).zip(&sum) {
-        if sum > zero {
-            let inv = sum.recip();
-            out.iter_mut().for_each(|o| *o *= inv);
+
+    /// The outputs: each row's weighted values over its sum.
+    fn finish(mut self) -> Vec<C> {
+        for (out, &sum) in self.out.chunks_mut(self.width).zip(&self.sum) {
+            if sum > C::zero() {
+                let inv = Float::recip(sum);
+                out.iter_mut().for_each(|o| *o *= inv);
+            }
         }
+        self.out
     }
-    out
 }
 
-/// The rows of the keys and of the values of tokens `tokens`, in the compute type: slices of the
-/// pages, or of `wide` where 16-bit pages are widened.
+/// The key (`which` 0) or value (1) rows of tokens `tokens`, where they lie in the pages.
+#[inline(always)]
+fn rows_of<'p, T: PageElement>(
+    cache: &Cached<'_, 'p, T>,
+    which: usize,
+    tokens: std::ops::Range<usize>,
+) -> Vec<&'p [T]> {
+    let width = cache.geometry.width;
+    slots(cache, which, tokens)
+        .map(|(page, at)| &cache.table[page][at..at + width])
+        .collect()
+}
+
+/// The key and value rows of tokens `tokens` widened into `wide` (16-bit pages on a CPU without
+/// [`PageElement::in_place`] kernels for them), a page's run of rows at once.
 #[allow(clippy::type_complexity)]
-fn key_tile<'w, T: Math>(
-    cache: &Cached<'w, '_, T>,
+fn widened_tile<'w, T: PageElement>(
+    cache: &Cached<'_, '_, T>,
     tokens: std::ops::Range<usize>,
     wide: &'w mut Vec<T::Compute>,
 ) -> (Vec<&'w [T::Compute]>, Vec<&'w [T::Compute]>) {
     let g = cache.geometry;
     let len = tokens.len();
-    if !T::DTYPE.is_half() {
-        let rows = |which: usize| -> Vec<&'w [T::Compute]> {
-            slots(cache, which, tokens.clone())
-                .map(|(page, at)| match cache.table[page] {
-                    Page::Compute(x) => &x[at..at + g.width],
-                    Page::Stored(_) => unreachable!("only 16-bit pages are stored to widen"),
-                })
-                .collect()
-        };
-        return (rows(0), rows(1));
+    if wide.len() < 2 * len * g.width {
+        wide.resize(2 * len * g.width, T::Compute::zero());
     }
-    wide.resize(2 * len * g.width, T::Compute::zero());
-    for which in 0..2 {
-        for (i, (page, from)) in slots(cache, which, tokens.clone()).enumerate() {
-            let into = (which * len + i) * g.width;
-            cache.table[page].read(from, &mut wide[into..into + g.width]);
+    let runs: [Vec<(usize, usize, usize)>; 2] =
+        [0, 1].map(|which| runs(cache, which, tokens.clone()));
+    let fetch = |i: usize| {
+        for run in &runs {
+            if let Some(&(page, from, count)) = run.get(i) {
+                prefetch(&cache.table[page][from..from + count * g.width]);
+            }
+        }
+    };
+    (0..RUNS_AHEAD).for_each(fetch);
+    let mut into = [0, len * g.width];
+    for i in 0..runs[0].len() {
+        fetch(i + RUNS_AHEAD);
+        for (which, run) in runs.iter().enumerate() {
+            let (page, from, count) = run[i];
+            let n = count * g.width;
+            read(
+                cache.table[page],
+                from,
+                &mut wide[into[which]..into[which] + n],
+            );
+            into[which] += n;
         }
     }
-    let (keys, values) = wide.split_at(len * g.width);
+    let (keys, values) = wide[..2 * len * g.width].split_at(len * g.width);
     (
         keys.chunks(g.width).collect(),
         values.chunks(g.width).collect(),
@@ -326,7 +413,7 @@ fn key_tile<'w, T: Math>(
 /// The page and the element where the key (`which` 0) or value (1) row of each token of `tokens`
 /// starts, walked slot after slot: one division a tile rather than one a key (dividing by the
 /// page's token count for every key took 6 % of eight requests' decoding of GPT-2 small).
-fn slots<T: Math>(
+fn slots<T: PageElement>(
     cache: &Cached<'_, '_, T>,
     which: usize,
     tokens: std::ops::Range<usize>,
@@ -342,6 +429,41 @@ fn slots<T: Math>(
         }
         at
     })
+}
+
+/// The runs of consecutive rows that the key (`which` 0) or value (1) rows of `tokens` make in
+/// their pages: `(page, first element, rows)`, one per page the tokens touch.
+fn runs<T: PageElement>(
+    cache: &Cached<'_, '_, T>,
+    which: usize,
+    tokens: std::ops::Range<usize>,
+) -> Vec<(usize, usize, usize)> {
+    let g = cache.geometry;
+    let first = g.row(cache.layer, which, cache.head, 0);
+    let mut runs = Vec::with_capacity(tokens.len() / g.tokens + 2);
+    let mut at = tokens.start;
+    while at < tokens.end {
+        let (page, slot) = (at / g.tokens, at % g.tokens);
+        let count = (g.tokens - slot).min(tokens.end - at);
+        runs.push((page, first + slot * g.width, count));
+        at += count;
+    }
+    runs
+}
+
+/// Value rows of element type `Self` added into outputs of compute type `C`: `out += Σ_j
+/// weights[j] · values[j]` (each value widened, exactly), each element summed key after key in
+/// order, each term a product then a sum (never fused), so that every version gives the bits of
+/// [`add_weighted`] over the widened values.
+trait AddWeighted<C>: Sized {
+    fn add_weighted(out: &mut [C], weights: &[C], values: &[&[Self]]);
+}
+
+impl<C: Real> AddWeighted<C> for C {
+    #[inline(always)]
+    fn add_weighted(out: &mut [C], weights: &[C], values: &[&[C]]) {
+        add_weighted(out, weights, values);
+    }
 }
 
 /// `out += Σ_j weights[j] · values[j]`, each element summed key after key in order. [`BLOCK`]
@@ -383,6 +505,56 @@ fn fetch_for<C>(j: usize, keys: &[&[C]], values: Option<&[&[C]]>) {
     }
     if let Some(value) = values.get(j) {
         prefetch(value);
+    }
+}
+
+/// The element types pages hold: how a key tile's rows are scored and added where they lie.
+trait PageElement: Widen + AddWeighted<<Self as Math>::Compute> {
+    /// Whether this CPU scores and adds rows of this type where they lie, as fast as rows of the
+    /// compute type; if not, a key tile is widened first.
+    fn in_place() -> bool;
+
+    /// [`Scores::scores`] over rows of this type, each key widened (exactly): the same bits.
+    fn scores(
+        query: &[Self::Compute],
+        keys: &[&[Self]],
+        values: Option<&[&[Self]]>,
+        scale: Self::Compute,
+        out: &mut [Self::Compute],
+    );
+}
+
+impl PageElement for f32 {
+    fn in_place() -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn scores(
+        query: &[f32],
+        keys: &[&[f32]],
+        values: Option<&[&[f32]]>,
+        scale: f32,
+        out: &mut [f32],
+    ) {
+        <f32 as Scores>::scores(query, keys, values, scale, out);
+    }
+}
+
+impl PageElement for f64 {
+    fn in_place() -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn scores(
+        query: &[f64],
+        keys: &[&[f64]],
+        values: Option<&[&[f64]]>,
+        scale: f64,
+        out: &mut [f64],
+    ) {
+        <f64 as Scores>::scores(query, keys, values, scale, out);
     }
 }
 
