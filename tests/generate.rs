@@ -1,7 +1,7 @@
 //! Generation with paged KV caches against transformers' `generate` on the bundled tiny GPT-2, and
 //! cached decoding against re-running the whole window.
 
-use ndscope::kv::{CausalLm, KvPool};
+use ndscope::kv::{CausalLm, KvPool, KvShape};
 use ndscope::models::Gpt2;
 use ndscope::nn::Mode;
 use ndscope::serve::{
@@ -115,6 +115,45 @@ fn step_logits_match_transformers() {
         Ok::<_, Error>(())
     })
     .unwrap();
+}
+
+/// A 16-bit cache under the f32 model (llama.cpp's default `f16` cache; `bf16`): transformers'
+/// greedy tokens still, every step's logits within the cache's rounding of transformers'.
+#[test]
+fn sixteen_bit_caches_keep_transformers_greedy_tokens() {
+    let want = greedy_reference();
+    for (dtype, bound) in [(DType::F16, 1e-2), (DType::BF16, 5e-2)] {
+        root(Device::Cpu, |m| {
+            let gpt2 = Gpt2::from_pretrained(m, DIR, DType::F32)?;
+            let shape = KvShape {
+                dtype,
+                ..gpt2.kv_shape()
+            };
+            let pool = KvPool::new(m, shape, 16, 32)?;
+            assert_eq!(pool.shape().token_bytes() * 2, gpt2.kv_shape().token_bytes());
+            for i in 0..2 {
+                let out = generate(&gpt2, m, &pool, &want.prompts[i], &as_transformers())?;
+                assert_eq!(out.tokens, want.generated[i], "{dtype} cache, prompt {i}");
+                m.scope(|request| {
+                    let mut cache = pool.cache(request, 128)?;
+                    let mut next = want.prompts[i].clone();
+                    for (step, &token) in want.generated[i].iter().enumerate() {
+                        let logits = request.scope(|s| {
+                            gpt2.decode(s, &pool, &mut [&mut cache], &[&next])?
+                                .to_vec::<f32>()
+                        })?;
+                        let reference = &want.step_logits[i][step * 1000..(step + 1) * 1000];
+                        let d = max_difference(&logits, reference);
+                        assert!(d < bound, "{dtype} cache, prompt {i} step {step}: {d}");
+                        next = vec![token];
+                    }
+                    Ok::<_, Error>(())
+                })?;
+            }
+            Ok::<_, Error>(())
+        })
+        .unwrap();
+    }
 }
 
 /// At every step the cached logits equal those of the whole window run again without a cache.

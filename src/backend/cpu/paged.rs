@@ -46,6 +46,10 @@ const BLOCK: usize = 64;
 /// tokens/s rose 5-20 % (A/B runs alternated, `benches/gguf.rs`, `gpt2-small-Q8_0/engine`).
 const AHEAD: usize = 32;
 
+/// The most query rows of a task for which 16-bit pages are read where they lie
+/// ([`PageElement::in_place`]); more rows share one widened copy of each key tile.
+const IN_PLACE_ROWS: usize = 4;
+
 /// How many runs of a page's rows ahead (2 KiB each: 16 rows of 64 `f16`) a key tile of 16-bit
 /// pages asks for while it widens: the runs lie scattered in memory, each too short for the
 /// hardware prefetcher to find.
@@ -246,7 +250,9 @@ where
     let rows = queries.len() / g.width;
     let mut online = Online::new(rows, g.width);
     let (start, end) = (window(0).start / KEY_TILE * KEY_TILE, window(rows - 1).end);
-    let in_place = T::in_place();
+    // A prompt's tile of queries widens each key tile once for all its rows; a decoding step's
+    // single row reads 16-bit pages where they lie.
+    let in_place = T::in_place() && rows <= IN_PLACE_ROWS;
     for j0 in (start..end).step_by(KEY_TILE) {
         let j1 = (j0 + KEY_TILE).min(end);
         if in_place {

@@ -3,8 +3,9 @@
 //! into the multiply-adds the `f32` kernels do, in the same order. So a 16-bit page gives the bits
 //! its widened `f32` copy gives, and a decoding step reads the cache once, at half the bytes.
 //!
-//! Widening a key tile into a buffer first (what a CPU without AVX-512 does) cost more than the
-//! bytes it saved: eight sequences of 160 tokens at GPT-2 small's shape ran 10.9 GiB/s of `f16`
+//! Decoding reads them so (a task of a few query rows); a prompt's tile of queries, or a CPU
+//! without AVX-512, widens each key tile into a buffer once instead. For decoding that cost more
+//! than the bytes it saved: eight sequences of 160 tokens at GPT-2 small's shape ran 10.9 GiB/s of `f16`
 //! pages against 26.8 GiB/s of `f32` (`paged_decode` in `benches/attention.rs`, Zen 5, two
 //! threads): each run of a page's rows was read in a burst the prefetches could not keep ahead of.
 
