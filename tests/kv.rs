@@ -339,11 +339,12 @@ fn paged_attention_16_bit_matches_the_reference_of_its_rounded_inputs() {
 
 /// The outputs of `rounds` steps (new tokens per sequence, three sequences) of every layer's
 /// attention through a pool of `cache` dtype, fed queries, keys and values drawn in `f32` (seed
-/// `seed`) and given to the step as `fed`.
+/// `seed`), rounded to `rounded`, given to the step as `fed`; each output rounded to `out_as`.
 fn attention_outputs(
     shape: KvShape,
     cache: DType,
-    fed: DType,
+    [rounded, fed]: [DType; 2],
+    out_as: Option<DType>,
     rounds: &[[usize; 3]],
     seed: u64,
 ) -> Vec<Vec<f64>> {
@@ -367,9 +368,13 @@ fn attention_outputs(
                 request.scope(|s| {
                     let mut step = KvStep::new(&pool, caches.iter_mut().collect(), counts)?;
                     for layer in 0..shape.layers {
-                        let qkv = s.randn(&[rows, 3, heads, w])?.to_dtype(fed)?;
+                        let qkv = s
+                            .randn(&[rows, 3, heads, w])?
+                            .to_dtype(rounded)?
+                            .to_dtype(fed)?;
                         let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
                         assert_eq!(out.dtype(), fed);
+                        let out = out.to_dtype(out_as.unwrap_or(fed))?;
                         outputs.push(out.to_vec_f64()?);
                     }
                     step.finish();
@@ -399,40 +404,17 @@ fn sixteen_bit_pages_give_the_bits_of_their_widened_f32_copy() {
             dtype: DType::F32,
         };
         for dtype in [DType::F16, DType::BF16] {
-            let half = attention_outputs(shape, dtype, dtype, &HALF_ROUNDS, 5);
-            // The same draws, rounded to 16 bits, then widened into an f32 pool.
-            let wide = root(Device::Cpu, |m| {
-                let (heads, w) = (shape.heads, shape.head_width);
-                m.set_seed(5);
-                let pool = KvPool::for_tokens(m, shape, 16, 3 * 400)?;
-                let mut outputs = Vec::new();
-                m.scope(|request| {
-                    let mut caches = [
-                        pool.cache(request, 400)?,
-                        pool.cache(request, 400)?,
-                        pool.cache(request, 400)?,
-                    ];
-                    for counts in &HALF_ROUNDS {
-                        let rows: usize = counts.iter().sum();
-                        request.scope(|s| {
-                            let mut step = KvStep::new(&pool, caches.iter_mut().collect(), counts)?;
-                            for layer in 0..shape.layers {
-                                let qkv = s
-                                    .randn(&[rows, 3, heads, w])?
-                                    .to_dtype(dtype)?
-                                    .to_dtype(DType::F32)?;
-                                let out = step.attend(layer, &qkv, 1.0 / (w as f64).sqrt())?;
-                                outputs.push(out.to_dtype(dtype)?.to_vec_f64()?);
-                            }
-                            step.finish();
-                            Ok::<_, Error>(())
-                        })?;
-                    }
-                    Ok::<_, Error>(())
-                })?;
-                Ok::<_, Error>(outputs)
-            })
-            .unwrap();
+            let half = attention_outputs(shape, dtype, [dtype; 2], None, &HALF_ROUNDS, 5);
+            // The same draws rounded to 16 bits, widened into an f32 pool, the output rounded to
+            // 16 bits as the 16-bit kernel stores it.
+            let wide = attention_outputs(
+                shape,
+                DType::F32,
+                [dtype, DType::F32],
+                Some(dtype),
+                &HALF_ROUNDS,
+                5,
+            );
             assert_eq!(half.len(), wide.len());
             for (i, (h, w)) in half.iter().zip(&wide).enumerate() {
                 let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -457,8 +439,8 @@ fn a_16_bit_cache_under_an_f32_model_rounds_its_inputs_and_output() {
     };
     let rounds = [[20, 1, 5], [1, 1, 1]];
     for dtype in [DType::F16, DType::BF16] {
-        let from_f32 = attention_outputs(shape, dtype, DType::F32, &rounds, 9);
-        let rounded = attention_outputs(shape, dtype, dtype, &rounds, 9);
+        let from_f32 = attention_outputs(shape, dtype, [DType::F32; 2], None, &rounds, 9);
+        let rounded = attention_outputs(shape, dtype, [dtype; 2], None, &rounds, 9);
         for (i, (a, b)) in from_f32.iter().zip(&rounded).enumerate() {
             assert_eq!(a.len(), b.len());
             for (x, y) in a.iter().zip(b) {
@@ -466,7 +448,7 @@ fn a_16_bit_cache_under_an_f32_model_rounds_its_inputs_and_output() {
             }
         }
         // And within the 16-bit rounding of the f32 cache's attention.
-        let exact = attention_outputs(shape, DType::F32, DType::F32, &rounds, 9);
+        let exact = attention_outputs(shape, DType::F32, [DType::F32; 2], None, &rounds, 9);
         let tolerance = if dtype == DType::F16 { 1e-2 } else { 5e-2 };
         for (a, b) in from_f32.iter().zip(&exact) {
             for (x, y) in a.iter().zip(b) {

@@ -46,10 +46,6 @@ const BLOCK: usize = 64;
 /// tokens/s rose 5-20 % (A/B runs alternated, `benches/gguf.rs`, `gpt2-small-Q8_0/engine`).
 const AHEAD: usize = 32;
 
-/// The most query rows of a task for which 16-bit pages are read where they lie
-/// ([`PageElement::in_place`]); more rows share one widened copy of each key tile.
-const IN_PLACE_ROWS: usize = 4;
-
 /// How many runs of a page's rows ahead (2 KiB each: 16 rows of 64 `f16`) a key tile of 16-bit
 /// pages asks for while it widens: the runs lie scattered in memory, each too short for the
 /// hardware prefetcher to find.
@@ -250,9 +246,7 @@ where
     let rows = queries.len() / g.width;
     let mut online = Online::new(rows, g.width);
     let (start, end) = (window(0).start / KEY_TILE * KEY_TILE, window(rows - 1).end);
-    // A prompt's tile of queries widens each key tile once for all its rows; a decoding step's
-    // single row reads 16-bit pages where they lie.
-    let in_place = T::in_place() && rows <= IN_PLACE_ROWS;
+    let in_place = T::in_place(rows);
     for j0 in (start..end).step_by(KEY_TILE) {
         let j1 = (j0 + KEY_TILE).min(end);
         if in_place {
@@ -372,8 +366,8 @@ fn rows_of<'p, T: PageElement>(
         .collect()
 }
 
-/// The key and value rows of tokens `tokens` widened into `wide` (16-bit pages on a CPU without
-/// [`PageElement::in_place`] kernels for them), a page's run of rows at once.
+/// The key and value rows of tokens `tokens` widened into `wide` (16-bit pages where
+/// [`PageElement::in_place`] says no), a page's run of rows at once.
 #[allow(clippy::type_complexity)]
 fn widened_tile<'w, T: PageElement>(
     cache: &Cached<'_, '_, T>,
@@ -516,9 +510,9 @@ fn fetch_for<C>(j: usize, keys: &[&[C]], values: Option<&[&[C]]>) {
 
 /// The element types pages hold: how a key tile's rows are scored and added where they lie.
 trait PageElement: Widen + AddWeighted<<Self as Math>::Compute> {
-    /// Whether this CPU scores and adds rows of this type where they lie, as fast as rows of the
-    /// compute type; if not, a key tile is widened first.
-    fn in_place() -> bool;
+    /// Whether a task of `rows` query rows scores and adds rows of this type where they lie; if
+    /// not, each key tile is widened once for all the rows.
+    fn in_place(rows: usize) -> bool;
 
     /// [`Scores::scores`] over rows of this type, each key widened (exactly): the same bits.
     fn scores(
@@ -530,39 +524,30 @@ trait PageElement: Widen + AddWeighted<<Self as Math>::Compute> {
     );
 }
 
-impl PageElement for f32 {
-    fn in_place() -> bool {
-        true
-    }
+/// The compute types' rows are read where they lie, by their own kernels.
+macro_rules! compute_page_element {
+    ($t:ty) => {
+        impl PageElement for $t {
+            fn in_place(_rows: usize) -> bool {
+                true
+            }
 
-    #[inline(always)]
-    fn scores(
-        query: &[f32],
-        keys: &[&[f32]],
-        values: Option<&[&[f32]]>,
-        scale: f32,
-        out: &mut [f32],
-    ) {
-        <f32 as Scores>::scores(query, keys, values, scale, out);
-    }
+            #[inline(always)]
+            fn scores(
+                query: &[$t],
+                keys: &[&[$t]],
+                values: Option<&[&[$t]]>,
+                scale: $t,
+                out: &mut [$t],
+            ) {
+                <$t as Scores>::scores(query, keys, values, scale, out);
+            }
+        }
+    };
 }
 
-impl PageElement for f64 {
-    fn in_place() -> bool {
-        true
-    }
-
-    #[inline(always)]
-    fn scores(
-        query: &[f64],
-        keys: &[&[f64]],
-        values: Option<&[&[f64]]>,
-        scale: f64,
-        out: &mut [f64],
-    ) {
-        <f64 as Scores>::scores(query, keys, values, scale, out);
-    }
-}
+compute_page_element!(f32);
+compute_page_element!(f64);
 
 /// The compute types' score kernels: `out[j] = scale · query · keys[j]`. A score depends on the
 /// query and key only, never on which other keys come in the same call. With `values` (as many as
@@ -615,15 +600,52 @@ impl Scores for f32 {
     }
 }
 
+/// Key elements as the AVX-512 score kernel loads them: 16 at a time into `f32` lanes.
+#[cfg(target_arch = "x86_64")]
+trait Lanes16: Sized {
+    /// The 16 elements from `at`, in `f32`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `at..at + 16` must be readable.
+    unsafe fn load16(at: *const Self) -> std::arch::x86_64::__m512;
+
+    /// The elements of `row` after its last full 16 (`mask` selects them), zeros after them.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F; `mask` has `row.len() % 16` low bits set.
+    unsafe fn tail16(row: &[Self], mask: u16) -> std::arch::x86_64::__m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes16 for f32 {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16(at: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract; `loadu` takes any alignment.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(at) }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tail16(row: &[f32], mask: u16) -> std::arch::x86_64::__m512 {
+        // SAFETY: the mask selects the elements after the last full 16; masked-off lanes touch no
+        // memory.
+        unsafe {
+            std::arch::x86_64::_mm512_maskz_loadu_ps(mask, row.as_ptr().add(row.len() / 16 * 16))
+        }
+    }
+}
+
 /// [`Scores::scores`] with one 16-float accumulator per key (fused multiply-adds over the row, the
-/// last partial chunk through masked loads), reduced in the fixed order of
-/// `_mm512_reduce_add_ps`.
+/// last partial chunk with zeros in the lanes past the row), reduced in the fixed order of
+/// `_mm512_reduce_add_ps`; keys of any [`Lanes16`] type (16-bit keys widened as they are loaded:
+/// the bits of their widened `f32` copy).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn scores_avx512(
+fn scores_avx512<K: Lanes16>(
     query: &[f32],
-    keys: &[&[f32]],
-    values: Option<&[&[f32]]>,
+    keys: &[&[K]],
+    values: Option<&[&[K]]>,
     scale: f32,
     out: &mut [f32],
 ) {
@@ -639,23 +661,23 @@ fn scores_avx512(
         let key = &key[..width];
         let mut acc = _mm512_setzero_ps();
         for c in (0..full).step_by(16) {
-            // SAFETY: `c + 16 <= full <= width`, the length of both slices; `loadu` needs no
-            // alignment.
+            // SAFETY: `c + 16 <= full <= width`, the length of both slices; the CPU has AVX-512 F;
+            // `loadu` needs no alignment.
             let (q, k) = unsafe {
                 (
                     _mm512_loadu_ps(query.as_ptr().add(c)),
-                    _mm512_loadu_ps(key.as_ptr().add(c)),
+                    K::load16(key.as_ptr().add(c)),
                 )
             };
             acc = _mm512_fmadd_ps(q, k, acc);
         }
         if full < width {
             // SAFETY: the mask selects elements `full..width` of each slice; masked-off lanes
-            // touch no memory.
+            // touch no memory; the CPU has AVX-512 F.
             let (q, k) = unsafe {
                 (
                     _mm512_maskz_loadu_ps(mask, query.as_ptr().add(full)),
-                    _mm512_maskz_loadu_ps(mask, key.as_ptr().add(full)),
+                    K::tail16(key, mask),
                 )
             };
             acc = _mm512_fmadd_ps(q, k, acc);

@@ -10,8 +10,14 @@
 //! threads): each run of a page's rows was read in a burst the prefetches could not keep ahead of.
 
 use super::{AddWeighted, PageElement, fetch_for};
+#[cfg(target_arch = "x86_64")]
+use super::{Lanes16, scores_avx512};
 use crate::backend::cpu::widen::Widen;
 use crate::dtype::{bf16, f16};
+
+/// The most query rows of a task that read 16-bit pages where they lie (decoding); a prompt's
+/// tile of queries widens each key tile once for all its rows instead.
+const IN_PLACE_ROWS: usize = 4;
 
 /// Whether this CPU runs the AVX-512 kernels.
 fn avx512() -> bool {
@@ -42,8 +48,8 @@ impl Half for bf16 {
 macro_rules! half_page_element {
     ($t:ty) => {
         impl PageElement for $t {
-            fn in_place() -> bool {
-                avx512()
+            fn in_place(rows: usize) -> bool {
+                avx512() && rows <= IN_PLACE_ROWS
             }
 
             #[inline(always)]
@@ -133,67 +139,23 @@ unsafe fn wide16<H: Half>(at: *const H) -> std::arch::x86_64::__m512 {
     }
 }
 
-/// The last `row.len() % 16` elements of `row` widened to `f32`, zeros after them.
-///
-/// # Safety
-/// The CPU must have AVX-512 F.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn wide_tail<H: Half>(row: &[H]) -> std::arch::x86_64::__m512 {
-    let tail = &row[row.len() / 16 * 16..];
-    let mut padded = [H::store(0.0); 16];
-    padded[..tail.len()].copy_from_slice(tail);
-    // SAFETY: the CPU has AVX-512 F; `padded` holds 16 elements.
-    unsafe { wide16(padded.as_ptr()) }
-}
+impl<H: Half> Lanes16 for H {
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load16(at: *const H) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { wide16(at) }
+    }
 
-/// [`PageElement::scores`]: `f32`'s AVX-512 kernel (one 16-float accumulator per key, fused
-/// multiply-adds, the tail with zeros in the lanes past the row, reduced in the order of
-/// `_mm512_reduce_add_ps`) with each 16 key elements widened as they are loaded.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn scores_avx512<H: Half>(
-    query: &[f32],
-    keys: &[&[H]],
-    values: Option<&[&[H]]>,
-    scale: f32,
-    out: &mut [f32],
-) {
-    use std::arch::x86_64::{
-        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps, _mm512_reduce_add_ps,
-        _mm512_setzero_ps,
-    };
-    let width = query.len();
-    let full = width / 16 * 16;
-    let mask = ((1u32 << (width - full)) - 1) as u16;
-    for (j, (o, key)) in out.iter_mut().zip(keys).enumerate() {
-        fetch_for(j, keys, values);
-        let key = &key[..width];
-        let mut acc = _mm512_setzero_ps();
-        for c in (0..full).step_by(16) {
-            // SAFETY: `c + 16 <= full <= width`, the length of both rows; the loads take any
-            // alignment.
-            let (q, k) = unsafe {
-                (
-                    _mm512_loadu_ps(query.as_ptr().add(c)),
-                    wide16(key.as_ptr().add(c)),
-                )
-            };
-            acc = _mm512_fmadd_ps(q, k, acc);
-        }
-        if full < width {
-            // SAFETY: the mask selects elements `full..width` of the query; masked-off lanes touch
-            // no memory. The CPU has AVX-512 F.
-            let (q, k) = unsafe {
-                (
-                    _mm512_maskz_loadu_ps(mask, query.as_ptr().add(full)),
-                    wide_tail(key),
-                )
-            };
-            acc = _mm512_fmadd_ps(q, k, acc);
-        }
-        *o = scale * _mm512_reduce_add_ps(acc);
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn tail16(row: &[H], _mask: u16) -> std::arch::x86_64::__m512 {
+        let tail = &row[row.len() / 16 * 16..];
+        let mut padded = [H::store(0.0); 16];
+        padded[..tail.len()].copy_from_slice(tail);
+        // SAFETY: the CPU has AVX-512 F; `padded` holds 16 elements.
+        unsafe { wide16(padded.as_ptr()) }
     }
 }
 
