@@ -11,6 +11,7 @@
 use rayon::prelude::*;
 
 use super::rows::{self, Real};
+use super::widen::Widen;
 use super::{PARALLEL_MIN, fill_segments};
 use crate::backend::op::{Math, Reduce};
 use crate::backend::{Dst, Src};
@@ -168,7 +169,7 @@ fn softmax_row<C: Real>(x: &[C], out: &mut [C], log: bool) {
 
 /// A 16-bit row's maximum `m` in `f32` (NaN if it holds one) and, when `m` is finite, `Σ e^(x - m)`
 /// (else 0), over blocks widened on the stack.
-fn half_max_exp_sum<T: Math<Compute = f32>>(x: &[T]) -> (f32, f32) {
+fn half_max_exp_sum<T: Widen<Compute = f32>>(x: &[T]) -> (f32, f32) {
     let mut m = f32::NEG_INFINITY;
     rows::widened(x, |_, w| {
         let block = rows::max(w);
@@ -187,7 +188,7 @@ fn half_max_exp_sum<T: Math<Compute = f32>>(x: &[T]) -> (f32, f32) {
 }
 
 /// One 16-bit row, computed in `f32` in blocks widened on the stack and rounded once per element.
-fn softmax_row_half<T: Math<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
+fn softmax_row_half<T: Widen<Compute = f32>>(x: &[T], out: &mut [T], log: bool) {
     let (m, sum) = half_max_exp_sum(x);
     if m == f32::NEG_INFINITY {
         out.fill(T::from_f64(f64::NAN));
@@ -251,7 +252,7 @@ fn logsumexp_row<C: Real>(x: &[C]) -> C {
 }
 
 /// `ln Σ e^x` of a 16-bit row, in `f32`.
-fn logsumexp_row_half<T: Math<Compute = f32>>(x: &[T]) -> f32 {
+fn logsumexp_row_half<T: Widen<Compute = f32>>(x: &[T]) -> f32 {
     let (m, sum) = half_max_exp_sum(x);
     if m == f32::NEG_INFINITY || m.is_nan() {
         return m;

@@ -7,6 +7,7 @@
 
 use std::ops::{Add, AddAssign, Div, Mul, MulAssign, Sub};
 
+use super::widen::Widen;
 use crate::backend::op::Math;
 use crate::dtype::{Element, Float};
 
@@ -131,12 +132,10 @@ pub(super) const WIDE: usize = 256;
 /// Calls `f` on consecutive blocks of the row widened to its compute type (at most [`WIDE`]
 /// elements each, on the stack), with each block's offset.
 #[inline]
-pub(super) fn widened<T: Math>(xs: &[T], mut f: impl FnMut(usize, &[T::Compute])) {
+pub(super) fn widened<T: Widen>(xs: &[T], mut f: impl FnMut(usize, &[T::Compute])) {
     let mut wide = [T::Compute::zero(); WIDE];
     for (k, chunk) in xs.chunks(WIDE).enumerate() {
-        for (w, &x) in wide.iter_mut().zip(chunk) {
-            *w = x.load();
-        }
+        T::widen(chunk, &mut wide[..chunk.len()]);
         f(k * WIDE, &wide[..chunk.len()]);
     }
 }
