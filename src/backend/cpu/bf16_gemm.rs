@@ -14,7 +14,9 @@
 //! one as rows along `k` (the layout a left tile is: a `Linear`'s weight as it is stored, anything
 //! else packed), 32 × 32 blocks per call. Rows and columns past the matrix are zero padding, as is
 //! the second half of an odd `k`'s last pair. Like the instructions, subnormal inputs and results
-//! count as zero.
+//! count as zero. On Intel's CPUs without tiles, where `vdpbf16ps` has half the FMAs' rate, the
+//! micro-kernel multiplies the same panels with `f32` FMAs instead ([`micro_kernel_fma`], which
+//! keeps subnormals).
 
 use std::marker::PhantomData;
 
@@ -31,8 +33,9 @@ const NR: usize = 32;
 const NC: usize = 256;
 
 /// The environment variable that caps the bf16 products' kernel below the CPU's best: `amx`,
-/// `avx512-bf16` (the dot products without tiles) or `portable` (`f32` products of widened
-/// copies), to compare the paths on one machine. A kernel the CPU lacks is never chosen; an
+/// `avx512-bf16` (the dot products without tiles), `avx512-fma` (the vector schedule's `f32`
+/// multiply-adds, Intel's choice without tiles) or `portable` (`f32` products of widened copies),
+/// to compare the paths on one machine. A kernel the CPU lacks is never chosen; an
 /// unknown value is reported once on standard error and ignored.
 pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_BF16_KERNEL";
 
@@ -43,6 +46,12 @@ pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_BF16_KERNEL";
 pub(super) struct Bf16Dot {
     /// AMX, for the products of more than [`FEW_TOKENS`] rows.
     tiles: Option<Amx>,
+    /// Without tiles, whether the micro-kernel multiplies with `f32`'s fused multiply-adds on
+    /// pairs widened in registers ([`micro_kernel_fma`]) rather than with `vdpbf16ps`: on Intel's
+    /// cores `vdpbf16ps` retires one every two cycles, half the multiply-adds per cycle of the two
+    /// FMA units (measured on one Emerald Rapids core: 84 GFLOP/s against 169). Decoding's few rows
+    /// ([`few_tokens`]), bound by the weight's reads, keep `vdpbf16ps` everywhere.
+    fma: bool,
 }
 
 impl Bf16Dot {
@@ -58,12 +67,19 @@ impl Bf16Dot {
                 .map(str::trim)
             {
                 None | Some("" | "amx") => best,
-                Some("avx512-bf16") => best.map(|_| Bf16Dot { tiles: None }),
+                Some("avx512-bf16") => best.map(|_| Bf16Dot {
+                    tiles: None,
+                    fma: false,
+                }),
+                Some("avx512-fma") => best.map(|_| Bf16Dot {
+                    tiles: None,
+                    fma: true,
+                }),
                 Some("portable") => None,
                 Some(other) => {
                     eprintln!(
                         "ndscope: {KERNEL_VARIABLE}={other:?} is not a bf16 kernel (amx, \
-                         avx512-bf16, portable); using the CPU's best"
+                         avx512-bf16, avx512-fma, portable); using the CPU's best"
                     );
                     best
                 }
@@ -80,8 +96,13 @@ impl Bf16Dot {
     fn best() -> Option<Bf16Dot> {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
+            // CPUID leaf 0's vendor string, "GenuineIntel", in EBX, EDX, ECX.
+            let vendor = std::arch::x86_64::__cpuid(0);
+            let intel =
+                (vendor.ebx, vendor.edx, vendor.ecx) == (0x756e_6547, 0x4965_6e69, 0x6c65_746e);
             return Some(Bf16Dot {
                 tiles: Amx::detect(),
+                fma: intel,
             });
         }
         None
@@ -93,7 +114,22 @@ impl Bf16Dot {
         let Some(best) = Bf16Dot::best() else {
             return Vec::new();
         };
-        let mut paths = vec![("avx512-bf16", Bf16Dot { tiles: None })];
+        let mut paths = vec![
+            (
+                "avx512-bf16",
+                Bf16Dot {
+                    tiles: None,
+                    fma: false,
+                },
+            ),
+            (
+                "avx512-fma",
+                Bf16Dot {
+                    tiles: None,
+                    fma: true,
+                },
+            ),
+        ];
         if best.tiles.is_some() {
             paths.push(("amx", best));
         }
@@ -182,11 +218,15 @@ pub(super) fn matmul(
             pack_panel(b.data, (b.cols, b.rows), c0..c0 + panel_cols, k, NR, packed);
         }
         let mut tile = [[0.0f32; NR]; MR];
+        let mut wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
         for panel in 0..panels {
             let lp = &left[panel * pairs * MR..(panel + 1) * pairs * MR];
+            if dot.fma {
+                widen_left(lp, pairs, &mut wide);
+            }
             for cp in 0..col_panels {
                 let rp = &right[cp * pairs * NR..(cp + 1) * pairs * NR];
-                micro_kernel(dot, lp, rp, pairs, &mut tile);
+                micro_kernel(dot, lp, &wide, rp, pairs, &mut tile);
                 let (i0, c0) = (panel * MR, j0 + cp * NR);
                 let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
                 for (r, values) in tile.iter().enumerate().take(rows) {
@@ -512,6 +552,7 @@ fn weight_stationary(
         .for_each(|task| {
             let mut tile = [[0.0f32; NR]; MR];
             let mut left = vec![0u32; pairs * MR];
+            let mut wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
             let end = n.min((task + 1) * ROWS_PER_TASK);
             for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
                 let rows = MR.min(n - j0);
@@ -520,9 +561,12 @@ fn weight_stationary(
                     left.fill(0);
                 }
                 pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, &mut left);
+                if dot.fma {
+                    widen_left(&left, pairs, &mut wide);
+                }
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
-                    micro_kernel(dot, &left, rp, pairs, &mut tile);
+                    micro_kernel(dot, &left, &wide, rp, pairs, &mut tile);
                     out_rows.store_transposed(&tile, rows, NR.min(m - tp * NR), tp * NR, j0);
                 }
             }
@@ -744,20 +788,28 @@ impl<'a> OutRows<'a> {
 
 /// `tile = left_panel · right_panel` over `pairs` k-pairs (`left` `[pair][row]`, `right`
 /// `[pair][column]`, each element a `u32` of two `bf16`).
+///
+/// On the FMA path `wide` is the left panel widened once by the caller ([`widen_left`]); the
+/// other path ignores it.
 fn micro_kernel(
     dot: Bf16Dot,
     left: &[u32],
+    wide: &[f32],
     right: &[u32],
     pairs: usize,
     tile: &mut [[f32; NR]; MR],
 ) {
     assert!(left.len() >= pairs * MR && right.len() >= pairs * NR);
-    let _ = dot;
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU; the
-    // assertion is the kernel's contract.
-    unsafe {
-        micro_kernel_avx512(left, right, pairs, tile)
+    if dot.fma {
+        assert!(wide.len() >= 2 * pairs * MR);
+        // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F on this CPU; the assertions
+        // are the kernel's contract.
+        unsafe { micro_kernel_fma(wide, right, pairs, tile) }
+    } else {
+        // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU;
+        // the assertion is the kernel's contract.
+        unsafe { micro_kernel_avx512(left, right, pairs, tile) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
@@ -802,6 +854,78 @@ unsafe fn micro_kernel_avx512(
             };
             acc[0] = _mm512_dpbf16_ps(acc[0], a, b0);
             acc[1] = _mm512_dpbf16_ps(acc[1], a, b1);
+        }
+    }
+    for (row, acc) in tile.iter_mut().zip(&acc) {
+        // SAFETY: each row of the tile holds NR = 32 floats: two 16-float stores.
+        unsafe {
+            _mm512_storeu_ps(row.as_mut_ptr(), acc[0]);
+            _mm512_storeu_ps(row.as_mut_ptr().add(16), acc[1]);
+        }
+    }
+}
+
+/// The left panel `[pair][row]` as `f32`, `[k][row]`: element `2p · MR + r` the low half of pair
+/// `(p, r)`, `(2p + 1) · MR + r` its high half (exact: a `bf16` is its `f32`'s high half). Sized
+/// `2 · pairs · MR`; done once per panel, so that [`micro_kernel_fma`] broadcasts straight from it.
+fn widen_left(left: &[u32], pairs: usize, wide: &mut [f32]) {
+    for (pair, out) in left[..pairs * MR]
+        .chunks_exact(MR)
+        .zip(wide.chunks_exact_mut(2 * MR))
+    {
+        let (lo, hi) = out.split_at_mut(MR);
+        for ((l, h), &p) in lo.iter_mut().zip(hi).zip(pair) {
+            *l = f32::from_bits(p << 16);
+            *h = f32::from_bits(p & 0xffff_0000);
+        }
+    }
+}
+
+/// [`micro_kernel_avx512`]'s product with `f32` multiply-adds: each right pair widened in
+/// registers (a shift for the low half, a mask for the high one), the left halves broadcast from
+/// the widened panel; two multiply-adds per pair and accumulator where `vdpbf16ps` has one, each
+/// product exact and each sum rounded once, subnormals kept.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `wide` holds `2 · pairs · MR` elements and `right` `pairs · NR`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn micro_kernel_fma(wide: &[f32], right: &[u32], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+    use std::arch::x86_64::{
+        _mm512_and_si512, _mm512_castsi512_ps, _mm512_fmadd_ps, _mm512_loadu_si512,
+        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
+    };
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let (wide, right) = (wide.as_ptr(), right.as_ptr());
+    for p in 0..pairs {
+        // SAFETY: the caller's contract: `right` holds `pairs · NR` pairs, so the two 64-byte
+        // loads of 16 pairs at `p · NR` and `p · NR + 16` stay inside; `loadu` needs no alignment.
+        let (b0, b1) = unsafe {
+            let at = right.add(p * NR);
+            (
+                _mm512_loadu_si512(at.cast()),
+                _mm512_loadu_si512(at.add(16).cast()),
+            )
+        };
+        let (b0_lo, b0_hi) = (
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b0)),
+            _mm512_castsi512_ps(_mm512_and_si512(b0, high)),
+        );
+        let (b1_lo, b1_hi) = (
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(b1)),
+            _mm512_castsi512_ps(_mm512_and_si512(b1, high)),
+        );
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: `wide` holds `2 · pairs · MR` elements and `r < MR` (the caller's contract).
+            let (a_lo, a_hi) = unsafe {
+                (
+                    _mm512_set1_ps(*wide.add(2 * p * MR + r)),
+                    _mm512_set1_ps(*wide.add((2 * p + 1) * MR + r)),
+                )
+            };
+            acc[0] = _mm512_fmadd_ps(a_hi, b0_hi, _mm512_fmadd_ps(a_lo, b0_lo, acc[0]));
+            acc[1] = _mm512_fmadd_ps(a_hi, b1_hi, _mm512_fmadd_ps(a_lo, b1_lo, acc[1]));
         }
     }
     for (row, acc) in tile.iter_mut().zip(&acc) {

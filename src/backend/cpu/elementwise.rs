@@ -3,7 +3,8 @@
 //!
 //! Maps run in the element type's compute type ([`Math::Compute`]): a 16-bit element is widened to
 //! `f32` when loaded and rounded once when stored; for the other types loading and storing are the
-//! identity, so their loops are unchanged.
+//! identity, so their loops are unchanged. Casts between `f32` and the 16-bit types of contiguous
+//! tensors convert whole runs ([`super::widen`], [`super::narrow`]).
 //!
 //! The out-of-place maps' row loops run in a twin compiled for AVX-512 where the CPU has it
 //! (detected at run time, [`unary_rows`], [`binary_rows`]): the loops are generic over the op's
@@ -18,6 +19,8 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::narrow::Narrow;
+use super::widen::Widen;
 use super::{CHUNK, PARALLEL_MIN, fill_segments};
 use crate::backend::op::{Binary, MapFn, Math, Unary, ZipFn};
 use crate::backend::{Dst, Src, bytes_of};
@@ -355,6 +358,20 @@ fn copy_with<S: Element, D: Element>(x: Src, out: Dst, f: impl Fn(S) -> D + Sync
     });
 }
 
+/// `out = x` converted by `convert`, a run of contiguous elements at a time (in parallel when
+/// large); both layouts contiguous.
+fn convert_runs<S: Element, D: Element>(x: Src, out: Dst, convert: fn(&[S], &mut [D])) {
+    let out = out.contiguous_host::<D>();
+    let from = &x.buf.host::<S>()[x.layout.offset()..x.layout.offset() + out.len()];
+    if out.len() < PARALLEL_MIN {
+        convert(from, out);
+        return;
+    }
+    out.par_chunks_mut(CHUNK)
+        .zip(from.par_chunks(CHUNK))
+        .for_each(|(o, x)| convert(x, o));
+}
+
 pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
     if from == to {
         // A plain copy: never through `f64`, which would round large integers.
@@ -363,7 +380,14 @@ pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
     }
     // Between f32 and the 16-bit types, convert directly (rounding f32 through f64 to 16 bits is the
     // same single rounding, but the f64 path neither vectorises nor runs branch-free).
+    // Contiguous runs (autocast's weights, a cache's keys) convert a chunk at once, in vector
+    // registers: the same bits as the element-wise closures.
+    let runs = x.layout.is_contiguous() && out.layout.is_contiguous();
     match (from, to) {
+        (DType::F32, DType::BF16) if runs => convert_runs::<f32, bf16>(x, out, bf16::narrow),
+        (DType::BF16, DType::F32) if runs => convert_runs::<bf16, f32>(x, out, bf16::widen),
+        (DType::F32, DType::F16) if runs => convert_runs::<f32, f16>(x, out, f16::narrow),
+        (DType::F16, DType::F32) if runs => convert_runs::<f16, f32>(x, out, f16::widen),
         (DType::F32, DType::BF16) => copy_with::<f32, bf16>(x, out, bf16_of_f32),
         (DType::BF16, DType::F32) => copy_with::<bf16, f32>(x, out, bf16::to_f32),
         (DType::F32, DType::F16) => copy_with::<f32, f16>(x, out, f16::from_f32),

@@ -2,17 +2,20 @@
 //! no copy) and runs its own cache-blocked, SIMD kernels.
 //!
 //! 16-bit products accumulate in `f32`: `f16` through `gemm`'s own `f16` kernels (which widen to
-//! `f32` while packing), `bf16` by widening both operands to `f32` scratch (exact), multiplying in
-//! `f32` and rounding each output element once. The scratch is host memory of the backend's own, as
+//! `f32` while packing), `bf16` in [`bf16_gemm`] where the CPU has AVX-512 BF16, otherwise by
+//! widening both operands to `f32` scratch (exact), multiplying in `f32` and rounding each output
+//! element once. The scratch is host memory of the backend's own, as
 //! `gemm`'s packing buffers are; it never holds a tensor.
 
 use gemm::Parallelism;
 
+use super::narrow::Narrow;
+use super::widen::Widen;
 use super::{bf16_gemm, few_rows, few_rows_in_out};
 use rayon::prelude::*;
 
 use crate::backend::{Dst, Src};
-use crate::dtype::{DType, Element, bf16, bf16_of_f32};
+use crate::dtype::{DType, Element, bf16};
 use crate::layout::{Layout, RowWalk, Shape, contiguous_strides};
 
 /// Products with fewer multiply-adds than this run on one thread.
@@ -83,7 +86,7 @@ pub(super) fn matmul(
                 matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
                 out.par_chunks_mut(CONVERT_CHUNK)
                     .zip(wide.par_chunks(CONVERT_CHUNK))
-                    .for_each(|(o, w)| o.iter_mut().zip(w).for_each(|(o, &w)| *o = bf16_of_f32(w)));
+                    .for_each(|(o, w)| bf16::narrow(w, o));
             }
         },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
@@ -152,7 +155,7 @@ fn widen(x: Src<'_>) -> (Vec<f32>, Layout) {
         let from = &data[layout.offset()..layout.offset() + wide.len()];
         wide.par_chunks_mut(CONVERT_CHUNK)
             .zip(from.par_chunks(CONVERT_CHUNK))
-            .for_each(|(w, h)| w.iter_mut().zip(h).for_each(|(w, h)| *w = h.to_f32()));
+            .for_each(|(w, h)| bf16::widen(h, w));
         return (wide, Layout::contiguous(layout.shape()));
     }
     let walk = RowWalk::new(layout.shape(), [layout.strides()], [layout.offset()]);

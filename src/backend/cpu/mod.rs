@@ -14,6 +14,7 @@ mod few_rows_in_out;
 mod fused;
 mod index;
 mod matmul;
+mod narrow;
 mod paged;
 #[cfg(target_arch = "x86_64")]
 mod quant_gemm;
