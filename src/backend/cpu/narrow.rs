@@ -10,6 +10,7 @@
 //! 16 at a time, F16C on 8), which is what `f16::from_f32` computes; a NaN stays a quiet NaN with
 //! its payload's high bits, as there.
 
+use super::widen::Versions;
 use crate::dtype::{bf16, f16};
 use crate::fastmath::bf16_bits_of_f32;
 
@@ -22,35 +23,34 @@ pub(super) trait Narrow: Sized {
 impl Narrow for bf16 {
     #[inline]
     fn narrow(xs: &[f32], into: &mut [bf16]) {
-        assert_eq!(xs.len(), into.len(), "narrow: runs of one length");
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: the CPU has AVX-512 F and BW, the version's features.
-            unsafe { bf16_avx512(xs, into) };
-            return;
+        Versions {
+            #[cfg(target_arch = "x86_64")]
+            avx512: Some(bf16_avx512),
+            #[cfg(not(target_arch = "x86_64"))]
+            avx512: None,
+            // The portable loop is already vectorised for the baseline.
+            f16c: None,
+            portable: bf16_portable,
         }
-        bf16_portable(xs, into);
+        .run(xs, into);
     }
 }
 
 impl Narrow for f16 {
     #[inline]
     fn narrow(xs: &[f32], into: &mut [f16]) {
-        assert_eq!(xs.len(), into.len(), "narrow: runs of one length");
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512 F, the version's feature; the lengths agree.
-                unsafe { f16_avx512(xs, into) };
-                return;
-            }
-            if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-                // SAFETY: the CPU has F16C and AVX, the version's features; the lengths agree.
-                unsafe { f16_f16c(xs, into) };
-                return;
-            }
+        Versions {
+            #[cfg(target_arch = "x86_64")]
+            avx512: Some(f16_avx512),
+            #[cfg(target_arch = "x86_64")]
+            f16c: Some(f16_f16c),
+            #[cfg(not(target_arch = "x86_64"))]
+            avx512: None,
+            #[cfg(not(target_arch = "x86_64"))]
+            f16c: None,
+            portable: f16_portable,
         }
-        f16_portable(xs, into);
+        .run(xs, into);
     }
 }
 
@@ -88,9 +88,9 @@ const NEAREST: i32 =
 /// store.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F; `into.len() == xs.len()`.
+/// The CPU must have AVX-512 F, BW and VL (the masked tail); `into.len() == xs.len()`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn f16_avx512(xs: &[f32], into: &mut [f16]) {
     use std::arch::x86_64::{
         _mm256_storeu_si256, _mm512_cvtps_ph, _mm512_loadu_ps, _mm512_mask_cvtps_ph,
@@ -148,6 +148,7 @@ unsafe fn f16_f16c(xs: &[f32], into: &mut [f16]) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::widen::HalfUnit;
     use super::*;
 
     /// `f32` patterns that reach every rounding case of both types: every upper half (sign,
@@ -227,9 +228,10 @@ mod tests {
             vec![("dispatched", f16::narrow), ("portable", f16_portable)];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f") {
+            if HalfUnit::detect() == HalfUnit::Avx512 {
                 versions.push(("avx512", |xs, into| {
-                    // SAFETY: the CPU has AVX-512 F (checked above); callers pass one length.
+                    // SAFETY: the CPU has AVX-512 F, BW and VL (checked above); callers pass one
+                    // length.
                     unsafe { f16_avx512(xs, into) }
                 }));
             }

@@ -45,25 +45,85 @@ impl Widen for bf16 {
     }
 }
 
+/// The vector unit that converts runs between `f32` and the 16-bit types here and in
+/// [`super::narrow`], the best this CPU has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum HalfUnit {
+    /// AVX-512 F, BW and VL: 16 lanes, masked tails.
+    Avx512,
+    /// F16C and AVX: 8 lanes (`f16` only).
+    F16c,
+    /// Neither: element by element.
+    Portable,
+}
+
+impl HalfUnit {
+    /// The best unit this CPU has.
+    #[inline]
+    pub(super) fn detect() -> HalfUnit {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                return HalfUnit::Avx512;
+            }
+            if has!("f16c") && has!("avx") {
+                return HalfUnit::F16c;
+            }
+        }
+        HalfUnit::Portable
+    }
+}
+
+/// A vector version of a run conversion: `unsafe` for its target features.
+pub(super) type VectorRun<A, B> = unsafe fn(&[A], &mut [B]);
+
+/// A run conversion in its versions, one per [`HalfUnit`]; [`Versions::run`] calls the best this
+/// CPU has.
+pub(super) struct Versions<A, B> {
+    /// Needs at most AVX-512 F, BW and VL, and runs of one length (`None` off x86-64).
+    pub(super) avx512: Option<VectorRun<A, B>>,
+    /// Needs at most F16C and AVX, and runs of one length; `None` off x86-64 or where the
+    /// portable version is as good.
+    pub(super) f16c: Option<VectorRun<A, B>>,
+    /// Any CPU.
+    pub(super) portable: fn(&[A], &mut [B]),
+}
+
+impl<A, B> Versions<A, B> {
+    /// `versions(xs, into)` on this CPU's best unit.
+    ///
+    /// # Panics
+    /// When the runs' lengths differ.
+    #[inline]
+    pub(super) fn run(&self, xs: &[A], into: &mut [B]) {
+        assert_eq!(xs.len(), into.len(), "conversion: runs of one length");
+        match (HalfUnit::detect(), self.avx512, self.f16c) {
+            // SAFETY: the CPU has AVX-512 F, BW and VL, all the version may need (its field's
+            // contract); the lengths agree (asserted).
+            (HalfUnit::Avx512, Some(avx512), _) => unsafe { avx512(xs, into) },
+            // SAFETY: the CPU has F16C and AVX, all the version may need; the lengths agree.
+            (HalfUnit::F16c, _, Some(f16c)) => unsafe { f16c(xs, into) },
+            _ => (self.portable)(xs, into),
+        }
+    }
+}
+
 impl Widen for f16 {
     #[inline]
     fn widen(xs: &[f16], into: &mut [f32]) {
-        assert_eq!(xs.len(), into.len(), "widen: runs of one length");
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
-            {
-                // SAFETY: the CPU has AVX-512 F and BW, the version's features; the lengths agree.
-                unsafe { f16_avx512(xs, into) };
-                return;
-            }
-            if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
-                // SAFETY: the CPU has F16C and AVX, the version's features; the lengths agree.
-                unsafe { f16_f16c(xs, into) };
-                return;
-            }
+        Versions {
+            #[cfg(target_arch = "x86_64")]
+            avx512: Some(f16_avx512),
+            #[cfg(target_arch = "x86_64")]
+            f16c: Some(f16_f16c),
+            #[cfg(not(target_arch = "x86_64"))]
+            avx512: None,
+            #[cfg(not(target_arch = "x86_64"))]
+            f16c: None,
+            portable: f16_portable,
         }
-        f16_portable(xs, into);
+        .run(xs, into);
     }
 }
 
@@ -77,9 +137,9 @@ fn f16_portable(xs: &[f16], into: &mut [f32]) {
 /// [`Widen::widen`] of `f16`, 16 elements a `vcvtph2ps`, the tail through a masked load and store.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F and BW; `into.len() == xs.len()`.
+/// The CPU must have AVX-512 F, BW and VL (the masked tail); `into.len() == xs.len()`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn f16_avx512(xs: &[f16], into: &mut [f32]) {
     use std::arch::x86_64::{
         _mm256_loadu_si256, _mm256_maskz_loadu_epi16, _mm512_cvtph_ps, _mm512_mask_storeu_ps,
@@ -141,10 +201,10 @@ mod tests {
             vec![("portable", f16_portable), ("dispatched", f16::widen)];
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
-            {
+            if HalfUnit::detect() == HalfUnit::Avx512 {
                 versions.push(("avx512", |xs, into| {
-                    // SAFETY: the CPU has AVX-512 F and BW (checked above); callers pass one length.
+                    // SAFETY: the CPU has AVX-512 F, BW and VL (checked above); callers pass one
+                    // length.
                     unsafe { f16_avx512(xs, into) }
                 }));
             }
