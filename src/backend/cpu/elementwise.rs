@@ -21,7 +21,7 @@ use rayon::prelude::*;
 
 use super::narrow::Narrow;
 use super::widen::Widen;
-use super::{CHUNK, PARALLEL_MIN, fill_segments};
+use super::{CHUNK, PARALLEL_MIN, convert_chunks, fill_segments};
 use crate::backend::op::{Binary, MapFn, Math, Unary, ZipFn};
 use crate::backend::{Dst, Src, bytes_of};
 use crate::dtype::{DType, Element, bf16, bf16_of_f32, f16, with_dtype};
@@ -363,13 +363,7 @@ fn copy_with<S: Element, D: Element>(x: Src, out: Dst, f: impl Fn(S) -> D + Sync
 fn convert_runs<S: Element, D: Element>(x: Src, out: Dst, convert: fn(&[S], &mut [D])) {
     let out = out.contiguous_host::<D>();
     let from = &x.buf.host::<S>()[x.layout.offset()..x.layout.offset() + out.len()];
-    if out.len() < PARALLEL_MIN {
-        convert(from, out);
-        return;
-    }
-    out.par_chunks_mut(CHUNK)
-        .zip(from.par_chunks(CHUNK))
-        .for_each(|(o, x)| convert(x, o));
+    convert_chunks(from, out, convert);
 }
 
 pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {

@@ -11,8 +11,7 @@ use gemm::Parallelism;
 
 use super::narrow::Narrow;
 use super::widen::Widen;
-use super::{bf16_gemm, few_rows, few_rows_in_out};
-use rayon::prelude::*;
+use super::{bf16_gemm, convert_chunks, few_rows, few_rows_in_out};
 
 use crate::backend::{Dst, Src};
 use crate::dtype::{DType, Element, bf16};
@@ -84,9 +83,7 @@ pub(super) fn matmul(
                 let out = out.contiguous_host::<bf16>();
                 let mut wide = vec![0.0f32; out.len()];
                 matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
-                out.par_chunks_mut(CONVERT_CHUNK)
-                    .zip(wide.par_chunks(CONVERT_CHUNK))
-                    .for_each(|(o, w)| bf16::narrow(w, o));
+                convert_chunks(&wide, out, bf16::narrow);
             }
         },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
@@ -144,18 +141,13 @@ fn direct<T: Element>(a: Src, b: Src, batch: &[usize], mkn: (usize, usize, usize
     );
 }
 
-/// Elements converted per rayon task when widening or rounding a `bf16` product's operands.
-const CONVERT_CHUNK: usize = 1 << 15;
-
 /// The elements `x` views, widened from `bf16` to `f32` in row-major order, and their layout.
 fn widen(x: Src<'_>) -> (Vec<f32>, Layout) {
     let (layout, data) = (x.layout, x.buf.host::<bf16>());
     let mut wide = vec![0.0f32; layout.numel()];
     if layout.is_contiguous() {
         let from = &data[layout.offset()..layout.offset() + wide.len()];
-        wide.par_chunks_mut(CONVERT_CHUNK)
-            .zip(from.par_chunks(CONVERT_CHUNK))
-            .for_each(|(w, h)| bf16::widen(h, w));
+        convert_chunks(from, &mut wide, bf16::widen);
         return (wide, Layout::contiguous(layout.shape()));
     }
     let walk = RowWalk::new(layout.shape(), [layout.strides()], [layout.offset()]);

@@ -53,6 +53,18 @@ pub(crate) const PARALLEL_MIN: usize = 1 << 16;
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
+/// `convert(from, to)` a chunk of the two runs at a time: in parallel when long, on the calling
+/// thread when short (the casts between `f32` and the 16-bit types, [`widen`], [`narrow`]).
+fn convert_chunks<S: Sync, D: Send>(from: &[S], to: &mut [D], convert: fn(&[S], &mut [D])) {
+    if to.len() < PARALLEL_MIN {
+        convert(from, to);
+        return;
+    }
+    to.par_chunks_mut(CHUNK)
+        .zip(from.par_chunks(CHUNK))
+        .for_each(|(t, f)| convert(f, t));
+}
+
 /// Asks for the cache lines of the `len` bytes from `start`, for a kernel that will read them soon
 /// (the kernels that stream weights or caches faster than the hardware prefetcher follows). A
 /// prefetch reads nothing the program sees and never faults, so `start..start + len` may reach past
