@@ -52,6 +52,7 @@ pub(crate) struct BufMut<'a> {
 pub(crate) trait Plain: Copy {}
 impl<T: Element> Plain for T {}
 impl Plain for u8 {}
+impl Plain for u32 {}
 
 /// Panics on a host view of device memory: reading a GPU address on the host would be undefined
 /// behaviour, and every op sends GPU blocks to the CUDA backend, so this only fires on a bug.
@@ -135,6 +136,33 @@ impl<'a> BufMut<'a> {
         self.host::<u8>()
     }
 
+    /// The host block as two arrays: `first` elements of `A`, then, from the next multiple of 64
+    /// bytes ([`split_bytes`]), as many `B` as fit (a kernel's scratch of two element types).
+    ///
+    /// # Panics
+    /// When the block is shorter than the `first` elements of `A`.
+    pub(crate) fn host_split<A: Plain, B: Plain>(self, first: usize) -> (&'a mut [A], &'a mut [B]) {
+        assert_host(self.device);
+        let start = split_bytes::<A>(first);
+        assert!(
+            start <= self.bytes,
+            "ndscope bug: a scratch block shorter than its first part"
+        );
+        let rest = (self.bytes - start) / size_of::<B>();
+        // SAFETY: by the constructor's contract the block's bytes are initialised, aligned to 64
+        // and this is their only view for 'a. The two parts are disjoint (`first` elements of `A`
+        // end at or before `start`, and `rest` elements of `B` from `start` end inside the block);
+        // `start` is a multiple of 64, so both parts are aligned for every `Plain` type, and every
+        // bit pattern is a valid `A` and `B`.
+        unsafe {
+            let base = self.ptr.as_ptr();
+            (
+                std::slice::from_raw_parts_mut(base.cast::<A>(), first),
+                std::slice::from_raw_parts_mut(base.add(start).cast::<B>(), rest),
+            )
+        }
+    }
+
     /// The same bytes for a shorter borrow, leaving this view usable afterwards.
     #[inline]
     pub(crate) fn reborrow(&mut self) -> BufMut<'_> {
@@ -151,6 +179,12 @@ impl<'a> BufMut<'a> {
     pub(crate) fn address(&self) -> u64 {
         self.ptr.as_ptr() as u64
     }
+}
+
+/// Where [`BufMut::host_split`]'s second part starts after `first` elements of `A`: their bytes
+/// rounded up to 64.
+pub(crate) fn split_bytes<A>(first: usize) -> usize {
+    (first * size_of::<A>()).next_multiple_of(64)
 }
 
 /// An operand: a block and the layout through which a kernel reads it.
@@ -441,10 +475,28 @@ pub(crate) trait Backend: Sync {
     /// the full batch.
     fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool;
 
+    /// Bytes of memory [`matmul`](Self::matmul) needs beside its operands for `a b` (`(m, k, n)`,
+    /// the operands laid out as they will be passed): the host's packed operands of a bf16 product
+    /// on AMX tiles; none for every other product. The op allocates them as a temporary of the
+    /// scope, so that the packing reuses pool memory from step to step (counted in the scope's
+    /// stats) instead of taking fresh pages from the kernel on every call.
+    fn matmul_scratch_bytes(
+        &self,
+        dtype: DType,
+        a: &Layout,
+        b: &Layout,
+        mkn: (usize, usize, usize),
+    ) -> usize {
+        let _ = (dtype, a, b, mkn);
+        0
+    }
+
     /// `out[b] = a[b] @ b[b]` for every index `b` of `batch` (operands of rank ≥ 2 whose batch
     /// dimensions broadcast to it), `m×k @ k×n`, into the contiguous `out` (float dtypes; 16-bit
     /// products accumulate in `f32`). With `tf32`, an `f32` product may read its operands as TF32
     /// (10-bit significands) on tensor cores; a backend without them computes in full `f32`.
+    /// `scratch` is a block of at least [`matmul_scratch_bytes`](Self::matmul_scratch_bytes),
+    /// when that is not 0 (its contents do not matter).
     #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
@@ -455,6 +507,7 @@ pub(crate) trait Backend: Sync {
         mkn: (usize, usize, usize),
         out: Dst,
         tf32: bool,
+        scratch: Option<Dst>,
     ) -> Result<()>;
 
     /// Whether this backend's quantized products read matrices of `ty` in strips of 16 interleaved

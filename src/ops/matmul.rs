@@ -2,6 +2,7 @@
 
 use std::panic::Location;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Shape, broadcast_shapes};
 use crate::ops::{same_device, same_dtype};
@@ -88,6 +89,21 @@ impl<'s> Tensor<'s> {
         };
         let (a, b) = (packed(a)?, packed(b)?);
         let tf32 = out.allows_tf32();
+        // Memory the backend packs the operands into: a temporary of this scope, freed (to the
+        // pool) when the product returns, so a training step packs into the same blocks each time.
+        let scratch_bytes =
+            backend.matmul_scratch_bytes(self.dtype(), a.layout(), b.layout(), (m, k, n));
+        let mut scratch = if scratch_bytes > 0 {
+            let words = scratch_bytes.div_ceil(DType::F32.size());
+            Some(Tensor::output_of(
+                &[self, other],
+                DType::F32,
+                &[words],
+                Location::caller(),
+            )?)
+        } else {
+            None
+        };
         backend.matmul(
             self.dtype(),
             a.src(),
@@ -96,6 +112,7 @@ impl<'s> Tensor<'s> {
             (m, k, n),
             out.dst(),
             tf32,
+            scratch.as_mut().map(|s| s.dst()),
         )?;
         // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
         // right operand (at -1 whichever came before).

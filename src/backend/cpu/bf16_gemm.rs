@@ -23,7 +23,8 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 
 use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
-use crate::dtype::{bf16, bf16_of_f32};
+use super::narrow::Narrow;
+use crate::dtype::bf16;
 
 /// Rows per micro-kernel tile.
 const MR: usize = 8;
@@ -177,6 +178,7 @@ pub(super) fn matmul(
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
+    scratch: Option<TiledScratch<'_>>,
 ) {
     assert_eq!(
         out.len(),
@@ -190,7 +192,7 @@ pub(super) fn matmul(
         return few_tokens(dot, a, b, (m, k, n), out);
     }
     if let Some(amx) = dot.tiles {
-        return tiled(amx, a, b, (m, k, n), out);
+        return tiled(amx, a, b, (m, k, n), out, scratch);
     }
     if b.rows == 1 && k.is_multiple_of(2) {
         return weight_stationary(dot, a, b, (m, k, n), out);
@@ -237,6 +239,57 @@ pub(super) fn matmul(
     });
 }
 
+/// Memory [`tiled`] packs its operands into, from the caller: the left rows (`bf16`) and the right
+/// panels (`u32` pairs), each at least [`TiledScratch::lens`] long. Its contents on entry do not
+/// matter (every element the product reads is written first, padding included). A product without
+/// it allocates its own, which for a weight-sized operand is fresh pages from the kernel on every
+/// call: the bf16 GPT-2 step spent about a tenth of its time in page faults that way.
+pub(super) struct TiledScratch<'a> {
+    pub(super) left: &'a mut [bf16],
+    pub(super) right: &'a mut [u32],
+}
+
+impl TiledScratch<'_> {
+    /// The lengths `(left, right)` [`matmul`] packs into for `a b` (`(m, k, n)`), or `None` when it
+    /// packs nothing there: without tiles (the vector schedules pack per task) or for a few tokens.
+    pub(super) fn lens(
+        dot: Bf16Dot,
+        a: Matrix<'_>,
+        b: Matrix<'_>,
+        (m, k, n): (usize, usize, usize),
+    ) -> Option<(usize, usize)> {
+        if m == 0 || n == 0 || k == 0 || dot.tiles.is_none() {
+            return None;
+        }
+        if b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS {
+            return None;
+        }
+        let _ = a; // the left operand is packed whatever its strides
+        Some(tiled_lens(b, (m, k, n)))
+    }
+}
+
+/// [`TiledScratch::lens`] of a product that [`tiled`] computes.
+fn tiled_lens(b: Matrix<'_>, (m, k, n): (usize, usize, usize)) -> (usize, usize) {
+    let (depth, panel_len) = tiled_depth(k);
+    if b.rows == 1 && k == depth {
+        // The weight read in place as the left rows; the tokens packed as right panels.
+        (0, m.div_ceil(BLOCK) * panel_len)
+    } else {
+        (
+            LeftRows::packed_len(m, depth),
+            n.div_ceil(BLOCK) * panel_len,
+        )
+    }
+}
+
+/// `k` padded to whole steps of [`tiled`] (`depth`), and the `u32` length of one right panel of
+/// 32 columns over it.
+fn tiled_depth(k: usize) -> (usize, usize) {
+    let steps = k.div_ceil(2 * STEP_PAIRS);
+    (steps * 2 * STEP_PAIRS, steps * STEP_PAIRS * BLOCK)
+}
+
 /// Steps of `k` (32 each) per chunk of [`tiled`]: 32 rows of a chunk are 16 KiB, a third of L1.
 const CHUNK_STEPS: usize = 8;
 
@@ -260,20 +313,40 @@ fn tiled(
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
+    scratch: Option<TiledScratch<'_>>,
 ) {
-    let steps = k.div_ceil(2 * STEP_PAIRS);
-    let depth = steps * 2 * STEP_PAIRS;
+    let (depth, _) = tiled_depth(k);
     let out_rows = OutRows::new(out, n);
+    let (left_len, right_len) = tiled_lens(b, (m, k, n));
+    let mut own: (Vec<bf16>, Vec<u32>);
+    let scratch = match scratch {
+        Some(s) if s.left.len() >= left_len && s.right.len() >= right_len => s,
+        _ => {
+            own = (vec![bf16::ZERO; left_len], vec![0u32; right_len]);
+            TiledScratch {
+                left: &mut own.0,
+                right: &mut own.1,
+            }
+        }
+    };
+    let right = &mut scratch.right[..right_len];
     if b.rows == 1 && k == depth {
         // Rows of the product: the weight's n rows; columns: the m tokens.
         let left = LeftRows::in_place(b.data, b.cols, n, depth);
-        tiled_blocks(amx, &left, a.transposed(), (n, k, m), |r0, c0, sums| {
-            let (rows, width) = (BLOCK.min(n - r0), BLOCK.min(m - c0));
-            out_rows.store_transposed(sums, rows, width, c0, r0);
-        });
+        tiled_blocks(
+            amx,
+            &left,
+            a.transposed(),
+            (n, k, m),
+            right,
+            |r0, c0, sums| {
+                let (rows, width) = (BLOCK.min(n - r0), BLOCK.min(m - c0));
+                out_rows.store_transposed(sums, rows, width, c0, r0);
+            },
+        );
     } else {
-        let left = LeftRows::packed(a, m, k, depth);
-        tiled_blocks(amx, &left, b, (m, k, n), |r0, c0, sums| {
+        let left = LeftRows::packed(a, m, k, depth, &mut scratch.left[..left_len]);
+        tiled_blocks(amx, &left, b, (m, k, n), right, |r0, c0, sums| {
             let (rows, width) = (BLOCK.min(m - r0), BLOCK.min(n - c0));
             for (r, row) in sums.iter().enumerate().take(rows) {
                 out_rows.store(r0 + r, c0, &row[..width]);
@@ -289,26 +362,36 @@ fn tiled_blocks(
     left: &LeftRows<'_>,
     right: Matrix<'_>,
     (rows, k, cols): (usize, usize, usize),
+    packed: &mut [u32],
     store: impl Fn(usize, usize, &[[f32; BLOCK]; BLOCK]) + Sync,
 ) {
     let pairs = k.div_ceil(2);
-    let steps = pairs.div_ceil(STEP_PAIRS);
-    let panel_len = steps * STEP_PAIRS * BLOCK;
+    let (_, panel_len) = tiled_depth(k);
+    let steps = panel_len / (STEP_PAIRS * BLOCK);
     let col_panels = cols.div_ceil(BLOCK);
-    // Right panels: [panel][pair][column], the pairs past `k` zero.
-    let mut packed = vec![0u32; col_panels * panel_len];
+    // Right panels: [panel][pair][column], the pairs past `k` and the columns past `cols` zero.
+    assert_eq!(
+        packed.len(),
+        col_panels * panel_len,
+        "bf16 tiles: right panels' length"
+    );
     packed
         .par_chunks_mut(panel_len)
         .enumerate()
         .for_each(|(cp, panel)| {
             let (c0, width) = (cp * BLOCK, BLOCK.min(cols - cp * BLOCK));
+            let (lines, padding) = panel.split_at_mut(pairs * BLOCK);
+            padding.fill(0);
+            if width < BLOCK {
+                lines.fill(0);
+            }
             pack_panel(
                 right.data,
                 (right.cols, right.rows),
                 c0..c0 + width,
                 k,
                 BLOCK,
-                &mut panel[..pairs * BLOCK],
+                lines,
             );
         });
     let (row_blocks, groups) = (rows.div_ceil(BLOCK), col_panels.div_ceil(TILE_TASK_PANELS));
@@ -355,7 +438,7 @@ fn tiled_blocks(
 /// 32 rows; `tail` holds the last block's 32 rows, padded, one after another (empty when the rows
 /// fill their blocks).
 struct LeftRows<'a> {
-    data: std::borrow::Cow<'a, [bf16]>,
+    data: &'a [bf16],
     stride: usize,
     whole_blocks: usize,
     tail: Vec<bf16>,
@@ -374,7 +457,7 @@ impl<'a> LeftRows<'a> {
             }
         }
         LeftRows {
-            data: std::borrow::Cow::Borrowed(data),
+            data,
             stride,
             whole_blocks,
             tail,
@@ -384,21 +467,41 @@ impl<'a> LeftRows<'a> {
     /// The `m` rows of `a` (`k` long), packed with zero padding in whole blocks, rows `depth` and
     /// one cache line apart: at a stride of a power of two's cache lines, a tile's 16 rows fell
     /// into two of L1's 64 sets and evicted each other (a 1,024-deep block ran 13 % slower).
-    fn packed(a: Matrix<'_>, m: usize, k: usize, depth: usize) -> LeftRows<'a> {
+    fn packed(
+        a: Matrix<'_>,
+        m: usize,
+        k: usize,
+        depth: usize,
+        data: &'a mut [bf16],
+    ) -> LeftRows<'a> {
         let (blocks, stride) = (m.div_ceil(BLOCK), depth + 2 * STEP_PAIRS);
-        let mut data = vec![bf16::ZERO; blocks * BLOCK * stride];
+        assert_eq!(
+            data.len(),
+            Self::packed_len(m, depth),
+            "bf16 tiles: left rows' length"
+        );
         data.par_chunks_mut(BLOCK * stride)
             .enumerate()
             .for_each(|(block, packed)| {
                 let (r0, count) = (block * BLOCK, BLOCK.min(m - block * BLOCK));
+                // Padding past `k` and rows past `m` zero; the rows' `k` elements written below.
+                for row in packed.chunks_exact_mut(stride).take(count) {
+                    row[k..].fill(bf16::ZERO);
+                }
+                packed[count * stride..].fill(bf16::ZERO);
                 pack_rows(a, r0..r0 + count, k, stride, packed);
             });
         LeftRows {
-            data: std::borrow::Cow::Owned(data),
+            data,
             stride,
             whole_blocks: blocks,
             tail: Vec::new(),
         }
+    }
+
+    /// The length [`packed`](Self::packed) packs `m` rows of `depth` into.
+    fn packed_len(m: usize, depth: usize) -> usize {
+        m.div_ceil(BLOCK) * BLOCK * (depth + 2 * STEP_PAIRS)
     }
 
     /// Block `block`'s first row onwards and its row stride.
@@ -780,9 +883,8 @@ impl<'a> OutRows<'a> {
         let dst = unsafe {
             std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), values.len())
         };
-        dst.iter_mut()
-            .zip(values)
-            .for_each(|(o, &v)| *o = bf16_of_f32(v));
+        // A run at a time in vector registers (the same bits as `bf16_of_f32`).
+        bf16::narrow(values, dst);
     }
 }
 
@@ -1018,7 +1120,27 @@ mod tests {
                 let a = Operand::new(2 * i as u64, (m, k), layout(la, m, k));
                 let b = Operand::new(2 * i as u64 + 1, (k, n), layout(lb, k, n));
                 let mut out = vec![bf16::ZERO; m * n];
-                matmul(dot, a.matrix(), b.matrix(), (m, k, n), &mut out);
+                matmul(dot, a.matrix(), b.matrix(), (m, k, n), &mut out, None);
+                // Packed into reused memory full of NaNs and other garbage: the same bits (every
+                // padding element the tiles read is written).
+                if let Some((l, r)) = TiledScratch::lens(dot, a.matrix(), b.matrix(), (m, k, n)) {
+                    let (mut left, mut right) = (vec![bf16::NAN; l + 5], vec![0xffc1_dead; r + 7]);
+                    let scratch = TiledScratch {
+                        left: &mut left,
+                        right: &mut right,
+                    };
+                    let mut again = vec![bf16::ZERO; m * n];
+                    matmul(
+                        dot,
+                        a.matrix(),
+                        b.matrix(),
+                        (m, k, n),
+                        &mut again,
+                        Some(scratch),
+                    );
+                    let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&out), bits(&again), "{name}, case {i}: with scratch");
+                }
                 let (am, bm) = (a.matrix(), b.matrix());
                 for r in 0..m {
                     for c in 0..n {

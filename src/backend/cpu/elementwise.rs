@@ -6,7 +6,7 @@
 //! identity, so their loops are unchanged. Casts between `f32` and the 16-bit types of contiguous
 //! tensors convert whole runs ([`super::widen`], [`super::narrow`]).
 //!
-//! The out-of-place maps' row loops run in a twin compiled for AVX-512 where the CPU has it
+//! The maps' row loops (out of place and in place) run in a twin compiled for AVX-512 where the CPU has it
 //! (detected at run time, [`unary_rows`], [`binary_rows`]): the loops are generic over the op's
 //! closure, and the baseline x86-64 build vectorises them 4 lanes wide in 16 registers; on an
 //! Intel Xeon with AMX the bf16 GPT-2 forward spent 10 % of its time in GELU's `tanh` that way.
@@ -155,6 +155,83 @@ fn binary_row_avx512<T: Copy, U>(
     binary_row(out, a, ia, sa, b, ib, sb, f)
 }
 
+/// `x[i] = f(x[i])` over one contiguous run, compiled for AVX-512 when `WIDE`.
+fn map_rows_in_place<const WIDE: bool, T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
+        // `map_row_in_place` (safe code).
+        return unsafe { map_row_in_place_avx512(x, f) };
+    }
+    map_row_in_place(x, f)
+}
+
+#[inline(always)]
+fn map_row_in_place<T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
+    for v in x {
+        *v = f(*v);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+fn map_row_in_place_avx512<T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
+    map_row_in_place(x, f)
+}
+
+/// `x[j] = f(x[j], b[ib + j * sb])` over one contiguous run of `x`, compiled for AVX-512 when
+/// `WIDE`.
+fn zip_rows_in_place<const WIDE: bool, T: Copy>(
+    x: &mut [T],
+    b: &[T],
+    ib: usize,
+    sb: usize,
+    f: impl Fn(T, T) -> T,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
+        // `zip_row_in_place` (safe code).
+        return unsafe { zip_row_in_place_avx512(x, b, ib, sb, f) };
+    }
+    zip_row_in_place(x, b, ib, sb, f)
+}
+
+#[inline(always)]
+fn zip_row_in_place<T: Copy>(x: &mut [T], b: &[T], ib: usize, sb: usize, f: impl Fn(T, T) -> T) {
+    let n = x.len();
+    match sb {
+        1 => {
+            for (v, &y) in x.iter_mut().zip(&b[ib..ib + n]) {
+                *v = f(*v, y);
+            }
+        }
+        0 => {
+            let y = b[ib];
+            for v in x {
+                *v = f(*v, y);
+            }
+        }
+        _ => {
+            for (j, v) in x.iter_mut().enumerate() {
+                *v = f(*v, b[ib + j * sb]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+fn zip_row_in_place_avx512<T: Copy>(
+    x: &mut [T],
+    b: &[T],
+    ib: usize,
+    sb: usize,
+    f: impl Fn(T, T) -> T,
+) {
+    zip_row_in_place(x, b, ib, sb, f)
+}
+
 /// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads when large.
 fn map_contiguous<const WIDE: bool, T: Element, U: Element>(
     out: &mut [U],
@@ -211,15 +288,20 @@ impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
     }
 }
 
-/// Runs a unary op's host function over contiguous elements of type `T` in place.
-struct MapInPlace<'a, T>(Dst<'a>, PhantomData<T>);
+/// Runs a unary op's host function over contiguous elements of type `T` in place, on rayon's
+/// threads when large.
+struct MapInPlace<'a, T, const WIDE: bool>(Dst<'a>, PhantomData<T>);
 
-impl<T: Math> MapFn<T::Compute> for MapInPlace<'_, T> {
+impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInPlace<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
-        self.0
-            .contiguous_host::<T>()
-            .iter_mut()
-            .for_each(|x| *x = T::store(f(x.load())));
+        let f = move |v: T| T::store(f(v.load()));
+        let x = self.0.contiguous_host::<T>();
+        if x.len() < PARALLEL_MIN {
+            map_rows_in_place::<WIDE, _>(x, f);
+            return;
+        }
+        x.par_chunks_mut(CHUNK)
+            .for_each(|run| map_rows_in_place::<WIDE, _>(run, f));
     }
 }
 
@@ -256,14 +338,15 @@ impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInto<'_, T, WIDE> {
     }
 }
 
-/// Runs a binary op's host function as `x = f(x, b)` over the contiguous `x`, both of type `T`.
-struct ZipInPlace<'a, T> {
+/// Runs a binary op's host function as `x = f(x, b)` over the contiguous `x`, both of type `T`
+/// (`b` laid out with `x`'s shape), on rayon's threads when large.
+struct ZipInPlace<'a, T, const WIDE: bool> {
     x: Dst<'a>,
     b: Src<'a>,
     _element: PhantomData<T>,
 }
 
-impl<T: Math> ZipFn<T::Compute> for ZipInPlace<'_, T> {
+impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInPlace<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
         let ZipInPlace { x, b, .. } = self;
         let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
@@ -275,11 +358,8 @@ impl<T: Math> ZipFn<T::Compute> for ZipInPlace<'_, T> {
         );
         let [_, sb] = walk.row_strides();
         let db = b.buf.host::<T>();
-        let data = x.contiguous_host::<T>();
-        walk.for_segments(0, data.len(), |pos, [_, ib], len| {
-            for (j, v) in data[pos..pos + len].iter_mut().enumerate() {
-                *v = f(*v, db[ib + j * sb]);
-            }
+        fill_segments(&walk, x.contiguous_host::<T>(), |run, [_, ib]| {
+            zip_rows_in_place::<WIDE, _>(run, db, ib, sb, f)
         });
     }
 }
@@ -295,7 +375,12 @@ pub(super) fn unary(dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst)
 }
 
 pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) {
-    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T>(x, PhantomData)));
+    // Two visitor types, as in `unary`.
+    if avx512() {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, true>(x, PhantomData)));
+    } else {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, false>(x, PhantomData)));
+    }
 }
 
 pub(super) fn binary(dtype: DType, op: Binary, params: [f64; 2], a: Src, b: Src, out: Dst) {
@@ -308,7 +393,12 @@ pub(super) fn binary(dtype: DType, op: Binary, params: [f64; 2], a: Src, b: Src,
 }
 
 pub(super) fn binary_in_place(dtype: DType, op: Binary, params: [f64; 2], x: Dst, b: Src) {
-    with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T> { x, b, _element: PhantomData }));
+    // Two visitor types, as in `unary`.
+    if avx512() {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T, true> { x, b, _element: PhantomData }));
+    } else {
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T, false> { x, b, _element: PhantomData }));
+    }
 }
 
 pub(super) fn where_cond(dtype: DType, cond: Src, on_true: Src, on_false: Src, out: Dst) {
@@ -466,6 +556,11 @@ mod tests {
             // SAFETY: the test runs the twins only where `avx512()` found the features.
             unsafe { unary_row_avx512(&mut wide, self.x, 0, 1, f) };
             assert_same(&base, &wide, self.op);
+            // In place: the baseline out-of-place bits.
+            let mut in_place = self.x.to_vec();
+            // SAFETY: as above.
+            unsafe { map_row_in_place_avx512(&mut in_place, f) };
+            assert_same(&base, &in_place, self.op);
         }
     }
 
@@ -478,6 +573,15 @@ mod tests {
             // SAFETY: as above.
             unsafe { binary_row_avx512(&mut wide, self.x, 0, 1, self.y, 0, 1, f) };
             assert_same(&base, &wide, self.op);
+            let mut in_place = self.x.to_vec();
+            // SAFETY: as above.
+            unsafe { zip_row_in_place_avx512(&mut in_place, self.y, 0, 1, f) };
+            assert_same(&base, &in_place, self.op);
+            // A broadcast `b` (stride 0) against the baseline's.
+            binary_row(&mut base, self.x, 0, 1, self.y, 5, 0, f);
+            let mut in_place = self.x.to_vec();
+            zip_row_in_place(&mut in_place, self.y, 5, 0, f);
+            assert_same(&base, &in_place, self.op);
         }
     }
 
@@ -538,8 +642,8 @@ mod tests {
         }
     }
 
-    /// The maps' AVX-512 twins give the baseline's bits, for `f32` and for `bf16` elements (widened
-    /// and rounded around the op).
+    /// The maps' AVX-512 twins, out of place and in place, give the baseline's bits, for `f32` and
+    /// for `bf16` elements (widened and rounded around the op).
     #[test]
     fn the_avx512_twins_give_the_baseline_bits() {
         if !avx512() {

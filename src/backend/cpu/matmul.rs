@@ -13,7 +13,7 @@ use super::narrow::Narrow;
 use super::widen::Widen;
 use super::{bf16_gemm, convert_chunks, few_rows, few_rows_in_out};
 
-use crate::backend::{Dst, Src};
+use crate::backend::{Dst, Src, split_bytes};
 use crate::dtype::{DType, Element, bf16};
 use crate::layout::{Layout, RowWalk, Shape, contiguous_strides};
 
@@ -27,6 +27,7 @@ pub(super) fn matmul(
     batch: &[usize],
     mkn: (usize, usize, usize),
     out: Dst,
+    scratch: Option<Dst>,
 ) {
     match dtype {
         DType::F32 if let Some((weight, ldx, ldw)) = streamed(a.layout, b.layout, mkn) => {
@@ -62,18 +63,33 @@ pub(super) fn matmul(
                     out.fill(bf16::ZERO);
                     return;
                 }
+                let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
+                    data,
+                    rows: rows as usize,
+                    cols: cols as usize,
+                };
+                // One product at a time, so one scratch serves the whole batch.
+                let lens = bf16_gemm::TiledScratch::lens(
+                    dot,
+                    matrix(da, a_rs, a_cs),
+                    matrix(db, b_rs, b_cs),
+                    mkn,
+                );
+                let mut scratch = scratch.zip(lens).map(|(s, (left, _))| {
+                    let (left_part, right) = s.buf.host_split::<bf16, u32>(left);
+                    (left_part, right)
+                });
                 each_product(la, lb, batch, (m, n), |ia, ib, io| {
-                    let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
-                        data,
-                        rows: rows as usize,
-                        cols: cols as usize,
-                    };
+                    let scratch = scratch
+                        .as_mut()
+                        .map(|(left, right)| bf16_gemm::TiledScratch { left, right });
                     bf16_gemm::matmul(
                         dot,
                         matrix(&da[ia..], a_rs, a_cs),
                         matrix(&db[ib..], b_rs, b_cs),
                         mkn,
                         &mut out[io..io + m * n],
+                        scratch,
                     );
                 });
             }
@@ -88,6 +104,30 @@ pub(super) fn matmul(
         },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
+}
+
+/// [`Backend::matmul_scratch_bytes`](crate::backend::Backend::matmul_scratch_bytes) on the host:
+/// the packed operands of a bf16 product on AMX tiles ([`bf16_gemm::TiledScratch`]), one product of
+/// the batch at a time.
+pub(super) fn scratch_bytes(
+    dtype: DType,
+    a: &Layout,
+    b: &Layout,
+    mkn: (usize, usize, usize),
+) -> usize {
+    let Some(dot) = bf16_gemm::Bf16Dot::detect().filter(|_| dtype == DType::BF16) else {
+        return 0;
+    };
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
+    let matrix = |rows: isize, cols: isize| bf16_gemm::Matrix {
+        data: &[],
+        rows: rows as usize,
+        cols: cols as usize,
+    };
+    bf16_gemm::TiledScratch::lens(dot, matrix(a_rs, a_cs), matrix(b_rs, b_cs), mkn)
+        .map_or(0, |(left, right)| {
+            split_bytes::<bf16>(left) + right * size_of::<u32>()
+        })
 }
 
 /// How a product of a few rows streams its right operand, the weight.

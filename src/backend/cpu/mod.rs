@@ -349,6 +349,16 @@ impl Backend for Cpu {
         true // gemm reads any strides, and batch strides broadcast with 0
     }
 
+    fn matmul_scratch_bytes(
+        &self,
+        dtype: DType,
+        a: &Layout,
+        b: &Layout,
+        mkn: (usize, usize, usize),
+    ) -> usize {
+        matmul::scratch_bytes(dtype, a, b, mkn)
+    }
+
     fn matmul(
         &self,
         dtype: DType,
@@ -358,8 +368,9 @@ impl Backend for Cpu {
         mkn: (usize, usize, usize),
         out: Dst,
         _tf32: bool, // the host has no TF32 units: products are full f32
+        scratch: Option<Dst>,
     ) -> Result<()> {
-        matmul::matmul(dtype, a, b, batch, mkn, out);
+        matmul::matmul(dtype, a, b, batch, mkn, out, scratch);
         Ok(())
     }
 

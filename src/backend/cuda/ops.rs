@@ -654,6 +654,7 @@ impl Backend for Gpu {
         mkn: (usize, usize, usize),
         out: Dst,
         tf32: bool,
+        _scratch: Option<Dst>, // cuBLAS packs nothing of ours: no scratch asked for
     ) -> Result<()> {
         blas::matmul(self, dtype, (a, b), batch, mkn, out, tf32)
     }
