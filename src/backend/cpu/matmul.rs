@@ -115,7 +115,10 @@ pub(super) fn scratch_bytes(
     b: &Layout,
     mkn: (usize, usize, usize),
 ) -> usize {
-    let Some(dot) = bf16_gemm::Bf16Dot::detect().filter(|_| dtype == DType::BF16) else {
+    if dtype != DType::BF16 {
+        return 0;
+    }
+    let Some(dot) = bf16_gemm::Bf16Dot::detect() else {
         return 0;
     };
     let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
