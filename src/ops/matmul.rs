@@ -2,10 +2,9 @@
 
 use std::panic::Location;
 
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Shape, broadcast_shapes};
-use crate::ops::{same_device, same_dtype};
+use crate::ops::{same_device, same_dtype, scratch};
 use crate::tensor::Tensor;
 
 impl<'s> Tensor<'s> {
@@ -93,17 +92,7 @@ impl<'s> Tensor<'s> {
         // pool) when the product returns, so a training step packs into the same blocks each time.
         let scratch_bytes =
             backend.matmul_scratch_bytes(self.dtype(), a.layout(), b.layout(), (m, k, n));
-        let mut scratch = if scratch_bytes > 0 {
-            let words = scratch_bytes.div_ceil(DType::F32.size());
-            Some(Tensor::output_of(
-                &[self, other],
-                DType::F32,
-                &[words],
-                Location::caller(),
-            )?)
-        } else {
-            None
-        };
+        let mut packing = scratch(&[self, other], scratch_bytes, Location::caller())?;
         backend.matmul(
             self.dtype(),
             a.src(),
@@ -112,7 +101,7 @@ impl<'s> Tensor<'s> {
             (m, k, n),
             out.dst(),
             tf32,
-            scratch.as_mut().map(|s| s.dst()),
+            packing.as_mut().map(|s| s.dst()),
         )?;
         // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
         // right operand (at -1 whichever came before).

@@ -27,8 +27,27 @@ pub(crate) use mask::Triangle;
 pub use window::Conv2dOptions;
 pub(crate) use window::window;
 
+use std::panic::Location;
+
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
+
+/// A kernel's scratch of `bytes` (none when 0): a temporary of the innermost owner of `inputs`,
+/// freed to the pool when the op returns, so that the next call (the next training step) reuses
+/// the block. Backends say how much they need (`Backend::matmul_scratch_bytes`,
+/// `Backend::quant_scratch_bytes`) and allocate nothing themselves.
+pub(crate) fn scratch<'s>(
+    inputs: &[&Tensor<'s>],
+    bytes: usize,
+    caller: &'static Location<'static>,
+) -> Result<Option<Tensor<'s>>> {
+    if bytes == 0 {
+        return Ok(None);
+    }
+    let words = bytes.div_ceil(DType::F32.size());
+    Tensor::output_of(inputs, DType::F32, &[words], caller).map(Some)
+}
 
 pub(crate) fn same_dtype(op: &'static str, a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
     if a.dtype() != b.dtype() {

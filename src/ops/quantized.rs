@@ -4,7 +4,7 @@ use std::panic::Location;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::same_device;
+use crate::ops::{same_device, scratch};
 use crate::tensor::{QuantTensor, Tensor};
 
 impl<'s> Tensor<'s> {
@@ -72,17 +72,7 @@ impl<'s> Tensor<'s> {
         // A GPU rounds the activations into device memory of the op's own: a temporary of this
         // scope, freed (to the pool) when the product returns.
         let scratch_bytes = backend.quant_scratch_bytes(m, k);
-        let mut scratch = if scratch_bytes > 0 {
-            let words = scratch_bytes.div_ceil(DType::F32.size());
-            Some(Tensor::output_of(
-                &[&x],
-                DType::F32,
-                &[words],
-                Location::caller(),
-            )?)
-        } else {
-            None
-        };
+        let mut rounded = scratch(&[&x], scratch_bytes, Location::caller())?;
         backend.quant_matmul(
             w.ty(),
             w.in_strips(),
@@ -90,7 +80,7 @@ impl<'s> Tensor<'s> {
             w.blocks().src(),
             (m, k, n),
             out.dst(),
-            scratch.as_mut().map(|s| s.dst()),
+            rounded.as_mut().map(|s| s.dst()),
         )?;
         if self.dtype() == DType::F32 {
             Ok(out)
