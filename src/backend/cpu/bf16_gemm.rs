@@ -250,11 +250,11 @@ pub(super) struct TiledScratch<'a> {
 }
 
 impl TiledScratch<'_> {
-    /// The lengths `(left, right)` [`matmul`] packs into for `a b` (`(m, k, n)`), or `None` when it
-    /// packs nothing there: without tiles (the vector schedules pack per task) or for a few tokens.
+    /// The lengths `(left, right)` [`matmul`] packs into for `a b` (`(m, k, n)`; the left operand
+    /// is packed whatever its strides, so only `b`'s count), or `None` when it packs nothing there:
+    /// without tiles (the vector schedules pack per task) or for a few tokens.
     pub(super) fn lens(
         dot: Bf16Dot,
-        a: Matrix<'_>,
         b: Matrix<'_>,
         (m, k, n): (usize, usize, usize),
     ) -> Option<(usize, usize)> {
@@ -264,7 +264,6 @@ impl TiledScratch<'_> {
         if b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS {
             return None;
         }
-        let _ = a; // the left operand is packed whatever its strides
         Some(tiled_lens(b, (m, k, n)))
     }
 }
@@ -366,8 +365,8 @@ fn tiled_blocks(
     store: impl Fn(usize, usize, &[[f32; BLOCK]; BLOCK]) + Sync,
 ) {
     let pairs = k.div_ceil(2);
+    let steps = pairs.div_ceil(STEP_PAIRS);
     let (_, panel_len) = tiled_depth(k);
-    let steps = panel_len / (STEP_PAIRS * BLOCK);
     let col_panels = cols.div_ceil(BLOCK);
     // Right panels: [panel][pair][column], the pairs past `k` and the columns past `cols` zero.
     assert_eq!(
@@ -1123,7 +1122,7 @@ mod tests {
                 matmul(dot, a.matrix(), b.matrix(), (m, k, n), &mut out, None);
                 // Packed into reused memory full of NaNs and other garbage: the same bits (every
                 // padding element the tiles read is written).
-                if let Some((l, r)) = TiledScratch::lens(dot, a.matrix(), b.matrix(), (m, k, n)) {
+                if let Some((l, r)) = TiledScratch::lens(dot, b.matrix(), (m, k, n)) {
                     let (mut left, mut right) = (vec![bf16::NAN; l + 5], vec![0xffc1_dead; r + 7]);
                     let scratch = TiledScratch {
                         left: &mut left,

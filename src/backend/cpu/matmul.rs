@@ -69,16 +69,10 @@ pub(super) fn matmul(
                     cols: cols as usize,
                 };
                 // One product at a time, so one scratch serves the whole batch.
-                let lens = bf16_gemm::TiledScratch::lens(
-                    dot,
-                    matrix(da, a_rs, a_cs),
-                    matrix(db, b_rs, b_cs),
-                    mkn,
-                );
-                let mut scratch = scratch.zip(lens).map(|(s, (left, _))| {
-                    let (left_part, right) = s.buf.host_split::<bf16, u32>(left);
-                    (left_part, right)
-                });
+                let lens = bf16_gemm::TiledScratch::lens(dot, matrix(db, b_rs, b_cs), mkn);
+                let mut scratch = scratch
+                    .zip(lens)
+                    .map(|(s, (left, _))| s.buf.host_split::<bf16, u32>(left));
                 each_product(la, lb, batch, (m, n), |ia, ib, io| {
                     let scratch = scratch
                         .as_mut()
@@ -115,26 +109,22 @@ const SCRATCH_MIN: usize = 1 << 20;
 
 /// [`Backend::matmul_scratch_bytes`](crate::backend::Backend::matmul_scratch_bytes) on the host:
 /// the packed operands of a bf16 product on AMX tiles ([`bf16_gemm::TiledScratch`]) when they take
-/// at least [`SCRATCH_MIN`], one product of the batch at a time.
-pub(super) fn scratch_bytes(
-    dtype: DType,
-    a: &Layout,
-    b: &Layout,
-    mkn: (usize, usize, usize),
-) -> usize {
+/// at least [`SCRATCH_MIN`], one product of the batch at a time. The left operand is packed
+/// whatever its strides, so only the right one's layout counts.
+pub(super) fn scratch_bytes(dtype: DType, b: &Layout, mkn: (usize, usize, usize)) -> usize {
     if dtype != DType::BF16 {
         return 0;
     }
     let Some(dot) = bf16_gemm::Bf16Dot::detect() else {
         return 0;
     };
-    let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a), matrix_strides(b));
-    let matrix = |rows: isize, cols: isize| bf16_gemm::Matrix {
+    let (b_rs, b_cs) = matrix_strides(b);
+    let b = bf16_gemm::Matrix {
         data: &[],
-        rows: rows as usize,
-        cols: cols as usize,
+        rows: b_rs as usize,
+        cols: b_cs as usize,
     };
-    let lens = bf16_gemm::TiledScratch::lens(dot, matrix(a_rs, a_cs), matrix(b_rs, b_cs), mkn);
+    let lens = bf16_gemm::TiledScratch::lens(dot, b, mkn);
     let bytes = lens.map_or(0, |(left, right)| {
         split_bytes::<bf16>(left) + right * size_of::<u32>()
     });

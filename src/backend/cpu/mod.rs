@@ -352,11 +352,11 @@ impl Backend for Cpu {
     fn matmul_scratch_bytes(
         &self,
         dtype: DType,
-        a: &Layout,
+        _a: &Layout,
         b: &Layout,
         mkn: (usize, usize, usize),
     ) -> usize {
-        matmul::scratch_bytes(dtype, a, b, mkn)
+        matmul::scratch_bytes(dtype, b, mkn)
     }
 
     fn matmul(
