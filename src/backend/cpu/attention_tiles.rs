@@ -8,10 +8,10 @@
 //! packed once per batch and key head, before the tasks, and read by every query tile of the head
 //! (and of every query head of its group), so nothing is widened to `f32` on the way.
 //!
-//! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi = bf16(p)` and `lo = bf16(p -
-//! hi)` (two tile products instead of one): 16 significant bits, so an output moves by at most 2⁻¹⁶
-//! of `Σ p |v| / Σ p` from [`super::attention`]'s `f32` result, the size of its own summation-order
-//! noise. Rounding `p` once to `bf16`, as FlashAttention and PyTorch's CPU attention do, moved outputs
+//! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi` = `p` with its low 16 bits
+//! cut and `lo = bf16(p - hi)` (two tile products instead of one): 16 significant bits, so an output
+//! moves by at most 2⁻¹⁶ of `Σ p |v| / Σ p` from [`super::attention`]'s `f32` result, the size of
+//! its own summation-order noise. Rounding `p` once to `bf16`, as FlashAttention and PyTorch's CPU attention do, moved outputs
 //! by up to 2⁻⁸, and a bf16-autocast GPT-2's logits then left the GPU's (which multiply in `f32`) by
 //! more than the tolerance of `tests/cuda.rs`; the second part costs a tenth of the time.
 
@@ -205,6 +205,8 @@ fn forward_tile(
     let scale = math.scale as f32;
     let seen_by_tile = math.visible(from + rows - 1, keys);
     let start = math.first(from) / KEY_TILE * KEY_TILE;
+    #[cfg(target_arch = "x86_64")]
+    let vector_rows = Avx512::detect();
     for j0 in (start..seen_by_tile).step_by(KEY_TILE) {
         let cols = KEY_TILE.min(seen_by_tile - j0);
         let col_blocks = cols.div_ceil(BLOCK);
@@ -235,15 +237,12 @@ fn forward_tile(
         };
         let geometry = (math, scale, from, (j0, col_blocks * BLOCK), keys, dv);
         #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX-512F and FMA (checked on the line above), the features the
-            // function is compiled for.
-            unsafe { weigh_avx512(key_tile, geometry) };
-        } else {
-            weigh(key_tile, geometry);
+        match vector_rows {
+            Some(rows) => weigh(rows, key_tile, geometry),
+            None => weigh(Portable, key_tile, geometry),
         }
         #[cfg(not(target_arch = "x86_64"))]
-        weigh(key_tile, geometry);
+        weigh(Portable, key_tile, geometry);
         for rb in 0..row_blocks {
             let r0 = rb * BLOCK;
             for (vb, panel) in kv.values.chunks_exact(key_pairs * BLOCK).enumerate() {
@@ -293,21 +292,16 @@ struct KeyTile<'a> {
 /// first key and its width in whole blocks, the keys of the batch, the value width.
 type Geometry<'a> = (&'a Attention, f32, usize, (usize, usize), usize, usize);
 
-/// [`weigh`] compiled for AVX-512F: its row loops become 16-lane code.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn weigh_avx512(tile: KeyTile<'_>, geometry: Geometry<'_>) {
-    weigh(tile, geometry);
-}
-
 /// For every query row `r` of the tile: its weights `p_j = e^(scale s_j - max)` over the keys it
 /// sees (0 elsewhere, up to the tile's width), against the running maximum raised to the tile's
 /// (the row's outputs and sum rescaled by `e^(old - new)`); the sum grows by the weights in `f32`,
-/// and the weights are stored as two `bf16` parts (the high parts first, then the low ones). One
-/// pass for the maximum and one for the weights.
-#[inline(always)]
-fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry<'_>) {
-    const LANES: usize = 16;
+/// and the weights are stored as two `bf16` parts (the high parts first, then the low ones). The
+/// two passes over a row's scores (its maximum, then its weights) are `rows`'.
+fn weigh(
+    rows: impl RowPass,
+    tile: KeyTile<'_>,
+    (math, scale, from, (j0, width), keys, dv): Geometry<'_>,
+) {
     let (max, sum) = tile.running;
     let out_stride = tile.out.len() / QUERY_TILE;
     let (high, low) = tile.weights.split_at_mut(QUERY_TILE * WEIGHT_STRIDE);
@@ -323,50 +317,20 @@ fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry
             continue;
         }
         // Only the chunks of lanes that hold a key the row sees are computed; the rest weigh 0.
-        let (first, end) = (skip / LANES * LANES, seen.div_ceil(LANES) * LANES);
+        let span = Span {
+            skip,
+            seen,
+            first: skip / LANES * LANES,
+            end: seen.div_ceil(LANES) * LANES,
+        };
         for part in [&mut *high, &mut *low] {
-            part[..first].fill(bf16::ZERO);
-            part[end..].fill(bf16::ZERO);
+            part[..span.first].fill(bf16::ZERO);
+            part[span.end..].fill(bf16::ZERO);
         }
-        let row = &row[first..end];
-        let (high, low) = (&mut high[first..end], &mut low[first..end]);
-        let sees = |c: usize| (skip..seen).contains(&(first + c));
-        // The tile's maximum over the keys the row sees; a NaN score makes it NaN (and so every
-        // weight of the row), as the f32 path's maximum does.
-        let mut lanes = [f32::NEG_INFINITY; LANES];
-        for (c0, chunk) in (0..).step_by(LANES).zip(row.chunks_exact(LANES)) {
-            for (i, (m, &s)) in lanes.iter_mut().zip(chunk).enumerate() {
-                let x = if sees(c0 + i) {
-                    s * scale
-                } else {
-                    f32::NEG_INFINITY
-                };
-                *m = larger_or_nan(*m, x);
-            }
-        }
-        let tile_max = lanes
-            .iter()
-            .fold(f32::NEG_INFINITY, |m, &x| larger_or_nan(m, x));
-        let new_max = larger_or_nan(*max, tile_max);
+        let new_max = larger_or_nan(*max, rows.max(row, &span, scale));
         let rescale = Float::exp(*max - new_max);
-        let mut sums = [0.0f32; LANES];
-        let parts = high
-            .chunks_exact_mut(LANES)
-            .zip(low.chunks_exact_mut(LANES));
-        for (c0, (chunk, (hi, lo))) in (0..).step_by(LANES).zip(row.chunks_exact(LANES).zip(parts))
-        {
-            for (i, (((total, &s), hi), lo)) in
-                sums.iter_mut().zip(chunk).zip(hi).zip(lo).enumerate()
-            {
-                let p = exp_weight(s * scale - new_max);
-                let p = if sees(c0 + i) { p } else { 0.0 };
-                *total += p;
-                let high = bf16_of_f32(p);
-                *hi = high;
-                *lo = bf16_of_f32(p - f32::from_bits(u32::from(high.to_bits()) << 16));
-            }
-        }
-        *sum = *sum * rescale + sums.iter().sum::<f32>();
+        let total = rows.weights(row, (high, low), &span, scale, new_max);
+        *sum = *sum * rescale + total;
         *max = new_max;
         if rescale != 1.0 {
             tile.out[r * out_stride..][..dv]
@@ -376,21 +340,218 @@ fn weigh(tile: KeyTile<'_>, (math, scale, from, (j0, width), keys, dv): Geometry
     }
 }
 
+/// Lanes of the row pass: a chunk of keys is 16 `f32` scores, one AVX-512 register.
+const LANES: usize = 16;
+
+/// The keys of one row within a key tile (tile-relative): the row sees `skip..seen`, and the
+/// chunks of [`LANES`] that hold them are `first..end` (`first` and `end` multiples of [`LANES`],
+/// `end` within the tile).
+struct Span {
+    skip: usize,
+    seen: usize,
+    first: usize,
+    end: usize,
+}
+
+impl Span {
+    /// Which lanes of the chunk at `c` hold a key the row sees (bit `i`: key `c + i`).
+    #[inline(always)]
+    fn visible(&self, c: usize) -> u16 {
+        let lanes_below = |n: usize| ((1u32 << n.saturating_sub(c).min(LANES)) - 1) as u16;
+        lanes_below(self.seen) & !lanes_below(self.skip)
+    }
+}
+
+/// The two passes over one row's scores (its chunks `span.first..span.end`; keys outside
+/// `span.skip..span.seen` are masked): the same maxima and weights whichever runs (the sums add
+/// in another order), one of them in AVX-512 registers.
+trait RowPass: Copy {
+    /// The largest visible `scale · s`; NaN if any visible score is NaN.
+    fn max(self, row: &[f32], span: &Span, scale: f32) -> f32;
+
+    /// Writes the weights `p = e^(scale · s - max)` of the chunks (0 for masked keys) as their two
+    /// `bf16` parts, `hi` = `p` with its low 16 bits cut and `lo = bf16(p - hi)` (so `hi + lo`
+    /// keeps 16 significant bits), and returns their sum.
+    fn weights(
+        self,
+        row: &[f32],
+        parts: (&mut [bf16], &mut [bf16]),
+        span: &Span,
+        scale: f32,
+        max: f32,
+    ) -> f32;
+}
+
+/// The row pass in plain Rust, for CPUs the tiles run on without AVX-512 BF16 (none known, but
+/// the tiles' detection does not promise it).
+#[derive(Clone, Copy)]
+struct Portable;
+
+impl RowPass for Portable {
+    fn max(self, row: &[f32], span: &Span, scale: f32) -> f32 {
+        let sees = |c: usize| (span.skip..span.seen).contains(&c);
+        (span.first..span.end)
+            .filter(|&c| sees(c))
+            .fold(f32::NEG_INFINITY, |m, c| larger_or_nan(m, row[c] * scale))
+    }
+
+    fn weights(
+        self,
+        row: &[f32],
+        (high, low): (&mut [bf16], &mut [bf16]),
+        span: &Span,
+        scale: f32,
+        max: f32,
+    ) -> f32 {
+        let mut total = 0.0;
+        for c in span.first..span.end {
+            let p = if (span.skip..span.seen).contains(&c) {
+                exp_weight(row[c] * scale - max)
+            } else {
+                0.0
+            };
+            total += p;
+            let hi = p.to_bits() & 0xffff_0000;
+            high[c] = bf16::from_bits((hi >> 16) as u16);
+            low[c] = bf16_of_f32(p - f32::from_bits(hi));
+        }
+        total
+    }
+}
+
+/// The row pass in AVX-512F and AVX-512 BF16 registers: only [`Avx512::detect`] makes one.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Avx512 {
+    _detected: (),
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Avx512 {
+    /// The row pass, where the CPU has AVX-512F and AVX-512 BF16 (every CPU with AMX-BF16 known).
+    fn detect() -> Option<Avx512> {
+        (std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16"))
+            .then_some(Avx512 { _detected: () })
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RowPass for Avx512 {
+    fn max(self, row: &[f32], span: &Span, scale: f32) -> f32 {
+        // SAFETY: an `Avx512` exists only where the CPU has AVX-512F and AVX-512 BF16 (`detect`),
+        // the features the function is compiled for.
+        unsafe { row_max_avx512(row, span, scale) }
+    }
+
+    fn weights(
+        self,
+        row: &[f32],
+        parts: (&mut [bf16], &mut [bf16]),
+        span: &Span,
+        scale: f32,
+        max: f32,
+    ) -> f32 {
+        // SAFETY: as in `max`.
+        unsafe { row_weights_avx512(row, parts, span, scale, max) }
+    }
+}
+
+/// [`RowPass::max`] in 16 lanes: a masked maximum per chunk, NaNs noted apart (`vmaxps` passes
+/// a NaN on only from its second operand).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn row_max_avx512(row: &[f32], span: &Span, scale: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let scale = _mm512_set1_ps(scale);
+    let mut max = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut nan: __mmask16 = 0;
+    for c in (span.first..span.end).step_by(LANES) {
+        let chunk = &row[c..c + LANES];
+        // SAFETY: 16 floats from a slice of 16.
+        let s = _mm512_mul_ps(unsafe { _mm512_loadu_ps(chunk.as_ptr()) }, scale);
+        let keep = span.visible(c);
+        max = _mm512_mask_max_ps(max, keep, max, s);
+        nan |= _mm512_mask_cmp_ps_mask::<_CMP_UNORD_Q>(keep, s, s);
+    }
+    if nan != 0 {
+        f32::NAN
+    } else {
+        _mm512_reduce_max_ps(max)
+    }
+}
+
+/// [`RowPass::weights`] in 16 lanes: [`exp_weight`]'s steps on a register, the high part cut from
+/// the bits, the low part rounded by `vcvtneps2bf16`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn row_weights_avx512(
+    row: &[f32],
+    (high, low): (&mut [bf16], &mut [bf16]),
+    span: &Span,
+    scale: f32,
+    max: f32,
+) -> f32 {
+    use std::arch::x86_64::*;
+    let (scale, max) = (_mm512_set1_ps(scale), _mm512_set1_ps(max));
+    let floor = _mm512_set1_ps(EXP_FLOOR);
+    let cut = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let mut total = _mm512_setzero_ps();
+    for c in (span.first..span.end).step_by(LANES) {
+        let chunk = &row[c..c + LANES];
+        // SAFETY: 16 floats from a slice of 16.
+        let s = unsafe { _mm512_loadu_ps(chunk.as_ptr()) };
+        let x = _mm512_sub_ps(_mm512_mul_ps(s, scale), max);
+        // Below the floor `e^x` is no normal float: those weigh 0, as masked keys do.
+        let keep = span.visible(c) & !_mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, floor);
+        // `vmaxps` returns its second operand when one is NaN: a NaN `x` stays NaN.
+        let p = _mm512_maskz_mov_ps(keep, exp_avx512(_mm512_max_ps(floor, x)));
+        total = _mm512_add_ps(total, p);
+        let bits = _mm512_castps_si512(p);
+        let hi = _mm512_and_si512(bits, cut);
+        let lo: __m256bh = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_castsi512_ps(hi)));
+        let hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(hi));
+        let (hi_out, lo_out) = (&mut high[c..c + LANES], &mut low[c..c + LANES]);
+        // SAFETY: 32 bytes into slices of 16 `bf16`; `__m256bh` is 32 bytes of 16 `bf16`.
+        unsafe {
+            _mm256_storeu_si256(hi_out.as_mut_ptr().cast(), hi);
+            _mm256_storeu_si256(
+                lo_out.as_mut_ptr().cast(),
+                std::mem::transmute::<__m256bh, __m256i>(lo),
+            );
+        }
+    }
+    _mm512_reduce_add_ps(total)
+}
+
+/// [`exp_weight`]'s `e^x` on 16 lanes of `x` in `[EXP_FLOOR, 0]` (or NaN), the same steps.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let magic = _mm512_set1_ps(ROUND_MAGIC);
+    let shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic);
+    let k = _mm512_sub_ps(shifted, magic);
+    let k_int = _mm512_sub_epi32(_mm512_castps_si512(shifted), _mm512_castps_si512(magic));
+    let r = _mm512_fmadd_ps(k, _mm512_set1_ps(-LN2_HI), x);
+    let r = _mm512_fmadd_ps(k, _mm512_set1_ps(-LN2_LO), r);
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    for coefficient in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(coefficient));
+    }
+    let two_k = _mm512_slli_epi32::<23>(_mm512_add_epi32(k_int, _mm512_set1_epi32(127)));
+    _mm512_mul_ps(p, _mm512_castsi512_ps(two_k))
+}
+
 /// `e^x` for a weight: `x <= 0` (a score less its row's maximum) or NaN (which stays NaN); 0 below
 /// -87, where `e^x` is no longer a normal `f32`. `x = k ln 2 + r` with `|r| <= ln 2 / 2` (Cody and
 /// Waite's two-part `ln 2`), `e^r` by its Taylor series to degree 6 (the first omitted term is
-/// below 2^-22 of the result), and `2^k` from exponent bits (`k` in -126..=0). Fused multiply-adds:
-/// compiled into [`weigh_avx512`], whose features include FMA. Weights are rounded to `bf16`, so
+/// below 2^-22 of the result), and `2^k` from exponent bits (`k` in -126..=0), in fused
+/// multiply-adds ([`exp_avx512`] takes the same steps on 16 lanes). Weights are rounded to `bf16`, so
 /// [`crate::fastmath`]'s `exp` (degree 7, overflow and the whole range handled) would spend its
 /// extra work on bits the two parts of a weight do not keep.
 #[inline(always)]
 fn exp_weight(x: f32) -> f32 {
-    /// `1.5 · 2^23`: adding it rounds a float of magnitude below `2^22` to an integer.
-    const ROUND_MAGIC: f32 = 12_582_912.0;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const FLOOR: f32 = -87.0;
-    let xc = if x < FLOOR { FLOOR } else { x };
+    let xc = if x < EXP_FLOOR { EXP_FLOOR } else { x };
     let shifted = xc.mul_add(std::f32::consts::LOG2_E, ROUND_MAGIC);
     let k = shifted - ROUND_MAGIC;
     let k_int = shifted.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()) as i32;
@@ -402,8 +563,16 @@ fn exp_weight(x: f32) -> f32 {
     let p = r.mul_add(p, 1.0);
     let p = r.mul_add(p, 1.0);
     let y = p * f32::from_bits((k_int.wrapping_add(127) as u32) << 23);
-    if x < FLOOR { 0.0 } else { y }
+    if x < EXP_FLOOR { 0.0 } else { y }
 }
+
+/// `1.5 · 2^23`: adding it rounds a float of magnitude below `2^22` to an integer.
+const ROUND_MAGIC: f32 = 12_582_912.0;
+/// `ln 2` in two parts (Cody and Waite): the high part's product by `k` is exact.
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+/// Below this `e^x` is no longer a normal `f32`: such weights are 0.
+const EXP_FLOOR: f32 = -87.0;
 
 #[cfg(test)]
 mod tests {
@@ -459,6 +628,82 @@ mod tests {
             }
         }
         (out, max + sum.ln())
+    }
+
+    /// The AVX-512 row pass against the portable one: the same maxima and weight bits (each
+    /// weight takes the same steps), sums within rounding (the lanes add in another order); masked
+    /// keys, weights below the floor, a NaN seen and a NaN masked.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn the_vector_row_pass_matches_the_portable_one() {
+        let Some(vector) = Avx512::detect() else {
+            eprintln!("the AVX-512 row pass: not run (this CPU has no AVX-512 BF16)");
+            return;
+        };
+        let mut rng = crate::rng::Rng::new(11);
+        let width = 96;
+        let mut row: Vec<f32> = (0..width)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 80.0 - 40.0)
+            .collect();
+        row[21] = -2000.0;
+        let scale = 0.3;
+        for (skip, seen, nan) in [
+            (0, 96, None),
+            (5, 70, None),
+            (17, 18, None),
+            (33, 96, Some(40)),
+            (35, 96, Some(33)),
+        ] {
+            let mut row = row.clone();
+            if let Some(i) = nan {
+                row[i] = f32::NAN;
+            }
+            let span = Span {
+                skip,
+                seen,
+                first: skip / LANES * LANES,
+                end: seen.div_ceil(LANES) * LANES,
+            };
+            let (want_max, got_max) = (
+                Portable.max(&row, &span, scale),
+                vector.max(&row, &span, scale),
+            );
+            assert_eq!(
+                want_max.to_bits(),
+                got_max.to_bits(),
+                "span {skip}..{seen}: the maximum"
+            );
+            assert_eq!(
+                want_max.is_nan(),
+                nan == Some(40),
+                "span {skip}..{seen}: a NaN seen"
+            );
+            let mut want = (vec![bf16::ZERO; width], vec![bf16::ZERO; width]);
+            let mut got = want.clone();
+            let max = if want_max.is_nan() { 0.0 } else { want_max };
+            let want_sum = Portable.weights(&row, (&mut want.0, &mut want.1), &span, scale, max);
+            let got_sum = vector.weights(&row, (&mut got.0, &mut got.1), &span, scale, max);
+            let bits = |x: &[bf16]| x.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&want.0),
+                bits(&got.0),
+                "span {skip}..{seen}: the high parts"
+            );
+            assert_eq!(
+                bits(&want.1),
+                bits(&got.1),
+                "span {skip}..{seen}: the low parts"
+            );
+            if nan == Some(40) {
+                assert!(want_sum.is_nan() && got_sum.is_nan());
+            } else {
+                assert!(
+                    (want_sum - got_sum).abs() <= 1e-6 * want_sum,
+                    "{want_sum} vs {got_sum}"
+                );
+                assert!(want_sum >= 1.0, "the row's maximum weighs 1");
+            }
+        }
     }
 
     #[test]
