@@ -8,10 +8,10 @@
 //! packed once per batch and key head, before the tasks, and read by every query tile of the head
 //! (and of every query head of its group), so nothing is widened to `f32` on the way.
 //!
-//! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi` = `p` with its low 16 bits
-//! cut and `lo = bf16(p - hi)` (two tile products instead of one): 16 significant bits, so an output
-//! moves by at most 2⁻¹⁶ of `Σ p |v| / Σ p` from [`super::attention`]'s `f32` result, the size of
-//! its own summation-order noise. Rounding `p` once to `bf16`, as FlashAttention and PyTorch's CPU attention do, moved outputs
+//! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi = bf16(p)` and `lo = bf16(p -
+//! hi)` (two tile products instead of one): 16 significant bits, so an output moves by at most 2⁻¹⁶
+//! of `Σ p |v| / Σ p` from [`super::attention`]'s `f32` result, the size of its own summation-order
+//! noise. Rounding `p` once to `bf16`, as FlashAttention and PyTorch's CPU attention do, moved outputs
 //! by up to 2⁻⁸, and a bf16-autocast GPT-2's logits then left the GPU's (which multiply in `f32`) by
 //! more than the tolerance of `tests/cuda.rs`; the second part costs a tenth of the time.
 
@@ -370,8 +370,8 @@ trait RowPass: Copy {
     fn max(self, row: &[f32], span: &Span, scale: f32) -> f32;
 
     /// Writes the weights `p = e^(scale · s - max)` of the chunks (0 for masked keys) as their two
-    /// `bf16` parts, `hi` = `p` with its low 16 bits cut and `lo = bf16(p - hi)` (so `hi + lo`
-    /// keeps 16 significant bits), and returns their sum.
+    /// `bf16` parts, `hi = bf16(p)` and `lo = bf16(p - hi)` (so `hi + lo` keeps 16 significant
+    /// bits), and returns their sum.
     fn weights(
         self,
         row: &[f32],
@@ -411,9 +411,9 @@ impl RowPass for Portable {
                 0.0
             };
             total += p;
-            let hi = p.to_bits() & 0xffff_0000;
-            high[c] = bf16::from_bits((hi >> 16) as u16);
-            low[c] = bf16_of_f32(p - f32::from_bits(hi));
+            let hi = bf16_of_f32(p);
+            high[c] = hi;
+            low[c] = bf16_of_f32(p - hi.to_f32());
         }
         total
     }
@@ -480,8 +480,9 @@ fn row_max_avx512(row: &[f32], span: &Span, scale: f32) -> f32 {
     }
 }
 
-/// [`RowPass::weights`] in 16 lanes: [`exp_weight`]'s steps on a register, the high part cut from
-/// the bits, the low part rounded by `vcvtneps2bf16`.
+/// [`RowPass::weights`] in 16 lanes: [`exp_weight`]'s steps on a register, both parts rounded by
+/// `vcvtneps2bf16` (round to nearest even, as [`bf16_of_f32`]; the weights are normal floats, whose
+/// subnormal low parts it flushes to zero, 2⁻¹²⁶ apart at most).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
 fn row_weights_avx512(
@@ -494,7 +495,6 @@ fn row_weights_avx512(
     use std::arch::x86_64::*;
     let (scale, max) = (_mm512_set1_ps(scale), _mm512_set1_ps(max));
     let floor = _mm512_set1_ps(EXP_FLOOR);
-    let cut = _mm512_set1_epi32(0xffff_0000_u32 as i32);
     let mut total = _mm512_setzero_ps();
     for c in (span.first..span.end).step_by(LANES) {
         let chunk = &row[c..c + LANES];
@@ -506,10 +506,11 @@ fn row_weights_avx512(
         // `vmaxps` returns its second operand when one is NaN: a NaN `x` stays NaN.
         let p = _mm512_maskz_mov_ps(keep, exp_avx512(_mm512_max_ps(floor, x)));
         total = _mm512_add_ps(total, p);
-        let bits = _mm512_castps_si512(p);
-        let hi = _mm512_and_si512(bits, cut);
-        let lo: __m256bh = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_castsi512_ps(hi)));
-        let hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(hi));
+        let hi: __m256bh = _mm512_cvtneps_pbh(p);
+        // SAFETY (of the transmutes): `__m256bh` and `__m256i` are both 32 bytes, any bits valid.
+        let hi = unsafe { std::mem::transmute::<__m256bh, __m256i>(hi) };
+        let widened = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)));
+        let lo: __m256bh = _mm512_cvtneps_pbh(_mm512_sub_ps(p, widened));
         let (hi_out, lo_out) = (&mut high[c..c + LANES], &mut low[c..c + LANES]);
         // SAFETY: 32 bytes into slices of 16 `bf16`; `__m256bh` is 32 bytes of 16 `bf16`.
         unsafe {
