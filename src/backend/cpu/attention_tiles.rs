@@ -507,7 +507,7 @@ fn row_weights_avx512(
         let p = _mm512_maskz_mov_ps(keep, exp_avx512(_mm512_max_ps(floor, x)));
         total = _mm512_add_ps(total, p);
         let hi: __m256bh = _mm512_cvtneps_pbh(p);
-        // SAFETY (of the transmutes): `__m256bh` and `__m256i` are both 32 bytes, any bits valid.
+        // SAFETY: `__m256bh` and `__m256i` are both 32 bytes, and any bits are valid in either.
         let hi = unsafe { std::mem::transmute::<__m256bh, __m256i>(hi) };
         let widened = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(hi)));
         let lo: __m256bh = _mm512_cvtneps_pbh(_mm512_sub_ps(p, widened));
