@@ -317,12 +317,7 @@ fn weigh(
             continue;
         }
         // Only the chunks of lanes that hold a key the row sees are computed; the rest weigh 0.
-        let span = Span {
-            skip,
-            seen,
-            first: skip / LANES * LANES,
-            end: seen.div_ceil(LANES) * LANES,
-        };
+        let span = Span::new(skip, seen);
         for part in [&mut *high, &mut *low] {
             part[..span.first].fill(bf16::ZERO);
             part[span.end..].fill(bf16::ZERO);
@@ -354,6 +349,16 @@ struct Span {
 }
 
 impl Span {
+    /// The span of a row that sees keys `skip..seen` (`skip <= seen`, both within the tile).
+    fn new(skip: usize, seen: usize) -> Span {
+        Span {
+            skip,
+            seen,
+            first: skip / LANES * LANES,
+            end: seen.div_ceil(LANES) * LANES,
+        }
+    }
+
     /// Which lanes of the chunk at `c` hold a key the row sees (bit `i`: key `c + i`).
     #[inline(always)]
     fn visible(&self, c: usize) -> u16 {
@@ -389,10 +394,9 @@ struct Portable;
 
 impl RowPass for Portable {
     fn max(self, row: &[f32], span: &Span, scale: f32) -> f32 {
-        let sees = |c: usize| (span.skip..span.seen).contains(&c);
-        (span.first..span.end)
-            .filter(|&c| sees(c))
-            .fold(f32::NEG_INFINITY, |m, c| larger_or_nan(m, row[c] * scale))
+        row[span.skip..span.seen]
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, &s| larger_or_nan(m, s * scale))
     }
 
     fn weights(
@@ -659,12 +663,7 @@ mod tests {
             if let Some(i) = nan {
                 row[i] = f32::NAN;
             }
-            let span = Span {
-                skip,
-                seen,
-                first: skip / LANES * LANES,
-                end: seen.div_ceil(LANES) * LANES,
-            };
+            let span = Span::new(skip, seen);
             let (want_max, got_max) = (
                 Portable.max(&row, &span, scale),
                 vector.max(&row, &span, scale),
