@@ -46,7 +46,7 @@ fn products(c: &mut Criterion) {
     root(Device::Cpu, |s| -> Result<()> {
         for (n, k) in [(8192usize, 2048usize), (2048, 8192)] {
             let dense: Tensor<'_> = s.randn(&[n, k])?.mul_scalar(0.02)?;
-            for m in [1usize, 8, 64] {
+            for m in [1usize, 8, 64, 512] {
                 let x = s.randn(&[m, k])?;
                 let shape = format!("{m}x{k}x{n}");
                 group.throughput(Throughput::Bytes((n * k * 4) as u64));

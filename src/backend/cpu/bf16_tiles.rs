@@ -35,29 +35,46 @@ pub(super) struct Amx {
 impl Amx {
     /// The proof, where this CPU and kernel run tiles (checked and requested once per process).
     pub(super) fn detect() -> Option<Amx> {
-        static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        GRANTED
-            .get_or_init(request)
-            .then_some(Amx { _detected: () })
+        (listed(AMX_BF16) && granted()).then_some(Amx { _detected: () })
     }
 }
 
-/// Whether CPUID lists AMX-TILE and AMX-BF16 and Linux grants this process the tile data state.
+/// CPUID leaf 7's EDX bit of AMX-BF16 (`TDPBF16PS`).
+const AMX_BF16: u32 = 1 << 22;
+/// CPUID leaf 7's EDX bit of AMX-INT8 (`TDPBSSD` and its kin).
+pub(super) const AMX_INT8: u32 = 1 << 25;
+
+/// Whether CPUID lists AMX-TILE (leaf 7, sub-leaf 0, EDX bit 24) and `extension`.
+#[cfg(target_arch = "x86_64")]
+pub(super) fn listed(extension: u32) -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    const AMX_TILE: u32 = 1 << 24;
+    let wanted = AMX_TILE | extension;
+    __cpuid(0).eax >= 7 && __cpuid_count(7, 0).edx & wanted == wanted
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) fn listed(_extension: u32) -> bool {
+    false
+}
+
+/// Whether Linux grants this process the tile data state (asked once per process; every AMX
+/// extension's tiles are the same state).
+pub(super) fn granted() -> bool {
+    static GRANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *GRANTED.get_or_init(request)
+}
+
+/// Asks Linux for the tile data state, where CPUID lists the tiles.
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn request() -> bool {
     /// `arch_prctl` request for permission to use an extended state component (Linux 5.16).
     const ARCH_REQ_XCOMP_PERM: libc::c_int = 0x1023;
     /// The extended state component of AMX's tile data.
     const XFEATURE_XTILEDATA: libc::c_ulong = 18;
-    use std::arch::x86_64::{__cpuid, __cpuid_count};
-    // CPUID leaf 7, sub-leaf 0 (where the CPU has leaf 7): EDX bit 22 is AMX-BF16, bit 24 AMX-TILE.
-    let listed = __cpuid(0).eax >= 7 && {
-        let features = __cpuid_count(7, 0);
-        features.edx & (1 << 22) != 0 && features.edx & (1 << 24) != 0
-    };
     // SAFETY: `arch_prctl` with this request reads its two integer arguments and changes only the
     // process's permitted extended state; it touches no memory of ours.
-    listed
+    listed(0)
         && unsafe {
             libc::syscall(
                 libc::SYS_arch_prctl,
@@ -76,12 +93,12 @@ fn request() -> bool {
 /// layout `LDTILECFG` reads: 64 bytes, the palette, the start row, 14 reserved bytes, each tile's
 /// bytes per row (`u16`), each tile's rows.
 #[repr(C, align(64))]
-struct Config {
-    palette: u8,
-    start_row: u8,
-    reserved: [u8; 14],
-    bytes_per_row: [u16; 16],
-    rows: [u8; 16],
+pub(super) struct Config {
+    pub(super) palette: u8,
+    pub(super) start_row: u8,
+    pub(super) reserved: [u8; 14],
+    pub(super) bytes_per_row: [u16; 16],
+    pub(super) rows: [u8; 16],
 }
 
 const CONFIG: Config = Config {

@@ -24,6 +24,8 @@ mod quant_strips;
 #[cfg(target_arch = "x86_64")]
 mod quant_strips_avx2;
 #[cfg(target_arch = "x86_64")]
+mod quant_tiles;
+#[cfg(target_arch = "x86_64")]
 mod quant_vnni;
 mod reduce;
 mod rotary;

@@ -30,12 +30,17 @@ const TOKENS: usize = 8;
 /// the offset.
 pub(super) struct Panel {
     /// `[k / 4][16]`: each row's 4 levels as one word.
-    levels: Vec<u32>,
+    pub(super) levels: Vec<u32>,
+    /// `[k / sub][16]`: `−128 · Σ q` of each row's scale block.
     start: Vec<i32>,
-    scale: Vec<f32>,
-    offset: Vec<f32>,
-    offsets: bool,
-    sub: usize,
+    /// `[k / sub][16]`: each row's scale per scale block.
+    pub(super) scale: Vec<f32>,
+    /// `[k / sub][16]`: each row's offset per scale block (zero without minimums).
+    pub(super) offset: Vec<f32>,
+    /// Whether any offset is non-zero.
+    pub(super) offsets: bool,
+    /// Values per scale block: 32, or 16 for Q6_K, Q3_K and Q2_K.
+    pub(super) sub: usize,
 }
 
 impl Panel {
@@ -98,22 +103,23 @@ impl Panel {
 }
 
 /// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the panel's first `rows` rows and
-/// every token `t` of `a` (`unsigned`: the tokens' levels plus 128).
+/// the tokens `t` in `range` of `a` (`unsigned`: the tokens' levels plus 128).
 ///
 /// # Panics
 /// When the operands do not fit (`k` a multiple of 32, `m` tokens of `k` in `a` and `unsigned`,
-/// the columns `first..first + rows` in `columns`).
+/// `range` within them, the columns `first..first + rows` in `columns`).
 pub(super) fn panel_product(
     panel: &Panel,
     a: &Activations,
     unsigned: &[u8],
     (m, k): (usize, usize),
-    rows: usize,
+    range: std::ops::Range<usize>,
     columns: &mut Columns<'_>,
-    first: usize,
+    (first, rows): (usize, usize),
 ) {
     assert!(
-        k.is_multiple_of(BLOCK)
+        range.end <= m
+            && k.is_multiple_of(BLOCK)
             && panel.levels.len() == k / 4 * LANES
             && a.q.len() >= m * k
             && unsigned.len() >= m * k
@@ -123,7 +129,8 @@ pub(super) fn panel_product(
             && first + rows <= columns.len(),
         "quantized panel product: operands do not fit their shape"
     );
-    by_token_chunks(m, 8, |t0, run| {
+    by_token_chunks(range.len(), 8, |t, run| {
+        let t0 = range.start + t;
         let mut sums = [[0.0f32; LANES]; TOKENS];
         // SAFETY: `Kernel::Avx512Vnni` (the caller's condition) is detected with AVX-512 F/BW and
         // VNNI; the assertion keeps every read inside the panel and the tokens t0..t0 + run <= m.

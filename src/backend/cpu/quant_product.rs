@@ -40,6 +40,11 @@ pub(crate) enum Kernel {
     /// Q5_K and Q6_K (`quant_vnni`, `quant_strips`), the decoding path for Q2_K and Q3_K.
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AVX-512 VNNI's kernels, and AMX-INT8 tiles (`quant_tiles`) for the products of at least
+    /// [`TILE_TOKENS`] rows. Only where [`KERNEL_VARIABLE`] asks for it (`amx`): as they stand the
+    /// tiles are slower than the VNNI kernels (BENCHMARKS.md, issue 37).
+    #[cfg(target_arch = "x86_64")]
+    Amx,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     Portable,
@@ -47,8 +52,9 @@ pub(crate) enum Kernel {
 
 /// The environment variable that caps the quantized products' kernel below the CPU's best:
 /// `portable`, `avx2` or `avx512-vnni` (to compare the paths on one machine, or to reproduce what a
-/// lesser CPU computes). A kernel the CPU lacks is never chosen; an unknown value is reported once
-/// on standard error and ignored.
+/// lesser CPU computes); `amx` opts in to the AMX-INT8 tiles where the CPU and kernel have them. A
+/// kernel the CPU lacks is never chosen; an unknown value is reported once on standard error and
+/// ignored.
 pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_QUANT_KERNEL";
 
 impl Kernel {
@@ -60,7 +66,7 @@ impl Kernel {
             Kernel::capped(Kernel::best(), asked.as_deref()).unwrap_or_else(|unknown| {
                 eprintln!(
                     "ndscope: {KERNEL_VARIABLE}={unknown:?} is not a kernel (portable, avx2, \
-                     avx512-vnni); using the CPU's best"
+                     avx512-vnni, amx); using the CPU's best"
                 );
                 Kernel::best()
             })
@@ -76,6 +82,8 @@ impl Kernel {
             Kernel::Avx2 => 1,
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => 2,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => 3,
         };
         let wanted = match asked.map(str::trim) {
             None | Some("") => return Ok(best),
@@ -84,6 +92,15 @@ impl Kernel {
             Some("avx2") => Kernel::Avx2,
             #[cfg(target_arch = "x86_64")]
             Some("avx512-vnni") => Kernel::Avx512Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Some("amx") => {
+                let tiles = super::quant_tiles::AmxInt8::detect().is_some();
+                return Ok(if best == Kernel::Avx512Vnni && tiles {
+                    Kernel::Amx
+                } else {
+                    best
+                });
+            }
             Some(other) => return Err(other.to_string()),
         };
         Ok(if rank(wanted) < rank(best) {
@@ -116,7 +133,7 @@ impl Kernel {
     pub(crate) fn reads_strips(self, ty: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
         match self {
-            Kernel::Avx512Vnni => return crate::quant::strips::has_strips(ty),
+            Kernel::Avx512Vnni | Kernel::Amx => return crate::quant::strips::has_strips(ty),
             Kernel::Avx2 => return super::quant_strips_avx2::reads(ty),
             Kernel::Portable => {}
         }
@@ -136,6 +153,9 @@ impl Kernel {
             }
             if best == Kernel::Avx512Vnni {
                 all.push(best);
+                if super::quant_tiles::AmxInt8::detect().is_some() {
+                    all.push(Kernel::Amx);
+                }
             }
         }
         all
@@ -554,6 +574,24 @@ pub(crate) fn product(
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
     #[cfg(target_arch = "x86_64")]
+    let kernel = if kernel == Kernel::Amx {
+        use super::quant_tiles::{AmxInt8, Stored};
+        if let Some(amx) = AmxInt8::detect().filter(|_| m >= TILE_TOKENS) {
+            let w = if in_strips {
+                Stored::Strips(w)
+            } else {
+                Stored::Rows(w)
+            };
+            let rows_per_task = rows_per_task.div_ceil(16) * 16;
+            let schedule = (rows_per_task, parallel);
+            return super::quant_tiles::product(amx, ty, w, &a, (m, k, n), schedule, out);
+        }
+        // Fewer rows: the VNNI kernels, which stream the weight once for all of them.
+        Kernel::Avx512Vnni
+    } else {
+        kernel
+    };
+    #[cfg(target_arch = "x86_64")]
     if in_strips {
         use super::quant_strips::{BlockSums, strip_product};
         use crate::quant::strips::{STRIP_ROWS, strips_len};
@@ -618,7 +656,7 @@ pub(crate) fn product(
                     row_bytes,
                     &mut row,
                 );
-                panel_product(&panel, &a, &unsigned, (m, k), rows, &mut columns, c);
+                panel_product(&panel, &a, &unsigned, (m, k), 0..m, &mut columns, (c, rows));
             }
         });
         return;
@@ -680,6 +718,11 @@ fn decoded_into_tokens(
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PANEL_TOKENS: usize = 48;
 
+/// Rows of `x` from which an AMX machine's products decode the weight into panels and multiply
+/// them on int8 tiles (`quant_tiles`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) const TILE_TOKENS: usize = 32;
+
 /// A VNNI kernel: one stored row times the rows `first..` of the activations (one per output), with
 /// their lanes.
 #[cfg(target_arch = "x86_64")]
@@ -738,7 +781,7 @@ fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
     #[cfg(target_arch = "x86_64")]
     use super::quant_vnni as vnni;
     #[cfg(target_arch = "x86_64")]
-    let kernel = if kernel == Kernel::Avx512Vnni {
+    let kernel = if kernel == Kernel::Avx512Vnni || kernel == Kernel::Amx {
         Kernel::Avx2
     } else {
         kernel
@@ -797,7 +840,9 @@ fn dot(kernel: Kernel, row: &Row, a: &Activations, t: usize, k: usize) -> f32 {
         // SAFETY: `Kernel::detect` returned `Avx2` only where the CPU has AVX2 and FMA; every
         // slice holds `k` values (or `k / 16`, `k / 32` scales), which is all the kernel reads.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Avx512Vnni => unsafe { avx2::dot(&row.q, &row.scale, xq, xd) },
+        Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::Amx => unsafe {
+            avx2::dot(&row.q, &row.scale, xq, xd)
+        },
         Kernel::Portable => portable_dot(&row.q, &row.scale, xq, xd),
     };
     if !row.offsets {
@@ -1327,6 +1372,61 @@ mod tests {
         }
     }
 
+    /// The int8 tiles compute what the VNNI panels compute, bit for bit: the same integer sums per
+    /// scale block, scaled and added in the same order; and a weight in strips as in rows.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_int8_tiles_give_the_vnni_panels_bits() {
+        if Kernel::capped(Kernel::best(), Some("amx")) != Ok(Kernel::Amx) {
+            eprintln!(
+                "not run: this CPU or kernel has no AMX-INT8 tiles (the VNNI path is tested)"
+            );
+            return;
+        }
+        for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
+            // Whole 16-token groups and a tail; one to three chunks of scale blocks, an odd count.
+            for (m, k, n) in [(64, 512, 37), (51, 1280, 16), (PANEL_TOKENS, 160, 33)] {
+                if k % ty.block_size() != 0 {
+                    continue;
+                }
+                let w = blocks(ty, n, k, 3 + n as u64);
+                let x = values(m * k, 17 + m as u64);
+                let mut tiles = vec![0.0f32; m * n];
+                product(Kernel::Amx, ty, false, &x, &w, (m, k, n), &mut tiles);
+                let mut panels = vec![0.0f32; m * n];
+                product(
+                    Kernel::Avx512Vnni,
+                    ty,
+                    false,
+                    &x,
+                    &w,
+                    (m, k, n),
+                    &mut panels,
+                );
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&tiles), bits(&panels), "{ty} m={m} k={k} n={n}");
+                if quant::strips::has_strips(ty) {
+                    let strips = quant::strips::to_strips(ty, &w, n, k);
+                    let mut from_strips = vec![0.0f32; m * n];
+                    product(
+                        Kernel::Amx,
+                        ty,
+                        true,
+                        &x,
+                        &strips,
+                        (m, k, n),
+                        &mut from_strips,
+                    );
+                    assert_eq!(
+                        bits(&from_strips),
+                        bits(&tiles),
+                        "{ty} strips m={m} k={k} n={n}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_kernel_variable_caps_the_kernel_and_never_raises_it() {
         let best = Kernel::best();
@@ -1351,6 +1451,18 @@ mod tests {
             assert_eq!(
                 Kernel::capped(Kernel::Avx2, Some("avx512-vnni")),
                 Ok(Kernel::Avx2)
+            );
+            // The tiles are asked for, never the default, and never above what the CPU runs.
+            assert_eq!(Kernel::capped(Kernel::Avx2, Some("amx")), Ok(Kernel::Avx2));
+            assert_ne!(Kernel::best(), Kernel::Amx);
+            let tiles = super::super::quant_tiles::AmxInt8::detect().is_some();
+            assert_eq!(
+                Kernel::capped(Kernel::Avx512Vnni, Some("amx")),
+                Ok(if tiles {
+                    Kernel::Amx
+                } else {
+                    Kernel::Avx512Vnni
+                })
             );
         }
     }
