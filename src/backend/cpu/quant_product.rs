@@ -582,7 +582,6 @@ pub(crate) fn product(
             } else {
                 Stored::Rows(w)
             };
-            let rows_per_task = rows_per_task.div_ceil(16) * 16;
             let schedule = (rows_per_task, parallel);
             return super::quant_tiles::product(amx, ty, w, &a, (m, k, n), schedule, out);
         }

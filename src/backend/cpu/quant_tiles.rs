@@ -197,7 +197,8 @@ impl Drop for Int8Tiles {
     }
 }
 
-/// `out[t][r] = x̂_{t0 + t} · ŵ_r` for the 16 tokens from `t0` and the panel's 16 rows.
+/// `out[t][r] = x̂_{t0 + t} · ŵ_r` for the 16 tokens from `t0` and the panel's 16 rows (`sums`:
+/// the task's scratch for the integer sums, every element written before it is read).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F (an [`AmxInt8`] says so); `tiles` are configured for the panel's
@@ -210,19 +211,19 @@ unsafe fn tokens(
     a: &Activations,
     k: usize,
     t0: usize,
+    sums: &mut [[[i32; LANES]; TOKENS]; CHUNK],
     out: &mut [[f32; LANES]; TOKENS],
 ) {
     let sub = panel.sub;
     let blocks = k / sub;
     let mut acc = [_mm512_setzero_ps(); TOKENS];
-    let mut sums = [[[0i32; LANES]; TOKENS]; CHUNK];
     for b0 in (0..blocks).step_by(CHUNK) {
         let n = CHUNK.min(blocks - b0);
         tiles.sums(
             (&a.q[t0 * k + b0 * sub..], k),
             &panel.levels[b0 * sub / 4 * LANES..],
             n,
-            &mut sums,
+            sums,
         );
         for (i, block) in sums[..n].iter().enumerate() {
             let b = b0 + i;
@@ -266,7 +267,7 @@ pub(super) enum Stored<'w> {
 
 /// `out = x̂ Ŵᵀ` on the tiles for `a` (`m` tokens of `k`), the `n` weight rows of `ty` in `w`
 /// (`row_bytes` each in row order), `out` `m × n`: the tasks of [`super::few_rows::by_weight_rows`]
-/// (`rows_per_task` a multiple of 16), each decoding its rows into panels once and multiplying
+/// (`rows_per_task` rounded up to whole panels), each decoding its rows into panels once and multiplying
 /// every 16 tokens into them; the tokens past the last 16 go through `quant_gemm`'s VNNI kernel,
 /// which computes the same bits.
 ///
@@ -296,9 +297,10 @@ pub(super) fn product(
         (Stored::Strips(_), None) => panic!("{ty} has no strips"),
     };
     assert!(
-        rows_per_task.is_multiple_of(LANES) && a.q.len() >= m * k,
+        a.q.len() >= m * k,
         "int8 tiles: operands do not fit their shape"
     );
+    let rows_per_task = rows_per_task.div_ceil(LANES) * LANES;
     let whole = m / TOKENS * TOKENS;
     let unsigned = (whole < m).then(|| a.unsigned(m * k));
     super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
@@ -336,13 +338,14 @@ pub(super) fn product(
             let sub = panels.first().map_or(2 * HALF, |(p, _)| p.sub);
             let mut tiles = Int8Tiles::configure(amx, sub);
             let mut sums = [[0.0f32; LANES]; TOKENS];
+            let mut scratch = Box::new([[[0i32; LANES]; TOKENS]; CHUNK]);
             for t0 in (0..whole).step_by(TOKENS) {
                 for (p, (panel, rows)) in panels.iter().enumerate() {
                     // SAFETY: `amx` says the CPU has AVX-512 F; the tiles are configured for the
                     // panels' scale blocks (one format, one `sub`); tokens `t0..t0 + 16 <= m`
                     // lie in `a` (asserted: `m` rows of `k`), and each panel holds `k` values
                     // per row.
-                    unsafe { tokens(&mut tiles, panel, a, k, t0, &mut sums) };
+                    unsafe { tokens(&mut tiles, panel, a, k, t0, &mut scratch, &mut sums) };
                     for (t, s) in sums.iter().enumerate() {
                         columns.set_run(t0 + t, p * LANES, &s[..*rows]);
                     }
