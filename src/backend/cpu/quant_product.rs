@@ -40,21 +40,28 @@ pub(crate) enum Kernel {
     /// Q5_K and Q6_K (`quant_vnni`, `quant_strips`), the decoding path for Q2_K and Q3_K.
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
-    /// AVX-512 VNNI's kernels, and AMX-INT8 tiles (`quant_tiles`) for the products of at least
-    /// [`TILE_TOKENS`] rows. Only where [`KERNEL_VARIABLE`] asks for it (`amx`): as they stand the
-    /// tiles are slower than the VNNI kernels (BENCHMARKS.md, issue 37).
+    /// AVX-512 VNNI's kernels, with the K formats' strips (Q4_K, Q5_K, Q6_K) multiplied on
+    /// AMX-INT8 tiles inside the strip kernels (`quant_strips::tiles`) for products of at least
+    /// [`TILE_TOKENS`] rows: the same bits, a prompt's pass 1.4x faster (BENCHMARKS.md, issue 37).
+    /// The best kernel where the CPU has AMX-INT8 and Linux granted the tile state.
     #[cfg(target_arch = "x86_64")]
     Amx,
+    /// AVX-512 VNNI's kernels, and every product of at least [`TILE_TOKENS`] rows on AMX-INT8
+    /// tiles through weight panels decoded per call (`quant_tiles`). Only where
+    /// [`KERNEL_VARIABLE`] asks for it (`amx-panels`): slower than the VNNI kernels as it stands
+    /// (BENCHMARKS.md, issue 37).
+    #[cfg(target_arch = "x86_64")]
+    AmxPanels,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     Portable,
 }
 
 /// The environment variable that caps the quantized products' kernel below the CPU's best:
-/// `portable`, `avx2` or `avx512-vnni` (to compare the paths on one machine, or to reproduce what a
-/// lesser CPU computes); `amx` opts in to the AMX-INT8 tiles where the CPU and kernel have them. A
-/// kernel the CPU lacks is never chosen; an unknown value is reported once on standard error and
-/// ignored.
+/// `portable`, `avx2`, `avx512-vnni` or `amx` (to compare the paths on one machine, or to
+/// reproduce what a lesser CPU computes); `amx-panels` opts in to the AMX-INT8 panel tiles where
+/// the CPU and kernel have tiles. A kernel the CPU lacks is never chosen; an unknown value is
+/// reported once on standard error and ignored.
 pub(crate) const KERNEL_VARIABLE: &str = "NDSCOPE_QUANT_KERNEL";
 
 impl Kernel {
@@ -66,7 +73,7 @@ impl Kernel {
             Kernel::capped(Kernel::best(), asked.as_deref()).unwrap_or_else(|unknown| {
                 eprintln!(
                     "ndscope: {KERNEL_VARIABLE}={unknown:?} is not a kernel (portable, avx2, \
-                     avx512-vnni, amx); using the CPU's best"
+                     avx512-vnni, amx, amx-panels); using the CPU's best"
                 );
                 Kernel::best()
             })
@@ -83,7 +90,7 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => 2,
             #[cfg(target_arch = "x86_64")]
-            Kernel::Amx => 3,
+            Kernel::Amx | Kernel::AmxPanels => 3,
         };
         let wanted = match asked.map(str::trim) {
             None | Some("") => return Ok(best),
@@ -93,10 +100,12 @@ impl Kernel {
             #[cfg(target_arch = "x86_64")]
             Some("avx512-vnni") => Kernel::Avx512Vnni,
             #[cfg(target_arch = "x86_64")]
-            Some("amx") => {
-                let tiles = super::quant_tiles::AmxInt8::detect().is_some();
-                return Ok(if best == Kernel::Avx512Vnni && tiles {
-                    Kernel::Amx
+            Some("amx") => Kernel::Amx,
+            #[cfg(target_arch = "x86_64")]
+            Some("amx-panels") => {
+                // The opt-in: the tiles' kernel beside the default one, where the CPU has tiles.
+                return Ok(if best == Kernel::Amx {
+                    Kernel::AmxPanels
                 } else {
                     best
                 });
@@ -121,6 +130,9 @@ impl Kernel {
                 && std::is_x86_feature_detected!("avx512bw")
                 && std::is_x86_feature_detected!("avx512vnni")
             {
+                if super::quant_tiles::AmxInt8::detect().is_some() {
+                    return Kernel::Amx;
+                }
                 return Kernel::Avx512Vnni;
             }
             return Kernel::Avx2;
@@ -133,7 +145,9 @@ impl Kernel {
     pub(crate) fn reads_strips(self, ty: QuantType) -> bool {
         #[cfg(target_arch = "x86_64")]
         match self {
-            Kernel::Avx512Vnni | Kernel::Amx => return crate::quant::strips::has_strips(ty),
+            Kernel::Avx512Vnni | Kernel::Amx | Kernel::AmxPanels => {
+                return crate::quant::strips::has_strips(ty);
+            }
             Kernel::Avx2 => return super::quant_strips_avx2::reads(ty),
             Kernel::Portable => {}
         }
@@ -151,11 +165,11 @@ impl Kernel {
             if best != Kernel::Portable {
                 all.push(Kernel::Avx2);
             }
-            if best == Kernel::Avx512Vnni {
-                all.push(best);
-                if super::quant_tiles::AmxInt8::detect().is_some() {
-                    all.push(Kernel::Amx);
-                }
+            if best == Kernel::Avx512Vnni || best == Kernel::Amx {
+                all.push(Kernel::Avx512Vnni);
+            }
+            if best == Kernel::Amx {
+                all.extend([Kernel::Amx, Kernel::AmxPanels]);
             }
         }
         all
@@ -539,6 +553,12 @@ pub(super) fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
     }
 }
 
+/// Whether the strip kernels multiply `ty` on AMX-INT8 tiles (`quant_strips::tiles`: the K
+/// formats) rather than the strips being decoded into `quant_tiles`' panels.
+fn strip_tiles_take(ty: QuantType) -> bool {
+    matches!(ty, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
+}
+
 /// `out = x Ŵᵀ` for `x` `m × k` (contiguous), `w` the `n` stored rows of `ty` (contiguous, `k /
 /// block_size` blocks each) and `out` contiguous `m × n`, with `k` a multiple of `ty`'s block.
 ///
@@ -573,8 +593,14 @@ pub(crate) fn product(
     let a = quantize_activations(x, m, k);
     let rows_per_task = (TASK_BYTES / row_bytes.max(1)).max(1);
     let parallel = n * row_bytes >= PARALLEL_BYTES;
+    // The K formats' strips take the tiles inside the strip kernels (`quant_strips::tiles`).
     #[cfg(target_arch = "x86_64")]
-    let kernel = if kernel == Kernel::Amx {
+    let strip_tiles = (kernel == Kernel::Amx && in_strips && m >= TILE_TOKENS)
+        .then(super::quant_tiles::AmxInt8::detect)
+        .flatten()
+        .filter(|_| strip_tiles_take(ty));
+    #[cfg(target_arch = "x86_64")]
+    let kernel = if kernel == Kernel::AmxPanels {
         use super::quant_tiles::{AmxInt8, Stored};
         if let Some(amx) = AmxInt8::detect().filter(|_| m >= TILE_TOKENS) {
             let w = if in_strips {
@@ -586,6 +612,9 @@ pub(crate) fn product(
             return super::quant_tiles::product(amx, ty, w, &a, (m, k, n), schedule, out);
         }
         // Fewer rows: the VNNI kernels, which stream the weight once for all of them.
+        Kernel::Avx512Vnni
+    } else if kernel == Kernel::Amx {
+        // The tiles inside the strip kernels (`strip_tiles`), the VNNI kernels everywhere else.
         Kernel::Avx512Vnni
     } else {
         kernel
@@ -606,6 +635,8 @@ pub(crate) fn product(
         super::few_rows::by_weight_rows((m, n), rows_per_task, parallel, out, |mut columns| {
             // Only the rows past the last strip are decoded: a task of strips allocates nothing.
             let mut row = None;
+            let mut tiles =
+                strip_tiles.and_then(|amx| super::quant_strips::StripTiles::configure(amx, ty));
             let (j0, rows) = (columns.first(), columns.len());
             for c in (0..rows).step_by(STRIP_ROWS) {
                 let first = j0 + c;
@@ -613,7 +644,8 @@ pub(crate) fn product(
                     let at = first / STRIP_ROWS * strip_bytes;
                     let strip = &w[at..at + strip_bytes];
                     if kernel == Kernel::Avx512Vnni {
-                        strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c);
+                        let tiles = tiles.as_mut();
+                        strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c, tiles);
                     } else {
                         super::quant_strips_avx2::strip_product(
                             ty,
@@ -780,7 +812,7 @@ fn fused_kernel(kernel: Kernel, ty: QuantType) -> Option<Fused> {
     #[cfg(target_arch = "x86_64")]
     use super::quant_vnni as vnni;
     #[cfg(target_arch = "x86_64")]
-    let kernel = if kernel == Kernel::Avx512Vnni || kernel == Kernel::Amx {
+    let kernel = if matches!(kernel, Kernel::Avx512Vnni | Kernel::Amx | Kernel::AmxPanels) {
         Kernel::Avx2
     } else {
         kernel
@@ -839,7 +871,7 @@ fn dot(kernel: Kernel, row: &Row, a: &Activations, t: usize, k: usize) -> f32 {
         // SAFETY: `Kernel::detect` returned `Avx2` only where the CPU has AVX2 and FMA; every
         // slice holds `k` values (or `k / 16`, `k / 32` scales), which is all the kernel reads.
         #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::Amx => unsafe {
+        Kernel::Avx2 | Kernel::Avx512Vnni | Kernel::Amx | Kernel::AmxPanels => unsafe {
             avx2::dot(&row.q, &row.scale, xq, xd)
         },
         Kernel::Portable => portable_dot(&row.q, &row.scale, xq, xd),
@@ -1371,17 +1403,20 @@ mod tests {
         }
     }
 
-    /// The int8 tiles compute what the VNNI panels compute, bit for bit: the same integer sums per
-    /// scale block, scaled and added in the same order; and a weight in strips as in rows.
+    /// The int8 tiles compute what the VNNI kernels compute, bit for bit: the same integer sums
+    /// per scale block, scaled and added in the same order. The strip tiles (`Kernel::Amx`) give
+    /// the VNNI strip kernels' bits; the panel tiles (`Kernel::AmxPanels`) the VNNI panels', for a
+    /// weight in strips as in rows.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_int8_tiles_give_the_vnni_panels_bits() {
-        if Kernel::capped(Kernel::best(), Some("amx")) != Ok(Kernel::Amx) {
+    fn the_int8_tiles_give_the_vnni_kernels_bits() {
+        if Kernel::best() != Kernel::Amx {
             eprintln!(
                 "not run: this CPU or kernel has no AMX-INT8 tiles (the VNNI path is tested)"
             );
             return;
         }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for &ty in QuantType::all().iter().filter(|t| t.is_quantized()) {
             // Whole 16-token groups and a tail; one to three chunks of scale blocks, an odd count.
             for (m, k, n) in [(64, 512, 37), (51, 1280, 16), (PANEL_TOKENS, 160, 33)] {
@@ -1390,36 +1425,28 @@ mod tests {
                 }
                 let w = blocks(ty, n, k, 3 + n as u64);
                 let x = values(m * k, 17 + m as u64);
-                let mut tiles = vec![0.0f32; m * n];
-                product(Kernel::Amx, ty, false, &x, &w, (m, k, n), &mut tiles);
-                let mut panels = vec![0.0f32; m * n];
-                product(
-                    Kernel::Avx512Vnni,
-                    ty,
-                    false,
-                    &x,
-                    &w,
-                    (m, k, n),
-                    &mut panels,
+                let run = |kernel, in_strips, w: &[u8]| {
+                    let mut out = vec![0.0f32; m * n];
+                    product(kernel, ty, in_strips, &x, w, (m, k, n), &mut out);
+                    bits(&out)
+                };
+                let panels = run(Kernel::Avx512Vnni, false, &w);
+                assert_eq!(
+                    run(Kernel::AmxPanels, false, &w),
+                    panels,
+                    "{ty} panel tiles, rows, m={m} k={k} n={n}"
                 );
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&tiles), bits(&panels), "{ty} m={m} k={k} n={n}");
                 if quant::strips::has_strips(ty) {
                     let strips = quant::strips::to_strips(ty, &w, n, k);
-                    let mut from_strips = vec![0.0f32; m * n];
-                    product(
-                        Kernel::Amx,
-                        ty,
-                        true,
-                        &x,
-                        &strips,
-                        (m, k, n),
-                        &mut from_strips,
+                    assert_eq!(
+                        run(Kernel::Amx, true, &strips),
+                        run(Kernel::Avx512Vnni, true, &strips),
+                        "{ty} strip tiles m={m} k={k} n={n}"
                     );
                     assert_eq!(
-                        bits(&from_strips),
-                        bits(&tiles),
-                        "{ty} strips m={m} k={k} n={n}"
+                        run(Kernel::AmxPanels, true, &strips),
+                        panels,
+                        "{ty} panel tiles, strips, m={m} k={k} n={n}"
                     );
                 }
             }
@@ -1451,17 +1478,30 @@ mod tests {
                 Kernel::capped(Kernel::Avx2, Some("avx512-vnni")),
                 Ok(Kernel::Avx2)
             );
-            // The tiles are asked for, never the default, and never above what the CPU runs.
-            assert_eq!(Kernel::capped(Kernel::Avx2, Some("amx")), Ok(Kernel::Avx2));
-            assert_ne!(Kernel::best(), Kernel::Amx);
+            // The strip tiles are the default where the CPU and kernel have tiles; the panel
+            // tiles are asked for; neither is chosen above what the CPU runs.
             let tiles = super::super::quant_tiles::AmxInt8::detect().is_some();
             assert_eq!(
+                Kernel::best() == Kernel::Amx,
+                tiles && matches!(best, Kernel::Avx512Vnni | Kernel::Amx)
+            );
+            assert_eq!(Kernel::capped(Kernel::Avx2, Some("amx")), Ok(Kernel::Avx2));
+            assert_eq!(
                 Kernel::capped(Kernel::Avx512Vnni, Some("amx")),
-                Ok(if tiles {
-                    Kernel::Amx
-                } else {
-                    Kernel::Avx512Vnni
-                })
+                Ok(Kernel::Avx512Vnni)
+            );
+            assert_eq!(
+                Kernel::capped(Kernel::Avx512Vnni, Some("amx-panels")),
+                Ok(Kernel::Avx512Vnni)
+            );
+            assert_eq!(Kernel::capped(Kernel::Amx, Some("amx")), Ok(Kernel::Amx));
+            assert_eq!(
+                Kernel::capped(Kernel::Amx, Some("amx-panels")),
+                Ok(Kernel::AmxPanels)
+            );
+            assert_eq!(
+                Kernel::capped(Kernel::Amx, Some("avx512-vnni")),
+                Ok(Kernel::Avx512Vnni)
             );
         }
     }

@@ -29,6 +29,9 @@ use super::quant_vnni::{Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Small, by_token_chunks};
 use crate::quant::strips::{STRIP_ROWS, k4_sub_block, small_strip, strip_block_bytes};
 use crate::quant::{QK_K, QuantType};
 
+mod tiles;
+pub(super) use tiles::StripTiles;
+
 /// The most tokens whose accumulators stay in registers through one strip.
 const TOKENS: usize = 16;
 /// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
@@ -130,10 +133,13 @@ pub(super) fn operands_fit(
 
 /// Column `first + r` of `columns`, row `t` `= x̂_t · ŵ_r` for the 16 rows of `strip` (a strip of
 /// `ty`, `k` values per row) and every token `t` of `a` (`sums`: its [`BlockSums`] for `ty`).
+/// With `tiles` (configured for `ty`), each whole 16 tokens' integer sums come from the AMX-INT8
+/// tiles ([`tiles`]): the same bits.
 ///
 /// # Panics
 /// When `ty` has no strips or the operands do not fit (`k` whole blocks of `ty`, `m` tokens of `k`
 /// in `a`, the columns `first..first + 16` in `columns`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn strip_product(
     ty: QuantType,
     strip: &[u8],
@@ -142,6 +148,7 @@ pub(super) fn strip_product(
     (m, k): (usize, usize),
     columns: &mut Columns<'_>,
     first: usize,
+    mut tiles: Option<&mut StripTiles>,
 ) {
     assert!(
         operands_fit(ty, strip, a, sums, (m, k), columns, first),
@@ -158,6 +165,27 @@ pub(super) fn strip_product(
     let largest = if ty.block_size() == QK_K { TOKENS } else { 8 };
     by_token_chunks(m, largest, |t0, run| {
         let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
+        if let (Some(tiles), TOKENS) = (tiles.as_mut(), run) {
+            // SAFETY: the tiles' existence says the CPU has AMX-INT8 and AVX-512 F/BW and VNNI,
+            // and they were configured for `ty` (`StripTiles::configure` takes only the K
+            // formats); the assertions above keep every read inside the strip and the tokens
+            // t0..t0 + 16 <= m, with the sums `ty` reads.
+            unsafe {
+                match ty {
+                    QuantType::Q4_K => {
+                        tiles::tokens_k4::<false>(tiles, strip, a, sums, k, t0, &mut out)
+                    }
+                    QuantType::Q5_K => {
+                        tiles::tokens_k4::<true>(tiles, strip, a, sums, k, t0, &mut out)
+                    }
+                    _ => tiles::tokens_q6_k(tiles, strip, a, sums, k, t0, &mut out),
+                }
+            }
+            for (t, s) in out.iter().enumerate() {
+                columns.set_run(t0 + t, first, s);
+            }
+            return;
+        }
         // SAFETY: the CPU has AVX-512 F/BW and VNNI (asserted); the assertions above keep every
         // read inside the strip and the tokens t0..t0 + run <= m, with the sums `ty` reads.
         unsafe {
@@ -464,6 +492,39 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
     store(acc, out);
 }
 
+/// The 6-bit levels (0..=63) of chunk `c` (values `32c..32c + 32`) of the Q6_K strip block at
+/// `block`, as eight groups of 4 values of 16 rows: the low nibbles' groups with the high bits
+/// added.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW; `block` must point to a whole Q6_K strip block, `c < 8`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn q6_k_groups(block: *const u8, c: usize) -> [__m512i; 8] {
+    let high_bits = _mm512_set1_epi8(0x30);
+    // SAFETY: the caller's contract: chunk `c`'s 256 bytes of nibble groups and 128 of high bits
+    // lie in the block; `loadu` takes any alignment.
+    unsafe {
+        let chunk = block.add(288 + 384 * c);
+        let mut w = nibble_groups(chunk);
+        for h in 0..2 {
+            let v = _mm512_loadu_si512(chunk.add(256 + 64 * h).cast());
+            // The high bits of group 4h + i are bits 2i..2i + 2: moved to bits 4..6.
+            let moved = [
+                _mm512_slli_epi16::<4>(v),
+                _mm512_slli_epi16::<2>(v),
+                v,
+                _mm512_srli_epi16::<2>(v),
+            ];
+            for (i, moved) in moved.into_iter().enumerate() {
+                let g = &mut w[4 * h + i];
+                // low | (moved & 0x30)
+                *g = _mm512_ternarylogic_epi32::<0xF8>(*g, moved, high_bits);
+            }
+        }
+        w
+    }
+}
+
 /// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
@@ -479,7 +540,6 @@ unsafe fn tokens_q6_k<const N: usize>(
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
     let bytes = strip_block_bytes(QuantType::Q6_K);
-    let high_bits = _mm512_set1_epi8(0x30);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
@@ -491,23 +551,7 @@ unsafe fn tokens_q6_k<const N: usize>(
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             for c in 0..QK_K / BLOCK {
                 prefetch_ahead(k_prefetch(N), block.add(c * bytes / 8), bytes / 8 + 1);
-                let chunk = block.add(288 + 384 * c);
-                let mut w = nibble_groups(chunk);
-                for h in 0..2 {
-                    let v = _mm512_loadu_si512(chunk.add(256 + 64 * h).cast());
-                    // The high bits of group 4h + i are bits 2i..2i + 2: moved to bits 4..6.
-                    let moved = [
-                        _mm512_slli_epi16::<4>(v),
-                        _mm512_slli_epi16::<2>(v),
-                        v,
-                        _mm512_srli_epi16::<2>(v),
-                    ];
-                    for (i, moved) in moved.into_iter().enumerate() {
-                        let g = &mut w[4 * h + i];
-                        // low | (moved & 0x30)
-                        *g = _mm512_ternarylogic_epi32::<0xF8>(*g, moved, high_bits);
-                    }
-                }
+                let w = q6_k_groups(block, c);
                 let scale = |sub: usize| {
                     let sc = _mm_loadu_si128(block.add(32 + 16 * sub).cast());
                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
