@@ -101,9 +101,10 @@ impl StripTiles {
         })
     }
 
-    /// `tiles.scratch.sums[s][t][r] = Σ_j x[t · stride + s · sub + j] · levels_s[r][j]` for the `QK_K /
+    /// `scratch.sums[s][t][r] = Σ_j x[t · stride + s · sub + j] · levels_s[r][j]` for the `QK_K /
     /// sub` sub-blocks `s` of one block, 16 tokens `t` (their signed levels, rows `stride` bytes
-    /// apart) and the 16 rows `r` whose decoded levels `scratch.levels` holds.
+    /// apart) and the 16 rows `r` whose decoded levels `scratch.levels` holds (the kernels store
+    /// them there first).
     ///
     /// # Panics
     /// When `x` is too short for 16 rows of one block.
