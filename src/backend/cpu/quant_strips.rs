@@ -423,6 +423,26 @@ unsafe fn tokens<const N: usize, F: Small>(
     store(acc, out);
 }
 
+/// The levels (0..=15; Q5_K's 0..=31) of sub-block `s` (values `32s..32s + 32`) of the Q4_K
+/// (`FIVE` false) or Q5_K strip block at `block`, as eight groups of 4 values of 16 rows.
+///
+/// # Safety
+/// The CPU must have AVX-512 F/BW; `block` must point to a whole strip block of the format,
+/// `s < 8`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn k4_groups<const FIVE: bool>(block: *const u8, s: usize) -> [__m512i; 8] {
+    // SAFETY: the caller's contract: sub-block `s`'s nibble groups (and fifth bits) lie in the
+    // block, from byte 320.
+    unsafe {
+        let levels = block.add(320 + k4_sub_block(FIVE) * s);
+        let mut w = nibble_groups(levels);
+        if FIVE {
+            add_fifth_bits(&mut w, levels.add(256));
+        }
+        w
+    }
+}
+
 /// The Q4_K (`FIVE` false) or Q5_K strip times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
@@ -442,7 +462,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
     } else {
         QuantType::Q4_K
     };
-    let (bytes, stride) = (strip_block_bytes(ty), k4_sub_block(FIVE));
+    let bytes = strip_block_bytes(ty);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
@@ -464,11 +484,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                 // `(d · sc)` and `dmin · m` of the 16 rows, formed as the dequantizer forms them.
                 let scale = _mm512_mul_ps(d, bytes16(64));
                 let min = _mm512_mul_ps(dmin, bytes16(192));
-                let levels = block.add(320 + stride * s);
-                let mut w = nibble_groups(levels);
-                if FIVE {
-                    add_fifth_bits(&mut w, levels.add(256));
-                }
+                let w = k4_groups::<FIVE>(block, s);
                 in_dot_chunks::<N>(|c0, tokens| {
                     let first = |t: usize| (t0 + c0 + t) * k + i * QK_K + s * BLOCK;
                     let dot = dots(

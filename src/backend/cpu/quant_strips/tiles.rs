@@ -19,9 +19,9 @@ use std::marker::PhantomData;
 
 use super::super::bf16_tiles::Config;
 use super::super::quant_tiles::AmxInt8;
-use super::{Activations, BLOCK, BlockSums, STRIP_ROWS, TOKENS, add_fifth_bits, nibble_groups};
+use super::{Activations, BLOCK, BlockSums, STRIP_ROWS, TOKENS};
 use super::{k_prefetch, prefetch_ahead};
-use crate::quant::strips::{k4_sub_block, strip_block_bytes};
+use crate::quant::strips::strip_block_bytes;
 use crate::quant::{QK_K, QuantType};
 
 /// Sub-blocks the tiles multiply per call at most: a Q6_K block's 16 halves.
@@ -200,7 +200,7 @@ pub(super) unsafe fn tokens_k4<const FIVE: bool>(
     } else {
         QuantType::Q4_K
     };
-    let (bytes, stride) = (strip_block_bytes(ty), k4_sub_block(FIVE));
+    let bytes = strip_block_bytes(ty);
     let mut acc = [_mm512_setzero_ps(); TOKENS];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract, as `super::tokens_k4`'s: strip block `i` is `bytes` bytes
@@ -211,12 +211,7 @@ pub(super) unsafe fn tokens_k4<const FIVE: bool>(
             let block = strip.as_ptr().add(i * bytes);
             for s in 0..QK_K / BLOCK {
                 prefetch_ahead(k_prefetch(TOKENS), block.add(s * bytes / 8), bytes / 8 + 1);
-                let levels = block.add(320 + stride * s);
-                let mut w = nibble_groups(levels);
-                if FIVE {
-                    add_fifth_bits(&mut w, levels.add(256));
-                }
-                for (g, w) in w.into_iter().enumerate() {
+                for (g, w) in super::k4_groups::<FIVE>(block, s).into_iter().enumerate() {
                     _mm512_storeu_si512(tiles.scratch.levels[8 * s + g].as_mut_ptr().cast(), w);
                 }
             }
