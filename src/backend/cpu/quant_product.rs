@@ -553,12 +553,6 @@ pub(super) fn decode_row(ty: QuantType, bytes: &[u8], row: &mut Row) {
     }
 }
 
-/// Whether the strip kernels multiply `ty` on AMX-INT8 tiles (`quant_strips::tiles`: the K
-/// formats) rather than the strips being decoded into `quant_tiles`' panels.
-fn strip_tiles_take(ty: QuantType) -> bool {
-    matches!(ty, QuantType::Q4_K | QuantType::Q5_K | QuantType::Q6_K)
-}
-
 /// `out = x Ŵᵀ` for `x` `m × k` (contiguous), `w` the `n` stored rows of `ty` (contiguous, `k /
 /// block_size` blocks each) and `out` contiguous `m × n`, with `k` a multiple of `ty`'s block.
 ///
@@ -598,7 +592,7 @@ pub(crate) fn product(
     let strip_tiles = (kernel == Kernel::Amx && in_strips && m >= TILE_TOKENS)
         .then(super::quant_tiles::AmxInt8::detect)
         .flatten()
-        .filter(|_| strip_tiles_take(ty));
+        .filter(|_| super::quant_strips::StripTiles::take(ty));
     #[cfg(target_arch = "x86_64")]
     let kernel = if kernel == Kernel::AmxPanels {
         use super::quant_tiles::{AmxInt8, Stored};

@@ -76,15 +76,26 @@ pub(in crate::backend::cpu) struct StripTiles {
 }
 
 impl StripTiles {
+    /// Values per sub-block (per scale) of the formats the tiles take: the K formats.
+    fn sub_block(ty: QuantType) -> Option<usize> {
+        match ty {
+            QuantType::Q4_K | QuantType::Q5_K => Some(32),
+            QuantType::Q6_K => Some(16),
+            _ => None,
+        }
+    }
+
+    /// Whether the strip kernels of `ty` multiply on the tiles.
+    pub(in crate::backend::cpu) fn take(ty: QuantType) -> bool {
+        StripTiles::sub_block(ty).is_some()
+    }
+
     /// Configures this thread's tiles for `ty`'s sub-blocks; `None` for a format the tiles do not
-    /// take.
+    /// [`take`](Self::take).
     pub(in crate::backend::cpu) fn configure(amx: AmxInt8, ty: QuantType) -> Option<StripTiles> {
         let _ = amx;
-        let (config, sub) = match ty {
-            QuantType::Q4_K | QuantType::Q5_K => (&CONFIG_32, 32),
-            QuantType::Q6_K => (&CONFIG_16, 16),
-            _ => return None,
-        };
+        let sub = StripTiles::sub_block(ty)?;
+        let config = if sub == 32 { &CONFIG_32 } else { &CONFIG_16 };
         // SAFETY: `amx` exists, so the CPU has AMX-TILE and AMX-INT8 and the kernel granted the
         // tile state; `LDTILECFG` reads the 64 bytes of `config`, a valid palette-1
         // configuration.
