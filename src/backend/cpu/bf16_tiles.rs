@@ -109,25 +109,56 @@ const CONFIG: Config = Config {
     rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
 };
 
-/// This thread's tiles, configured for [`block`](Self::block) until dropped (which releases them,
-/// so the thread's state is small again at the next context switch). Not `Send`: the
-/// configuration belongs to the thread that loaded it.
-pub(super) struct Tiles {
+/// This thread's tiles, configured by one [`Config`] until dropped (which releases them, so the
+/// thread's state is small again at the next context switch): what every user of the tiles holds
+/// ([`Tiles`], the int8 tiles). Not `Send`: the configuration belongs to the thread that loaded it.
+pub(super) struct Configured {
     _thread: PhantomData<*const ()>,
+}
+
+impl Configured {
+    /// Loads `config` into this thread's tile configuration.
+    ///
+    /// # Safety
+    /// The CPU must have AMX-TILE and Linux must have granted this process the tile state (an
+    /// [`Amx`] or an `AmxInt8` says so); `config` must be a valid palette-1 configuration.
+    pub(super) unsafe fn load(config: &'static Config) -> Configured {
+        let _ = config;
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's contract; `LDTILECFG` reads the 64 bytes of `config`.
+        unsafe {
+            std::arch::asm!("ldtilecfg [{}]", in(reg) config, options(nostack, readonly));
+        }
+        Configured {
+            _thread: PhantomData,
+        }
+    }
+}
+
+impl Drop for Configured {
+    fn drop(&mut self) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `TILERELEASE` returns the tiles to their initial state; nothing of ours reads
+        // them afterwards (a new `Configured` loads a configuration again).
+        unsafe {
+            std::arch::asm!("tilerelease", options(nostack, nomem));
+        }
+    }
+}
+
+/// This thread's tiles, configured for [`block`](Self::block) until dropped. Not `Send`.
+pub(super) struct Tiles {
+    _configured: Configured,
 }
 
 impl Tiles {
     /// Configures this thread's tiles.
     pub(super) fn configure(amx: Amx) -> Tiles {
         let _ = amx;
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `amx` exists, so the CPU has AMX-TILE and the kernel granted the tile state;
-        // `LDTILECFG` reads the 64 bytes of `CONFIG`, a valid palette-1 configuration.
-        unsafe {
-            std::arch::asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
-        }
         Tiles {
-            _thread: PhantomData,
+            // SAFETY: `amx` exists, so the CPU has AMX-TILE and the kernel granted the tile state;
+            // `CONFIG` is a valid palette-1 configuration.
+            _configured: unsafe { Configured::load(&CONFIG) },
         }
     }
 
@@ -234,17 +265,6 @@ impl Tiles {
                 acc = in(reg) u32::from(accumulate),
                 options(nostack),
             );
-        }
-    }
-}
-
-impl Drop for Tiles {
-    fn drop(&mut self) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `TILERELEASE` returns the tiles to their initial state; nothing of ours reads
-        // them afterwards (a new `Tiles` configures them again).
-        unsafe {
-            std::arch::asm!("tilerelease", options(nostack, nomem));
         }
     }
 }

@@ -16,9 +16,8 @@
 //! AMX-INT8 and Linux granted the tile state.
 
 use std::arch::x86_64::*;
-use std::marker::PhantomData;
 
-use super::bf16_tiles::{AMX_INT8, Config, granted, listed};
+use super::bf16_tiles::{AMX_INT8, Config, Configured, granted, listed};
 use super::quant_gemm::{LANES, Panel, panel_product};
 use super::quant_product::{Activations, BLOCK, Row};
 use crate::quant::QuantType;
@@ -87,7 +86,7 @@ static CONFIG_16: Config = config(16);
 /// them). Not `Send`: the configuration belongs to the thread that loaded it.
 struct Int8Tiles {
     sub: usize,
-    _thread: PhantomData<*const ()>,
+    _configured: Configured,
 }
 
 impl Int8Tiles {
@@ -99,14 +98,11 @@ impl Int8Tiles {
             16 => &CONFIG_16,
             _ => panic!("int8 tiles: scale blocks of {sub} values"),
         };
-        // SAFETY: `amx` exists, so the CPU has AMX-TILE and the kernel granted the tile state;
-        // `LDTILECFG` reads the 64 bytes of `config`, a valid palette-1 configuration.
-        unsafe {
-            std::arch::asm!("ldtilecfg [{}]", in(reg) config, options(nostack, readonly));
-        }
         Int8Tiles {
             sub,
-            _thread: PhantomData,
+            // SAFETY: `amx` exists, so the CPU has AMX-TILE and the kernel granted the tile
+            // state; `config` is a valid palette-1 configuration.
+            _configured: unsafe { Configured::load(config) },
         }
     }
 
@@ -183,16 +179,6 @@ impl Int8Tiles {
                 n = inout(reg) blocks => _,
                 options(nostack),
             );
-        }
-    }
-}
-
-impl Drop for Int8Tiles {
-    fn drop(&mut self) {
-        // SAFETY: `TILERELEASE` returns the tiles to their initial state; nothing of ours reads
-        // them afterwards (a new `Int8Tiles` configures them again).
-        unsafe {
-            std::arch::asm!("tilerelease", options(nostack, nomem));
         }
     }
 }

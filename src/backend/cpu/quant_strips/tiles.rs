@@ -15,9 +15,8 @@
 //! detection is [`AmxInt8`]'s.
 
 use std::arch::x86_64::*;
-use std::marker::PhantomData;
 
-use super::super::bf16_tiles::Config;
+use super::super::bf16_tiles::{Config, Configured};
 use super::super::quant_tiles::AmxInt8;
 use super::{Activations, BLOCK, BlockSums, STRIP_ROWS, TOKENS};
 use super::{k_prefetch, prefetch_ahead};
@@ -72,7 +71,7 @@ static CONFIG_16: Config = config(16);
 pub(in crate::backend::cpu) struct StripTiles {
     sub: usize,
     scratch: Box<Scratch>,
-    _thread: PhantomData<*const ()>,
+    _configured: Configured,
 }
 
 impl StripTiles {
@@ -96,19 +95,15 @@ impl StripTiles {
         let _ = amx;
         let sub = StripTiles::sub_block(ty)?;
         let config = if sub == 32 { &CONFIG_32 } else { &CONFIG_16 };
-        // SAFETY: `amx` exists, so the CPU has AMX-TILE and AMX-INT8 and the kernel granted the
-        // tile state; `LDTILECFG` reads the 64 bytes of `config`, a valid palette-1
-        // configuration.
-        unsafe {
-            std::arch::asm!("ldtilecfg [{}]", in(reg) config, options(nostack, readonly));
-        }
         Some(StripTiles {
             sub,
             scratch: Box::new(Scratch {
                 levels: [[0; ROW]; QK_K / 4],
                 sums: [[[0; STRIP_ROWS]; TOKENS]; MOST_SUBS],
             }),
-            _thread: PhantomData,
+            // SAFETY: `amx` exists, so the CPU has AMX-TILE and AMX-INT8 and the kernel granted
+            // the tile state; `config` is a valid palette-1 configuration.
+            _configured: unsafe { Configured::load(config) },
         })
     }
 
@@ -175,16 +170,6 @@ impl StripTiles {
                 n = inout(reg) subs / 4 => _,
                 options(nostack),
             );
-        }
-    }
-}
-
-impl Drop for StripTiles {
-    fn drop(&mut self) {
-        // SAFETY: `TILERELEASE` returns the tiles to their initial state; nothing of ours reads
-        // them afterwards (a new `StripTiles` configures them again).
-        unsafe {
-            std::arch::asm!("tilerelease", options(nostack, nomem));
         }
     }
 }
