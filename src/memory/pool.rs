@@ -25,6 +25,10 @@ use crate::memory::stats::MemoryStats;
 const SHARED_MAX: usize = 10 << 20;
 /// The segment those blocks share.
 const SHARED_SEGMENT: usize = 20 << 20;
+/// How far the reserved bytes may grow past the most bytes of blocks ever in use before a new
+/// segment is made only after idle segments went back: 5/4 (the variable-shape loop's
+/// reserved-over-live peak is 1.20x with segments sized by [`segment_size`]).
+const GROWTH: (usize, usize) = (5, 4);
 
 /// The size of a new segment for a block of `size` bytes. Blocks up to 1 MiB come from a 2 MiB
 /// segment; blocks up to 10 MiB from a 20 MiB one, so that the blocks a changing batch size produces
@@ -61,6 +65,9 @@ pub(crate) struct Pool<R: RawMemory> {
     large: Segments,
     /// The most idle bytes kept; `None` for no bound.
     limit: Option<usize>,
+    /// The most bytes of blocks in use at once over the pool's life (unlike the stats' peak, never
+    /// reset): what [`release_idle_segments`](Self::release_idle_segments) measures growth by.
+    high_water: usize,
     stats: MemoryStats,
 }
 
@@ -72,6 +79,7 @@ impl<R: RawMemory> Pool<R> {
             small: Classes::new(),
             large: Segments::default(),
             limit,
+            high_water: 0,
             stats: MemoryStats {
                 cache_limit: limit,
                 ..MemoryStats::default()
@@ -126,7 +134,7 @@ impl<R: RawMemory> Pool<R> {
             let size = Segments::round(bytes);
             match (size, size.and_then(segment_size)) {
                 (Some(size), Some(segment)) => {
-                    released = self.release_idle_segments();
+                    released = self.release_idle_segments(size, segment);
                     self.raw_alloc(segment).map(|ptr| {
                         self.large.add(ptr, segment);
                         self.large
@@ -193,13 +201,21 @@ impl<R: RawMemory> Pool<R> {
         self.small.cached_bytes() + self.large.idle_bytes()
     }
 
-    /// Returns every whole idle segment before a new segment is made: none of them could serve the
-    /// request (best fit would have taken it), and keeping them would let the reserved bytes grow
-    /// with every new pattern of sizes. A steady loop never gets here (the cache serves it); a loop
-    /// whose shapes change pays an allocator call for the new segment either way.
-    fn release_idle_segments(&mut self) -> usize {
+    /// Before a new `segment` is made for a block of `size`, returns whole idle segments, largest
+    /// first, while the pool would otherwise reserve more than [`GROWTH`] times the most bytes its
+    /// blocks ever held at once (counting this block). None of them could serve the request (best
+    /// fit would have taken it), and keeping every one would let the reserved bytes grow with each
+    /// new pattern of sizes (`examples/variable_shape.rs`). Returning them whenever a segment is
+    /// made, as the pool first did, turned a pass whose blocks come in varying order into a cycle
+    /// of unmapping and faulting in fresh zeroed pages: the Llama-1B-shaped forward+backward mapped
+    /// 2.9 GB anew on every pass, a quarter of its time in the kernel zeroing pages.
+    fn release_idle_segments(&mut self, size: usize, segment: usize) -> usize {
+        let most = (self.stats.allocated_bytes + size).max(self.high_water);
+        let allowance = (most / GROWTH.1).saturating_mul(GROWTH.0);
         let mut released = 0;
-        while let Some((ptr, bytes)) = self.large.pop_idle_segment() {
+        while self.stats.reserved_bytes.saturating_add(segment) > allowance
+            && let Some((ptr, bytes)) = self.large.pop_idle_segment()
+        {
             // SAFETY: a whole idle segment came from `self.raw` with this size and is referenced by
             // nothing but the pool, which just forgot it.
             unsafe { self.raw.free(ptr, bytes) };
@@ -297,6 +313,7 @@ impl<R: RawMemory> Pool<R> {
         s.allocated_bytes += capacity;
         s.peak_live_bytes = s.peak_live_bytes.max(s.live_bytes);
         s.peak_allocated_bytes = s.peak_allocated_bytes.max(s.allocated_bytes);
+        self.high_water = self.high_water.max(s.allocated_bytes);
     }
 
     #[inline]
@@ -625,6 +642,30 @@ mod tests {
             (4 * BIG, 2),
             "the idle 2-BIG segment went first"
         );
+    }
+
+    #[test]
+    fn idle_segments_stay_while_the_pool_is_within_its_growth_allowance() {
+        let (mut pool, _) = fake_pool(usize::MAX / 2, Vec::new(), None);
+        let _kept = pool.take(4 * BIG).unwrap();
+        let b = pool.take(BIG).unwrap();
+        // SAFETY: the block came from this pool and is not used again.
+        unsafe { pool.give(b.0, BIG, b.1) };
+        // 6 BIG in use at the most, 7 reserved with the new segment: within 5/4 of 6.
+        let _c = pool.take(2 * BIG).unwrap();
+        let s = pool.stats();
+        assert_eq!(
+            (s.reserved_bytes, s.segments, s.free_calls),
+            (7 * BIG, 3, 0),
+            "the idle BIG segment stays"
+        );
+        let again = pool.take(BIG).unwrap();
+        assert_eq!(
+            again.2,
+            Source::Reused,
+            "and serves the next block of its size"
+        );
+        assert_eq!(pool.stats().allocator_calls, 3);
     }
 
     #[test]

@@ -860,11 +860,17 @@ impl<'a> OutRows<'a> {
         first: usize,
         col: usize,
     ) {
-        let mut column = [0.0f32; R];
-        for t in 0..width {
-            for (c, row) in column.iter_mut().zip(tile) {
-                *c = row[t];
+        // The whole tile is transposed before any column is rounded: gathering one column and
+        // rounding it at once made the vector loads wait on the scalar stores just before them
+        // (no store forwarding across them), 16 % of the Llama-1B-shaped bf16 forward on the AMX
+        // machine; transposed first, 6 %.
+        let mut columns = [[0.0f32; R]; NR];
+        for (r, row) in tile.iter().enumerate() {
+            for (column, &x) in columns.iter_mut().zip(row) {
+                column[r] = x;
             }
+        }
+        for (t, column) in columns.iter().enumerate().take(width) {
             self.store(first + t, col, &column[..rows]);
         }
     }
