@@ -23,7 +23,8 @@ use std::marker::PhantomData;
 use rayon::prelude::*;
 
 use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
-use super::narrow::Narrow;
+use super::narrow::{Narrow, bf16_rounded};
+use super::widen::HalfUnit;
 use crate::dtype::bf16;
 
 /// Rows per micro-kernel tile.
@@ -231,9 +232,7 @@ pub(super) fn matmul(
                 micro_kernel(dot, lp, &wide, rp, pairs, &mut tile);
                 let (i0, c0) = (panel * MR, j0 + cp * NR);
                 let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
-                for (r, values) in tile.iter().enumerate().take(rows) {
-                    out_rows.store(i0 + r, c0, &values[..width]);
-                }
+                out_rows.store_tile(&tile, rows, width, i0, c0);
             }
         }
     });
@@ -347,9 +346,7 @@ fn tiled(
         let left = LeftRows::packed(a, m, k, depth, &mut scratch.left[..left_len]);
         tiled_blocks(amx, &left, b, (m, k, n), right, |r0, c0, sums| {
             let (rows, width) = (BLOCK.min(m - r0), BLOCK.min(n - c0));
-            for (r, row) in sums.iter().enumerate().take(rows) {
-                out_rows.store(r0 + r, c0, &row[..width]);
-            }
+            out_rows.store_tile(sums, rows, width, r0, c0);
         });
     }
 }
@@ -405,32 +402,45 @@ fn tiled_blocks(
             let blocks = first..row_blocks.min(first + per_task);
             let panels = group * TILE_TASK_PANELS..col_panels.min((group + 1) * TILE_TASK_PANELS);
             let mut tiles = Tiles::configure(amx);
-            let mut sums = vec![[[0.0f32; BLOCK]; BLOCK]; blocks.len() * panels.len()];
-            // `k` in chunks: a chunk of each block of rows stays in L1 while it meets every panel,
-            // and the panels' chunks in L2 while every block meets them.
-            for s0 in (0..steps).step_by(CHUNK_STEPS) {
-                let chunk = CHUNK_STEPS.min(steps - s0);
-                for (block, sums) in blocks.clone().zip(sums.chunks_exact_mut(panels.len())) {
-                    let (a, stride) = left.block(block);
-                    for (sums, cp) in sums.iter_mut().zip(panels.clone()) {
-                        let right = &packed[cp * panel_len + s0 * STEP_PAIRS * BLOCK..];
-                        tiles.block(
-                            &a[s0 * 2 * STEP_PAIRS..],
-                            stride,
-                            right,
-                            chunk,
-                            s0 > 0,
-                            sums,
-                        );
+            SUMS.with_borrow_mut(|sums| {
+                // Reused, not zeroed: the first chunk of every block starts its sums from zero tiles.
+                if sums.len() < blocks.len() * panels.len() {
+                    sums.resize(blocks.len() * panels.len(), [[0.0; BLOCK]; BLOCK]);
+                }
+                let sums = &mut sums[..blocks.len() * panels.len()];
+                // `k` in chunks: a chunk of each block of rows stays in L1 while it meets every panel,
+                // and the panels' chunks in L2 while every block meets them.
+                for s0 in (0..steps).step_by(CHUNK_STEPS) {
+                    let chunk = CHUNK_STEPS.min(steps - s0);
+                    for (block, sums) in blocks.clone().zip(sums.chunks_exact_mut(panels.len())) {
+                        let (a, stride) = left.block(block);
+                        for (sums, cp) in sums.iter_mut().zip(panels.clone()) {
+                            let right = &packed[cp * panel_len + s0 * STEP_PAIRS * BLOCK..];
+                            tiles.block(
+                                &a[s0 * 2 * STEP_PAIRS..],
+                                stride,
+                                right,
+                                chunk,
+                                s0 > 0,
+                                sums,
+                            );
+                        }
                     }
                 }
-            }
-            for (block, sums) in blocks.zip(sums.chunks_exact(panels.len())) {
-                for (sums, cp) in sums.iter().zip(panels.clone()) {
-                    store(block * BLOCK, cp * BLOCK, sums);
+                for (block, sums) in blocks.zip(sums.chunks_exact(panels.len())) {
+                    for (sums, cp) in sums.iter().zip(panels.clone()) {
+                        store(block * BLOCK, cp * BLOCK, sums);
+                    }
                 }
-            }
+            });
         });
+}
+
+thread_local! {
+    /// The 32 × 32 blocks of sums a task of [`tiled_blocks`] accumulates (up to 128 KiB), kept by
+    /// each thread: allocating and zeroing them per task was 3-4 % of the Llama-1B-shaped bf16
+    /// forward on the AMX machine.
+    static SUMS: std::cell::RefCell<Vec<[[f32; BLOCK]; BLOCK]>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// The left operand of [`tiled_blocks`]: rows along `k`, `stride` elements apart, read in blocks of
@@ -860,10 +870,44 @@ impl<'a> OutRows<'a> {
         first: usize,
         col: usize,
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if HalfUnit::detect() == HalfUnit::Avx512 {
+            // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
+            return unsafe { self.store_transposed_avx512(tile, rows, width, first, col) };
+        }
+        self.store_transposed_inline(tile, rows, width, first, col);
+    }
+
+    /// [`store_transposed`](Self::store_transposed) compiled for AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F and BW.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn store_transposed_avx512<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
+        self.store_transposed_inline(tile, rows, width, first, col);
+    }
+
+    #[inline(always)]
+    fn store_transposed_inline<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
         // The whole tile is transposed before any column is rounded: gathering one column and
         // rounding it at once made the vector loads wait on the scalar stores just before them
         // (no store forwarding across them), 16 % of the Llama-1B-shaped bf16 forward on the AMX
-        // machine; transposed first, 6 %.
+        // machine.
         let mut columns = [[0.0f32; R]; NR];
         for (r, row) in tile.iter().enumerate() {
             for (column, &x) in columns.iter_mut().zip(row) {
@@ -871,25 +915,83 @@ impl<'a> OutRows<'a> {
             }
         }
         for (t, column) in columns.iter().enumerate().take(width) {
-            self.store(first + t, col, &column[..rows]);
+            self.write(first + t, col, rows, |dst| {
+                bf16_rounded(&column[..rows], dst)
+            });
         }
     }
 
-    /// Rounds `values` into row `row`, columns `col..col + values.len()`, which must lie inside the
+    /// Stores rows `0..rows`, columns `0..width` of a tile as rows `first..first + rows`, columns
+    /// `col..col + width` of the output.
+    fn store_tile<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if HalfUnit::detect() == HalfUnit::Avx512 {
+            // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
+            return unsafe { self.store_tile_avx512(tile, rows, width, first, col) };
+        }
+        self.store_tile_inline(tile, rows, width, first, col);
+    }
+
+    /// [`store_tile`](Self::store_tile) compiled for AVX-512: the rounding loop inlined into it,
+    /// where a call of the run conversion per row of 32 values spent half its time at the call.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F and BW.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn store_tile_avx512<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
+        self.store_tile_inline(tile, rows, width, first, col);
+    }
+
+    #[inline(always)]
+    fn store_tile_inline<const R: usize>(
+        &self,
+        tile: &[[f32; NR]; R],
+        rows: usize,
+        width: usize,
+        first: usize,
+        col: usize,
+    ) {
+        for (r, row) in tile.iter().enumerate().take(rows) {
+            self.write(first + r, col, width, |dst| {
+                bf16_rounded(&row[..width], dst)
+            });
+        }
+    }
+
+    /// Hands `fill` row `row`, columns `col..col + len` of the output, which must lie inside the
     /// row (checked). The callers give each block of the output (columns; rows and columns on
     /// tiles) to one task.
-    fn store(&self, row: usize, col: usize, values: &[f32]) {
+    #[inline(always)]
+    fn write(&self, row: usize, col: usize, len: usize, fill: impl FnOnce(&mut [bf16])) {
         assert!(
-            col + values.len() <= self.n && (row * self.n + col + values.len()) <= self.len,
+            col + len <= self.n && (row * self.n + col + len) <= self.len,
             "bf16 matmul: a store outside the output"
         );
         // SAFETY: the range is inside the borrowed output (checked above); each block of it
-        // belongs to one task, so no other thread touches these elements meanwhile.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), values.len())
-        };
+        // belongs to one task, so no other thread touches these elements meanwhile, and the
+        // slice lives only through `fill`.
+        fill(unsafe { std::slice::from_raw_parts_mut(self.ptr.add(row * self.n + col), len) })
+    }
+
+    /// Rounds `values` into row `row`, columns `col..col + values.len()` (inside the row).
+    fn store(&self, row: usize, col: usize, values: &[f32]) {
         // A run at a time in vector registers (the same bits as `bf16_of_f32`).
-        bf16::narrow(values, dst);
+        self.write(row, col, values.len(), |dst| bf16::narrow(values, dst));
     }
 }
 
