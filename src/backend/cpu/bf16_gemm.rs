@@ -895,6 +895,7 @@ impl<'a> OutRows<'a> {
         self.store_transposed_inline(tile, rows, width, first, col);
     }
 
+    /// The body of [`store_transposed`](Self::store_transposed), inlined into each version.
     #[inline(always)]
     fn store_transposed_inline<const R: usize>(
         &self,
@@ -957,6 +958,7 @@ impl<'a> OutRows<'a> {
         self.store_tile_inline(tile, rows, width, first, col);
     }
 
+    /// The body of [`store_tile`](Self::store_tile), inlined into each version.
     #[inline(always)]
     fn store_tile_inline<const R: usize>(
         &self,
