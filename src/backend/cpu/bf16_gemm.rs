@@ -232,7 +232,7 @@ pub(super) fn matmul(
                 micro_kernel(dot, lp, &wide, rp, pairs, &mut tile);
                 let (i0, c0) = (panel * MR, j0 + cp * NR);
                 let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
-                out_rows.store_tile(&tile, rows, width, i0, c0);
+                out_rows.store_tile(&tile, (rows, width), (i0, c0), Placement::Rows);
             }
         }
     });
@@ -339,14 +339,14 @@ fn tiled(
             right,
             |r0, c0, sums| {
                 let (rows, width) = (BLOCK.min(n - r0), BLOCK.min(m - c0));
-                out_rows.store_transposed(sums, rows, width, c0, r0);
+                out_rows.store_tile(sums, (rows, width), (c0, r0), Placement::Transposed);
             },
         );
     } else {
         let left = LeftRows::packed(a, m, k, depth, &mut scratch.left[..left_len]);
         tiled_blocks(amx, &left, b, (m, k, n), right, |r0, c0, sums| {
             let (rows, width) = (BLOCK.min(m - r0), BLOCK.min(n - c0));
-            out_rows.store_tile(sums, rows, width, r0, c0);
+            out_rows.store_tile(sums, (rows, width), (r0, c0), Placement::Rows);
         });
     }
 }
@@ -679,7 +679,8 @@ fn weight_stationary(
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
                     micro_kernel(dot, &left, &wide, rp, pairs, &mut tile);
-                    out_rows.store_transposed(&tile, rows, NR.min(m - tp * NR), tp * NR, j0);
+                    let width = NR.min(m - tp * NR);
+                    out_rows.store_tile(&tile, (rows, width), (tp * NR, j0), Placement::Transposed);
                 }
             }
         });
@@ -832,6 +833,15 @@ fn dot_rows_avx512<const T: usize, const R: usize>(
     }
 }
 
+/// How [`OutRows::store_tile`] lays a tile into the output.
+#[derive(Clone, Copy)]
+enum Placement {
+    /// The tile's rows are the output's.
+    Rows,
+    /// The tile is of `outᵀ`: its rows are the output's columns.
+    Transposed,
+}
+
 /// The output, written by the tasks: each writes only its own block of rows and columns. It holds
 /// the exclusive borrow of the output for `'a`, so it cannot outlive it.
 #[derive(Clone, Copy)]
@@ -860,88 +870,26 @@ impl<'a> OutRows<'a> {
         }
     }
 
-    /// Stores a tile of `outᵀ` transposed: columns `0..width` of `tile`'s rows `0..rows` become
-    /// rows `first..first + width` of the output, columns `col..col + rows`.
-    fn store_transposed<const R: usize>(
-        &self,
-        tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
-    ) {
-        #[cfg(target_arch = "x86_64")]
-        if HalfUnit::detect() == HalfUnit::Avx512 {
-            // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
-            return unsafe { self.store_transposed_avx512(tile, rows, width, first, col) };
-        }
-        self.store_transposed_inline(tile, rows, width, first, col);
-    }
-
-    /// [`store_transposed`](Self::store_transposed) compiled for AVX-512.
-    ///
-    /// # Safety
-    /// The CPU must have AVX-512 F and BW.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw")]
-    unsafe fn store_transposed_avx512<const R: usize>(
-        &self,
-        tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
-    ) {
-        self.store_transposed_inline(tile, rows, width, first, col);
-    }
-
-    /// The body of [`store_transposed`](Self::store_transposed), inlined into each version.
-    #[inline(always)]
-    fn store_transposed_inline<const R: usize>(
-        &self,
-        tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
-    ) {
-        // The whole tile is transposed before any column is rounded: gathering one column and
-        // rounding it at once made the vector loads wait on the scalar stores just before them
-        // (no store forwarding across them), 16 % of the Llama-1B-shaped bf16 forward on the AMX
-        // machine.
-        let mut columns = [[0.0f32; R]; NR];
-        for (r, row) in tile.iter().enumerate() {
-            for (column, &x) in columns.iter_mut().zip(row) {
-                column[r] = x;
-            }
-        }
-        for (t, column) in columns.iter().enumerate().take(width) {
-            self.write(first + t, col, rows, |dst| {
-                bf16_rounded(&column[..rows], dst)
-            });
-        }
-    }
-
-    /// Stores rows `0..rows`, columns `0..width` of a tile as rows `first..first + rows`, columns
-    /// `col..col + width` of the output.
+    /// Stores rows `0..rows`, columns `0..width` of a tile: as rows `first..first + rows`, columns
+    /// `col..col + width` of the output ([`Placement::Rows`]), or, a tile of `outᵀ`, transposed:
+    /// as rows `first..first + width`, columns `col..col + rows` ([`Placement::Transposed`]).
     fn store_tile<const R: usize>(
         &self,
         tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
+        (rows, width): (usize, usize),
+        (first, col): (usize, usize),
+        placement: Placement,
     ) {
         #[cfg(target_arch = "x86_64")]
         if HalfUnit::detect() == HalfUnit::Avx512 {
             // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
-            return unsafe { self.store_tile_avx512(tile, rows, width, first, col) };
+            return unsafe { self.store_tile_avx512(tile, (rows, width), (first, col), placement) };
         }
-        self.store_tile_inline(tile, rows, width, first, col);
+        self.store_tile_inline(tile, (rows, width), (first, col), placement);
     }
 
-    /// [`store_tile`](Self::store_tile) compiled for AVX-512: the rounding loop inlined into it,
-    /// where a call of the run conversion per row of 32 values spent half its time at the call.
+    /// [`store_tile`](Self::store_tile) compiled for AVX-512, the rounding loop inlined: a call of
+    /// the run conversion per row of 32 values spent half its time at the call.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F and BW.
@@ -950,12 +898,11 @@ impl<'a> OutRows<'a> {
     unsafe fn store_tile_avx512<const R: usize>(
         &self,
         tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
+        shape: (usize, usize),
+        at: (usize, usize),
+        placement: Placement,
     ) {
-        self.store_tile_inline(tile, rows, width, first, col);
+        self.store_tile_inline(tile, shape, at, placement);
     }
 
     /// The body of [`store_tile`](Self::store_tile), inlined into each version.
@@ -963,15 +910,35 @@ impl<'a> OutRows<'a> {
     fn store_tile_inline<const R: usize>(
         &self,
         tile: &[[f32; NR]; R],
-        rows: usize,
-        width: usize,
-        first: usize,
-        col: usize,
+        (rows, width): (usize, usize),
+        (first, col): (usize, usize),
+        placement: Placement,
     ) {
-        for (r, row) in tile.iter().enumerate().take(rows) {
-            self.write(first + r, col, width, |dst| {
-                bf16_rounded(&row[..width], dst)
-            });
+        match placement {
+            Placement::Rows => {
+                for (r, row) in tile.iter().enumerate().take(rows) {
+                    self.write(first + r, col, width, |dst| {
+                        bf16_rounded(&row[..width], dst)
+                    });
+                }
+            }
+            Placement::Transposed => {
+                // The whole tile is transposed before any column is rounded: gathering one column
+                // and rounding it at once made the vector loads wait on the scalar stores just
+                // before them (no store forwarding across them), 16 % of the Llama-1B-shaped bf16
+                // forward on the AMX machine.
+                let mut columns = [[0.0f32; R]; NR];
+                for (r, row) in tile.iter().enumerate() {
+                    for (column, &x) in columns.iter_mut().zip(row) {
+                        column[r] = x;
+                    }
+                }
+                for (t, column) in columns.iter().enumerate().take(width) {
+                    self.write(first + t, col, rows, |dst| {
+                        bf16_rounded(&column[..rows], dst)
+                    });
+                }
+            }
         }
     }
 
