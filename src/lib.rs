@@ -35,6 +35,7 @@ pub use dtype::{DType, Element, Float, ParseDTypeError, bf16, f16};
 pub use error::{Error, Result};
 pub use layout::{Layout, Shape};
 pub use memory::arena::Workspace;
+pub use memory::lazy_free::{lazily_freed_host_bytes, release_lazily_freed_host_memory};
 pub use memory::plan::{Plan, PlannedSlot};
 pub use memory::stats::{MemoryStats, ScopeStats};
 pub use ops::{AttentionSpec, Causal, Conv2dOptions};

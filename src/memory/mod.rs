@@ -6,6 +6,7 @@
 pub(crate) mod arena;
 pub(crate) mod block;
 pub(crate) mod classes;
+pub(crate) mod lazy_free;
 pub(crate) mod mapped;
 pub(crate) mod pages;
 pub(crate) mod plan;

@@ -7,6 +7,7 @@ use std::ptr::NonNull;
 
 use crate::backend::cuda;
 use crate::device::Device;
+use crate::memory::lazy_free;
 
 /// Whether `device` is being captured into a CUDA graph: memory taken from or given back to a pool
 /// now would be baked into the graph's replays, so the scopes refuse the first and keep the second.
@@ -83,15 +84,18 @@ pub(crate) unsafe fn free(device: Device, ptr: NonNull<u8>, bytes: usize) {
 
 /// Host allocations of at least this many bytes are mapped from the kernel directly: they come as
 /// zero pages mapped on first touch, so a large block costs nothing until it is written, and it goes
-/// back to the kernel whole when freed.
+/// back to the kernel whole when freed: lazily, kept for a later request while the kernel does not
+/// need its pages ([`lazy_free`]).
 const MAP_MIN: usize = 1 << 20;
 
-/// Takes `capacity` zeroed bytes from the system. Zeroing happens once per block, when it first comes
-/// from the system: every byte of every block is initialised from then on, so kernels may view any
-/// block as a slice of plain numbers.
+/// Takes `capacity` initialised bytes from the system: zeroed when they are new, or a lazily freed
+/// mapping's last contents (zeros where the kernel took its pages). Every byte of every block is
+/// initialised, so kernels may view any block as a slice of plain numbers.
 fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
     if capacity >= MAP_MIN {
-        return map(capacity);
+        return lazy_free::reuse(capacity)
+            .or_else(|| map(capacity))
+            .or_else(|| (lazy_free::release() > 0).then(|| map(capacity)).flatten());
     }
     let layout = AllocLayout::from_size_align(capacity, ALIGN).ok()?;
     // SAFETY: `capacity > 0` for every caller (empty tensors never allocate), so the layout is valid
@@ -105,8 +109,13 @@ fn system_alloc(capacity: usize) -> Option<NonNull<u8>> {
 /// `ptr` came from `system_alloc(capacity)` with this `capacity`, and is not used afterwards.
 unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
     if capacity >= MAP_MIN {
-        // SAFETY: forwarded from the caller: `ptr` came from `map(capacity)`.
-        return unsafe { unmap(ptr, capacity) };
+        // SAFETY: forwarded from the caller: `ptr` came from `map(capacity)` (or a kept mapping cut to
+        // `capacity`) and is not used afterwards; kept, or else unmapped.
+        if !unsafe { lazy_free::keep(ptr, capacity) } {
+            // SAFETY: as above, and not kept.
+            unsafe { unmap(ptr, capacity) };
+        }
+        return;
     }
     // SAFETY: the caller guarantees `ptr` was allocated with exactly this layout.
     unsafe {

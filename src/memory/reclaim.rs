@@ -187,7 +187,7 @@ pub(crate) fn default_cache_limit(device: Device) -> Option<usize> {
 }
 
 /// The machine's physical memory in bytes, where the platform tells (Linux's `/proc/meminfo`).
-fn physical_memory() -> Option<usize> {
+pub(crate) fn physical_memory() -> Option<usize> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;

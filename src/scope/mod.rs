@@ -387,7 +387,8 @@ impl<'s> Scope<'s> {
     }
 
     /// Hands every cached free block of the tree back to the system allocator and returns how many
-    /// bytes that released. Live tensors are unaffected; later allocations refill the cache.
+    /// bytes that released. Live tensors are unaffected; later allocations refill the cache. Large
+    /// host blocks go back lazily ([`lazily_freed_host_bytes`](crate::lazily_freed_host_bytes)).
     pub fn empty_cache(&self) -> usize {
         self.node.tree().empty_cache()
     }
@@ -440,7 +441,9 @@ impl<'s> Scope<'s> {
     /// so that a cache alone never drives a process into the kernel's OOM killer; GPU memory is not,
     /// since the GPU's allocator refuses instead, and a refusal makes every tree on the GPU release
     /// its idle blocks before the request is retried. Idle space inside a segment that still holds a
-    /// live tensor stays cached until the segment empties.
+    /// live tensor stays cached until the segment empties. Host memory past the limit goes back to
+    /// the kernel lazily: its pages stay mapped for a later request of its size until the kernel
+    /// needs them ([`lazily_freed_host_bytes`](crate::lazily_freed_host_bytes)).
     ///
     /// ```
     /// use ndscope::{Device, root};
