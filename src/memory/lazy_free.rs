@@ -17,6 +17,12 @@
 
 use std::ptr::NonNull;
 
+/// Smaller mappings are unmapped at once: faulting a few mebibytes in again costs little beside the
+/// work done in them, and the store stays a few large mappings (the blocks whose faults showed were
+/// hundreds of megabytes: gradients, embedding gradients, logits).
+#[cfg(target_os = "linux")]
+const KEEP_MIN: usize = 4 << 20;
+
 /// The mappings kept, oldest first, and the most bytes they may hold.
 #[cfg(target_os = "linux")]
 struct Store {
@@ -58,13 +64,14 @@ impl Store {
     }
 
     /// Marks the `bytes` mapped at `ptr` free and keeps them, unmapping the oldest kept mappings if
-    /// the store would pass its bound; `false`, changing nothing, when `bytes` alone passes it or
-    /// the kernel refuses the advice (the caller then unmaps them).
+    /// the store would pass its bound; `false`, changing nothing, when `bytes` is under
+    /// [`KEEP_MIN`] or alone passes the bound, or when the kernel refuses the advice (the caller
+    /// then unmaps them).
     ///
     /// # Safety
     /// `ptr` is the start of an anonymous private mapping of `bytes` that nothing uses from now on.
     unsafe fn keep(&mut self, ptr: NonNull<u8>, bytes: usize) -> bool {
-        if bytes > self.bound {
+        if !(KEEP_MIN..=self.bound).contains(&bytes) {
             return false;
         }
         // SAFETY: the range is one whole mapping of the caller's, unused from now: its contents may
@@ -110,8 +117,8 @@ unsafe fn unmap(addr: usize, bytes: usize) {
     unsafe { libc::munmap(addr as *mut libc::c_void, bytes) };
 }
 
-/// The process's store, bounded by a quarter of the machine's memory. Its books change only after
-/// each unmap, so a poisoned lock still holds true books.
+/// The process's store, bounded by a quarter of the machine's memory. Nothing that can panic runs
+/// while its books disagree with the mappings, so a poisoned lock still holds true books.
 #[cfg(target_os = "linux")]
 fn store() -> std::sync::MutexGuard<'static, Store> {
     use std::sync::{Mutex, OnceLock, PoisonError};
@@ -125,8 +132,8 @@ fn store() -> std::sync::MutexGuard<'static, Store> {
         .unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A lazily freed mapping of at least `bytes` (and at most twice that), cut to `bytes`, if one is kept: its contents are
-/// whatever its last user left, or zeros where the kernel took its pages.
+/// A lazily freed mapping of at least `bytes` (and at most twice that), cut to `bytes`, if one is
+/// kept: its contents are whatever its last user left, or zeros where the kernel took its pages.
 pub(crate) fn reuse(bytes: usize) -> Option<NonNull<u8>> {
     #[cfg(target_os = "linux")]
     return store().reuse(bytes);
@@ -203,33 +210,22 @@ mod tests {
 
     /// A fresh anonymous mapping of `bytes`, filled with `fill`.
     fn mapping(bytes: usize, fill: u8) -> NonNull<u8> {
-        // SAFETY: a private anonymous mapping at an address of the kernel's choosing.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ptr, libc::MAP_FAILED);
+        let ptr = crate::memory::raw::map(bytes).expect("a mapping");
         // SAFETY: the mapping is `bytes` long and ours alone.
-        unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u8>(), bytes) }.fill(fill);
-        NonNull::new(ptr.cast()).expect("a mapping is not at 0")
+        unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr(), bytes) }.fill(fill);
+        ptr
     }
 
     #[test]
     fn a_kept_mapping_serves_the_next_request_it_fits_with_its_bytes_initialised() {
         let mut store = Store::new(64 << 20);
-        let (small, large) = ((3 << 20) + 100, (9 << 20) + 4096 * 3);
+        let (small, large) = ((5 << 20) + 100, (11 << 20) + 4096 * 3);
         let (a, b) = (mapping(small, 1), mapping(large, 2));
         // SAFETY: both are whole mappings of ours, unused from here but through the store.
         assert!(unsafe { store.keep(a, small) && store.keep(b, large) });
         assert_eq!(store.bytes, small + large);
         // The smallest that fits serves, cut to size.
-        let request = (5 << 20) + 1;
+        let request = (6 << 20) + 1;
         let got = store.reuse(request).expect("the larger mapping fits");
         assert_eq!(got, b);
         assert_eq!(store.bytes, small);
@@ -246,29 +242,36 @@ mod tests {
     }
 
     #[test]
-    fn the_bound_unmaps_the_oldest_and_refuses_what_alone_passes_it() {
-        let mut store = Store::new(8 << 20);
+    fn the_bound_unmaps_the_oldest_and_small_or_oversized_mappings_are_not_kept() {
+        let mut store = Store::new(16 << 20);
         let (a, b, c) = (
+            mapping(8 << 20, 0),
+            mapping(6 << 20, 0),
             mapping(4 << 20, 0),
-            mapping(3 << 20, 0),
-            mapping(2 << 20, 0),
         );
         // SAFETY: whole mappings of ours, unused from here but through the store.
         unsafe {
-            assert!(store.keep(a, 4 << 20) && store.keep(b, 3 << 20));
-            // 4 + 3 + 2 MiB pass 8: the oldest (`a`) goes.
-            assert!(store.keep(c, 2 << 20));
+            assert!(store.keep(a, 8 << 20) && store.keep(b, 6 << 20));
+            // 8 + 6 + 4 MiB pass 16: the oldest (`a`) goes.
+            assert!(store.keep(c, 4 << 20));
         }
-        assert_eq!(store.bytes, 5 << 20);
-        assert_eq!(store.reuse(3 << 20), Some(b));
-        let big = mapping(9 << 20, 0);
-        // SAFETY: a whole mapping of ours; refused, so still ours to unmap.
-        assert!(!unsafe { store.keep(big, 9 << 20) });
-        // SAFETY: `big` and `b` are whole mappings nothing uses.
+        assert_eq!(store.bytes, 10 << 20);
+        assert_eq!(store.reuse(6 << 20), Some(b));
+        let (big, small) = (mapping(17 << 20, 0), mapping(KEEP_MIN - 4096, 0));
+        // SAFETY: whole mappings of ours; refused, so still ours to unmap.
         unsafe {
-            unmap(big.addr().get(), 9 << 20);
-            unmap(b.addr().get(), 3 << 20);
+            assert!(!store.keep(big, 17 << 20), "past the bound");
+            assert!(
+                !store.keep(small, KEEP_MIN - 4096),
+                "under the smallest kept"
+            );
         }
-        assert_eq!(store.release(), 2 << 20);
+        // SAFETY: `big`, `small` and `b` are whole mappings nothing uses.
+        unsafe {
+            unmap(big.addr().get(), 17 << 20);
+            unmap(small.addr().get(), KEEP_MIN - 4096);
+            unmap(b.addr().get(), 6 << 20);
+        }
+        assert_eq!(store.release(), 4 << 20);
     }
 }

@@ -129,7 +129,7 @@ unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
 /// `bytes` of fresh zero pages (page-aligned, so aligned to [`ALIGN`]); `None` when the kernel
 /// refuses (an address-space limit, or no memory to commit).
 #[cfg(unix)]
-fn map(bytes: usize) -> Option<NonNull<u8>> {
+pub(super) fn map(bytes: usize) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no existing
     // memory; the result is checked before use.
     let ptr = unsafe {
