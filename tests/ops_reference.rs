@@ -258,6 +258,23 @@ fn matmul_2d_batched_transposed_and_vectors() {
             let via_t = b.t()?.matmul(&a.t()?)?.t()?;
             assert_close(&via_t.to_vec_f64()?, &matmul(&av, &bv, m, k, n), 1e-4);
         }
+        // A `Linear`'s `x Wᵀ` (W stored [n, k]) with more rows than decoding's streamed products
+        // take: alone, then batched over one weight.
+        let transposed = |wv: &[f64], k: usize, n: usize| -> Vec<f64> {
+            (0..k * n).map(|i| wv[(i % n) * k + i / n]).collect()
+        };
+        for (m, k, n) in [(17, 64, 5), (40, 130, 33)] {
+            let (x, xv) = tensor(s, &[m, k], 17)?;
+            let (w, wv) = tensor(s, &[n, k], 18)?;
+            let want = matmul(&xv, &transposed(&wv, k, n), m, k, n);
+            assert_close(&x.matmul(&w.t()?)?.to_vec_f64()?, &want, 1e-4);
+        }
+        let (x, xv) = tensor(s, &[2, 20, 100], 19)?;
+        let (w, wv) = tensor(s, &[7, 100], 20)?;
+        let wt = transposed(&wv, 100, 7);
+        let mut want = matmul(&xv[..2000], &wt, 20, 100, 7);
+        want.extend(matmul(&xv[2000..], &wt, 20, 100, 7));
+        assert_close(&x.matmul(&w.t()?)?.to_vec_f64()?, &want, 1e-4);
         // Batched with a broadcast batch dimension: [2, 3, 4] @ [4, 2].
         let (a, av) = tensor(s, &[2, 3, 4], 13)?;
         let (b, bv) = tensor(s, &[4, 2], 14)?;
