@@ -4,7 +4,8 @@
 //!
 //! [`few_rows`](super::few_rows) streams a weight used transposed, where every output is a dot
 //! product along a contiguous weight row. Here weight row `r` is contiguous along the outputs, so a
-//! task holds a strip of outputs for each token in registers and walks the weight rows in order,
+//! task holds a strip of outputs for each token (in registers on AVX-512, in an L1 array on AVX2:
+//! [`strips_avx2`]) and walks the weight rows in order,
 //! adding `x[t][r] · W[r][strip]` to them: nothing is reduced across lanes, and each weight byte is
 //! loaded once however many tokens there are (up to [`MAX_ROWS`]). Before this path such products
 //! went to `gemm`'s matrix-vector kernel, on one core: 45 % of GPT-2 small's batch-1 decoding.
@@ -111,7 +112,7 @@ fn strip_product(
             t0,
         };
         // One instantiation per token count: the accumulators (tokens × vectors) are a fixed array
-        // the compiler keeps in registers, at most 16 of AVX-512's 32 and 8 of AVX2's 16.
+        // the compiler keeps in registers, at most 16 of AVX-512's 32 (AVX2's live in L1).
         macro_rules! by_tokens {
             ($kernel:ident, $($t:literal => $v:literal),*) => {
                 match tokens {
@@ -131,7 +132,17 @@ fn strip_product(
             // SAFETY: `Avx2` only where the CPU has AVX2 and FMA; slices as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe {
-                by_tokens!(strips_avx2, 1 => 4, 2 => 4, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1)
+                match tokens {
+                    1 => strips_avx2::<1>(&xs, &strip, columns),
+                    2 => strips_avx2::<2>(&xs, &strip, columns),
+                    3 => strips_avx2::<3>(&xs, &strip, columns),
+                    4 => strips_avx2::<4>(&xs, &strip, columns),
+                    5 => strips_avx2::<5>(&xs, &strip, columns),
+                    6 => strips_avx2::<6>(&xs, &strip, columns),
+                    7 => strips_avx2::<7>(&xs, &strip, columns),
+                    8 => strips_avx2::<8>(&xs, &strip, columns),
+                    _ => unreachable!("1 to {TOKENS_PER_PASS} tokens per pass"),
+                }
             },
             Isa::Portable => {
                 by_tokens!(strips_portable, 1 => 2, 2 => 2, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1)
@@ -248,65 +259,131 @@ fn strips_avx512<const T: usize, const V: usize>(
     }
 }
 
+/// Weight rows the AVX2 kernel adds into its accumulators per step.
+#[cfg(target_arch = "x86_64")]
+const AVX2_ROWS: usize = 4;
+
+/// The AVX2 kernel: rows outer, the strip's whole width inner. AVX2's 16 registers hold too few
+/// accumulators for a useful strip, and the register-blocked walk of [`strips_avx512`] read 128
+/// bytes (one token) to 32 bytes (five or more) of each weight row at a time, rows a whole weight
+/// row apart: 12.5 GiB/s for one token and 4.8 for eight on a 2-core Zen 3, where a transposed
+/// weight streams at 19.4. So the accumulators of the whole strip (at most [`STRIP_COLUMNS`] per
+/// token, 2 KiB, in L1) live in memory, and each step reads [`AVX2_ROWS`] weight rows' runs of the
+/// strip's full width, contiguous runs of up to 2 KiB the prefetchers follow, once for all tokens
+/// (the second token on finds them in L1). Each output is still one FMA chain over `r` in order
+/// from 0, so the bits are the other kernels'.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn strips_avx2<const T: usize, const V: usize>(
+fn strips_avx2<const T: usize>(
     xs: &[&[f32]; TOKENS_PER_PASS],
     strip: &Strip<'_>,
     columns: &mut Columns<'_>,
 ) {
     use std::arch::x86_64::{
-        __m256, _MM_HINT_T0, _mm_prefetch, _mm256_fmadd_ps, _mm256_maskload_ps, _mm256_set1_ps,
-        _mm256_setr_epi32, _mm256_setzero_ps, _mm256_storeu_ps,
+        __m256, _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_storeu_ps,
     };
     const HALF: usize = LANES / 2;
     let Strip {
         w, ldw, k, width, ..
     } = *strip;
-    let block = V * HALF;
-    for c0 in (0..width).step_by(block) {
-        let cols = block.min(width - c0);
-        // Lane masks (a lane is loaded where its sign bit is set).
-        let masks = std::array::from_fn::<_, V, _>(|v| {
-            let lanes = cols.saturating_sub(v * HALF).min(HALF) as i32;
-            let on = |l: i32| if l < lanes { -1 } else { 0 };
-            _mm256_setr_epi32(on(0), on(1), on(2), on(3), on(4), on(5), on(6), on(7))
-        });
-        let mut acc: [[__m256; V]; T] = [[_mm256_setzero_ps(); V]; T];
-        let base = w[c0..].as_ptr();
-        for r in 0..k {
-            let row = base.wrapping_add(r * ldw);
-            for v in (0..V).step_by(2) {
-                // One prefetch per 64-byte line (two vectors); past the end it never faults.
+    assert!(
+        width <= STRIP_COLUMNS,
+        "few-rows product: a strip wider than the AVX2 kernel's accumulators"
+    );
+    let (whole, tail) = (width / HALF, width % HALF);
+    let vectors = width.div_ceil(HALF);
+    // The last vector's lanes (a lane is loaded where its sign bit is set).
+    let on = |l: usize| if l < tail { -1 } else { 0 };
+    let mask = _mm256_setr_epi32(on(0), on(1), on(2), on(3), on(4), on(5), on(6), on(7));
+    let mut acc = [[_mm256_setzero_ps(); STRIP_COLUMNS / HALF]; T];
+    let base = w.as_ptr();
+    let mut r = 0;
+    while r < k {
+        let rows = if k - r >= AVX2_ROWS { AVX2_ROWS } else { 1 };
+        for (t, (acc, x)) in acc.iter_mut().zip(xs).enumerate() {
+            // SAFETY: `strip_product` checked that rows `r..r + rows <= k` of the strip (`width`
+            // columns from `base`, `ldw` apart) lie inside `w`, and every token slice is `k` long;
+            // the mask keeps the last vector's loads below `width`. The CPU has AVX2 and FMA
+            // (this function's features, which its caller checked).
+            unsafe {
+                if rows == AVX2_ROWS {
+                    let x: [__m256; AVX2_ROWS] =
+                        std::array::from_fn(|i| _mm256_set1_ps(*x.get_unchecked(r + i)));
+                    add_rows(&mut acc[..vectors], base, ldw, r, &x, mask, whole, t == 0);
+                } else {
+                    let x = [_mm256_set1_ps(*x.get_unchecked(r))];
+                    add_rows(&mut acc[..vectors], base, ldw, r, &x, mask, whole, t == 0);
+                }
+            }
+        }
+        r += rows;
+    }
+    let mut sums = [0.0f32; HALF];
+    for (t, acc) in acc.iter().enumerate() {
+        for (v, acc) in acc[..vectors].iter().enumerate() {
+            let lanes = (width - v * HALF).min(HALF);
+            // SAFETY: `sums` holds 8 floats, one unaligned 32-byte store.
+            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), *acc) };
+            columns.set_run(strip.t0 + t, v * HALF, &sums[..lanes]);
+        }
+    }
+}
+
+/// `acc[v] = fma(x[R - 1], w[r + R - 1][v], … fma(x[0], w[r][v], acc[v]))` for the strip's vectors
+/// `v` (the `whole` first of `acc` full, the one after them, if `acc` has it, under `mask`), where
+/// `w[r]` is the run of `base + r · ldw`. With `prefetch`, asks for the same runs
+/// [`PREFETCH_ROWS`] rows further on, a line per two vectors and row.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; rows `r..r + R` hold `whole` vectors (and the masked lanes of one
+/// more where `acc` is longer) readable from `base + row · ldw`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn add_rows<const R: usize>(
+    acc: &mut [std::arch::x86_64::__m256],
+    base: *const f32,
+    ldw: usize,
+    r: usize,
+    x: &[std::arch::x86_64::__m256; R],
+    mask: std::arch::x86_64::__m256i,
+    whole: usize,
+    prefetch: bool,
+) {
+    use std::arch::x86_64::{
+        _MM_HINT_T0, _mm_prefetch, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_maskload_ps,
+    };
+    const HALF: usize = LANES / 2;
+    let rows: [*const f32; R] = std::array::from_fn(|i| base.wrapping_add((r + i) * ldw));
+    let (full, last) = acc.split_at_mut(whole);
+    for (v, acc) in full.iter_mut().enumerate() {
+        if prefetch && v % 2 == 0 {
+            for row in rows {
+                // A prefetch past the weight's end never faults, so the address needs no bounds.
                 _mm_prefetch::<_MM_HINT_T0>(
                     row.wrapping_add(PREFETCH_ROWS * ldw + v * HALF).cast(),
                 );
             }
-            // SAFETY: as in `strips_avx512`: the mask keeps every lane read inside the strip's
-            // row `r`, which `strip_product` checked lies inside `w`; masked-off lanes touch no
-            // memory.
-            let wv: [__m256; V] =
-                std::array::from_fn(|v| unsafe { _mm256_maskload_ps(row.add(v * HALF), masks[v]) });
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                // SAFETY: every token slice is `k` long and `r < k`.
-                let x = _mm256_set1_ps(unsafe { *x.get_unchecked(r) });
-                for (acc, w) in acc.iter_mut().zip(&wv) {
-                    *acc = _mm256_fmadd_ps(x, *w, *acc);
-                }
-            }
         }
-        let mut sums = [0.0f32; HALF];
-        for (t, acc) in acc.iter().enumerate() {
-            for (v, acc) in acc.iter().enumerate() {
-                let lanes = cols.saturating_sub(v * HALF).min(HALF);
-                if lanes == 0 {
-                    break;
-                }
-                // SAFETY: `sums` holds 8 floats, one unaligned 32-byte store.
-                unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), *acc) };
-                columns.set_run(strip.t0 + t, c0 + v * HALF, &sums[..lanes]);
-            }
+        let mut a = *acc;
+        for (row, x) in rows.iter().zip(x) {
+            // SAFETY: the caller's contract: vector `v < whole` of each row is readable.
+            a = _mm256_fmadd_ps(*x, unsafe { _mm256_loadu_ps(row.add(v * HALF)) }, a);
         }
+        *acc = a;
+    }
+    if let Some(acc) = last.first_mut() {
+        let mut a = *acc;
+        for (row, x) in rows.iter().zip(x) {
+            // SAFETY: the caller's contract: the masked lanes of vector `whole` are readable;
+            // masked-off lanes touch no memory.
+            a = _mm256_fmadd_ps(
+                *x,
+                unsafe { _mm256_maskload_ps(row.add(whole * HALF), mask) },
+                a,
+            );
+        }
+        *acc = a;
     }
 }
 
