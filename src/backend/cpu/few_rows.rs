@@ -5,7 +5,7 @@
 //! token's row with one contiguous weight row. For a handful of tokens the product is bounded by
 //! reading the weight from memory, not by arithmetic; `gemm`'s matrix-vector path ran on one core
 //! and reached 46 % of the machine's read bandwidth in batch-1 decoding. Here the weight rows are
-//! split into blocks of about 512 KiB, one rayon task each; a task walks [`ROWS`] weight rows at a
+//! split into tasks of about 96 KiB, which every thread pulls from one counter ([`by_weight_rows`]); a task walks [`ROWS`] weight rows at a
 //! time along `k`, each 16 (AVX-512) or 8 (AVX2) floats multiplied into the accumulators of every
 //! token, so each weight byte is loaded once however many tokens there are (up to [`MAX_ROWS`]).
 //!
@@ -18,7 +18,8 @@
 
 use std::marker::PhantomData;
 
-use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 /// The most left-operand rows (tokens) this path takes; above it `gemm`'s packed kernels win.
 pub(super) const MAX_ROWS: usize = 16;
@@ -33,8 +34,10 @@ const ROWS: usize = 4;
 const K_TILE: usize = 512;
 /// How far ahead along a weight row the kernels prefetch, in floats.
 const PREFETCH: usize = 256;
-/// Weight bytes per rayon task (rounded to whole groups of [`ROWS`] rows).
-const TASK_BYTES: usize = 512 << 10;
+/// Weight bytes per task (rounded to whole groups of [`ROWS`] rows): small, so that the threads
+/// pulling tasks end close together, and long enough (a run of whole rows, one sequential stream) for
+/// the prefetchers.
+const TASK_BYTES: usize = 96 << 10;
 /// Products whose weight is smaller than this run on the calling thread.
 const PARALLEL_BYTES: usize = 256 << 10;
 
@@ -125,15 +128,39 @@ pub(super) fn by_weight_rows(
     block: impl Fn(Columns<'_>) + Sync,
 ) {
     let columns = Columns::new(out, m, n);
-    if parallel {
-        super::warm::hold();
-        columns
-            .split(rows_per_task)
-            .into_par_iter()
-            .for_each(&block);
-    } else {
+    if !parallel {
         block(columns);
+        return;
     }
+    super::warm::hold();
+    // Every thread pulls the next task from one counter until none is left, so the threads finish
+    // within a task of each other however their speeds differ, and the caller waits at the end for
+    // at most the helpers' last tasks (a helper no thread took runs on the caller and finds nothing
+    // left). Rayon's splitting of the same tasks ended with one thread idle for 6-9 % of each
+    // product (a 512 KiB task apart, then woken from sleep): BENCHMARKS.md, twentieth measurement.
+    let tasks: Vec<Mutex<Option<Columns<'_>>>> = columns
+        .split(rows_per_task)
+        .into_iter()
+        .map(|c| Mutex::new(Some(c)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let pull = || {
+        while let Some(task) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+            // Each index is handed out once, so the slot is full; the lock is released before
+            // the task runs (a panicking task poisons nothing).
+            let columns = task.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(columns) = columns {
+                block(columns);
+            }
+        }
+    };
+    let pull = &pull;
+    rayon::scope(|s| {
+        for _ in 1..rayon::current_num_threads().min(tasks.len()) {
+            s.spawn(move |_| pull());
+        }
+        pull();
+    });
 }
 
 /// The output columns `first..first + len` of an `m × n` row-major product, for the one task that
