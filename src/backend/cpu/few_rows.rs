@@ -5,9 +5,10 @@
 //! token's row with one contiguous weight row. For a handful of tokens the product is bounded by
 //! reading the weight from memory, not by arithmetic; `gemm`'s matrix-vector path ran on one core
 //! and reached 46 % of the machine's read bandwidth in batch-1 decoding. Here the weight rows are
-//! split into tasks of about 96 KiB, which every thread pulls from one counter ([`by_weight_rows`]); a task walks [`ROWS`] weight rows at a
-//! time along `k`, each 16 (AVX-512) or 8 (AVX2) floats multiplied into the accumulators of every
-//! token, so each weight byte is loaded once however many tokens there are (up to [`MAX_ROWS`]).
+//! split into tasks of about 96 KiB, which every thread pulls from one counter ([`by_weight_rows`]);
+//! a task walks [`ROWS`] weight rows at a time along `k`, each 16 (AVX-512) or 8 (AVX2) floats
+//! multiplied into the accumulators of every token, so each weight byte is loaded once however many
+//! tokens there are (up to [`MAX_ROWS`]).
 //!
 //! Every row's sum is computed the same way whatever the other rows are (per tile of [`K_TILE`]
 //! floats: lane partial sums in `k` order, the lanes added; then the tiles in order), so a sequence

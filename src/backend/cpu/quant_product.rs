@@ -11,7 +11,8 @@
 //! activations of the K formats per 256 values instead, `Q8_K`; the per-32 rounding is finer.)
 //!
 //! **Schedule.** The weight is streamed once per call, whatever the number of rows of `x`: rows are
-//! split into tasks of about 256 KiB of blocks, one rayon task each; a task decodes one weight row
+//! split into tasks of about 256 KiB of blocks, which the threads pull from one counter
+//! ([`by_weight_rows`](super::few_rows::by_weight_rows)); a task decodes one weight row
 //! at a time into 8-bit levels with a scale (and an offset, for the formats with minimums) per 16
 //! values — every format to the same form, so one dot-product kernel serves all — then multiplies
 //! that row into every row of `x`. Decoding is plain fixed-size byte loops the compiler vectorizes;
@@ -28,7 +29,7 @@ use crate::quant::{QK_K, QuantType};
 
 /// Values per activation block (and per weight block of the 32-value formats).
 pub(super) const BLOCK: usize = 32;
-/// Weight bytes per rayon task.
+/// Weight bytes per task.
 const TASK_BYTES: usize = 256 << 10;
 /// Products whose weight is smaller than this run on the calling thread.
 const PARALLEL_BYTES: usize = 128 << 10;
