@@ -127,9 +127,19 @@ unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
 }
 
 /// `bytes` of fresh zero pages (page-aligned, so aligned to [`ALIGN`]); `None` when the kernel
-/// refuses (an address-space limit, or no memory to commit).
+/// refuses (an address-space limit, or no memory to commit). On huge pages where
+/// [`HUGE_PAGES_VARIABLE`] asks for them.
 #[cfg(unix)]
 pub(super) fn map(bytes: usize) -> Option<NonNull<u8>> {
+    #[cfg(target_os = "linux")]
+    return map_advised(bytes, huge_pages_asked());
+    #[cfg(not(target_os = "linux"))]
+    return map_advised(bytes, false);
+}
+
+/// [`map`], asking for transparent huge pages if `huge` (Linux only; advice a kernel may ignore).
+#[cfg(unix)]
+fn map_advised(bytes: usize, huge: bool) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping at an address of the kernel's choosing touches no existing
     // memory; the result is checked before use.
     let ptr = unsafe {
@@ -145,7 +155,43 @@ pub(super) fn map(bytes: usize) -> Option<NonNull<u8>> {
     if ptr == libc::MAP_FAILED {
         return None;
     }
+    #[cfg(not(target_os = "linux"))]
+    let _ = huge;
+    #[cfg(target_os = "linux")]
+    if huge && bytes >= HUGE_PAGE {
+        // SAFETY: `ptr` starts the mapping of `bytes` just made, which nothing else uses yet; the
+        // advice only changes which pages the kernel backs it with when it is first touched (a
+        // kernel without transparent huge pages refuses it, and nothing changes).
+        unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) };
+    }
     NonNull::new(ptr.cast())
+}
+
+/// The size of an x86-64 (and the usual aarch64) transparent huge page: smaller mappings cannot
+/// hold one.
+#[cfg(target_os = "linux")]
+const HUGE_PAGE: usize = 2 << 20;
+
+/// The environment variable that asks for transparent huge pages under the host's large blocks
+/// (`1`): a product that reads a weight in strips, a row's run at a time, touches a page per row
+/// with 4 KiB pages and misses the TLB on most of them. Opt-in, as PyTorch's `THP_MEM_ALLOC_ENABLE`
+/// is: on the 2-vCPU virtual machines measured, the first touch of huge pages was slow (loading
+/// GPT-2 small took 1.1-1.5 s with 4 KiB pages and 2.9-5.5 s with huge pages), while decoding
+/// from the loaded weights ran up to a fifth faster (BENCHMARKS.md, issue 35). Linux only.
+#[cfg(target_os = "linux")]
+pub(crate) const HUGE_PAGES_VARIABLE: &str = "NDSCOPE_HUGE_PAGES";
+
+/// Whether [`HUGE_PAGES_VARIABLE`] is `1` (or `on`, `yes`, `true`; read once).
+#[cfg(target_os = "linux")]
+fn huge_pages_asked() -> bool {
+    static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| asks_for_huge_pages(std::env::var(HUGE_PAGES_VARIABLE).ok().as_deref()))
+}
+
+/// Whether a value of [`HUGE_PAGES_VARIABLE`] asks for huge pages.
+#[cfg(target_os = "linux")]
+fn asks_for_huge_pages(value: Option<&str>) -> bool {
+    value.is_some_and(|v| matches!(v.trim(), "1" | "on" | "yes" | "true"))
 }
 
 /// Unmaps pages mapped by [`map`].
@@ -179,5 +225,65 @@ unsafe fn unmap(ptr: NonNull<u8>, bytes: usize) {
             ptr.as_ptr(),
             AllocLayout::from_size_align_unchecked(bytes, ALIGN),
         )
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    /// The `VmFlags` line of the mapping that holds `ptr`, from `/proc/self/smaps`.
+    fn vm_flags(ptr: NonNull<u8>) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+        let at = ptr.as_ptr() as usize;
+        let holds = |line: &str| {
+            let range = line.split_whitespace().next().unwrap_or("");
+            let Some((start, end)) = range.split_once('-') else {
+                return false;
+            };
+            match (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                (Ok(start), Ok(end)) => (start..end).contains(&at),
+                _ => false,
+            }
+        };
+        let mut lines = smaps.lines().skip_while(|l| !holds(l));
+        assert!(lines.next().is_some(), "no mapping holds {ptr:?}");
+        let flags = lines
+            .find(|l| l.starts_with("VmFlags:"))
+            .expect("a VmFlags line");
+        flags.to_string()
+    }
+
+    #[test]
+    fn huge_pages_are_asked_for_only_when_wanted_and_large_enough() {
+        let has_hg = |flags: &str| flags.split_whitespace().any(|f| f == "hg");
+        let bytes = 2 * HUGE_PAGE;
+        for huge in [false, true] {
+            let ptr = map_advised(bytes, huge).expect("a 4 MiB mapping");
+            let flags = vm_flags(ptr);
+            // SAFETY: `ptr` came from `map_advised(bytes, ..)`, which `map`'s unmapping accepts,
+            // and nothing uses it afterwards.
+            unsafe { unmap(ptr, bytes) };
+            assert_eq!(has_hg(&flags), huge, "huge {huge}: {flags}");
+        }
+        // Too small to hold a huge page: no advice.
+        let ptr = map_advised(HUGE_PAGE / 2, true).expect("a 1 MiB mapping");
+        let flags = vm_flags(ptr);
+        // SAFETY: as above.
+        unsafe { unmap(ptr, HUGE_PAGE / 2) };
+        assert!(!has_hg(&flags), "{flags}");
+    }
+
+    #[test]
+    fn the_variable_asks_for_huge_pages_only_when_set_to_yes() {
+        for yes in ["1", "on", "yes", "true", " 1 "] {
+            assert!(asks_for_huge_pages(Some(yes)), "{yes:?}");
+        }
+        for no in [None, Some(""), Some("0"), Some("off"), Some("no")] {
+            assert!(!asks_for_huge_pages(no), "{no:?}");
+        }
     }
 }
