@@ -131,10 +131,7 @@ unsafe fn system_free(ptr: NonNull<u8>, capacity: usize) {
 /// [`HUGE_PAGES_VARIABLE`] asks for them.
 #[cfg(unix)]
 pub(super) fn map(bytes: usize) -> Option<NonNull<u8>> {
-    #[cfg(target_os = "linux")]
-    return map_advised(bytes, huge_pages_asked());
-    #[cfg(not(target_os = "linux"))]
-    return map_advised(bytes, false);
+    map_advised(bytes, huge_pages_asked())
 }
 
 /// [`map`], asking for transparent huge pages if `huge` (Linux only; advice a kernel may ignore).
@@ -155,21 +152,21 @@ fn map_advised(bytes: usize, huge: bool) -> Option<NonNull<u8>> {
     if ptr == libc::MAP_FAILED {
         return None;
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = huge;
-    #[cfg(target_os = "linux")]
     if huge && bytes >= HUGE_PAGE {
         // SAFETY: `ptr` starts the mapping of `bytes` just made, which nothing else uses yet; the
         // advice only changes which pages the kernel backs it with when it is first touched (a
         // kernel without transparent huge pages refuses it, and nothing changes).
-        unsafe { libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE) };
+        #[cfg(target_os = "linux")]
+        unsafe {
+            libc::madvise(ptr, bytes, libc::MADV_HUGEPAGE)
+        };
     }
     NonNull::new(ptr.cast())
 }
 
 /// The size of an x86-64 (and the usual aarch64) transparent huge page: smaller mappings cannot
 /// hold one.
-#[cfg(target_os = "linux")]
+#[cfg(unix)]
 const HUGE_PAGE: usize = 2 << 20;
 
 /// The environment variable that asks for transparent huge pages under the host's large blocks
@@ -177,19 +174,20 @@ const HUGE_PAGE: usize = 2 << 20;
 /// with 4 KiB pages and misses the TLB on most of them. Opt-in, as PyTorch's `THP_MEM_ALLOC_ENABLE`
 /// is: on the 2-vCPU virtual machines measured, the first touch of huge pages was slow (loading
 /// GPT-2 small took 1.1-1.5 s with 4 KiB pages and 2.9-5.5 s with huge pages), while decoding
-/// from the loaded weights ran up to a fifth faster (BENCHMARKS.md, issue 35). Linux only.
-#[cfg(target_os = "linux")]
-pub(crate) const HUGE_PAGES_VARIABLE: &str = "NDSCOPE_HUGE_PAGES";
+/// from the loaded weights ran up to a fifth faster (BENCHMARKS.md, issue 35). Linux only: read
+/// elsewhere, but no mapping is advised.
+#[cfg(unix)]
+const HUGE_PAGES_VARIABLE: &str = "NDSCOPE_HUGE_PAGES";
 
 /// Whether [`HUGE_PAGES_VARIABLE`] is `1` (or `on`, `yes`, `true`; read once).
-#[cfg(target_os = "linux")]
+#[cfg(unix)]
 fn huge_pages_asked() -> bool {
     static ASKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ASKED.get_or_init(|| asks_for_huge_pages(std::env::var(HUGE_PAGES_VARIABLE).ok().as_deref()))
 }
 
 /// Whether a value of [`HUGE_PAGES_VARIABLE`] asks for huge pages.
-#[cfg(target_os = "linux")]
+#[cfg(unix)]
 fn asks_for_huge_pages(value: Option<&str>) -> bool {
     value.is_some_and(|v| matches!(v.trim(), "1" | "on" | "yes" | "true"))
 }
