@@ -12,6 +12,10 @@
 //! python3 benches/llama_reference.py step
 //! ```
 //!
+//! `NDSCOPE_BENCH_DEVICE=cuda:0` (a build with `--features cuda`) runs the same work on a GPU, beside
+//! `python3 benches/llama_reference.py step DIR cuda`; there the decoding line has no bandwidth bound
+//! (the bound is the host's) and the load's peak is not measured (it is the host's resident memory).
+//!
 //! Each pass takes seconds, so this bench times medians of a few runs itself (after a warm-up run)
 //! rather than through criterion's sampling.
 
@@ -29,6 +33,14 @@ use ndscope::{DType, Device, Result, Scope, Tape, root};
 
 const DIR: &str = "target/llama-1b-random";
 const RUNS: usize = 3;
+
+/// Where the model runs: `NDSCOPE_BENCH_DEVICE` (`cpu`, `cuda:N`), the CPU when unset.
+fn bench_device() -> Result<Device> {
+    match std::env::var("NDSCOPE_BENCH_DEVICE") {
+        Ok(text) => text.parse(),
+        Err(_) => Ok(Device::Cpu),
+    }
+}
 
 /// The median of `runs` timings of `work`, after one untimed run.
 fn median(runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Duration> {
@@ -69,12 +81,14 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
             let x = b.from_slice(&forward, &[1, 512])?;
             let tape = Tape::no_grad(b);
             let logits = model.forward(&tape, &x, Mode::Eval)?;
+            // Read back, so that a GPU's queued work is inside the timing.
             black_box(
                 logits
                     .value()
                     .narrow(1, 511, 1)?
                     .to_dtype(DType::F32)?
-                    .sum_all()?,
+                    .sum_all()?
+                    .to_scalar::<f32>()?,
             );
             Ok(())
         })
@@ -90,6 +104,8 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
             let loss = logits.reshape(&[256, 128_256])?.cross_entropy(&labels)?;
             let grads = tape.backward(&loss)?;
             black_box(grads.len());
+            // The loss read after the backward pass is queued waits for it on a GPU's stream.
+            black_box(loss.value().to_dtype(DType::F32)?.to_scalar::<f32>()?);
             Ok(())
         })
     })?;
@@ -130,13 +146,22 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
     wholes.sort();
     let (prefill, t) = (prefills[RUNS / 2], wholes[RUNS / 2]);
     let step_rate = 31.0 / (t - prefill).as_secs_f64();
-    let bound = read_bandwidth() / weight_bytes;
-    println!(
-        "llama_1b/decode_batch1/{label}: 32 tokens in {:.3} s; {step_rate:.2} tokens/s after the \
-         prompt; the read bandwidth bounds it at {bound:.2} tokens/s ({:.0} % of the bound)",
-        t.as_secs_f64(),
-        100.0 * step_rate / bound
-    );
+    if m.device().is_cuda() {
+        println!(
+            "llama_1b/decode_batch1/{label}: 32 tokens in {:.3} s; {step_rate:.2} tokens/s after \
+             the prompt ({:.0} GB/s of weights)",
+            t.as_secs_f64(),
+            step_rate * weight_bytes / 1e9
+        );
+    } else {
+        let bound = read_bandwidth() / weight_bytes;
+        println!(
+            "llama_1b/decode_batch1/{label}: 32 tokens in {:.3} s; {step_rate:.2} tokens/s after \
+             the prompt; the read bandwidth bounds it at {bound:.2} tokens/s ({:.0} % of the bound)",
+            t.as_secs_f64(),
+            100.0 * step_rate / bound
+        );
+    }
     let t8 = median(RUNS, || {
         let mut engine = Engine::new(model, &pool, EngineConfig { max_batch: 8 });
         for r in 0..8 {
@@ -207,7 +232,11 @@ fn main() -> Result<()> {
     // (`load_peak`, `passes`, `decode`) and the dtypes whose label does (`f32`, `bf16`).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let wanted = |name: &str| filter.as_ref().is_none_or(|f| name.contains(f.as_str()));
-    if wanted("load_peak") {
+    let device = bench_device()?;
+    device.check_available()?;
+    if device.is_cuda() {
+        println!("llama_1b: on {device}");
+    } else if wanted("load_peak") {
         load_peak()?;
     }
     for (dtype, label) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
@@ -218,7 +247,7 @@ fn main() -> Result<()> {
         if !run_passes && !run_decode {
             continue;
         }
-        root(Device::Cpu, |m| {
+        root(device, |m| {
             let start = Instant::now();
             let model = Llama::from_pretrained(m, DIR, dtype)?;
             let weight_bytes = model.parameter_elements() as f64 * dtype.size() as f64;

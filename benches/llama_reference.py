@@ -7,7 +7,9 @@ directory (random weights):
 
 DIR defaults to target/llama-1b-random. Two threads (torch.set_num_threads(2)), batch 1, sdpa
 attention, medians of 3 after a warm-up run, the same token ids as the Rust side; f32 and bf16 (the
-model's weights in that dtype, as ndscope loads them). `generate` is greedy, 32 new tokens after a
+model's weights in that dtype, as ndscope loads them). A third argument, `cuda`, runs the same work
+(and draws `make`'s weights) on the GPU, beside `NDSCOPE_BENCH_DEVICE=cuda:0 cargo bench --features
+cuda --bench llama`; each timing there ends in a synchronize. `generate` is greedy, 32 new tokens after a
 16-token prompt (`min_new_tokens` 32), once per request and for 8 requests in one batch.
 """
 import statistics
@@ -19,10 +21,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.set_num_threads(2)
 RUNS = 3
+DEVICE = torch.device(sys.argv[3] if len(sys.argv) > 3 else "cpu")
 
 
 def ids(n):
-    return torch.tensor([[(i * 7919 + 13) % 128_256 for i in range(n)]])
+    return torch.tensor([[(i * 7919 + 13) % 128_256 for i in range(n)]], device=DEVICE)
+
+
+def synchronize():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def make(path):
@@ -49,17 +57,22 @@ def make(path):
         eos_token_id=[128_001, 128_008, 128_009],
     )
     torch.manual_seed(7)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # Drawn where the work runs: on a GPU the 1.2 billion draws take a second, not a minute (other
+    # values than the host's draws, which no timing depends on).
+    with DEVICE:
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
     print(f"wrote {path}: {sum(p.numel() for p in model.parameters())} parameters")
 
 
 def median(work):
     work()
+    synchronize()
     times = []
     for _ in range(RUNS):
         start = time.perf_counter()
         work()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -67,6 +80,7 @@ def median(work):
 def step(path, passes=True):
     for dtype, label in [(torch.float32, "f32"), (torch.bfloat16, "bf16")]:
         model = LlamaForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        model.to(DEVICE)
         model.eval()
         if passes:
             forward_and_backward(model, label)
@@ -101,7 +115,7 @@ def decode(model, label):
         def run():
             with torch.no_grad():
                 p = prompt.repeat(batch, 1)
-                p[:, 0] = torch.arange(batch)
+                p[:, 0] = torch.arange(batch, device=DEVICE)
                 model.generate(
                     p,
                     attention_mask=torch.ones_like(p),
