@@ -1,4 +1,4 @@
-// Softmax, log-softmax and the cross-entropy derivative, over contiguous rows (ndscope moves the
+// Softmax, log-softmax, the cross-entropy derivative and RMS normalisation, over contiguous rows (ndscope moves the
 // softmax axis last first). Each row is shifted by its maximum before exp, as on the host.
 
 // T is the element type, C the type the row is computed in (float for the 16-bit types).
@@ -69,3 +69,35 @@ SOFTMAX(float, float, f32)
 SOFTMAX(double, double, f64)
 SOFTMAX(bf16, float, bf16)
 SOFTMAX(f16, float, f16)
+
+// RMS normalisation of each row, as the host computes it (`Tensor::rms_norm`): `inv = 1 / sqrt(sum
+// x^2 / len + eps)` in C, the normalised value rounded to T, then times the weight (when `w` is not
+// null) and rounded again. One block a row: a decoding step's norms are one launch, not seven.
+#define RMS_NORM(T, C, S)                                                                          \
+    extern "C" __global__ void rms_norm_##S(i64 rows, i64 len, T* out, const T* in, const T* w,    \
+                                            C eps) {                                               \
+        __shared__ C buf[ROW_THREADS];                                                             \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {                                       \
+            const T* x = in + r * len;                                                             \
+            T* y = out + r * len;                                                                  \
+            C s = (C)0;                                                                            \
+            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) {                                 \
+                C v = ld(x[j]);                                                                    \
+                s += v * v;                                                                        \
+            }                                                                                      \
+            buf[threadIdx.x] = s;                                                                  \
+            block_combine(R_SUM, buf);                                                             \
+            C inv = (C)1 / k_sqrt(buf[0] / (C)len + eps);                                          \
+            __syncthreads();                                                                       \
+            for (i64 j = threadIdx.x; j < len; j += ROW_THREADS) {                                 \
+                T n;                                                                               \
+                put(&n, ld(x[j]) * inv);                                                           \
+                put(&y[j], w ? ld(n) * ld(w[j]) : ld(n));                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+RMS_NORM(float, float, f32)
+RMS_NORM(double, double, f64)
+RMS_NORM(bf16, float, bf16)
+RMS_NORM(f16, float, f16)

@@ -474,6 +474,9 @@ fn transformer_ops() {
         v[0].layer_norm(None, None, 1e-5)
     });
     check("rms_norm", affine(), |v| v[0].rms_norm(Some(&v[1]), 1e-6));
+    check("rms_norm without a weight", affine(), |v| {
+        v[0].rms_norm(None, 1e-6)
+    });
     let qkv = || {
         vec![
             input(&[2, 4, 3], 25, -1.5, 1.5),

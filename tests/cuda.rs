@@ -1254,6 +1254,8 @@ fn sixteen_bit_ops_agree_with_the_host() {
                     x.cumsum(1)?,
                     x.softmax(-1)?,
                     x.log_softmax(0)?,
+                    x.rms_norm(Some(&x.narrow(0, 2, 1)?.reshape(&[300])?), 1e-5)?,
+                    x.rms_norm(None, 1e-6)?,
                     x.index_select(0, &rows)?,
                     x.index_add(0, &rows, &x.narrow(0, 0, 4)?)?,
                     acc,

@@ -861,6 +861,76 @@ fn layer_norm_and_rms_norm_normalise_each_row() {
     });
 }
 
+#[test]
+fn rms_norm_rounds_16_bit_rows_as_transformers_does() {
+    run(|s| {
+        let (rows, width) = (4, 9);
+        let (x, xv) = tensor(s, &[rows, width], 51)?;
+        let (w, _) = tensor(s, &[width], 52)?;
+        let reference = |xv: &[f64], wv: Option<&[f64]>, eps: f64, round: &dyn Fn(f64) -> f64| {
+            let mut want = Vec::new();
+            for row in xv.chunks(width) {
+                let ms = row.iter().map(|v| v * v).sum::<f64>() / width as f64;
+                let inv = 1.0 / (ms + eps).sqrt();
+                for (j, &v) in row.iter().enumerate() {
+                    let n = round(v * inv);
+                    want.push(wv.map_or(n, |w| round(n * w[j])));
+                }
+            }
+            want
+        };
+        // f32 and f64: the plain formula, with and without a weight.
+        for dtype in [DType::F32, DType::F64] {
+            let (xd, wd) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+            let wv = wd.to_vec_f64()?;
+            let got = xd.rms_norm(Some(&wd), 1e-6)?.to_vec_f64()?;
+            assert_close(&got, &reference(&xv, Some(&wv), 1e-6, &|v| v), 1e-6);
+            let got = xd.rms_norm(None, 1e-6)?.to_vec_f64()?;
+            assert_close(&got, &reference(&xv, None, 1e-6, &|v| v), 1e-6);
+        }
+        // 16 bits: the normalised value rounded to the dtype, then scaled and rounded again (the
+        // f64 reference's inverse may put a value one unit in the last place away).
+        let round_bf16 = |v: f64| f64::from(ndscope::bf16::from_f64(v));
+        let round_f16 = |v: f64| f64::from(ndscope::f16::from_f64(v));
+        for (dtype, round) in [
+            (DType::BF16, &round_bf16 as &dyn Fn(f64) -> f64),
+            (DType::F16, &round_f16),
+        ] {
+            let (xh, wh) = (x.to_dtype(dtype)?, w.to_dtype(dtype)?);
+            let (xr, wr) = (xh.to_vec_f64()?, wh.to_vec_f64()?);
+            let got = xh.rms_norm(Some(&wh), 1e-5)?.to_vec_f64()?;
+            let want = reference(&xr, Some(&wr), 1e-5, round);
+            for (g, w) in got.iter().zip(&want) {
+                assert!(
+                    (g - w).abs() <= 2.0 * dtype.epsilon() * w.abs(),
+                    "{dtype}: {g} against {w}"
+                );
+            }
+            // Rounded once before the weight: not the value the whole product would round to.
+            let unrounded = reference(&xr, Some(&wr), 1e-5, &|v| v);
+            let once: Vec<f64> = unrounded.iter().map(|&v| round(v)).collect();
+            assert!(got.iter().zip(&once).any(|(g, o)| g != o), "{dtype}");
+        }
+        assert!(matches!(
+            x.rms_norm(Some(&w.to_dtype(DType::BF16)?), 1e-6),
+            Err(Error::DTypeMismatch { .. })
+        ));
+        assert!(matches!(
+            x.to_dtype(DType::I64)?.rms_norm(None, 1e-6),
+            Err(Error::UnsupportedDType { .. })
+        ));
+        assert!(matches!(
+            x.rms_norm(Some(&w.narrow(0, 0, 4)?), 1e-6),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(matches!(
+            x.rms_norm(None, f64::NAN),
+            Err(Error::InvalidShape { .. })
+        ));
+        Ok(())
+    });
+}
+
 /// Attention by plain loops: `[batch, len, d]` operands (`dims`), scores scaled by `1/sqrt(d)`.
 fn ref_attention(
     q: &[f64],

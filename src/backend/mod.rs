@@ -380,6 +380,13 @@ pub(crate) trait Backend: Sync {
     /// Softmax (or log-softmax) of the rows of the contiguous `x` along its last axis.
     fn softmax(&self, dtype: DType, x: Src, log: bool, out: Dst) -> Result<()>;
 
+    /// RMS normalisation of each row of the contiguous `x` along its last axis into the contiguous
+    /// `out`: `inv = 1 / sqrt(Σ x² / len + eps)` in the compute type (`f64` for `f64`, else `f32`),
+    /// `n = x · inv` rounded to `dtype`, then `n · weight` rounded again where the contiguous
+    /// `weight` (`[len]`, `dtype`) is given (transformers' `LlamaRMSNorm` for 16-bit rows).
+    fn rms_norm(&self, dtype: DType, x: Src, weight: Option<Src>, eps: f64, out: Dst)
+    -> Result<()>;
+
     /// `ln Σ_j e^(x_j)` of each row of the contiguous `x` along its last axis, into the contiguous
     /// `out` of the compute type (`f64` for `f64`, else `f32`): `-inf` for a row of `-inf`, NaN for
     /// a row holding NaN.

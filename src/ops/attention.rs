@@ -9,6 +9,7 @@ use crate::backend::AttentionInputs;
 use crate::backend::op::Attention;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::require_float;
 use crate::tensor::Tensor;
 
 /// Which keys each query sees in [`Tensor::attention`].
@@ -130,13 +131,7 @@ fn check<'s>(
     key_lengths: Option<&Tensor<'s>>,
 ) -> Result<Operands<'s>> {
     const OP: &str = "attention";
-    if !q.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op: OP,
-            dtype: q.dtype(),
-            expected: "a float dtype (f32, f64, bf16 or f16)",
-        });
-    }
+    require_float(OP, q)?;
     for x in [k, v] {
         same_dtype(OP, q, x)?;
         same_device(OP, q, x)?;

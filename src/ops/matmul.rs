@@ -4,6 +4,7 @@ use std::panic::Location;
 
 use crate::error::{Error, Result};
 use crate::layout::{Shape, broadcast_shapes};
+use crate::ops::require_float;
 use crate::ops::{same_device, same_dtype, scratch};
 use crate::tensor::Tensor;
 
@@ -29,13 +30,7 @@ impl<'s> Tensor<'s> {
         const OP: &str = "matmul";
         same_dtype(OP, self, other)?;
         same_device(OP, self, other)?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: OP,
-                dtype: self.dtype(),
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-            });
-        }
+        require_float(OP, self)?;
         for t in [self, other] {
             if t.rank() == 0 {
                 return Err(Error::InvalidShape {

@@ -11,6 +11,7 @@ mod index;
 mod join;
 mod mask;
 mod matmul;
+mod norm;
 pub(crate) mod paged;
 mod quantized;
 mod reduce;
@@ -47,6 +48,18 @@ pub(crate) fn scratch<'s>(
     }
     let words = bytes.div_ceil(DType::F32.size());
     Tensor::output_of(inputs, DType::F32, &[words], caller).map(Some)
+}
+
+/// Refuses an integer `t` for a float-only op.
+pub(crate) fn require_float(op: &'static str, t: &Tensor<'_>) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: t.dtype(),
+            expected: "a float dtype (f32, f64, bf16 or f16)",
+        });
+    }
+    Ok(())
 }
 
 pub(crate) fn same_dtype(op: &'static str, a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {

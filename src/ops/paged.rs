@@ -13,6 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::Layout;
 use crate::memory::pages::PageTable;
+use crate::ops::require_float;
 use crate::tensor::Tensor;
 
 /// The error for a page table used with a slab it was not cut from (a bug above this module: the
@@ -57,13 +58,7 @@ pub(crate) fn paged_attention<'s>(
     const OP: &str = "paged attention";
     let at = Location::caller();
     check_operand(OP, slab, q, 3)?;
-    if !q.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op: OP,
-            dtype: q.dtype(),
-            expected: "a float dtype (f32, f64, bf16 or f16)",
-        });
-    }
+    require_float(OP, q)?;
     let &[rows, heads, width] = q.shape() else {
         unreachable!("rank checked")
     };

@@ -4,7 +4,7 @@ use std::panic::Location;
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::{same_device, scratch};
+use crate::ops::{require_float, same_device, scratch};
 use crate::tensor::{QuantTensor, Tensor};
 
 impl<'s> Tensor<'s> {
@@ -42,13 +42,7 @@ impl<'s> Tensor<'s> {
     pub fn matmul_quantized_t(&self, w: &QuantTensor<'s>) -> Result<Tensor<'s>> {
         const OP: &str = "matmul_quantized_t";
         same_device(OP, self, w.blocks())?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: OP,
-                dtype: self.dtype(),
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-            });
-        }
+        require_float(OP, self)?;
         let [n, k] = w.shape();
         if self.rank() == 0 || self.shape()[self.rank() - 1] != k {
             return Err(Error::ShapeMismatch {

@@ -9,6 +9,7 @@ use crate::backend::op::Reduce;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Shape, resolve_axis};
+use crate::ops::require_float;
 use crate::tensor::Tensor;
 
 /// Resolves, sorts and deduplicates reduction axes.
@@ -113,13 +114,7 @@ impl<'s> Tensor<'s> {
     /// Mean over `axes` (floats).
     #[track_caller]
     pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Tensor<'s>> {
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: "mean",
-                dtype: self.dtype(),
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-            });
-        }
+        require_float("mean", self)?;
         self.reduce("mean", Reduce::Mean, axes, keepdim)
     }
 

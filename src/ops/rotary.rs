@@ -6,6 +6,7 @@ use std::panic::Location;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::index::{Access, check_indices};
+use crate::ops::require_float;
 use crate::ops::same_device;
 use crate::tensor::Tensor;
 
@@ -64,13 +65,7 @@ impl<'s> Tensor<'s> {
         inverse: bool,
     ) -> Result<Tensor<'s>> {
         const OP: &str = "rotary";
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op: OP,
-                dtype: self.dtype(),
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-            });
-        }
+        require_float(OP, self)?;
         let &[tokens, _, dim] = self.shape() else {
             return Err(Error::InvalidShape {
                 op: OP,

@@ -3,21 +3,16 @@
 use std::panic::Location;
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::layout::resolve_axis;
+use crate::ops::require_float;
 use crate::tensor::Tensor;
 
 impl<'s> Tensor<'s> {
     #[track_caller]
     fn softmax_impl(&self, op: &'static str, axis: isize, log: bool) -> Result<Tensor<'s>> {
         let axis = resolve_axis(op, axis, self.rank())?;
-        if !self.dtype().is_float() {
-            return Err(Error::UnsupportedDType {
-                op,
-                dtype: self.dtype(),
-                expected: "a float dtype (f32, f64, bf16 or f16)",
-            });
-        }
+        require_float(op, self)?;
         let last = self.rank() - 1;
         // Work on rows along the last axis of a contiguous tensor; move `axis` there first if needed.
         let moved = if axis == last {
@@ -92,7 +87,8 @@ impl<'s> Tensor<'s> {
     /// ```
     ///
     /// # Errors
-    /// [`Error::AxisOutOfRange`]; [`Error::UnsupportedDType`] for integers.
+    /// [`Error::AxisOutOfRange`](crate::Error::AxisOutOfRange);
+    /// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) for integers.
     #[track_caller]
     pub fn softmax(&self, axis: isize) -> Result<Tensor<'s>> {
         self.softmax_impl("softmax", axis, false)

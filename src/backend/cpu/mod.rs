@@ -237,6 +237,18 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn rms_norm(
+        &self,
+        dtype: DType,
+        x: Src,
+        weight: Option<Src>,
+        eps: f64,
+        out: Dst,
+    ) -> Result<()> {
+        reduce::rms_norm(dtype, x, weight, eps, out);
+        Ok(())
+    }
+
     fn rotary(
         &self,
         dtype: DType,

@@ -242,6 +242,55 @@ pub(super) fn softmax(dtype: DType, x: Src, log: bool, out: Dst) {
     }
 }
 
+/// One row of [`Backend::rms_norm`](crate::backend::Backend::rms_norm): the sum of squares in the
+/// compute type, `x · inv` rounded to `T`, then times the weight and rounded again.
+fn rms_norm_row<T: Math>(x: &[T], weight: Option<&[T]>, eps: T::Compute, out: &mut [T])
+where
+    T::Compute: Real,
+{
+    let mut squares = T::Compute::zero();
+    for &v in x {
+        let v = v.load();
+        squares += v * v;
+    }
+    let len = T::Compute::from_f64(x.len() as f64);
+    let inv = T::Compute::one() / Math::sqrt(squares / len + eps);
+    match weight {
+        Some(w) => {
+            for ((o, &v), &w) in out.iter_mut().zip(x).zip(w) {
+                *o = T::store(T::store(v.load() * inv).load() * w.load());
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = T::store(v.load() * inv);
+            }
+        }
+    }
+}
+
+pub(super) fn rms_norm(dtype: DType, x: Src, weight: Option<Src>, eps: f64, out: Dst) {
+    let n = x.layout.shape().last().copied().unwrap_or(1);
+    if n == 0 || x.layout.numel() == 0 {
+        return;
+    }
+    fn rows<T: Math>(x: Src, weight: Option<Src>, eps: f64, out: Dst, n: usize)
+    where
+        T::Compute: Real,
+    {
+        let w = weight.map(|w| w.contiguous_host::<T>());
+        let eps = T::Compute::from_f64(eps);
+        each_row::<T>(x, out, n, |x, o| rms_norm_row(x, w, eps, o));
+    }
+    match dtype {
+        DType::F32 => rows::<f32>(x, weight, eps, out, n),
+        DType::F64 => rows::<f64>(x, weight, eps, out, n),
+        DType::BF16 => rows::<bf16>(x, weight, eps, out, n),
+        DType::F16 => rows::<f16>(x, weight, eps, out, n),
+        DType::I64 => unreachable!("rms_norm refuses integer dtypes before computing"),
+    }
+}
+
 /// `ln Σ e^x` of a row of `f32` or `f64`.
 fn logsumexp_row<C: Real>(x: &[C]) -> C {
     let m = rows::max(x);

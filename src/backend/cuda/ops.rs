@@ -371,6 +371,40 @@ impl Backend for Gpu {
         Ok(())
     }
 
+    fn rms_norm(
+        &self,
+        dtype: DType,
+        x: Src,
+        weight: Option<Src>,
+        eps: f64,
+        out: Dst,
+    ) -> Result<()> {
+        let len = x.layout.shape().last().copied().unwrap_or(1);
+        let total = out.layout.numel();
+        if total == 0 || len == 0 {
+            return Ok(());
+        }
+        let rows = total / len;
+        let f = self.function(float_kernel("rms_norm", float_family!("rms_norm"), dtype)?)?;
+        let (r, n) = (rows as i64, len as i64);
+        let (o, i) = (out.buf.address(), first(x.buf.address(), x.layout, dtype));
+        // Null when there is no weight: the kernel leaves the normalised value unscaled.
+        let w = weight.map_or(0, |w| first(w.buf.address(), w.layout, dtype));
+        let mut l = self.stream.launch_builder(&f);
+        l.arg(&r).arg(&n).arg(&o).arg(&i).arg(&w);
+        let (eps64, eps32) = (eps, eps as f32);
+        if dtype == DType::F64 {
+            l.arg(&eps64);
+        } else {
+            l.arg(&eps32);
+        }
+        // SAFETY: the arguments match `rms_norm_<dtype>` (i64, i64, T*, const T*, const T*, C) for
+        // a float dtype (the op refused integers), C being double for f64 and float otherwise; `x`
+        // and `out` are contiguous with `rows * len` elements, the weight (or null) with `len`.
+        unsafe { l.launch(rows_launch(rows)) }.map_err(|e| cuda_error("rms_norm kernel", e))?;
+        Ok(())
+    }
+
     fn rotary(
         &self,
         dtype: DType,
