@@ -1,5 +1,6 @@
-// Softmax, log-softmax, the cross-entropy derivative and RMS normalisation, over contiguous rows (ndscope moves the
-// softmax axis last first). Each row is shifted by its maximum before exp, as on the host.
+// Softmax, log-softmax, the cross-entropy derivative and RMS normalisation, over contiguous rows
+// (ndscope moves the softmax axis last first). Each softmax row is shifted by its maximum before exp,
+// as on the host.
 
 // T is the element type, C the type the row is computed in (float for the 16-bit types).
 

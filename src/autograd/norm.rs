@@ -8,41 +8,10 @@ use smallvec::{SmallVec, smallvec};
 use super::Var;
 use super::reduce_to::sum_to;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
-
-/// Checks the normalised axis, the affine parameters' shapes and `eps`.
-fn check_norm(
-    op: &'static str,
-    x: &Var<'_, '_>,
-    params: &[Option<&Var<'_, '_>>],
-    eps: f64,
-) -> Result<usize> {
-    let Some(&features) = x.shape().last() else {
-        return Err(Error::InvalidShape {
-            op,
-            shape: Vec::new(),
-            reason: "needs at least one dimension (the last one is normalised)".into(),
-        });
-    };
-    for p in params.iter().flatten() {
-        if p.shape() != [features] {
-            return Err(Error::ShapeMismatch {
-                op,
-                lhs: x.shape().to_vec(),
-                rhs: p.shape().to_vec(),
-                hint: "the weight and bias must have one element per feature (the last dimension)",
-            });
-        }
-    }
-    if !(eps.is_finite() && eps > 0.0) {
-        return Err(Error::InvalidShape {
-            op,
-            shape: x.shape().to_vec(),
-            reason: format!("eps must be a positive finite number, got {eps}"),
-        });
-    }
-    Ok(features)
-}
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
+use crate::ops::check_norm;
 
 impl<'t, 's> Var<'t, 's> {
     /// Layer normalisation over the last axis (Ba et al., 2016):
@@ -64,7 +33,12 @@ impl<'t, 's> Var<'t, 's> {
         if let Some(x) = self.autocast_f32()? {
             return x.layer_norm(weight, bias, eps);
         }
-        check_norm("layer_norm", self, &[weight, bias], eps)?;
+        check_norm(
+            "layer_norm",
+            self.shape(),
+            &[weight.map(Var::shape), bias.map(Var::shape)],
+            eps,
+        )?;
         let centred = self.sub(&self.mean(&[-1], true)?)?;
         let variance = centred.square()?.mean(&[-1], true)?;
         let normalised = centred.mul(&variance.add_scalar(eps)?.sqrt()?.recip()?)?;
@@ -91,9 +65,10 @@ impl<'t, 's> Var<'t, 's> {
             };
             return x.rms_norm(weight.as_ref(), eps);
         }
-        let features = check_norm("rms_norm", self, &[weight], eps)?;
-        // One pass over each row forward (`Tensor::rms_norm`); the derivative is composed.
+        // One pass over each row forward (`Tensor::rms_norm`, which checks the operands); the
+        // derivative is composed.
         let out = self.value.rms_norm(weight.map(Var::value), eps)?;
+        let features = out.shape()[out.rank() - 1];
         let x = self.value.clone();
         let w = weight.map(|w| w.value().clone());
         let inputs: SmallVec<[&Var<'t, 's>; 2]> = std::iter::once(self).chain(weight).collect();

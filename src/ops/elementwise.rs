@@ -8,17 +8,8 @@ use crate::backend::op::{Binary, Unary, unary_maps};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::broadcast_shapes;
-use crate::ops::{same_device, same_dtype};
+use crate::ops::{not_float, same_device, same_dtype};
 use crate::tensor::Tensor;
-
-/// The error of a float-only op given integers.
-fn not_float(op: &'static str, dtype: DType) -> Error {
-    Error::UnsupportedDType {
-        op,
-        dtype,
-        expected: "a float dtype (f32, f64, bf16 or f16)",
-    }
-}
 
 /// The `Tensor` methods of the parameterless unary maps, from the list in `backend::op`.
 macro_rules! unary_methods {

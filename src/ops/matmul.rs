@@ -4,8 +4,7 @@ use std::panic::Location;
 
 use crate::error::{Error, Result};
 use crate::layout::{Shape, broadcast_shapes};
-use crate::ops::require_float;
-use crate::ops::{same_device, same_dtype, scratch};
+use crate::ops::{require_float, same_device, same_dtype, scratch};
 use crate::tensor::Tensor;
 
 impl<'s> Tensor<'s> {

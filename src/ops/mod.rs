@@ -25,6 +25,7 @@ mod window;
 pub(crate) use crate::backend::op::{Binary, Window2d};
 pub use attention::{AttentionSpec, Causal};
 pub(crate) use mask::Triangle;
+pub(crate) use norm::check_norm;
 pub use window::Conv2dOptions;
 pub(crate) use window::window;
 
@@ -50,16 +51,22 @@ pub(crate) fn scratch<'s>(
     Tensor::output_of(inputs, DType::F32, &[words], caller).map(Some)
 }
 
+/// The error of a float-only op given integers.
+pub(crate) fn not_float(op: &'static str, dtype: DType) -> Error {
+    Error::UnsupportedDType {
+        op,
+        dtype,
+        expected: "a float dtype (f32, f64, bf16 or f16)",
+    }
+}
+
 /// Refuses an integer `t` for a float-only op.
 pub(crate) fn require_float(op: &'static str, t: &Tensor<'_>) -> Result<()> {
-    if !t.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: t.dtype(),
-            expected: "a float dtype (f32, f64, bf16 or f16)",
-        });
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(not_float(op, t.dtype()))
     }
-    Ok(())
 }
 
 pub(crate) fn same_dtype(op: &'static str, a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {

@@ -4,9 +4,43 @@
 use std::panic::Location;
 
 use crate::error::{Error, Result};
-use crate::ops::require_float;
-use crate::ops::same_device;
+use crate::ops::{require_float, same_device, same_dtype};
 use crate::tensor::Tensor;
+
+/// Checks a normalisation over the last axis of `shape`: at least one dimension, each affine
+/// parameter `[features]`, `eps` positive and finite. Returns the feature count.
+pub(crate) fn check_norm(
+    op: &'static str,
+    shape: &[usize],
+    params: &[Option<&[usize]>],
+    eps: f64,
+) -> Result<usize> {
+    let Some(&features) = shape.last() else {
+        return Err(Error::InvalidShape {
+            op,
+            shape: Vec::new(),
+            reason: "needs at least one dimension (the last one is normalised)".into(),
+        });
+    };
+    for p in params.iter().flatten() {
+        if *p != [features] {
+            return Err(Error::ShapeMismatch {
+                op,
+                lhs: shape.to_vec(),
+                rhs: p.to_vec(),
+                hint: "the weight and bias must have one element per feature (the last dimension)",
+            });
+        }
+    }
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(Error::InvalidShape {
+            op,
+            shape: shape.to_vec(),
+            reason: format!("eps must be a positive finite number, got {eps}"),
+        });
+    }
+    Ok(features)
+}
 
 impl<'s> Tensor<'s> {
     /// RMS normalisation over the last axis (Zhang and Sennrich, 2019). For each row `x` of `len`
@@ -40,37 +74,10 @@ impl<'s> Tensor<'s> {
     pub fn rms_norm(&self, weight: Option<&Tensor<'_>>, eps: f64) -> Result<Tensor<'s>> {
         const OP: &str = "rms_norm";
         require_float(OP, self)?;
-        let Some(&features) = self.shape().last() else {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: Vec::new(),
-                reason: "needs at least one dimension (the last one is normalised)".into(),
-            });
-        };
+        check_norm(OP, self.shape(), &[weight.map(Tensor::shape)], eps)?;
         if let Some(w) = weight {
-            if w.shape() != [features] {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    lhs: self.shape().to_vec(),
-                    rhs: w.shape().to_vec(),
-                    hint: "the weight must have one element per feature (the last dimension)",
-                });
-            }
-            if w.dtype() != self.dtype() {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    lhs: self.dtype(),
-                    rhs: w.dtype(),
-                });
-            }
+            same_dtype(OP, self, w)?;
             same_device(OP, self, w)?;
-        }
-        if !(eps.is_finite() && eps > 0.0) {
-            return Err(Error::InvalidShape {
-                op: OP,
-                shape: self.shape().to_vec(),
-                reason: format!("eps must be a positive finite number, got {eps}"),
-            });
         }
         let x = self.contiguous()?;
         let w = weight.map(Tensor::contiguous).transpose()?;
