@@ -29,7 +29,7 @@ use ndscope::kv::{CausalLm, KvPool};
 use ndscope::models::Llama;
 use ndscope::nn::{Mode, Parameters};
 use ndscope::serve::{Engine, EngineConfig, GenerateOptions, Request, generate};
-use ndscope::{DType, Device, Result, Scope, Tape, root};
+use ndscope::{DType, Device, Result, Scope, Tape, gpu_memory, root};
 
 const DIR: &str = "target/llama-1b-random";
 const RUNS: usize = 3;
@@ -153,6 +153,7 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
             t.as_secs_f64(),
             step_rate * weight_bytes / 1e9
         );
+        queue_and_wait(m, model, &pool, &prompt, label)?;
     } else {
         let bound = read_bandwidth() / weight_bytes;
         println!(
@@ -185,6 +186,51 @@ fn decoding<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str, weight_bytes: f64
         32.0 / t.as_secs_f64()
     );
     Ok(())
+}
+
+/// Where a GPU decoding step's time goes: queueing the step's kernels (`decode` returns once they
+/// are queued) against waiting for their logits, and how often the host waited for the GPU (a step
+/// that waits more than once takes turns with the GPU instead of queueing ahead of it).
+fn queue_and_wait<'m>(
+    m: &Scope<'m>,
+    model: &Llama<'m>,
+    pool: &KvPool<'_>,
+    prompt: &[i64],
+    label: &str,
+) -> Result<()> {
+    const STEPS: u32 = 31;
+    let device = m.device();
+    m.scope(|r| {
+        let mut cache = pool.cache(r, 64)?;
+        r.scope(|step| {
+            let logits = model.decode(step, pool, &mut [&mut cache], &[prompt])?;
+            black_box(logits.to_vec::<f32>()?);
+            Ok(())
+        })?;
+        let waits_before = gpu_memory(device)?.host_waits;
+        let (mut queued, mut waited) = (Duration::ZERO, Duration::ZERO);
+        for i in 0..STEPS {
+            r.scope(|step| {
+                let start = Instant::now();
+                let token = [i64::from(i % 7) + 3];
+                let logits = model.decode(step, pool, &mut [&mut cache], &[&token])?;
+                let done = Instant::now();
+                black_box(logits.to_dtype(DType::F32)?.to_vec::<f32>()?);
+                queued += done - start;
+                waited += done.elapsed();
+                Ok(())
+            })?;
+        }
+        let waits = gpu_memory(device)?.host_waits - waits_before;
+        println!(
+            "llama_1b/decode_batch1/{label}: a step queued in {:.2} ms, then {:.2} ms waiting for \
+             its logits; {:.1} host waits a step",
+            queued.as_secs_f64() * 1e3 / f64::from(STEPS),
+            waited.as_secs_f64() * 1e3 / f64::from(STEPS),
+            waits as f64 / f64::from(STEPS)
+        );
+        Ok(())
+    })
 }
 
 /// A line of `/proc/self/status` in bytes (`VmRSS`, `VmHWM`), where Linux has it.

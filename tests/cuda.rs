@@ -540,6 +540,57 @@ fn rotary_embedding_agrees_with_the_host() {
     }
 }
 
+/// Indices made from host data are checked against the axis from what the host saw, without a read
+/// back (which waits for the GPU's queue); one written on the GPU since is read again, so an index
+/// out of range stays an error rather than a kernel's NaN.
+#[test]
+fn indices_seen_on_the_host_stay_checked_until_written_on_the_gpu() {
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_shared();
+    root(device, |s| {
+        let x = s.from_slice(&[0.0f32, 1.0, 2.0, 3.0], &[4, 1])?;
+        let rows = s.from_slice(&[3i64, 0, 2], &[3])?;
+        assert_eq!(x.index_select(0, &rows)?.to_vec::<f32>()?, [3.0, 0.0, 2.0]);
+        let outside = s.from_slice(&[1i64, 4], &[2])?;
+        assert!(matches!(
+            x.index_select(0, &outside),
+            Err(Error::IndexOutOfRange {
+                index: 4,
+                size: 4,
+                ..
+            })
+        ));
+        // [0, 1] on the host, then [0, 10] on the GPU: what the host saw no longer holds.
+        let mut moved = s.from_slice(&[0i64, 1], &[2])?;
+        moved.add_(&s.from_slice(&[0i64, 9], &[2])?)?;
+        assert!(matches!(
+            x.index_select(0, &moved),
+            Err(Error::IndexOutOfRange {
+                index: 10,
+                size: 4,
+                ..
+            })
+        ));
+        let mut shared = s.from_slice(&[0i64, 1], &[2])?;
+        let before = shared.clone();
+        shared.add_(&s.from_slice(&[0i64, 9], &[2])?)?; // a private copy: `before` keeps [0, 1]
+        assert_eq!(x.index_select(0, &before)?.to_vec::<f32>()?, [0.0, 1.0]);
+        assert!(x.index_select(0, &shared).is_err());
+        let cos = s.ones(&[4, 1])?;
+        let past = s.from_slice(&[2i64, 7], &[2])?;
+        assert!(matches!(
+            s.ones(&[2, 1, 2])?.rotary(&cos, &cos, &past),
+            Err(Error::IndexOutOfRange {
+                index: 7,
+                size: 4,
+                ..
+            })
+        ));
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn transformer_ops_agree_with_the_host() {
     agree(
@@ -1457,6 +1508,39 @@ fn llama_agrees_with_the_host() {
             })?;
             Ok(outs)
         });
+    }
+}
+
+/// A decoding step on the GPU makes the host wait for the GPU once, for its logits: everything the
+/// step checks (token ids, positions, the rows scored) is checked from what the host built, so the
+/// host queues the whole step while the GPU runs it. (Each layer's rotary positions were read back
+/// before, a wait per call: the host and the GPU then took turns.)
+#[test]
+fn a_decoding_step_waits_for_the_gpu_once() {
+    use ndscope::gpu_memory;
+    use ndscope::kv::{CausalLm, KvPool};
+    use ndscope::models::AutoModel;
+    let Some(device) = gpu() else { return };
+    let _gpu = gpu_exclusive();
+    for dir in ["data/gpt2-tiny", "data/llama-tiny", "data/mistral-tiny"] {
+        root(device, |s| {
+            let model = AutoModel::from_pretrained(s, dir, DType::F32)?;
+            let pool = KvPool::new(s, model.kv_shape(), 4, 32)?;
+            let (mut a, mut b) = (pool.cache(s, 40)?, pool.cache(s, 40)?);
+            let mut caches = [&mut a, &mut b];
+            let waits = || gpu_memory(device).map(|m| m.host_waits);
+            for tokens in [&[&[3i64, 9, 27][..], &[5; 20][..]], &[&[7][..], &[8][..]]] {
+                s.scope(|step| -> Result<()> {
+                    let before = waits()?;
+                    let logits = model.decode(step, &pool, &mut caches, tokens)?;
+                    let next = logits.to_vec::<f32>()?;
+                    assert_eq!(waits()? - before, 1, "{dir}: {} logits", next.len());
+                    Ok(())
+                })?;
+            }
+            Ok::<_, Error>(())
+        })
+        .unwrap();
     }
 }
 

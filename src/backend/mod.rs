@@ -740,7 +740,8 @@ impl Device {
     }
 }
 
-/// A GPU's allocator traffic since the process started, from [`gpu_memory`].
+/// A GPU's allocator traffic since the process started, and how often the host waited for it,
+/// from [`gpu_memory`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GpuMemory {
     /// The GPU's memory.
@@ -755,6 +756,11 @@ pub struct GpuMemory {
     pub reserved_bytes: usize,
     /// The most bytes held from the driver at once.
     pub peak_reserved_bytes: usize,
+    /// Times the host waited for the GPU to run everything queued: each read of GPU memory on the
+    /// host (`to_vec`, `to_scalar`, an index check that must read its indices back) and each
+    /// [`Device::synchronize`]. While the host waits, nothing new is queued, so the GPU then idles
+    /// until the host catches up: a decoding step waits once (for its logits).
+    pub host_waits: u64,
 }
 
 /// The GPU ordinal of `device`, for GPU-only questions.

@@ -142,6 +142,11 @@ pub(crate) struct BlockHeader {
     pub(crate) shape: Cell<ShapeSummary>,
     pub(crate) name: Cell<Option<&'static str>>,
     pub(crate) created_at: Cell<&'static Location<'static>>,
+    /// The least and greatest of the block's `i64` elements, when they came from host data and
+    /// nothing has written the block since ([`BlockRef::note_index_range`]): what lets an op check
+    /// indices in GPU memory without reading them back, which would wait for the GPU's queue.
+    /// Every write goes through [`BlockRef::buf_mut`], which forgets it.
+    pub(crate) index_range: Cell<Option<(i64, i64)>>,
 }
 
 // SAFETY: see the module docs: cells of a header that more than one thread can reach are written only
@@ -167,6 +172,7 @@ impl BlockHeader {
             shape: Cell::new(ShapeSummary::default()),
             name: Cell::new(None),
             created_at: Cell::new(Location::caller()),
+            index_range: Cell::new(None),
         }
     }
 
@@ -192,6 +198,7 @@ impl BlockHeader {
         self.shape.set(shape);
         self.name.set(None);
         self.created_at.set(created_at);
+        self.index_range.set(None);
     }
 
     pub(crate) fn is_system(&self) -> bool {
@@ -251,9 +258,31 @@ impl BlockRef {
         if !h.is_unique() {
             return None;
         }
+        // Whatever is written may break the range noted from host data.
+        h.index_range.set(None);
         // SAFETY: as in `buf`, and this is the only handle, borrowed mutably, so no other view of the
         // block exists while the borrow lasts.
         Some(unsafe { BufMut::new(h.ptr.get(), h.bytes.get(), h.device.get()) })
+    }
+
+    /// Notes that every element of this `i64` block lies in `lo..=hi` (the caller wrote them from
+    /// host data it has seen); ignored unless this is the block's only handle, as header cells are
+    /// written only then.
+    pub(crate) fn note_index_range(&mut self, lo: i64, hi: i64) {
+        let h = self.header();
+        if h.is_unique() && h.dtype.get() == DType::I64 {
+            h.index_range.set(Some((lo, hi)));
+        }
+    }
+
+    /// The range noted by [`note_index_range`](Self::note_index_range), if no write came since.
+    pub(crate) fn index_range(&self) -> Option<(i64, i64)> {
+        let h = self.header();
+        if h.dtype.get() == DType::I64 {
+            h.index_range.get()
+        } else {
+            None
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::panic::Location;
 
+use crate::backend::bytes_of;
 use crate::device::Device;
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -148,7 +149,20 @@ impl<'s> Scope<'s> {
                 got: data.len(),
             });
         }
-        self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))
+        let mut t =
+            self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))?;
+        if T::DTYPE == DType::I64 {
+            // Indices seen here need not be read back from a GPU to be checked (`ops::index`).
+            let values = bytes_of(data)
+                .chunks_exact(8)
+                .map(|b| i64::from_ne_bytes(b.try_into().expect("eight bytes")));
+            if let Some((lo, hi)) = values.fold(None, |r: Option<(i64, i64)>, v| {
+                Some(r.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
+            }) {
+                t.note_index_range(lo, hi);
+            }
+        }
+        Ok(t)
     }
 
     /// A tensor of `dtype` holding `bytes`, its elements little-endian in row-major order (the

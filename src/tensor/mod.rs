@@ -161,6 +161,18 @@ impl<'s> Tensor<'s> {
         &self.block
     }
 
+    /// Records that every element of this fresh `i64` tensor's block lies in `lo..=hi`, as its
+    /// creator saw on the host; the next write to the block forgets it.
+    pub(crate) fn note_index_range(&mut self, lo: i64, hi: i64) {
+        self.block.note_index_range(lo, hi);
+    }
+
+    /// The range of the block's `i64` elements known without reading them, if any (every element of
+    /// any view of the block lies in it).
+    pub(crate) fn known_index_range(&self) -> Option<(i64, i64)> {
+        self.block.index_range()
+    }
+
     /// A view of the same block with another layout.
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor<'s> {
         debug_assert!(

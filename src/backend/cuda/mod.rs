@@ -55,13 +55,15 @@ pub(crate) struct Gpu {
     pub(crate) partials: u64,
 }
 
-/// Allocator traffic of one GPU, over the whole process.
+/// Allocator traffic of one GPU, and the host's waits for it, over the whole process.
 #[derive(Default)]
 pub(crate) struct Counters {
     pub(crate) allocator_calls: AtomicU64,
     pub(crate) free_calls: AtomicU64,
     pub(crate) reserved_bytes: AtomicUsize,
     pub(crate) peak_reserved_bytes: AtomicUsize,
+    /// Times the host waited for the stream's queue ([`Gpu::wait`]).
+    pub(crate) host_waits: AtomicU64,
 }
 
 /// GPUs opened so far, with the outcome (a failure is remembered too, so a missing driver is looked
@@ -209,6 +211,19 @@ impl Gpu {
 }
 
 /// A CUDA library error as an ndscope error.
+impl Gpu {
+    /// Waits until the stream has run everything queued on it, and counts the wait: each one stops
+    /// the host from queueing more work, so the GPU idles until the host catches up.
+    pub(crate) fn wait(&self) -> Result<()> {
+        self.counters
+            .host_waits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_error("synchronizing the stream", e))
+    }
+}
+
 pub(crate) fn cuda_error(op: &'static str, e: impl std::fmt::Display) -> Error {
     Error::Cuda {
         op,
@@ -232,6 +247,7 @@ pub(crate) fn memory_stats(ordinal: usize) -> Result<GpuMemory> {
         free_calls: c.free_calls.load(Relaxed),
         reserved_bytes: c.reserved_bytes.load(Relaxed),
         peak_reserved_bytes: c.peak_reserved_bytes.load(Relaxed),
+        host_waits: c.host_waits.load(Relaxed),
     })
 }
 

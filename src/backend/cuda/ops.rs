@@ -781,9 +781,7 @@ impl Backend for Gpu {
 
     fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        self.stream
-            .synchronize()
-            .map_err(|e| cuda_error("synchronizing the stream", e))
+        self.wait()
     }
 
     fn capturing(&self) -> bool {

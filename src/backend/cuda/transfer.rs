@@ -30,9 +30,7 @@ pub(crate) fn download(gpu: &Gpu, address: u64, out: &mut [u8]) -> Result<()> {
     // kernel queued so far, and the synchronisation below waits for it before `out` is read.
     unsafe { result::memcpy_dtoh_async(out, address, gpu.stream.cu_stream()) }
         .map_err(|e| cuda_error("copying from the GPU", e))?;
-    gpu.stream
-        .synchronize()
-        .map_err(|e| cuda_error("synchronizing the stream", e))
+    gpu.wait()
 }
 
 /// Copies `data` to the device address `ptr` of GPU `ordinal`.
