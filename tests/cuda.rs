@@ -546,11 +546,26 @@ fn rotary_embedding_agrees_with_the_host() {
 #[test]
 fn indices_seen_on_the_host_stay_checked_until_written_on_the_gpu() {
     let Some(device) = gpu() else { return };
-    let _gpu = gpu_shared();
+    let _gpu = gpu_exclusive();
     root(device, |s| {
+        let waits = || ndscope::gpu_memory(device).map(|m| m.host_waits);
         let x = s.from_slice(&[0.0f32, 1.0, 2.0, 3.0], &[4, 1])?;
+        let before = waits()?;
         let rows = s.from_slice(&[3i64, 0, 2], &[3])?;
-        assert_eq!(x.index_select(0, &rows)?.to_vec::<f32>()?, [3.0, 0.0, 2.0]);
+        let picked = x.index_select(0, &rows)?;
+        let counted = x.index_select(0, &s.arange(0i64, 4, 1)?)?;
+        let (cos, sin) = (s.ones(&[4, 1])?, s.zeros(&[4, 1])?); // no turn
+        let turned = s
+            .ones(&[2, 1, 2])?
+            .rotary(&cos, &sin, &s.from_slice(&[3i64, 0], &[2])?)?;
+        assert_eq!(
+            waits()? - before,
+            0,
+            "checked without reading the indices back"
+        );
+        assert_eq!(picked.to_vec::<f32>()?, [3.0, 0.0, 2.0]);
+        assert_eq!(counted.to_vec::<f32>()?, [0.0, 1.0, 2.0, 3.0]);
+        assert_eq!(turned.to_vec::<f32>()?, [1.0; 4]);
         let outside = s.from_slice(&[1i64, 4], &[2])?;
         assert!(matches!(
             x.index_select(0, &outside),
@@ -576,10 +591,9 @@ fn indices_seen_on_the_host_stay_checked_until_written_on_the_gpu() {
         shared.add_(&s.from_slice(&[0i64, 9], &[2])?)?; // a private copy: `before` keeps [0, 1]
         assert_eq!(x.index_select(0, &before)?.to_vec::<f32>()?, [0.0, 1.0]);
         assert!(x.index_select(0, &shared).is_err());
-        let cos = s.ones(&[4, 1])?;
         let past = s.from_slice(&[2i64, 7], &[2])?;
         assert!(matches!(
-            s.ones(&[2, 1, 2])?.rotary(&cos, &cos, &past),
+            s.ones(&[2, 1, 2])?.rotary(&cos, &sin, &past),
             Err(Error::IndexOutOfRange {
                 index: 7,
                 size: 4,

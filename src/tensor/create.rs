@@ -28,6 +28,12 @@ impl<'s> Scope<'s> {
             let mut staged = vec![T::zero(); t.numel()];
             write(&mut staged);
             t.copy_from_slice_(&staged)?;
+            if T::DTYPE == DType::I64
+                && let Some((lo, hi)) = range_of_i64(bytes_of(&staged))
+            {
+                // Indices seen here need not be read back to be checked (`ops::index`).
+                t.note_index_range(lo, hi);
+            }
         }
         Ok(t)
     }
@@ -149,20 +155,7 @@ impl<'s> Scope<'s> {
                 got: data.len(),
             });
         }
-        let mut t =
-            self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))?;
-        if T::DTYPE == DType::I64 {
-            // Indices seen here need not be read back from a GPU to be checked (`ops::index`).
-            let values = bytes_of(data)
-                .chunks_exact(8)
-                .map(|b| i64::from_ne_bytes(b.try_into().expect("eight bytes")));
-            if let Some((lo, hi)) = values.fold(None, |r: Option<(i64, i64)>, v| {
-                Some(r.map_or((v, v), |(lo, hi)| (lo.min(v), hi.max(v))))
-            }) {
-                t.note_index_range(lo, hi);
-            }
-        }
-        Ok(t)
+        self.written::<T>(shape, Location::caller(), |out| out.copy_from_slice(data))
     }
 
     /// A tensor of `dtype` holding `bytes`, its elements little-endian in row-major order (the
@@ -258,4 +251,14 @@ impl<'s> Scope<'s> {
     pub fn randn(&self, shape: &[usize]) -> Result<Tensor<'s>> {
         self.sampled(shape, Distribution::Normal, Location::caller())
     }
+}
+
+/// The least and greatest of `i64` elements given as their bytes; `None` for none.
+fn range_of_i64(bytes: &[u8]) -> Option<(i64, i64)> {
+    bytes
+        .chunks_exact(8)
+        .map(|b| i64::from_ne_bytes(b.try_into().expect("eight bytes")))
+        .fold(None, |range, v| {
+            Some(range.map_or((v, v), |(lo, hi): (i64, i64)| (lo.min(v), hi.max(v))))
+        })
 }
