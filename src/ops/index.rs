@@ -47,7 +47,7 @@ pub(super) fn check_indices(
         && lo >= 0
         && (hi as u64) < size as u64
     {
-        // The indices came from host data seen in range (`from_slice`) and were not written since:
+        // The indices came from host data seen in range (`from_slice`, `arange`), not written since:
         // no read back, which on a GPU would wait for every queued kernel (two rotary calls a layer
         // made decoding wait for the GPU twice a layer). Only for reads, whose kernels guard
         // against an index out of range anyway (NaN, or 0); a scatter's indices are read exactly.

@@ -208,10 +208,7 @@ impl Gpu {
             .bind_to_thread()
             .map_err(|e| cuda_error("binding the CUDA context", e))
     }
-}
 
-/// A CUDA library error as an ndscope error.
-impl Gpu {
     /// Waits until the stream has run everything queued on it, and counts the wait: each one stops
     /// the host from queueing more work, so the GPU idles until the host catches up.
     pub(crate) fn wait(&self) -> Result<()> {
@@ -224,6 +221,7 @@ impl Gpu {
     }
 }
 
+/// A CUDA library error as an ndscope error.
 pub(crate) fn cuda_error(op: &'static str, e: impl std::fmt::Display) -> Error {
     Error::Cuda {
         op,
