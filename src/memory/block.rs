@@ -277,12 +277,7 @@ impl BlockRef {
 
     /// The range noted by [`note_index_range`](Self::note_index_range), if no write came since.
     pub(crate) fn index_range(&self) -> Option<(i64, i64)> {
-        let h = self.header();
-        if h.dtype.get() == DType::I64 {
-            h.index_range.get()
-        } else {
-            None
-        }
+        self.header().index_range.get()
     }
 }
 

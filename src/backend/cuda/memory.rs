@@ -43,7 +43,7 @@ pub(crate) fn alloc(ordinal: usize, bytes: usize) -> Option<NonNull<u8>> {
 /// Waits for the GPU's stream (so that every queued free has happened) and releases all the unused
 /// memory of the device's default memory pool, the one `cuMemAllocAsync` serves from.
 fn trim_driver_pool(gpu: &crate::backend::cuda::Gpu) {
-    if gpu.stream.synchronize().is_err() {
+    if gpu.wait().is_err() {
         return;
     }
     let mut pool: sys::CUmemoryPool = ptr::null_mut();

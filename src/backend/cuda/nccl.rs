@@ -159,7 +159,7 @@ impl Nccl {
 impl Drop for Nccl {
     fn drop(&mut self) {
         // Collectives still queued finish first: destroying waits for none, so wait here.
-        let _ = self.gpu.stream.synchronize();
+        let _ = self.gpu.wait();
         // SAFETY: the communicator was made by `new` and is destroyed once.
         let _ = unsafe { result::comm_destroy(self.comm) };
     }
