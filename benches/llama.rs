@@ -43,16 +43,35 @@ fn bench_device() -> Result<Device> {
 }
 
 /// The median of `runs` timings of `work`, after one untimed run.
-fn median(runs: usize, mut work: impl FnMut() -> Result<()>) -> Result<Duration> {
+fn median(runs: usize, work: impl FnMut() -> Result<()>) -> Result<Duration> {
+    Ok(median_and_faults(runs, work)?.0)
+}
+
+/// [`median`], and the pages faulted in by the last run (memory the pass mapped anew rather than
+/// reused: each such page costs the kernel a zeroing; `None` where the count is not available).
+fn median_and_faults(
+    runs: usize,
+    mut work: impl FnMut() -> Result<()>,
+) -> Result<(Duration, Option<u64>)> {
     work()?;
     let mut times = Vec::with_capacity(runs);
+    let mut faults = None;
     for _ in 0..runs {
+        let before = common::minor_faults();
         let start = Instant::now();
         work()?;
         times.push(start.elapsed());
+        faults = before.zip(common::minor_faults()).map(|(a, b)| b - a);
     }
     times.sort();
-    Ok(times[runs / 2])
+    Ok((times[runs / 2], faults))
+}
+
+/// ", N pages faulted in" for a count, nothing without one.
+fn faulted(faults: Option<u64>) -> String {
+    faults.map_or(String::new(), |n| {
+        format!(", {n} pages faulted in by the last run")
+    })
 }
 
 /// The token ids of `benches/llama_reference.py`.
@@ -76,7 +95,7 @@ fn read_bandwidth() -> f64 {
 
 fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
     let forward = ids(512);
-    let t = median(RUNS, || {
+    let (t, faults) = median_and_faults(RUNS, || {
         m.scope(|b| {
             let x = b.from_slice(&forward, &[1, 512])?;
             let tape = Tape::no_grad(b);
@@ -93,9 +112,13 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
             Ok(())
         })
     })?;
-    println!("llama_1b/forward_512/{label}: {:.3} s", t.as_secs_f64());
+    println!(
+        "llama_1b/forward_512/{label}: {:.3} s{}",
+        t.as_secs_f64(),
+        faulted(faults)
+    );
     let train = ids(257);
-    let t = median(RUNS, || {
+    let (t, faults) = median_and_faults(RUNS, || {
         m.scope(|b| {
             let x = b.from_slice(&train[..256], &[1, 256])?;
             let labels = b.from_slice(&train[1..], &[256])?;
@@ -110,8 +133,9 @@ fn passes<'m>(m: &Scope<'m>, model: &Llama<'m>, label: &str) -> Result<()> {
         })
     })?;
     println!(
-        "llama_1b/forward_backward_256/{label}: {:.3} s",
-        t.as_secs_f64()
+        "llama_1b/forward_backward_256/{label}: {:.3} s{}",
+        t.as_secs_f64(),
+        faulted(faults)
     );
     Ok(())
 }

@@ -108,3 +108,12 @@ pub fn gpt2_pass<'m>(
         loss.value().to_scalar()
     })
 }
+
+/// The process's minor page faults so far (`/proc/self/stat`'s tenth field): pages the kernel mapped
+/// in, zeroing each, when first touched. `None` off Linux.
+pub fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command name (second field) may hold spaces; the fields after its `)` are plain.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(7)?.parse().ok()
+}

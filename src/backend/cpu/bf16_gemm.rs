@@ -33,6 +33,11 @@ const MR: usize = 8;
 const NR: usize = 32;
 /// Columns per task (and per packed block of the right operand).
 const NC: usize = 256;
+/// `k` pairs per block of the vector schedule: a task's right panels for a block are `NC · KC`
+/// pairs (256 KiB), in L2 beside the left panel's slice (8 KiB, in L1).
+const KC: usize = 256;
+/// Row panels whose tiles' sums a task keeps between `k` blocks (64 KiB of `f32` per column panel).
+const MC_PANELS: usize = 64;
 
 /// The environment variable that caps the bf16 products' kernel below the CPU's best: `amx`,
 /// `avx512-bf16` (the dot products without tiles), `avx512-fma` (the vector schedule's `f32`
@@ -210,29 +215,82 @@ pub(super) fn matmul(
             pack_panel(a.data, (a.rows, a.cols), r0..r0 + rows, k, MR, packed);
         });
     let out_rows = OutRows::new(out, n);
+    // `k` in blocks of at most KC pairs: a task's right panels for one block stay in L2, however
+    // deep the product (the tied head's `dY · W` is 128,256 deep: its panels were 65 MB a task).
+    let kc = KC.min(pairs);
+    let k_blocks = pairs.div_ceil(kc);
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
-        // Right panels: [panel][pair][column], each the u32 of (b[2p][c], b[2p + 1][c]).
-        let mut right = vec![0u32; col_panels * pairs * NR];
-        for (cp, packed) in right.chunks_mut(pairs * NR).enumerate() {
-            let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
-            // Columns as the lines, `k` down them.
-            pack_panel(b.data, (b.cols, b.rows), c0..c0 + panel_cols, k, NR, packed);
-        }
-        let mut tile = [[0.0f32; NR]; MR];
-        let mut wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
-        for panel in 0..panels {
-            let lp = &left[panel * pairs * MR..(panel + 1) * pairs * MR];
-            if dot.fma {
-                widen_left(lp, pairs, &mut wide);
+        // Right panels of one `k` block: [panel][pair][column], each the u32 of (b[2p][c], b[2p + 1][c]).
+        let mut right = vec![0u32; col_panels * kc * NR];
+        let pack_right = |right: &mut [u32], k_block: usize| {
+            let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
+            let depth = (2 * np).min(k - 2 * p0);
+            for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
+                let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
+                if panel_cols < NR || depth % 2 == 1 {
+                    // Lanes past the columns and the half past an odd `k` must read zero, not
+                    // what the previous block left there.
+                    packed.fill(0);
+                }
+                // Columns as the lines, `k` down them, from pair `p0`.
+                let data = &b.data[2 * p0 * b.rows..];
+                pack_panel(
+                    data,
+                    (b.cols, b.rows),
+                    c0..c0 + panel_cols,
+                    depth,
+                    NR,
+                    packed,
+                );
             }
-            for cp in 0..col_panels {
-                let rp = &right[cp * pairs * NR..(cp + 1) * pairs * NR];
-                micro_kernel(dot, lp, &wide, rp, pairs, &mut tile);
-                let (i0, c0) = (panel * MR, j0 + cp * NR);
-                let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
-                out_rows.store_tile(&tile, (rows, width), (i0, c0), Placement::Rows);
+            np
+        };
+        let mut tile = [[0.0f32; NR]; MR];
+        let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
+        if k_blocks == 1 {
+            pack_right(&mut right, 0);
+        }
+        // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time.
+        let mut sums = vec![
+            [[0.0f32; NR]; MR];
+            if k_blocks > 1 {
+                MC_PANELS * col_panels
+            } else {
+                0
+            }
+        ];
+        for first in (0..panels).step_by(MC_PANELS) {
+            let panel_range = first..panels.min(first + MC_PANELS);
+            for k_block in 0..k_blocks {
+                let np = if k_blocks == 1 {
+                    pairs
+                } else {
+                    pack_right(&mut right, k_block)
+                };
+                let p0 = k_block * kc;
+                let last = k_block + 1 == k_blocks;
+                for panel in panel_range.clone() {
+                    let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
+                    if dot.fma {
+                        widen_left(lp, np, &mut wide);
+                    }
+                    for cp in 0..col_panels {
+                        let rp = &right[cp * np * NR..(cp + 1) * np * NR];
+                        let tile = if k_blocks == 1 {
+                            &mut tile
+                        } else {
+                            &mut sums[(panel - first) * col_panels + cp]
+                        };
+                        micro_kernel(dot, lp, &wide, rp, np, k_block > 0, tile);
+                        if last {
+                            let (i0, c0) = (panel * MR, j0 + cp * NR);
+                            let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
+                            out_rows.store_tile(tile, (rows, width), (i0, c0), Placement::Rows);
+                        }
+                    }
+                }
             }
         }
     });
@@ -678,7 +736,7 @@ fn weight_stationary(
                 }
                 for tp in 0..token_panels {
                     let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
-                    micro_kernel(dot, &left, &wide, rp, pairs, &mut tile);
+                    micro_kernel(dot, &left, &wide, rp, pairs, false, &mut tile);
                     let width = NR.min(m - tp * NR);
                     out_rows.store_tile(&tile, (rows, width), (tp * NR, j0), Placement::Transposed);
                 }
@@ -965,7 +1023,9 @@ impl<'a> OutRows<'a> {
 }
 
 /// `tile = left_panel · right_panel` over `pairs` k-pairs (`left` `[pair][row]`, `right`
-/// `[pair][column]`, each element a `u32` of two `bf16`).
+/// `[pair][column]`, each element a `u32` of two `bf16`), or `tile +=` it when `accumulate` (a
+/// product computed a block of `k` at a time: the sums continue from the tile's, so the result is
+/// the same bits as one call over the whole depth).
 ///
 /// On the FMA path `wide` is the left panel widened once by the caller ([`widen_left`]); the
 /// other path ignores it.
@@ -975,6 +1035,7 @@ fn micro_kernel(
     wide: &[f32],
     right: &[u32],
     pairs: usize,
+    accumulate: bool,
     tile: &mut [[f32; NR]; MR],
 ) {
     assert!(left.len() >= pairs * MR && right.len() >= pairs * NR);
@@ -983,11 +1044,11 @@ fn micro_kernel(
         assert!(wide.len() >= 2 * pairs * MR);
         // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F on this CPU; the assertions
         // are the kernel's contract.
-        unsafe { micro_kernel_fma(wide, right, pairs, tile) }
+        unsafe { micro_kernel_fma(wide, right, pairs, accumulate, tile) }
     } else {
         // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on this CPU;
         // the assertion is the kernel's contract.
-        unsafe { micro_kernel_avx512(left, right, pairs, tile) }
+        unsafe { micro_kernel_avx512(left, right, pairs, accumulate, tile) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("a Bf16Dot is only made on x86-64 with AVX-512 BF16")
@@ -1003,13 +1064,14 @@ unsafe fn micro_kernel_avx512(
     left: &[u32],
     right: &[u32],
     pairs: usize,
+    accumulate: bool,
     tile: &mut [[f32; NR]; MR],
 ) {
     use std::arch::x86_64::{
         __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_set1_epi32,
-        _mm512_setzero_ps, _mm512_storeu_ps,
+        _mm512_storeu_ps,
     };
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let mut acc = start_sums(tile, accumulate);
     let (left, right) = (left.as_ptr(), right.as_ptr());
     for p in 0..pairs {
         // SAFETY: the caller's contract: `right` holds `pairs · NR` pairs, so the two 64-byte
@@ -1043,6 +1105,26 @@ unsafe fn micro_kernel_avx512(
     }
 }
 
+/// A micro-kernel's sixteen accumulators at the start: the tile's sums when `accumulate`, else zero.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn start_sums(tile: &[[f32; NR]; MR], accumulate: bool) -> [[std::arch::x86_64::__m512; 2]; MR] {
+    use std::arch::x86_64::{_mm512_loadu_ps, _mm512_setzero_ps};
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if accumulate {
+        for (acc, row) in acc.iter_mut().zip(tile) {
+            // SAFETY: each row of the tile holds NR = 32 floats: two 16-float loads.
+            unsafe {
+                *acc = [
+                    _mm512_loadu_ps(row.as_ptr()),
+                    _mm512_loadu_ps(row.as_ptr().add(16)),
+                ];
+            }
+        }
+    }
+    acc
+}
+
 /// The left panel `[pair][row]` as `f32`, `[k][row]`: element `2p · MR + r` the low half of pair
 /// `(p, r)`, `(2p + 1) · MR + r` its high half (exact: a `bf16` is its `f32`'s high half). Sized
 /// `2 · pairs · MR`; done once per panel, so that [`micro_kernel_fma`] broadcasts straight from it.
@@ -1068,12 +1150,18 @@ fn widen_left(left: &[u32], pairs: usize, wide: &mut [f32]) {
 /// The CPU must have AVX-512F; `wide` holds `2 · pairs · MR` elements and `right` `pairs · NR`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn micro_kernel_fma(wide: &[f32], right: &[u32], pairs: usize, tile: &mut [[f32; NR]; MR]) {
+unsafe fn micro_kernel_fma(
+    wide: &[f32],
+    right: &[u32],
+    pairs: usize,
+    accumulate: bool,
+    tile: &mut [[f32; NR]; MR],
+) {
     use std::arch::x86_64::{
         _mm512_and_si512, _mm512_castsi512_ps, _mm512_fmadd_ps, _mm512_loadu_si512,
-        _mm512_set1_epi32, _mm512_set1_ps, _mm512_setzero_ps, _mm512_slli_epi32, _mm512_storeu_ps,
+        _mm512_set1_epi32, _mm512_set1_ps, _mm512_slli_epi32, _mm512_storeu_ps,
     };
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let mut acc = start_sums(tile, accumulate);
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
     let (wide, right) = (wide.as_ptr(), right.as_ptr());
     for p in 0..pairs {
@@ -1157,7 +1245,7 @@ mod tests {
     /// Each path's products against f64 sums of the same bf16 values, within one bf16 rounding of
     /// the result plus `f32` accumulation in another order: few tokens, a `Linear`'s product with
     /// and without whole tile steps and blocks of rows, plain, transposed and strided operands, odd
-    /// depths, tails of every tile.
+    /// depths, depths in several blocks, tails of every tile.
     #[test]
     fn every_path_matches_f64_products() {
         let paths = Bf16Dot::paths();
@@ -1183,6 +1271,11 @@ mod tests {
             (100, 96, 70, "cols", "rows"),
             (40, 50, 45, "strided", "strided"),
             (3, 5, 4, "rows", "rows"),
+            // Deeper than a `k` block of the vector schedule: two blocks with more row panels
+            // than a task keeps sums for, three with an odd depth, and several column tasks.
+            (520, 600, 33, "rows", "rows"),
+            (37, 1029, 70, "cols", "rows"),
+            (9, 1200, 300, "rows", "cols"),
         ];
         for (name, dot) in paths {
             for (i, &(m, k, n, la, lb)) in cases.iter().enumerate() {
