@@ -184,7 +184,7 @@ pub(super) fn matmul(
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
-    scratch: Option<TiledScratch<'_>>,
+    scratch: Option<Scratch<'_>>,
 ) {
     assert_eq!(
         out.len(),
@@ -201,17 +201,19 @@ pub(super) fn matmul(
         return tiled(amx, a, b, (m, k, n), out, scratch);
     }
     if b.rows == 1 && k.is_multiple_of(2) {
-        return weight_stationary(dot, a, b, (m, k, n), out);
+        return weight_stationary(dot, a, b, (m, k, n), out, scratch);
     }
     let pairs = k.div_ceil(2);
     let panels = m.div_ceil(MR);
     // Left panels: [panel][pair][row], each the u32 of (a[r][2p], a[r][2p + 1]).
-    let mut left = vec![0u32; panels * pairs * MR];
+    let mut own = Vec::new();
+    let left = panels_in(scratch, panels * pairs * MR, &mut own);
     left.par_chunks_mut(pairs * MR)
         .enumerate()
         .for_each(|(panel, packed)| {
             let (r0, rows) = (panel * MR, MR.min(m - panel * MR));
-            // Rows along their lines, `k` across them.
+            // Rows along their lines, `k` across them. Lanes past `m` keep what scratch held:
+            // they reach only tile rows that are never stored.
             pack_panel(a.data, (a.rows, a.cols), r0..r0 + rows, k, MR, packed);
         });
     let out_rows = OutRows::new(out, n);
@@ -229,12 +231,9 @@ pub(super) fn matmul(
             let depth = (2 * np).min(k - 2 * p0);
             for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
                 let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
-                if panel_cols < NR || depth % 2 == 1 {
-                    // Lanes past the columns and the half past an odd `k` must read zero, not
-                    // what the previous block left there.
-                    packed.fill(0);
-                }
-                // Columns as the lines, `k` down them, from pair `p0`.
+                // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
+                // keep what the previous block left there: they reach only tile columns that are
+                // never stored.
                 let data = &b.data[2 * p0 * b.rows..];
                 pack_panel(
                     data,
@@ -296,36 +295,59 @@ pub(super) fn matmul(
     });
 }
 
-/// Memory [`tiled`] packs its operands into, from the caller: the left rows (`bf16`) and the right
-/// panels (`u32` pairs), each at least [`TiledScratch::lens`] long. Its contents on entry do not
-/// matter (every element the product reads is written first, padding included). A product without
-/// it allocates its own, which for a weight-sized operand is fresh pages from the kernel on every
-/// call: the bf16 GPT-2 step spent about a tenth of its time in page faults that way.
-pub(super) struct TiledScratch<'a> {
-    pub(super) left: &'a mut [bf16],
-    pub(super) right: &'a mut [u32],
+/// Memory a product packs its operands into, from the caller: `rows` (`bf16`: the tile schedule's
+/// left rows) and `panels` (`u32` pairs: the tile schedule's right panels, the vector schedule's
+/// left panels, the weight-stationary schedule's token panels), each at least [`Scratch::lens`]
+/// long. Its contents on entry do not matter (every element the product reads into a stored result
+/// is written first, padding included). A product without it allocates its own, which for a
+/// weight-sized operand is fresh pages from the kernel on every call: the bf16 GPT-2 step spent
+/// about a tenth of its time in page faults that way, and the Llama-1B head's backward products
+/// fault in 65 MB each.
+pub(super) struct Scratch<'a> {
+    pub(super) rows: &'a mut [bf16],
+    pub(super) panels: &'a mut [u32],
 }
 
-impl TiledScratch<'_> {
-    /// The lengths `(left, right)` [`matmul`] packs into for `a b` (`(m, k, n)`; the left operand
-    /// is packed whatever its strides, so only `b`'s count), or `None` when it packs nothing there:
-    /// without tiles (the vector schedules pack per task) or for a few tokens.
+impl Scratch<'_> {
+    /// The lengths `(rows, panels)` [`matmul`] packs into for `a b` (`(m, k, n)`; the left operand
+    /// is packed whatever its strides, so only `b`'s count), or `None` when it packs nothing there
+    /// (a few tokens: the weight is read in place, the tokens' pairs are a few KiB).
     pub(super) fn lens(
         dot: Bf16Dot,
         b: Matrix<'_>,
         (m, k, n): (usize, usize, usize),
     ) -> Option<(usize, usize)> {
-        if m == 0 || n == 0 || k == 0 || dot.tiles.is_none() {
+        if m == 0 || n == 0 || k == 0 {
             return None;
         }
         if b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS {
             return None;
         }
-        Some(tiled_lens(b, (m, k, n)))
+        if dot.tiles.is_some() {
+            return Some(tiled_lens(b, (m, k, n)));
+        }
+        if b.rows == 1 && k.is_multiple_of(2) {
+            // [`weight_stationary`]'s token panels.
+            return Some((0, m.div_ceil(NR) * (k / 2) * NR));
+        }
+        // The vector schedule's left panels.
+        Some((0, m.div_ceil(MR) * k.div_ceil(2) * MR))
     }
 }
 
-/// [`TiledScratch::lens`] of a product that [`tiled`] computes.
+/// The first `len` of the scratch's `u32` panels, or of `own` (allocated here) without scratch or
+/// with too little.
+fn panels_in<'a>(scratch: Option<Scratch<'a>>, len: usize, own: &'a mut Vec<u32>) -> &'a mut [u32] {
+    match scratch {
+        Some(s) if s.panels.len() >= len => &mut s.panels[..len],
+        _ => {
+            *own = vec![0u32; len];
+            own
+        }
+    }
+}
+
+/// [`Scratch::lens`] of a product that [`tiled`] computes.
 fn tiled_lens(b: Matrix<'_>, (m, k, n): (usize, usize, usize)) -> (usize, usize) {
     let (depth, panel_len) = tiled_depth(k);
     if b.rows == 1 && k == depth {
@@ -369,23 +391,23 @@ fn tiled(
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
-    scratch: Option<TiledScratch<'_>>,
+    scratch: Option<Scratch<'_>>,
 ) {
     let (depth, _) = tiled_depth(k);
     let out_rows = OutRows::new(out, n);
     let (left_len, right_len) = tiled_lens(b, (m, k, n));
     let mut own: (Vec<bf16>, Vec<u32>);
     let scratch = match scratch {
-        Some(s) if s.left.len() >= left_len && s.right.len() >= right_len => s,
+        Some(s) if s.rows.len() >= left_len && s.panels.len() >= right_len => s,
         _ => {
             own = (vec![bf16::ZERO; left_len], vec![0u32; right_len]);
-            TiledScratch {
-                left: &mut own.0,
-                right: &mut own.1,
+            Scratch {
+                rows: &mut own.0,
+                panels: &mut own.1,
             }
         }
     };
-    let right = &mut scratch.right[..right_len];
+    let right = &mut scratch.panels[..right_len];
     if b.rows == 1 && k == depth {
         // Rows of the product: the weight's n rows; columns: the m tokens.
         let left = LeftRows::in_place(b.data, b.cols, n, depth);
@@ -401,7 +423,7 @@ fn tiled(
             },
         );
     } else {
-        let left = LeftRows::packed(a, m, k, depth, &mut scratch.left[..left_len]);
+        let left = LeftRows::packed(a, m, k, depth, &mut scratch.rows[..left_len]);
         tiled_blocks(amx, &left, b, (m, k, n), right, |r0, c0, sums| {
             let (rows, width) = (BLOCK.min(m - r0), BLOCK.min(n - c0));
             out_rows.store_tile(sums, (rows, width), (r0, c0), Placement::Rows);
@@ -614,7 +636,7 @@ fn pack_rows(
 
 /// The lines `lines` of an operand, element `i < k` of line `l` at `data[l · line + i · depth]`
 /// (`strides` = `(line, depth)`), as a panel `[pair][lane]` in `out` (`lanes` ≥ the lines; lanes
-/// past them, and the high half past an odd `k`, are left as they are: zero). Every packing of both
+/// past them are left as they are, the high half past an odd `k` is written zero). Every packing of both
 /// products (and of the attention on tiles) goes through here: lines contiguous along `k` ([`transpose_pairs`]), lines side by side
 /// (a transposed operand, or a weight `[k, n]` as stored: [`interleave_pairs`] of two runs), or
 /// neither (element by element).
@@ -704,11 +726,14 @@ fn weight_stationary(
     b: Matrix<'_>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
+    scratch: Option<Scratch<'_>>,
 ) {
     let pairs = k / 2;
     let token_panels = m.div_ceil(NR);
-    // aᵀ as right panels: [panel][pair][token], each the u32 of (a[t][2p], a[t][2p + 1]).
-    let mut right = vec![0u32; token_panels * pairs * NR];
+    // aᵀ as right panels: [panel][pair][token], each the u32 of (a[t][2p], a[t][2p + 1]). Tokens
+    // past `m` (whatever scratch held) only reach output columns that are never stored.
+    let mut own = Vec::new();
+    let right = panels_in(scratch, token_panels * pairs * NR, &mut own);
     right
         .par_chunks_mut(pairs * NR)
         .enumerate()
@@ -1292,11 +1317,11 @@ mod tests {
                 matmul(dot, a.matrix(), b.matrix(), (m, k, n), &mut out, None);
                 // Packed into reused memory full of NaNs and other garbage: the same bits (every
                 // padding element the tiles read is written).
-                if let Some((l, r)) = TiledScratch::lens(dot, b.matrix(), (m, k, n)) {
-                    let (mut left, mut right) = (vec![bf16::NAN; l + 5], vec![0xffc1_dead; r + 7]);
-                    let scratch = TiledScratch {
-                        left: &mut left,
-                        right: &mut right,
+                if let Some((l, r)) = Scratch::lens(dot, b.matrix(), (m, k, n)) {
+                    let (mut rows, mut panels) = (vec![bf16::NAN; l + 5], vec![0xffc1_dead; r + 7]);
+                    let scratch = Scratch {
+                        rows: &mut rows,
+                        panels: &mut panels,
                     };
                     let mut again = vec![bf16::ZERO; m * n];
                     matmul(

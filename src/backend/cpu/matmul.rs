@@ -69,14 +69,14 @@ pub(super) fn matmul(
                     cols: cols as usize,
                 };
                 // One product at a time, so one scratch serves the whole batch.
-                let lens = bf16_gemm::TiledScratch::lens(dot, matrix(db, b_rs, b_cs), mkn);
+                let lens = bf16_gemm::Scratch::lens(dot, matrix(db, b_rs, b_cs), mkn);
                 let mut scratch = scratch
                     .zip(lens)
-                    .map(|(s, (left, _))| s.buf.host_split::<bf16, u32>(left));
+                    .map(|(s, (rows, _))| s.buf.host_split::<bf16, u32>(rows));
                 each_product(la, lb, batch, (m, n), |ia, ib, io| {
                     let scratch = scratch
                         .as_mut()
-                        .map(|(left, right)| bf16_gemm::TiledScratch { left, right });
+                        .map(|(rows, panels)| bf16_gemm::Scratch { rows, panels });
                     bf16_gemm::matmul(
                         dot,
                         matrix(&da[ia..], a_rs, a_cs),
@@ -108,8 +108,8 @@ pub(super) fn matmul(
 const SCRATCH_MIN: usize = 1 << 20;
 
 /// [`Backend::matmul_scratch_bytes`](crate::backend::Backend::matmul_scratch_bytes) on the host:
-/// the packed operands of a bf16 product on AMX tiles ([`bf16_gemm::TiledScratch`]) when they take
-/// at least [`SCRATCH_MIN`], one product of the batch at a time. The left operand is packed
+/// the packed operands of a bf16 product ([`bf16_gemm::Scratch`]) when they take at least
+/// [`SCRATCH_MIN`], one product of the batch at a time. The left operand is packed
 /// whatever its strides, so only the right one's layout counts.
 pub(super) fn scratch_bytes(dtype: DType, b: &Layout, mkn: (usize, usize, usize)) -> usize {
     if dtype != DType::BF16 {
@@ -124,9 +124,9 @@ pub(super) fn scratch_bytes(dtype: DType, b: &Layout, mkn: (usize, usize, usize)
         rows: b_rs as usize,
         cols: b_cs as usize,
     };
-    let lens = bf16_gemm::TiledScratch::lens(dot, b, mkn);
-    let bytes = lens.map_or(0, |(left, right)| {
-        split_bytes::<bf16>(left) + right * size_of::<u32>()
+    let lens = bf16_gemm::Scratch::lens(dot, b, mkn);
+    let bytes = lens.map_or(0, |(rows, panels)| {
+        split_bytes::<bf16>(rows) + panels * size_of::<u32>()
     });
     if bytes >= SCRATCH_MIN { bytes } else { 0 }
 }
