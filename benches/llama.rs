@@ -67,7 +67,7 @@ fn median_and_faults(
     Ok((times[runs / 2], faults))
 }
 
-/// ", N pages faulted in" for a count, nothing without one.
+/// ", N pages faulted in by the last run" for a count, nothing without one.
 fn faulted(faults: Option<u64>) -> String {
     faults.map_or(String::new(), |n| {
         format!(", {n} pages faulted in by the last run")

@@ -759,8 +759,9 @@ pub struct GpuMemory {
     /// Times the host waited for the GPU to run everything queued: each read of GPU memory on the
     /// host (`to_vec`, `to_scalar`, an index check that must read its indices back), each
     /// [`Device::synchronize`], and the rare waits of the library itself (a refused allocation
-    /// retried after the driver's pool is trimmed, a collective's communicator closing). While the host waits, nothing new is queued, so the GPU then idles
-    /// until the host catches up: a decoding step waits once (for its logits).
+    /// retried after the driver's pool is trimmed, a collective's communicator closing). While the
+    /// host waits, nothing new is queued, so the GPU then idles until the host catches up: a
+    /// decoding step waits once (for its logits).
     pub host_waits: u64,
 }
 

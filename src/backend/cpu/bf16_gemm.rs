@@ -224,10 +224,11 @@ pub(super) fn matmul(
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
-        // Right panels of one `k` block: [panel][pair][column], each the u32 of (b[2p][c], b[2p + 1][c]).
+        // Right panels of one `k` block: [panel][pair][column], each the u32 of
+        // (b[2p][c], b[2p + 1][c]).
         let mut right = vec![0u32; col_panels * kc * NR];
-        let pack_right = |right: &mut [u32], k_block: usize| {
-            let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
+        // The block of `np` pairs from pair `p0`.
+        let pack_right = |right: &mut [u32], p0: usize, np: usize| {
             let depth = (2 * np).min(k - 2 * p0);
             for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
                 let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
@@ -244,13 +245,9 @@ pub(super) fn matmul(
                     packed,
                 );
             }
-            np
         };
         let mut tile = [[0.0f32; NR]; MR];
         let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
-        if k_blocks == 1 {
-            pack_right(&mut right, 0);
-        }
         // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time.
         let mut sums = vec![
             [[0.0f32; NR]; MR];
@@ -263,12 +260,11 @@ pub(super) fn matmul(
         for first in (0..panels).step_by(MC_PANELS) {
             let panel_range = first..panels.min(first + MC_PANELS);
             for k_block in 0..k_blocks {
-                let np = if k_blocks == 1 {
-                    pairs
-                } else {
-                    pack_right(&mut right, k_block)
-                };
-                let p0 = k_block * kc;
+                let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
+                // A single block is packed once for every group of row panels.
+                if k_blocks > 1 || first == 0 {
+                    pack_right(&mut right, p0, np);
+                }
                 let last = k_block + 1 == k_blocks;
                 for panel in panel_range.clone() {
                     let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
