@@ -738,3 +738,116 @@ fn sixteen_bit_means_divide_before_rounding() {
     })
     .unwrap();
 }
+
+/// `matmul_as` is the product of the operands rounded to the dtype, bit for bit, whichever operand
+/// is `f32` and however it is laid out (the host rounds an `f32` right operand as it packs it where
+/// it has AVX-512 BF16, and casts it first elsewhere); an integer dtype is refused.
+#[test]
+fn matmul_as_is_the_product_of_the_rounded_operands() {
+    root(Device::Cpu, |s| {
+        s.set_seed(11);
+        // (a's shape, b's shape, b transposed from a [n, k] tensor): decode's few rows, a
+        // Linear's product of both weight layouts, depths in several blocks, a batch.
+        let cases: &[(&[usize], &[usize], bool)] = &[
+            (&[3, 64], &[64, 20], false),
+            (&[3, 64], &[64, 20], true),
+            (&[37, 600], &[600, 130], false),
+            (&[37, 600], &[600, 70], true),
+            (&[33, 301], &[301, 40], true),
+            (&[2, 5, 16], &[16, 9], false),
+            (&[16], &[16, 9], false),
+        ];
+        for &(ash, bsh, transposed) in cases {
+            let a = s.randn(ash)?.to_dtype(DType::BF16)?;
+            let b = if transposed {
+                s.randn(&[bsh[1], bsh[0]])?.t()?
+            } else {
+                s.randn(bsh)?
+            };
+            let got = a.matmul_as(&b, DType::BF16)?;
+            let want = a.matmul(&b.to_dtype(DType::BF16)?)?;
+            assert_eq!(got.dtype(), DType::BF16);
+            assert_eq!(got.shape(), want.shape());
+            assert_eq!(
+                got.to_vec::<bf16>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                want.to_vec::<bf16>()?
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect::<Vec<_>>(),
+                "{ash:?} by {bsh:?} (transposed: {transposed})"
+            );
+            // An f32 left operand is rounded too.
+            let wide = a.to_dtype(DType::F32)?.matmul_as(&b, DType::BF16)?;
+            assert_eq!(wide.to_vec::<bf16>()?, got.to_vec::<bf16>()?);
+        }
+        let ints = s.from_slice(&[1i64, 2], &[1, 2])?;
+        let err = ints
+            .matmul_as(&ints.t()?, DType::I64)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("float dtype"), "{err}");
+        Ok::<_, ndscope::Error>(())
+    })
+    .unwrap();
+}
+
+/// Autocast's products of `f32` weights (no rounded copy recorded) give the values and gradients
+/// of the explicit casts they replace, bit for bit, for both weight layouts.
+#[test]
+fn autocast_products_equal_the_explicit_casts() {
+    root(Device::Cpu, |s| {
+        s.set_seed(5);
+        let x = s.randn(&[20, 96])?;
+        let w_in_out = s.randn(&[96, 40])?;
+        let w_out_in = s.randn(&[40, 96])?;
+        let run = |autocast: bool, out_in: bool| -> Result<Vec<Vec<f32>>> {
+            s.scope(|b| {
+                if autocast {
+                    b.autocast(DType::BF16)?;
+                }
+                let tape = Tape::new(b);
+                let (xv, wv) = (
+                    tape.param(&x),
+                    tape.param(if out_in { &w_out_in } else { &w_in_out }),
+                );
+                let w = if out_in { wv.t()? } else { wv.clone() };
+                let y = if autocast {
+                    xv.matmul(&w)?
+                } else {
+                    xv.to_dtype(DType::BF16)?
+                        .matmul(&w.to_dtype(DType::BF16)?)?
+                };
+                assert_eq!(y.value().dtype(), DType::BF16);
+                let loss = y.to_dtype(DType::F32)?.square()?.sum_all()?;
+                let grads = tape.backward(&loss)?;
+                let (gx, gw) = (
+                    grads.get(&x).expect("x"),
+                    grads
+                        .get(if out_in { &w_out_in } else { &w_in_out })
+                        .expect("w"),
+                );
+                assert_eq!((gx.dtype(), gw.dtype()), (DType::F32, DType::F32));
+                Ok(vec![
+                    y.value().to_dtype(DType::F32)?.to_vec()?,
+                    gx.to_vec()?,
+                    gw.to_vec()?,
+                ])
+            })
+        };
+        for out_in in [false, true] {
+            let (fused, cast) = (run(true, out_in)?, run(false, out_in)?);
+            for (name, (got, want)) in ["value", "x's gradient", "w's gradient"]
+                .iter()
+                .zip(fused.iter().zip(&cast))
+            {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(got), bits(want), "{name} (weight [out, in]: {out_in})");
+            }
+        }
+        Ok::<_, ndscope::Error>(())
+    })
+    .unwrap();
+}

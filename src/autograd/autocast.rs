@@ -22,7 +22,7 @@ impl<'t, 's> Var<'t, 's> {
     }
 
     /// `self` in `dtype` (a recorded cast when the dtype differs and both are floats).
-    fn cast_to(&self, dtype: DType) -> Result<Var<'t, 's>> {
+    pub(super) fn cast_to(&self, dtype: DType) -> Result<Var<'t, 's>> {
         if self.value().dtype() == dtype || !self.value().dtype().is_float() {
             Ok(self.clone())
         } else {

@@ -462,6 +462,14 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn matmul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
         let _placed = self.placing();
+        if let Some(dtype) = self.autocast()
+            && self.value.rank() == 2
+            && other.value.rank() == 2
+            && other.value.dtype() != dtype
+            && other.value.dtype().is_float()
+        {
+            return self.cast_to(dtype)?.matmul_as(other, dtype);
+        }
         if let Some([a, b]) = Var::autocast_operands([self, other])? {
             return a.matmul(&b);
         }
@@ -487,14 +495,37 @@ impl<'t, 's> Var<'t, 's> {
                 g2 = g2.unsqueeze(-1)?;
             }
             let ga = if needs[0] {
-                let ga2 = product_in_layout_of(&a2, &g2, &b2.transpose(-1, -2)?)?;
+                let ga2 = product_in_layout_of(&a2, &g2, &b2.transpose(-1, -2)?, a2.dtype())?;
                 Some(sum_to(&ga2, a2.shape())?.reshape(a.shape())?)
             } else {
                 None
             };
             let gb = if needs[1] {
-                let gb2 = product_in_layout_of(&b2, &a2.transpose(-1, -2)?, &g2)?;
+                let gb2 = product_in_layout_of(&b2, &a2.transpose(-1, -2)?, &g2, b2.dtype())?;
                 Some(sum_to(&gb2, b2.shape())?.reshape(b.shape())?)
+            } else {
+                None
+            };
+            Ok(smallvec![ga, gb])
+        })
+    }
+
+    /// Autocast's product of two matrices, `self` already in `dtype`:
+    /// [`Tensor::matmul_as`], which reads an `f32` `other` (a weight) rounded as it packs it
+    /// instead of recording a rounded copy; `other`'s gradient is computed in `dtype` and converted
+    /// to its own, as the cast's would be.
+    fn matmul_as(&self, other: &Var<'t, 's>, dtype: DType) -> Result<Var<'t, 's>> {
+        let out = self.value.matmul_as(&other.value, dtype)?;
+        let (a, b) = (self.value.clone(), other.value.clone());
+        Var::record(&[self, other], "matmul", out, move |g, needs| {
+            let ga = if needs[0] {
+                Some(product_in_layout_of(&a, g, &b.t()?, dtype)?)
+            } else {
+                None
+            };
+            let gb = if needs[1] {
+                let gb = product_in_layout_of(&b, &a.t()?, g, dtype)?;
+                Some(gb.to_dtype(b.dtype())?)
             } else {
                 None
             };
@@ -948,12 +979,13 @@ fn product_in_layout_of<'s>(
     like: &Tensor<'s>,
     l: &Tensor<'s>,
     r: &Tensor<'s>,
+    dtype: DType,
 ) -> Result<Tensor<'s>> {
     let transposed = like.rank() == 2 && !like.is_contiguous() && like.t()?.is_contiguous();
     if transposed && l.rank() == 2 && r.rank() == 2 {
-        return r.t()?.matmul(&l.t()?)?.t();
+        return r.t()?.matmul_as(&l.t()?, dtype)?.t();
     }
-    l.matmul(r)
+    l.matmul_as(r, dtype)
 }
 
 fn to_isize(axes: &[usize]) -> SmallVec<[isize; 6]> {

@@ -517,6 +517,39 @@ pub(crate) trait Backend: Sync {
         scratch: Option<Dst>,
     ) -> Result<()>;
 
+    /// Whether [`matmul_rounding`](Self::matmul_rounding) computes products in `dtype` here.
+    fn matmul_rounds(&self, dtype: DType) -> bool {
+        let _ = dtype;
+        false
+    }
+
+    /// [`matmul`](Self::matmul) in `dtype` of `a` (in `dtype`) by an `f32` `b` whose elements are
+    /// rounded to `dtype` as the product reads them: the result of the product with `b`'s rounded
+    /// copy, without writing the copy (autocast's products of `f32` weights). The op calls it only
+    /// where [`matmul_rounds`](Self::matmul_rounds) says so; `scratch` is as for `matmul`, sized
+    /// by [`matmul_scratch_bytes`](Self::matmul_scratch_bytes) for `dtype`.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`](crate::Error::UnsupportedDType) on a backend or dtype without it.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_rounding(
+        &self,
+        dtype: DType,
+        a: Src,
+        b: Src,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: Dst,
+        scratch: Option<Dst>,
+    ) -> Result<()> {
+        let _ = (a, b, batch, mkn, out, scratch);
+        Err(crate::Error::UnsupportedDType {
+            op: "matmul_rounding",
+            dtype,
+            expected: "a dtype for which the backend's matmul_rounds is true",
+        })
+    }
+
     /// Whether this backend's quantized products read matrices of `ty` in strips of 16 interleaved
     /// rows (`quant::strips`) rather than in row order: a quantized matrix is stored in the order
     /// its device's kernel reads.

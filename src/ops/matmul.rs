@@ -2,6 +2,7 @@
 
 use std::panic::Location;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{Shape, broadcast_shapes};
 use crate::ops::{require_float, same_device, same_dtype, scratch};
@@ -26,8 +27,64 @@ impl<'s> Tensor<'s> {
     /// broadcast; [`Error::UnsupportedDType`] for integers; [`Error::InvalidShape`] for 0-D operands.
     #[track_caller]
     pub fn matmul(&self, other: &Tensor<'s>) -> Result<Tensor<'s>> {
+        same_dtype("matmul", self, other)?;
+        self.product(other, false)
+    }
+
+    /// The matrix product computed in `dtype`, [`matmul`](Self::matmul)'s rules otherwise: the
+    /// result of `self.to_dtype(dtype)?.matmul(&other.to_dtype(dtype)?)`, bit for bit. Autocast's
+    /// products are this op: where the backend rounds an `f32` right operand as it packs it (the
+    /// host's `bf16` products on AVX-512 BF16), no rounded copy of it is written, which for a
+    /// weight is a copy of the weight every step.
+    ///
+    /// ```
+    /// # ndscope::root(ndscope::Device::Cpu, |s| {
+    /// use ndscope::{DType, bf16};
+    /// let x = s.from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2])?.to_dtype(DType::BF16)?;
+    /// // An f32 weight: 1.001 is not a bf16; the product reads it rounded, to 1.0.
+    /// let w = s.from_slice(&[0.5f32, 1.001, 1.5, 2.0], &[2, 2])?;
+    /// let y = x.matmul_as(&w, DType::BF16)?;
+    /// assert_eq!(y.dtype(), DType::BF16);
+    /// assert_eq!(y.to_vec::<bf16>()?, x.matmul(&w.to_dtype(DType::BF16)?)?.to_vec::<bf16>()?);
+    /// assert_eq!(y.to_dtype(DType::F32)?.to_vec::<f32>()?, vec![3.5, 5.0, 7.5, 11.0]);
+    /// # Ok::<_, ndscope::Error>(()) })?; Ok::<(), ndscope::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As for [`matmul`](Self::matmul) and [`to_dtype`](Self::to_dtype);
+    /// [`Error::UnsupportedDType`] for an integer `dtype`.
+    #[track_caller]
+    pub fn matmul_as(&self, other: &Tensor<'s>, dtype: DType) -> Result<Tensor<'s>> {
+        const OP: &str = "matmul_as";
+        if !dtype.is_float() {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype,
+                expected: "a float dtype to compute the product in",
+            });
+        }
+        same_device(OP, self, other)?;
+        require_float(OP, self)?;
+        require_float(OP, other)?;
+        let a = if self.dtype() == dtype {
+            self.clone()
+        } else {
+            self.to_dtype(dtype)?
+        };
+        if other.dtype() == dtype {
+            return a.product(other, false);
+        }
+        if other.dtype() == DType::F32 && other.backend()?.matmul_rounds(dtype) {
+            return a.product(other, true);
+        }
+        a.product(&other.to_dtype(dtype)?, false)
+    }
+
+    /// `self @ other` in `self`'s dtype; `other` in it too, or (`rounding`, where the backend
+    /// [`matmul_rounds`](crate::backend::Backend::matmul_rounds)) in `f32`, rounded as it is read.
+    #[track_caller]
+    fn product(&self, other: &Tensor<'s>, rounding: bool) -> Result<Tensor<'s>> {
         const OP: &str = "matmul";
-        same_dtype(OP, self, other)?;
         same_device(OP, self, other)?;
         require_float(OP, self)?;
         for t in [self, other] {
@@ -87,16 +144,30 @@ impl<'s> Tensor<'s> {
         let scratch_bytes =
             backend.matmul_scratch_bytes(self.dtype(), a.layout(), b.layout(), (m, k, n));
         let mut packing = scratch(&[self, other], scratch_bytes, Location::caller())?;
-        backend.matmul(
-            self.dtype(),
-            a.src(),
-            b.src(),
-            &batch,
-            (m, k, n),
-            out.dst(),
-            tf32,
-            packing.as_mut().map(|s| s.dst()),
-        )?;
+        let scratch = packing.as_mut().map(|s| s.dst());
+        if rounding {
+            let mkn = (m, k, n);
+            backend.matmul_rounding(
+                self.dtype(),
+                a.src(),
+                b.src(),
+                &batch,
+                mkn,
+                out.dst(),
+                scratch,
+            )?;
+        } else {
+            backend.matmul(
+                self.dtype(),
+                a.src(),
+                b.src(),
+                &batch,
+                (m, k, n),
+                out.dst(),
+                tf32,
+                scratch,
+            )?;
+        }
         // Remove the vector axes: the row of a 1-D left operand first (at -2), then the column of a 1-D
         // right operand (at -1 whichever came before).
         let mut out = out;

@@ -18,6 +18,7 @@
 //! micro-kernel multiplies the same panels with `f32` FMAs instead ([`micro_kernel_fma`], which
 //! keeps subnormals).
 
+use std::borrow::Cow;
 use std::marker::PhantomData;
 
 use rayon::prelude::*;
@@ -26,6 +27,7 @@ use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
 use super::narrow::{Narrow, bf16_rounded};
 use super::widen::HalfUnit;
 use crate::dtype::bf16;
+use crate::fastmath::bf16_bits_of_f32;
 
 /// Rows per micro-kernel tile.
 const MR: usize = 8;
@@ -144,17 +146,208 @@ impl Bf16Dot {
     }
 }
 
-/// A `bf16` matrix in a slice: element `(r, c)` is `data[r * rows + c * cols]`.
-#[derive(Clone, Copy)]
-pub(super) struct Matrix<'a> {
-    pub(super) data: &'a [bf16],
+/// An element the products pack as `bf16` pairs: a `bf16` as it is; an `f32` rounded to nearest,
+/// ties to even, as it is packed ([`bf16_bits_of_f32`], the rounding of every cast to `bf16`, so a
+/// product of an `f32` operand has the bits of the product of its rounded copy). Autocast's
+/// products read an `f32` weight this way: rounding it first wrote a `bf16` copy of every weight
+/// each step and read it back to pack it (a quarter of GPT-2 small's autocast forward at 128 tokens
+/// on a Zen 4).
+pub(super) trait Packed: Copy + Send + Sync {
+    /// The element's `bf16` bits.
+    fn bits(self) -> u16;
+
+    /// A run of elements as `bf16`: the run itself, or a rounded copy.
+    fn as_bf16(run: &[Self]) -> Cow<'_, [bf16]>;
+
+    /// [`pack_panel`] of elements of this type.
+    fn pack_panel(
+        data: &[Self],
+        strides: (usize, usize),
+        lines: std::ops::Range<usize>,
+        k: usize,
+        lanes: usize,
+        out: &mut [u32],
+    );
+
+    /// [`transpose_pairs`] of elements of this type.
+    fn transpose_pairs(rows: &[&[Self]], lanes: usize, out: &mut [u32]);
+
+    /// [`pack_across`] of elements of this type.
+    fn pack_across(
+        data: &[Self],
+        stride: usize,
+        columns: std::ops::Range<usize>,
+        k: usize,
+        out: &mut [u32],
+    );
+}
+
+impl Packed for bf16 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+
+    fn as_bf16(run: &[bf16]) -> Cow<'_, [bf16]> {
+        Cow::Borrowed(run)
+    }
+
+    fn pack_panel(
+        data: &[bf16],
+        strides: (usize, usize),
+        lines: std::ops::Range<usize>,
+        k: usize,
+        lanes: usize,
+        out: &mut [u32],
+    ) {
+        pack_panel_of(data, strides, lines, k, lanes, out);
+    }
+
+    #[inline(always)]
+    fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
+        transpose_pairs(rows, lanes, out);
+    }
+
+    fn pack_across(
+        data: &[bf16],
+        stride: usize,
+        columns: std::ops::Range<usize>,
+        k: usize,
+        out: &mut [u32],
+    ) {
+        pack_across(data, stride, columns, k, out);
+    }
+}
+
+impl Packed for f32 {
+    #[inline(always)]
+    fn bits(self) -> u16 {
+        bf16_bits_of_f32(self)
+    }
+
+    fn as_bf16(run: &[f32]) -> Cow<'_, [bf16]> {
+        let mut rounded = vec![bf16::ZERO; run.len()];
+        bf16::narrow(run, &mut rounded);
+        Cow::Owned(rounded)
+    }
+
+    fn pack_panel(
+        data: &[f32],
+        strides: (usize, usize),
+        lines: std::ops::Range<usize>,
+        k: usize,
+        lanes: usize,
+        out: &mut [u32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if HalfUnit::detect() == HalfUnit::Avx512 {
+            // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
+            unsafe { pack_f32_avx512(data, strides, lines, k, lanes, out) };
+            return;
+        }
+        pack_panel_of(data, strides, lines, k, lanes, out);
+    }
+
+    fn pack_across(
+        data: &[f32],
+        stride: usize,
+        columns: std::ops::Range<usize>,
+        k: usize,
+        out: &mut [u32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if HalfUnit::detect() == HalfUnit::Avx512 {
+            // SAFETY: the CPU has AVX-512 F and BW, all the function is compiled for.
+            unsafe { pack_across_f32_avx512(data, stride, columns, k, out) };
+            return;
+        }
+        pack_across(data, stride, columns, k, out);
+    }
+
+    /// Rows rounded [`ROUND_RUN`] elements at a time into a buffer on the stack, in vector
+    /// registers ([`bf16_rounded`]), then paired as `bf16` rows are: rounding pair by pair across
+    /// the rows does not vectorise.
+    #[inline(always)]
+    fn transpose_pairs(rows: &[&[f32]], lanes: usize, out: &mut [u32]) {
+        let Some(len) = rows.first().map(|r| r.len()) else {
+            return;
+        };
+        assert!(
+            rows.len() <= MAX_LANES,
+            "bf16 packing: at most 32 lines a panel"
+        );
+        let mut rounded = [bf16::ZERO; MAX_LANES * ROUND_RUN];
+        for start in (0..len).step_by(ROUND_RUN) {
+            let run = ROUND_RUN.min(len - start);
+            for (row, into) in rows.iter().zip(rounded.chunks_exact_mut(ROUND_RUN)) {
+                bf16_rounded(&row[start..start + run], &mut into[..run]);
+            }
+            let runs: [&[bf16]; MAX_LANES] =
+                std::array::from_fn(|i| &rounded[i * ROUND_RUN..i * ROUND_RUN + run]);
+            transpose_pairs(&runs[..rows.len()], lanes, &mut out[start / 2 * lanes..]);
+        }
+    }
+}
+
+/// [`pack_across`] of `f32` compiled for AVX-512, as [`pack_f32_avx512`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_across_f32_avx512(
+    data: &[f32],
+    stride: usize,
+    columns: std::ops::Range<usize>,
+    k: usize,
+    out: &mut [u32],
+) {
+    pack_across(data, stride, columns, k, out);
+}
+
+/// The most lines a panel packs: [`NR`], and the tiles' [`BLOCK`].
+const MAX_LANES: usize = 32;
+/// Elements of each row [`f32`'s `transpose_pairs`](Packed::transpose_pairs) rounds at a time
+/// (even, so that pairs do not straddle two runs): 16 KiB of `bf16` for 32 rows.
+const ROUND_RUN: usize = 256;
+
+/// [`pack_panel`] of `f32` compiled for AVX-512, where the rounding of [`bf16_bits_of_f32`] runs
+/// sixteen lanes wide.
+///
+/// # Safety
+/// The CPU must have AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_f32_avx512(
+    data: &[f32],
+    strides: (usize, usize),
+    lines: std::ops::Range<usize>,
+    k: usize,
+    lanes: usize,
+    out: &mut [u32],
+) {
+    pack_panel_of(data, strides, lines, k, lanes, out);
+}
+
+/// A matrix in a slice (`bf16`, or `f32` rounded as it is packed): element `(r, c)` is
+/// `data[r * rows + c * cols]`.
+pub(super) struct Matrix<'a, E = bf16> {
+    pub(super) data: &'a [E],
     pub(super) rows: usize,
     pub(super) cols: usize,
 }
 
-impl<'a> Matrix<'a> {
+impl<E> Clone for Matrix<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for Matrix<'_, E> {}
+
+impl<'a, E: Packed> Matrix<'a, E> {
     /// The transpose: the same elements, rows and columns swapped.
-    fn transposed(self) -> Matrix<'a> {
+    fn transposed(self) -> Matrix<'a, E> {
         Matrix {
             data: self.data,
             rows: self.cols,
@@ -162,6 +355,15 @@ impl<'a> Matrix<'a> {
         }
     }
 
+    /// The `k × n` matrix in `bf16`, for the paths that read `bf16` in place (a few tokens' weight
+    /// rows, the tiles' left rows): borrowed, or the span it covers rounded.
+    fn as_bf16(self, (k, n): (usize, usize)) -> (Cow<'a, [bf16]>, (usize, usize)) {
+        let span = (k - 1) * self.rows + (n - 1) * self.cols + 1;
+        (E::as_bf16(&self.data[..span]), (self.rows, self.cols))
+    }
+}
+
+impl Matrix<'_> {
     #[inline]
     fn at(&self, r: usize, c: usize) -> u16 {
         self.at_value(r, c).to_bits()
@@ -173,15 +375,16 @@ impl<'a> Matrix<'a> {
     }
 }
 
-/// `out = a b` (`a` `m×k`, `b` `k×n`, `out` contiguous `m×n`), rounded once per element.
+/// `out = a b` (`a` `m×k`, `b` `k×n`, `out` contiguous `m×n`), rounded once per element; an `f32`
+/// `b` is rounded to `bf16` as it is packed (the same bits as the product of its rounded copy).
 ///
 /// # Panics
 /// When `out` does not hold exactly `m * n` elements (the stores below rely on it), or an operand's
 /// slice is too short for its strides (a bounds check of the packing).
-pub(super) fn matmul(
+pub(super) fn matmul<E: Packed>(
     dot: Bf16Dot,
     a: Matrix<'_>,
-    b: Matrix<'_>,
+    b: Matrix<'_, E>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
     scratch: Option<Scratch<'_>>,
@@ -191,14 +394,24 @@ pub(super) fn matmul(
         m * n,
         "bf16 matmul: the output must hold m * n elements"
     );
-    if m == 0 || n == 0 {
+    if m == 0 || n == 0 || k == 0 {
+        out.fill(bf16::ZERO);
         return;
     }
-    if b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS {
-        return few_tokens(dot, a, b, (m, k, n), out);
-    }
-    if let Some(amx) = dot.tiles {
-        return tiled(amx, a, b, (m, k, n), out, scratch);
+    // The paths that read `b` in place as `bf16` (decoding's weight rows, the tiles' left rows)
+    // take an `f32` one rounded first.
+    let few = b.rows == 1 && k.is_multiple_of(2) && m <= FEW_TOKENS;
+    if few || dot.tiles.is_some() {
+        let (data, (rows, cols)) = b.as_bf16((k, n));
+        let b = Matrix {
+            data: &data,
+            rows,
+            cols,
+        };
+        return match dot.tiles {
+            Some(amx) if !few => tiled(amx, a, b, (m, k, n), out, scratch),
+            _ => few_tokens(dot, a, b, (m, k, n), out),
+        };
     }
     if b.rows == 1 && k.is_multiple_of(2) {
         return weight_stationary(dot, a, b, (m, k, n), out, scratch);
@@ -230,6 +443,11 @@ pub(super) fn matmul(
         // The block of `np` pairs from pair `p0`.
         let pack_right = |right: &mut [u32], p0: usize, np: usize| {
             let depth = (2 * np).min(k - 2 * p0);
+            if b.cols == 1 {
+                // Columns side by side along memory: every pair's rows read once, across the panels.
+                let data = &b.data[2 * p0 * b.rows..];
+                return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
+            }
             for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
                 let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
                 // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
@@ -308,9 +526,9 @@ impl Scratch<'_> {
     /// The lengths `(rows, panels)` [`matmul`] packs into for `a b` (`(m, k, n)`; the left operand
     /// is packed whatever its strides, so only `b`'s count), or `None` when it packs nothing there
     /// (a few tokens: the weight is read in place, the tokens' pairs are a few KiB).
-    pub(super) fn lens(
+    pub(super) fn lens<E: Packed>(
         dot: Bf16Dot,
-        b: Matrix<'_>,
+        b: Matrix<'_, E>,
         (m, k, n): (usize, usize, usize),
     ) -> Option<(usize, usize)> {
         if m == 0 || n == 0 || k == 0 {
@@ -344,7 +562,7 @@ fn panels_in<'a>(scratch: Option<Scratch<'a>>, len: usize, own: &'a mut Vec<u32>
 }
 
 /// [`Scratch::lens`] of a product that [`tiled`] computes.
-fn tiled_lens(b: Matrix<'_>, (m, k, n): (usize, usize, usize)) -> (usize, usize) {
+fn tiled_lens<E: Packed>(b: Matrix<'_, E>, (m, k, n): (usize, usize, usize)) -> (usize, usize) {
     let (depth, panel_len) = tiled_depth(k);
     if b.rows == 1 && k == depth {
         // The weight read in place as the left rows; the tokens packed as right panels.
@@ -636,8 +854,21 @@ fn pack_rows(
 /// products (and of the attention on tiles) goes through here: lines contiguous along `k` ([`transpose_pairs`]), lines side by side
 /// (a transposed operand, or a weight `[k, n]` as stored: [`interleave_pairs`] of two runs), or
 /// neither (element by element).
-pub(super) fn pack_panel(
-    data: &[bf16],
+pub(super) fn pack_panel<E: Packed>(
+    data: &[E],
+    strides: (usize, usize),
+    lines: std::ops::Range<usize>,
+    k: usize,
+    lanes: usize,
+    out: &mut [u32],
+) {
+    E::pack_panel(data, strides, lines, k, lanes, out);
+}
+
+/// [`pack_panel`]'s body, inlined into each element type's version.
+#[inline(always)]
+fn pack_panel_of<E: Packed>(
+    data: &[E],
     (line, depth): (usize, usize),
     lines: std::ops::Range<usize>,
     k: usize,
@@ -646,8 +877,12 @@ pub(super) fn pack_panel(
 ) {
     let (first, count) = (lines.start, lines.len());
     if depth == 1 {
-        let rows: Vec<&[bf16]> = lines.map(|l| &data[l * line..][..k]).collect();
-        transpose_pairs(&rows, lanes, out);
+        // The next panel's lines (a weight's next rows) while these are packed.
+        for l in lines.clone() {
+            prefetch(data, (l + count) * line, k);
+        }
+        let rows: Vec<&[E]> = lines.map(|l| &data[l * line..][..k]).collect();
+        E::transpose_pairs(&rows, lanes, out);
     } else if line == 1 {
         for (p, dst) in out.chunks_exact_mut(lanes).enumerate() {
             let lo = &data[2 * p * depth + first..][..count];
@@ -655,7 +890,7 @@ pub(super) fn pack_panel(
             interleave_pairs(lo, hi, &mut dst[..count]);
         }
     } else {
-        let at = |l: usize, i: usize| u32::from(data[l * line + i * depth].to_bits());
+        let at = |l: usize, i: usize| u32::from(data[l * line + i * depth].bits());
         for (p, dst) in out.chunks_exact_mut(lanes).enumerate() {
             for (d, l) in dst.iter_mut().zip(lines.clone()) {
                 let hi = if 2 * p + 1 < k { at(l, 2 * p + 1) } else { 0 };
@@ -670,6 +905,7 @@ pub(super) fn pack_panel(
 /// become a panel's `[pair][lane]`. Pair by pair, so that the writes run along the panel and the
 /// reads advance along every row together (a few cache lines each); row by row, every write went
 /// to another cache line, a panel apart.
+#[inline(always)]
 fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
     let Some(len) = rows.first().map(|r| r.len()) else {
         return;
@@ -679,29 +915,85 @@ fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
     for (p, dst) in out.chunks_exact_mut(lanes).take(whole).enumerate() {
         for (d, row) in dst.iter_mut().zip(rows) {
             let pair = &row[2 * p..2 * p + 2];
-            *d = u32::from(pair[0].to_bits()) | u32::from(pair[1].to_bits()) << 16;
+            *d = u32::from(pair[0].bits()) | u32::from(pair[1].bits()) << 16;
         }
     }
     if len % 2 == 1 {
         for (d, row) in out[whole * lanes..][..lanes].iter_mut().zip(rows) {
-            *d = u32::from(row[len - 1].to_bits());
+            *d = u32::from(row[len - 1].bits());
         }
     }
+}
+
+/// Columns `columns` of a `k × n` operand whose rows lie `stride` apart along memory (a `[k, n]`
+/// weight as stored) as the vector schedule's right panels: [panel][pair][column], [`NR`] columns a
+/// panel, `k.div_ceil(2)` pairs each, panels one after another in `out` (lanes past the columns
+/// left as they are). Pair by pair across every panel, so that each pair's two rows are read once,
+/// along memory: panel by panel they were read 128 bytes at a time, a row apart, which for an
+/// `f32` weight read from memory was slower than rounding it to a copy first.
+#[inline(always)]
+fn pack_across<E: Packed>(
+    data: &[E],
+    stride: usize,
+    columns: std::ops::Range<usize>,
+    k: usize,
+    out: &mut [u32],
+) {
+    let (first, cols) = (columns.start, columns.len());
+    let pairs = k.div_ceil(2);
+    for p in 0..pairs {
+        // The rows a few pairs ahead, asked for now: each pair's runs are a few cache lines of
+        // rows far apart, which the hardware's prefetchers do not see coming.
+        for row in 2 * (p + PREFETCH_PAIRS)..(2 * (p + PREFETCH_PAIRS + 1)).min(k) {
+            prefetch(data, row * stride + first, cols);
+        }
+        let lo = &data[2 * p * stride + first..][..cols];
+        let hi = (2 * p + 1 < k).then(|| &data[(2 * p + 1) * stride + first..][..cols]);
+        for (cp, c0) in (0..cols).step_by(NR).enumerate() {
+            let width = NR.min(cols - c0);
+            let dst = &mut out[(cp * pairs + p) * NR..][..width];
+            interleave_pairs(&lo[c0..c0 + width], hi.map(|h| &h[c0..c0 + width]), dst);
+        }
+    }
+}
+
+/// Pairs ahead whose rows [`pack_across`] prefetches.
+const PREFETCH_PAIRS: usize = 8;
+
+/// Asks for `data[start..start + len]` (what of it lies in `data`) to be brought into L2: packing
+/// reads short runs of rows far apart (a panel's lines, a pair's rows), which the hardware's
+/// prefetchers do not see coming. Measured on a Zen 4, GPT-2 small's autocast forward at 128
+/// tokens: the packing of its `f32` weights 16 % → 9.5 % of the samples.
+#[inline(always)]
+fn prefetch<E>(data: &[E], start: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let run = data.get(start..).unwrap_or_default();
+        for line in (0..len.min(run.len())).step_by(64 / size_of::<E>().max(1)) {
+            let at = run[line..].as_ptr().cast::<i8>();
+            // SAFETY: a prefetch reads nothing the program sees and cannot fault; `at` points into
+            // `data`.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, start, len);
 }
 
 /// `out[i] = lo[i] | hi[i] << 16` (`hi` zero when absent): two runs of `bf16` as a panel's pairs
 /// (the layout of both operands' panels).
 /// Slices and zipped iterators, so the packing is checked once per run rather than per element.
-fn interleave_pairs(lo: &[bf16], hi: Option<&[bf16]>, out: &mut [u32]) {
+#[inline(always)]
+fn interleave_pairs<E: Packed>(lo: &[E], hi: Option<&[E]>, out: &mut [u32]) {
     match hi {
         Some(hi) => {
             for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
-                *o = u32::from(l.to_bits()) | u32::from(h.to_bits()) << 16;
+                *o = u32::from(l.bits()) | u32::from(h.bits()) << 16;
             }
         }
         None => {
             for (o, l) in out.iter_mut().zip(lo) {
-                *o = u32::from(l.to_bits());
+                *o = u32::from(l.bits());
             }
         }
     }
@@ -716,10 +1008,10 @@ const ROWS_PER_TASK: usize = 8 * MR;
 /// stride, [`MR`] rows at a time into a panel that stays in L1 and serves every token, instead of
 /// being packed whole with a stride of `k` per element. Tasks take [`ROWS_PER_TASK`] weight rows
 /// (output columns) each.
-fn weight_stationary(
+fn weight_stationary<E: Packed>(
     dot: Bf16Dot,
     a: Matrix<'_>,
-    b: Matrix<'_>,
+    b: Matrix<'_, E>,
     (m, k, n): (usize, usize, usize),
     out: &mut [bf16],
     scratch: Option<Scratch<'_>>,
@@ -1347,6 +1639,76 @@ mod tests {
                              want {want}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// An `f32` right operand is rounded as it is packed to the bits of its rounded copy: every
+    /// schedule and packing (a `[k, n]` weight across panels, a transposed weight in runs, strided,
+    /// a few tokens), depths in several runs and blocks, odd depths, into garbage-filled scratch;
+    /// values between `bf16`s, ties of both parities, subnormals and huge ones.
+    #[test]
+    fn f32_right_operands_round_as_they_pack() {
+        let paths = Bf16Dot::paths();
+        if paths.is_empty() {
+            eprintln!("not run: the AVX-512 BF16 paths (this CPU lacks AVX-512 BF16)");
+        }
+        let cases: &[(usize, usize, usize, (usize, usize))] = &[
+            (37, 600, 130, (130, 1)), // [k, n] as stored: across the panels, three blocks
+            (64, 1029, 300, (300, 1)), // an odd depth across the panels
+            (37, 600, 70, (1, 600)),  // a transposed weight: rounded in runs of 256
+            (33, 301, 40, (1, 301)),  // transposed with an odd depth: the vector schedule
+            (40, 50, 45, (2 * 45 + 1, 2)), // neither
+            (3, 514, 20, (1, 514)),   // a few tokens: the weight rounded whole
+        ];
+        for (name, dot) in paths {
+            for (i, &(m, k, n, strides)) in cases.iter().enumerate() {
+                let a = Operand::new(3 * i as u64, (m, k), (k, 1));
+                let len = (k - 1) * strides.0 + (n - 1) * strides.1 + 1;
+                let mut state = 0x2545_f491_4f6c_dd1d_u64 ^ i as u64;
+                let wide: Vec<f32> = (0..len)
+                    .map(|j| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        let bits = 0x3f00_0000 + (state as u32 & 0x00ff_ffff);
+                        let sign = if state >> 63 == 1 { -1.0 } else { 1.0 };
+                        match j % 61 {
+                            0 => f32::from_bits(0x3f80_8000), // a tie, even kept part
+                            1 => f32::from_bits(0x3f81_8000), // a tie, odd kept part
+                            2 => 1.0e-40,                     // subnormal
+                            3 => -3.0e38,                     // huge: rounds to infinity
+                            _ => sign * f32::from_bits(bits),
+                        }
+                    })
+                    .collect();
+                let mut rounded = vec![bf16::ZERO; len];
+                bf16::narrow(&wide, &mut rounded);
+                let b = |data| Matrix {
+                    data,
+                    rows: strides.0,
+                    cols: strides.1,
+                };
+                let mut want = vec![bf16::ZERO; m * n];
+                matmul(dot, a.matrix(), b(&rounded), (m, k, n), &mut want, None);
+                let wide_b = Matrix {
+                    data: &wide[..],
+                    rows: strides.0,
+                    cols: strides.1,
+                };
+                let mut got = vec![bf16::ZERO; m * n];
+                matmul(dot, a.matrix(), wide_b, (m, k, n), &mut got, None);
+                let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{name}, case {i} ({m}x{k}x{n})");
+                if let Some((l, r)) = Scratch::lens(dot, wide_b, (m, k, n)) {
+                    let (mut rows, mut panels) = (vec![bf16::NAN; l], vec![0xffc1_dead; r]);
+                    let scratch = Scratch {
+                        rows: &mut rows,
+                        panels: &mut panels,
+                    };
+                    matmul(dot, a.matrix(), wide_b, (m, k, n), &mut got, Some(scratch));
+                    assert_eq!(bits(&got), bits(&want), "{name}, case {i}: with scratch");
                 }
             }
         }

@@ -52,51 +52,67 @@ pub(super) fn matmul(
         DType::F32 => direct::<f32>(a, b, batch, mkn, out),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
-        DType::BF16 => match bf16_gemm::Bf16Dot::detect() {
-            Some(dot) => {
-                let (la, lb) = (a.layout, b.layout);
-                let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<bf16>());
-                let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));
-                let out = out.contiguous_host::<bf16>();
-                let (m, k, n) = mkn;
-                if k == 0 {
-                    out.fill(bf16::ZERO);
-                    return;
-                }
-                let matrix = |data, rows: isize, cols: isize| bf16_gemm::Matrix {
-                    data,
-                    rows: rows as usize,
-                    cols: cols as usize,
-                };
-                // One product at a time, so one scratch serves the whole batch.
-                let lens = bf16_gemm::Scratch::lens(dot, matrix(db, b_rs, b_cs), mkn);
-                let mut scratch = scratch
-                    .zip(lens)
-                    .map(|(s, (rows, _))| s.buf.host_split::<bf16, u32>(rows));
-                each_product(la, lb, batch, (m, n), |ia, ib, io| {
-                    let scratch = scratch
-                        .as_mut()
-                        .map(|(rows, panels)| bf16_gemm::Scratch { rows, panels });
-                    bf16_gemm::matmul(
-                        dot,
-                        matrix(&da[ia..], a_rs, a_cs),
-                        matrix(&db[ib..], b_rs, b_cs),
-                        mkn,
-                        &mut out[io..io + m * n],
-                        scratch,
-                    );
-                });
-            }
-            None => {
-                let (wa, la) = widen(a);
-                let (wb, lb) = widen(b);
-                let out = out.contiguous_host::<bf16>();
-                let mut wide = vec![0.0f32; out.len()];
-                matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
-                convert_chunks(&wide, out, bf16::narrow);
-            }
-        },
+        DType::BF16 if rounds(dtype) => bf16_product::<bf16>(a, b, batch, mkn, out, scratch),
+        DType::BF16 => {
+            let (wa, la) = widen(a);
+            let (wb, lb) = widen(b);
+            let out = out.contiguous_host::<bf16>();
+            let mut wide = vec![0.0f32; out.len()];
+            matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
+            convert_chunks(&wide, out, bf16::narrow);
+        }
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
+    }
+}
+
+/// Whether this CPU's `dtype` products run in [`bf16_gemm`], which also reads an `f32` right
+/// operand, rounding it as it packs ([`bf16_product`]).
+pub(super) fn rounds(dtype: DType) -> bool {
+    dtype == DType::BF16 && bf16_gemm::Bf16Dot::detect().is_some()
+}
+
+/// A `bf16` product in [`bf16_gemm`] (where [`rounds`]): `a` in `bf16`, `b` in `bf16` or in `f32`
+/// (rounded as it is packed).
+pub(super) fn bf16_product<E: bf16_gemm::Packed + Element>(
+    a: Src,
+    b: Src,
+    batch: &[usize],
+    mkn: (usize, usize, usize),
+    out: Dst,
+    scratch: Option<Dst>,
+) {
+    let dot = bf16_gemm::Bf16Dot::detect().expect("bf16_product runs where `rounds` is true");
+    let (la, lb) = (a.layout, b.layout);
+    let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<E>());
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));
+    let out = out.contiguous_host::<bf16>();
+    let (m, _, n) = mkn;
+    // One product at a time, so one scratch serves the whole batch.
+    let lens = bf16_gemm::Scratch::lens(dot, matrix(db, b_rs, b_cs), mkn);
+    let mut scratch = scratch
+        .zip(lens)
+        .map(|(s, (rows, _))| s.buf.host_split::<bf16, u32>(rows));
+    each_product(la, lb, batch, (m, n), |ia, ib, io| {
+        let scratch = scratch
+            .as_mut()
+            .map(|(rows, panels)| bf16_gemm::Scratch { rows, panels });
+        bf16_gemm::matmul(
+            dot,
+            matrix(&da[ia..], a_rs, a_cs),
+            matrix(&db[ib..], b_rs, b_cs),
+            mkn,
+            &mut out[io..io + m * n],
+            scratch,
+        );
+    });
+}
+
+/// A matrix of [`bf16_gemm`] at `data` with the strides of its rows and columns.
+fn matrix<E>(data: &[E], rows: isize, cols: isize) -> bf16_gemm::Matrix<'_, E> {
+    bf16_gemm::Matrix {
+        data,
+        rows: rows as usize,
+        cols: cols as usize,
     }
 }
 
@@ -119,11 +135,7 @@ pub(super) fn scratch_bytes(dtype: DType, b: &Layout, mkn: (usize, usize, usize)
         return 0;
     };
     let (b_rs, b_cs) = matrix_strides(b);
-    let b = bf16_gemm::Matrix {
-        data: &[],
-        rows: b_rs as usize,
-        cols: b_cs as usize,
-    };
+    let b = matrix::<bf16>(&[], b_rs, b_cs);
     let lens = bf16_gemm::Scratch::lens(dot, b, mkn);
     let bytes = lens.map_or(0, |(rows, panels)| {
         split_bytes::<bf16>(rows) + panels * size_of::<u32>()

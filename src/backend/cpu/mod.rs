@@ -388,6 +388,31 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn matmul_rounds(&self, dtype: DType) -> bool {
+        matmul::rounds(dtype)
+    }
+
+    fn matmul_rounding(
+        &self,
+        dtype: DType,
+        a: Src,
+        b: Src,
+        batch: &[usize],
+        mkn: (usize, usize, usize),
+        out: Dst,
+        scratch: Option<Dst>,
+    ) -> Result<()> {
+        if !matmul::rounds(dtype) {
+            return Err(crate::Error::UnsupportedDType {
+                op: "matmul_rounding",
+                dtype,
+                expected: "bf16 on a CPU with AVX-512 BF16",
+            });
+        }
+        matmul::bf16_product::<f32>(a, b, batch, mkn, out, scratch);
+        Ok(())
+    }
+
     fn quant_strips(&self, ty: crate::quant::QuantType) -> bool {
         quant_product::Kernel::detect().reads_strips(ty)
     }
