@@ -462,11 +462,13 @@ impl<'t, 's> Var<'t, 's> {
     #[track_caller]
     pub fn matmul(&self, other: &Var<'t, 's>) -> Result<Var<'t, 's>> {
         let _placed = self.placing();
+        // An `f32` weight the backend rounds as it packs: no rounded copy on the tape. Elsewhere
+        // the recorded cast's copy serves the forward and the backward products alike.
         if let Some(dtype) = self.autocast()
             && self.value.rank() == 2
             && other.value.rank() == 2
-            && other.value.dtype() != dtype
-            && other.value.dtype().is_float()
+            && other.value.dtype() == DType::F32
+            && other.value.backend()?.matmul_rounds(dtype)
         {
             return self.cast_to(dtype)?.matmul_as(other, dtype);
         }

@@ -153,6 +153,12 @@ impl Bf16Dot {
 /// each step and read it back to pack it (a quarter of GPT-2 small's autocast forward at 128 tokens
 /// on a Zen 4).
 pub(super) trait Packed: Copy + Send + Sync {
+    /// Whether the packing of a weight reads ahead: a `[k, n]` weight pair by pair across a task's
+    /// panels ([`pack_across`]), a weight contiguous along `k` with the next panel's lines
+    /// prefetched ([`pack_panel`]). Measured for `f32` weights, which are read from memory; the
+    /// `bf16` packing is as it was measured before.
+    const READ_AHEAD: bool;
+
     /// The element's `bf16` bits.
     fn bits(self) -> u16;
 
@@ -183,6 +189,8 @@ pub(super) trait Packed: Copy + Send + Sync {
 }
 
 impl Packed for bf16 {
+    const READ_AHEAD: bool = false;
+
     #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
@@ -220,6 +228,8 @@ impl Packed for bf16 {
 }
 
 impl Packed for f32 {
+    const READ_AHEAD: bool = true;
+
     #[inline(always)]
     fn bits(self) -> u16 {
         bf16_bits_of_f32(self)
@@ -443,7 +453,7 @@ pub(super) fn matmul<E: Packed>(
         // The block of `np` pairs from pair `p0`.
         let pack_right = |right: &mut [u32], p0: usize, np: usize| {
             let depth = (2 * np).min(k - 2 * p0);
-            if b.cols == 1 {
+            if E::READ_AHEAD && b.cols == 1 {
                 // Columns side by side along memory: every pair's rows read once, across the panels.
                 let data = &b.data[2 * p0 * b.rows..];
                 return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
@@ -878,8 +888,10 @@ fn pack_panel_of<E: Packed>(
     let (first, count) = (lines.start, lines.len());
     if depth == 1 {
         // The next panel's lines (a weight's next rows) while these are packed.
-        for l in lines.clone() {
-            prefetch(data, (l + count) * line, k);
+        if E::READ_AHEAD {
+            for l in lines.clone() {
+                prefetch(data, (l + count) * line, k);
+            }
         }
         let rows: Vec<&[E]> = lines.map(|l| &data[l * line..][..k]).collect();
         E::transpose_pairs(&rows, lanes, out);
