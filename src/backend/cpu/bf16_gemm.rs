@@ -165,7 +165,7 @@ pub(super) trait Packed: Copy + Send + Sync {
     /// A run of elements as `bf16`: the run itself, or a rounded copy.
     fn as_bf16(run: &[Self]) -> Cow<'_, [bf16]>;
 
-    /// [`pack_panel`] of elements of this type.
+    /// [`pack_panel`] of elements of this type (its portable body by default).
     fn pack_panel(
         data: &[Self],
         strides: (usize, usize),
@@ -173,19 +173,23 @@ pub(super) trait Packed: Copy + Send + Sync {
         k: usize,
         lanes: usize,
         out: &mut [u32],
-    );
+    ) {
+        pack_panel_of(data, strides, lines, k, lanes, out);
+    }
 
     /// [`transpose_pairs`] of elements of this type.
     fn transpose_pairs(rows: &[&[Self]], lanes: usize, out: &mut [u32]);
 
-    /// [`pack_across`] of elements of this type.
+    /// [`pack_across`] of elements of this type (its portable body by default).
     fn pack_across(
         data: &[Self],
         stride: usize,
         columns: std::ops::Range<usize>,
         k: usize,
         out: &mut [u32],
-    );
+    ) {
+        pack_across(data, stride, columns, k, out);
+    }
 }
 
 impl Packed for bf16 {
@@ -200,30 +204,9 @@ impl Packed for bf16 {
         Cow::Borrowed(run)
     }
 
-    fn pack_panel(
-        data: &[bf16],
-        strides: (usize, usize),
-        lines: std::ops::Range<usize>,
-        k: usize,
-        lanes: usize,
-        out: &mut [u32],
-    ) {
-        pack_panel_of(data, strides, lines, k, lanes, out);
-    }
-
     #[inline(always)]
     fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
         transpose_pairs(rows, lanes, out);
-    }
-
-    fn pack_across(
-        data: &[bf16],
-        stride: usize,
-        columns: std::ops::Range<usize>,
-        k: usize,
-        out: &mut [u32],
-    ) {
-        pack_across(data, stride, columns, k, out);
     }
 }
 
