@@ -52,28 +52,31 @@ pub(super) fn matmul(
         DType::F32 => direct::<f32>(a, b, batch, mkn, out),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
-        DType::BF16 if rounds(dtype) => bf16_product::<bf16>(a, b, batch, mkn, out, scratch),
-        DType::BF16 => {
-            let (wa, la) = widen(a);
-            let (wb, lb) = widen(b);
-            let out = out.contiguous_host::<bf16>();
-            let mut wide = vec![0.0f32; out.len()];
-            matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
-            convert_chunks(&wide, out, bf16::narrow);
-        }
+        DType::BF16 => match rounds(dtype) {
+            Some(dot) => bf16_product::<bf16>(dot, a, b, batch, mkn, out, scratch),
+            None => {
+                let (wa, la) = widen(a);
+                let (wb, lb) = widen(b);
+                let out = out.contiguous_host::<bf16>();
+                let mut wide = vec![0.0f32; out.len()];
+                matmul_into::<f32>((&wa, &la), (&wb, &lb), batch, mkn, &mut wide);
+                convert_chunks(&wide, out, bf16::narrow);
+            }
+        },
         DType::I64 => unreachable!("matmul refuses integer dtypes before computing"),
     }
 }
 
-/// Whether this CPU's `dtype` products run in [`bf16_gemm`], which also reads an `f32` right
-/// operand, rounding it as it packs ([`bf16_product`]).
-pub(super) fn rounds(dtype: DType) -> bool {
-    dtype == DType::BF16 && bf16_gemm::Bf16Dot::detect().is_some()
+/// The kernel with which this CPU's `dtype` products run in [`bf16_gemm`], which also reads an
+/// `f32` right operand, rounding it as it packs ([`bf16_product`]); `None` where they do not.
+pub(super) fn rounds(dtype: DType) -> Option<bf16_gemm::Bf16Dot> {
+    bf16_gemm::Bf16Dot::detect().filter(|_| dtype == DType::BF16)
 }
 
-/// A `bf16` product in [`bf16_gemm`] (where [`rounds`]): `a` in `bf16`, `b` in `bf16` or in `f32`
-/// (rounded as it is packed).
+/// A `bf16` product in [`bf16_gemm`] with the kernel [`rounds`] gave: `a` in `bf16`, `b` in
+/// `bf16` or in `f32` (rounded as it is packed).
 pub(super) fn bf16_product<E: bf16_gemm::Packed + Element>(
+    dot: bf16_gemm::Bf16Dot,
     a: Src,
     b: Src,
     batch: &[usize],
@@ -81,7 +84,6 @@ pub(super) fn bf16_product<E: bf16_gemm::Packed + Element>(
     out: Dst,
     scratch: Option<Dst>,
 ) {
-    let dot = bf16_gemm::Bf16Dot::detect().expect("bf16_product runs where `rounds` is true");
     let (la, lb) = (a.layout, b.layout);
     let (da, db) = (a.buf.host::<bf16>(), b.buf.host::<E>());
     let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(la), matrix_strides(lb));

@@ -389,7 +389,7 @@ impl Backend for Cpu {
     }
 
     fn matmul_rounds(&self, dtype: DType) -> bool {
-        matmul::rounds(dtype)
+        matmul::rounds(dtype).is_some()
     }
 
     fn matmul_rounding(
@@ -402,14 +402,14 @@ impl Backend for Cpu {
         out: Dst,
         scratch: Option<Dst>,
     ) -> Result<()> {
-        if !matmul::rounds(dtype) {
+        let Some(dot) = matmul::rounds(dtype) else {
             return Err(crate::Error::UnsupportedDType {
                 op: "matmul_rounding",
                 dtype,
                 expected: "bf16 on a CPU with AVX-512 BF16",
             });
-        }
-        matmul::bf16_product::<f32>(a, b, batch, mkn, out, scratch);
+        };
+        matmul::bf16_product::<f32>(dot, a, b, batch, mkn, out, scratch);
         Ok(())
     }
 
