@@ -16,8 +16,9 @@
 //! use its registers: compiled for the baseline's four lanes they took 39 % of the forward pass.
 //!
 //! Everything is computed in the compute type: 16-bit operands are widened to `f32` once (exact), and
-//! results are rounded once when stored. The `bf16` forward pass on a CPU with AMX tiles (and the
-//! `bf16` products on them: [`Bf16Dot::tiles`]) runs in [`super::attention_tiles`] instead.
+//! results are rounded once when stored. The `bf16` forward pass on a CPU with AMX tiles
+//! ([`Bf16Dot::tiles`]) or whose `bf16` products run on `vdpbf16ps` ([`Bf16Dot::vectors`]) runs on
+//! `bf16` blocks in [`super::attention_tiles`] instead.
 
 use std::borrow::Cow;
 
@@ -165,10 +166,12 @@ pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, o
     match dtype {
         DType::F32 => forward_as::<f32>(math, inputs, out, lse),
         DType::F64 => forward_as::<f64>(math, inputs, out, lse),
-        DType::BF16 => match Bf16Dot::detect().and_then(Bf16Dot::tiles) {
-            Some(amx) if attention_tiles::computes(&inputs) => {
-                attention_tiles::forward(amx, math, inputs, out, lse)
-            }
+        DType::BF16 => match Bf16Dot::detect() {
+            Some(dot) if attention_tiles::computes(&inputs) => match (dot.tiles(), dot.vectors()) {
+                (Some(amx), _) => attention_tiles::forward(amx, math, inputs, out, lse),
+                (None, Some(vectors)) => attention_tiles::forward(vectors, math, inputs, out, lse),
+                (None, None) => forward_as::<bf16>(math, inputs, out, lse),
+            },
             _ => forward_as::<bf16>(math, inputs, out, lse),
         },
         DType::F16 => forward_as::<f16>(math, inputs, out, lse),

@@ -1,12 +1,13 @@
-//! The `bf16` fused attention forward on AMX tiles ([`Attention`] states the math; the schedule is
-//! [`super::attention`]'s: one task per batch, head and tile of [`QUERY_TILE`] queries, keys in
+//! The `bf16` fused attention forward on `bf16` blocks ([`Attention`] states the math; the schedule
+//! is [`super::attention`]'s: one task per batch, head and tile of [`QUERY_TILE`] queries, keys in
 //! tiles of [`KEY_TILE`], a running maximum per query).
 //!
-//! Both products run on [`Tiles::block_into`] in 32 × 32 blocks: the scores `q kᵀ` from the query
-//! tile's rows (copied, zero-padded to whole steps) and the keys packed as right panels, and `p v`
-//! from the weights (in two `bf16` parts) and the values packed as right panels. Keys and values are
-//! packed once per batch and key head, before the tasks, and read by every query tile of the head
-//! (and of every query head of its group), so nothing is widened to `f32` on the way.
+//! Both products run in 32 × 32 blocks ([`Blocks::block_into`], on AMX tiles or on AVX-512 BF16
+//! vectors: [`super::bf16_blocks`]): the scores `q kᵀ` from the query tile's rows (copied,
+//! zero-padded to whole steps) and the keys packed as right panels, and `p v` from the weights (in
+//! two `bf16` parts) and the values packed as right panels. Keys and values are packed once per
+//! batch and key head, before the tasks, and read by every query tile of the head (and of every
+//! query head of its group), so nothing is widened to `f32` on the way.
 //!
 //! The weights `p = e^(s - max)` multiply the values as two `bf16`, `hi = bf16(p)` and `lo = bf16(p -
 //! hi)` (two tile products instead of one): 16 significant bits, so an output moves by at most 2⁻¹⁶
@@ -18,8 +19,9 @@
 use rayon::prelude::*;
 
 use super::attention::{QUERY_TILE, keys_of, run_tasks, store_rows};
+use super::bf16_blocks::{BlockUnit, Blocks};
 use super::bf16_gemm::pack_panel;
-use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
+use super::bf16_tiles::{BLOCK, STEP_PAIRS};
 use super::rows::larger_or_nan;
 use crate::backend::op::Attention;
 use crate::backend::{AttentionInputs, Dst, Src};
@@ -106,8 +108,14 @@ struct PackedHead {
     values: Vec<u32>,
 }
 
-/// Forward pass on tiles: `out` and `lse` of every query (`computes(&inputs)` must hold).
-pub(super) fn forward(amx: Amx, math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst) {
+/// Forward pass on `unit`'s blocks: `out` and `lse` of every query (`computes(&inputs)` must hold).
+pub(super) fn forward(
+    unit: impl BlockUnit,
+    math: &Attention,
+    inputs: AttentionInputs,
+    out: Dst,
+    lse: Dst,
+) {
     let operands = [
         Operand::of(&inputs.q),
         Operand::of(&inputs.k),
@@ -115,7 +123,7 @@ pub(super) fn forward(amx: Amx, math: &Attention, inputs: AttentionInputs, out: 
     ];
     let [_, heads, queries, _] = operands[0].dims;
     let key_lengths = inputs.key_lengths.map(|l| l.contiguous_host::<i64>());
-    let results = query_tiles(amx, math, operands, key_lengths);
+    let results = query_tiles(unit, math, operands, key_lengths);
     let tiles = queries.div_ceil(QUERY_TILE);
     let (out_layout, out) = (out.layout, out.buf.host::<bf16>());
     let lse = lse.contiguous_host::<f32>();
@@ -130,7 +138,7 @@ pub(super) fn forward(amx: Amx, math: &Attention, inputs: AttentionInputs, out: 
 /// The outputs (`rows × value width`, `f32`) and `lse` of every query tile, in the order batch,
 /// head, tile.
 fn query_tiles(
-    amx: Amx,
+    unit: impl BlockUnit,
     math: &Attention,
     [q, k, v]: [Operand<'_>; 3],
     key_lengths: Option<&[i64]>,
@@ -171,7 +179,7 @@ fn query_tiles(
             dst[..width].copy_from_slice(q.row((b, h), from + r));
         }
         forward_tile(
-            amx,
+            unit,
             math,
             (&query_rows, steps),
             kv,
@@ -185,7 +193,7 @@ fn query_tiles(
 /// `rows` queries from `from` of one head (their rows in `query_rows`, `steps` steps deep plus
 /// [`PAD`]): their outputs (`rows × dv`) and `lse`, against the first `keys` keys of `kv`.
 fn forward_tile(
-    amx: Amx,
+    unit: impl BlockUnit,
     math: &Attention,
     (query_rows, steps): (&[bf16], usize),
     kv: &PackedHead,
@@ -193,7 +201,7 @@ fn forward_tile(
     keys: usize,
     (from, rows): (usize, usize),
 ) -> (Vec<f32>, Vec<f32>) {
-    let mut tiles = Tiles::configure(amx);
+    let mut blocks = unit.start();
     let (query_stride, pairs) = (steps * STEP + PAD, steps * STEP_PAIRS);
     let (row_blocks, out_stride) = (rows.div_ceil(BLOCK), dv.div_ceil(BLOCK) * BLOCK);
     let mut out = vec![0.0f32; QUERY_TILE * out_stride];
@@ -220,7 +228,7 @@ fn forward_tile(
                 if c0 >= hi || c0 + BLOCK <= lo {
                     continue;
                 }
-                tiles.block_into(
+                blocks.block_into(
                     (&query_rows[r0 * query_stride..], query_stride),
                     &kv.keys[(c0 / BLOCK) * pairs * BLOCK..],
                     steps,
@@ -247,7 +255,7 @@ fn forward_tile(
             let r0 = rb * BLOCK;
             for (vb, panel) in kv.values.chunks_exact(key_pairs * BLOCK).enumerate() {
                 for part in weights.chunks_exact(QUERY_TILE * WEIGHT_STRIDE) {
-                    tiles.block_into(
+                    blocks.block_into(
                         (&part[r0 * WEIGHT_STRIDE..], WEIGHT_STRIDE),
                         &panel[j0 / 2 * BLOCK..],
                         col_blocks,
@@ -258,7 +266,7 @@ fn forward_tile(
             }
         }
     }
-    drop(tiles);
+    drop(blocks);
     let mut outputs = Vec::with_capacity(rows * dv);
     let lse = (0..rows)
         .map(|r| {
@@ -387,8 +395,8 @@ trait RowPass: Copy {
     ) -> f32;
 }
 
-/// The row pass in plain Rust, for CPUs the tiles run on without AVX-512 BF16 (none known, but
-/// the tiles' detection does not promise it).
+/// The row pass in plain Rust, for CPUs the AMX tiles run on without AVX-512 BF16 (none known,
+/// but the tiles' detection does not promise it).
 #[derive(Clone, Copy)]
 struct Portable;
 
@@ -708,12 +716,25 @@ mod tests {
 
     #[test]
     fn tiles_match_f64_attention() {
-        // As the dispatch does: tiles only with AVX-512 and AVX-512 BF16 (valgrind has neither).
-        let Some(amx) = super::super::bf16_gemm::Bf16Dot::detect().and_then(|dot| dot.tiles())
-        else {
-            eprintln!("bf16 attention on AMX tiles: not run (this CPU or kernel has no AMX)");
-            return;
-        };
+        // Every unit this CPU has (valgrind's has neither).
+        let amx = super::super::bf16_tiles::Amx::detect();
+        let vectors = super::super::bf16_blocks::Vectors::detect();
+        match amx {
+            Some(amx) => check_against_f64("amx", amx),
+            None => {
+                eprintln!("bf16 attention on AMX tiles: not run (this CPU or kernel has no AMX)")
+            }
+        }
+        match vectors {
+            Some(vectors) => check_against_f64("avx512-bf16", vectors),
+            None => eprintln!(
+                "bf16 attention on AVX-512 BF16 vectors: not run (this CPU has no AVX-512 BF16)"
+            ),
+        }
+    }
+
+    /// The attention on `unit`'s blocks against f64, for every case.
+    fn check_against_f64(name: &str, unit: impl BlockUnit) {
         let cases = [
             Case {
                 dims: [2, 2, 2, 70, 150, 16, 16],
@@ -788,7 +809,7 @@ mod tests {
             };
             let k = contiguous(&k_data, [batch, key_heads, keys, width]);
             let v = contiguous(&v_data, [batch, key_heads, keys, dv]);
-            let results = query_tiles(amx, &math, [q, k, v], case.key_lengths.as_deref());
+            let results = query_tiles(unit, &math, [q, k, v], case.key_lengths.as_deref());
             let tiles = queries.div_ceil(QUERY_TILE);
             for (task, (out, lse)) in results.iter().enumerate() {
                 let (bh, tile) = (task / tiles, task % tiles);
@@ -801,14 +822,14 @@ mod tests {
                     for (c, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert!(
                             (f64::from(*g) - w).abs() <= 2.0 * 2f64.powi(-16) + 2e-5,
-                            "case {n}, batch {b}, head {h}, query {i}, column {c}: {g} vs {w}"
+                            "{name}, case {n}, batch {b}, head {h}, query {i}, column {c}: {g} vs {w}"
                         );
                     }
                     let got_lse = f64::from(lse[r]);
                     assert!(
                         got_lse == want_lse
                             || (got_lse - want_lse).abs() <= 1e-4 * want_lse.abs().max(1.0),
-                        "case {n}, batch {b}, head {h}, query {i}: lse {got_lse} vs {want_lse}"
+                        "{name}, case {n}, batch {b}, head {h}, query {i}: lse {got_lse} vs {want_lse}"
                     );
                 }
             }

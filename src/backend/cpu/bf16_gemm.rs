@@ -23,6 +23,7 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::bf16_blocks::Vectors;
 use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
 use super::narrow::{Narrow, bf16_rounded};
 use super::widen::HalfUnit;
@@ -99,6 +100,12 @@ impl Bf16Dot {
     /// The tiles, where this path has them (for the other `bf16` kernels that run on tiles).
     pub(super) fn tiles(self) -> Option<Amx> {
         self.tiles
+    }
+
+    /// The vector blocks of `bf16` products, where this path multiplies with `vdpbf16ps` (on
+    /// Intel's cores without tiles, where the `f32` FMAs are faster, the attention stays in `f32`).
+    pub(super) fn vectors(self) -> Option<Vectors> {
+        if self.fma { None } else { Vectors::detect() }
     }
 
     /// The best path this CPU runs.
