@@ -395,6 +395,75 @@ fn reductions_of_large_rows_run_in_parallel_correctly() {
 }
 
 #[test]
+fn leading_reductions_equal_the_strided_walk_bit_for_bit() {
+    // A bias's gradient: the sum over leading axes of a contiguous tensor has its own loop
+    // (column runs, in parallel); a strided view of the same values takes the general walk, which
+    // combines each column's rows in the same order, so both give the same bits. 70 × 1,100
+    // elements: parallel, and a ragged last run of columns.
+    run(|s| {
+        let (wide, _) = tensor(s, &[70, 2 * 1100], 43)?;
+        let mut values = wide.to_vec::<f32>()?;
+        values[5 * 2200 + 17] = f32::NAN;
+        values[9 * 2200 + 1099] = f32::INFINITY;
+        let wide = s.from_slice(&values, &[70, 2200])?;
+        for dtype in [DType::F32, DType::BF16, DType::F64] {
+            let wide = wide.to_dtype(dtype)?;
+            let strided = wide.narrow(1, 0, 1100)?;
+            let contiguous = strided.contiguous()?;
+            let as_3d = contiguous.reshape(&[7, 10, 1100])?;
+            let bits = |t: Tensor<'_>| -> Result<Vec<u64>> {
+                Ok(t.to_vec_f64()?.iter().map(|v| v.to_bits()).collect())
+            };
+            for (name, leading, walked) in [
+                (
+                    "sum",
+                    contiguous.sum(&[0], false)?,
+                    strided.sum(&[0], false)?,
+                ),
+                (
+                    "mean",
+                    contiguous.mean(&[0], false)?,
+                    strided.mean(&[0], false)?,
+                ),
+                (
+                    "max",
+                    contiguous.max(&[0], false)?,
+                    strided.max(&[0], false)?,
+                ),
+                (
+                    "min",
+                    contiguous.min(&[0], false)?,
+                    strided.min(&[0], false)?,
+                ),
+                (
+                    "sum of two axes",
+                    as_3d.sum(&[0, 1], false)?,
+                    strided.sum(&[0], false)?,
+                ),
+            ] {
+                let (leading, walked) = (bits(leading)?, bits(walked)?);
+                let differs = leading.iter().zip(&walked).position(|(a, b)| a != b);
+                assert_eq!(
+                    differs, None,
+                    "{dtype:?} {name}: the first column that differs"
+                );
+            }
+            let sums = contiguous.sum(&[0], false)?.to_vec_f64()?;
+            assert!(
+                sums[17].is_nan() && sums[1099] == f64::INFINITY,
+                "{dtype:?}"
+            );
+        }
+        // Nothing to reduce over: zeros for sums.
+        assert_eq!(
+            s.zeros(&[0, 3, 4])?.sum(&[0, 1], false)?.to_vec::<f32>()?,
+            vec![0.0; 4]
+        );
+        Ok(())
+    });
+}
+
+#[test]
 fn argmax_picks_first_maximum_and_first_nan() {
     run(|s| {
         let x = s.from_slice(&[1.0f32, 3.0, 3.0, 0.0, -1.0, 2.0], &[2, 3])?;

@@ -46,6 +46,12 @@ fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
         return;
     }
     let count: usize = axes.iter().map(|&a| layout.shape()[a]).product();
+    let leading = axes.iter().enumerate().all(|(k, &a)| a == k);
+    if leading && layout.is_contiguous() {
+        let rows = &data[layout.offset()..][..layout.numel()];
+        reduce_leading(kind, rows, count, out);
+        return;
+    }
     if T::DTYPE.is_half() {
         // Partial results in the compute type, rounded once at the end.
         let mut acc = vec![kind.identity::<T::Compute>(); out.len()];
@@ -59,6 +65,57 @@ fn reduce_into<T: Math>(kind: Reduce, x: Src, axes: &[usize], out: Dst) {
         if kind == Reduce::Mean {
             out.iter_mut().for_each(|o| *o = kind.finish(*o, count));
         }
+    }
+}
+
+/// Columns of the output per task of [`reduce_leading`]: their partial results stay in L1.
+const COLUMN_RUN: usize = 512;
+
+/// Reduces the leading axes of a contiguous tensor, `rows` rows of `out.len()` elements (a bias's
+/// gradient: the sum over the batch's rows): each run of [`COLUMN_RUN`] columns (in parallel for
+/// large inputs) walks the rows in order, combining a whole row run at a time in the compute type
+/// with the operation chosen once per row rather than per element. Each column combines its rows
+/// in the same order as [`reduce_walk`], so the results are the same bits.
+fn reduce_leading<T: Math>(kind: Reduce, rows: &[T], count: usize, out: &mut [T]) {
+    let width = out.len();
+    if width == 0 {
+        return;
+    }
+    let columns = |first: usize, out: &mut [T]| {
+        let mut acc = [kind.identity::<T::Compute>(); COLUMN_RUN];
+        let acc = &mut acc[..out.len()];
+        for row in rows.chunks_exact(width) {
+            let run = &row[first..first + out.len()];
+            match kind {
+                Reduce::Sum | Reduce::Mean => combine_run(acc, run, |a, x| a.add(x)),
+                Reduce::Max => combine_run(acc, run, |a, x| a.max_nan(x)),
+                Reduce::Min => combine_run(acc, run, |a, x| a.min_nan(x)),
+            }
+        }
+        for (o, &a) in out.iter_mut().zip(acc.iter()) {
+            *o = T::store(kind.finish(a, count));
+        }
+    };
+    if rows.len() >= PARALLEL_MIN {
+        out.par_chunks_mut(COLUMN_RUN)
+            .enumerate()
+            .for_each(|(c, out)| columns(c * COLUMN_RUN, out));
+    } else {
+        for (c, out) in out.chunks_mut(COLUMN_RUN).enumerate() {
+            columns(c * COLUMN_RUN, out);
+        }
+    }
+}
+
+/// `acc[j] = combine(acc[j], run[j])` along a run, the elements widened to the compute type.
+#[inline(always)]
+fn combine_run<T: Math>(
+    acc: &mut [T::Compute],
+    run: &[T],
+    combine: impl Fn(T::Compute, T::Compute) -> T::Compute,
+) {
+    for (a, &x) in acc.iter_mut().zip(run) {
+        *a = combine(*a, x.load());
     }
 }
 
