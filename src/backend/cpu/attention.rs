@@ -166,14 +166,14 @@ pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, o
     match dtype {
         DType::F32 => forward_as::<f32>(math, inputs, out, lse),
         DType::F64 => forward_as::<f64>(math, inputs, out, lse),
-        DType::BF16 => match Bf16Dot::detect() {
-            Some(dot) if attention_tiles::computes(&inputs) => match (dot.tiles(), dot.vectors()) {
+        DType::BF16 => {
+            let dot = Bf16Dot::detect().filter(|_| attention_tiles::computes(&inputs));
+            match (dot.and_then(Bf16Dot::tiles), dot.and_then(Bf16Dot::vectors)) {
                 (Some(amx), _) => attention_tiles::forward(amx, math, inputs, out, lse),
                 (None, Some(vectors)) => attention_tiles::forward(vectors, math, inputs, out, lse),
                 (None, None) => forward_as::<bf16>(math, inputs, out, lse),
-            },
-            _ => forward_as::<bf16>(math, inputs, out, lse),
-        },
+            }
+        }
         DType::F16 => forward_as::<f16>(math, inputs, out, lse),
         DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
     }

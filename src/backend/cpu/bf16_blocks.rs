@@ -8,7 +8,7 @@
 //! Before the vector unit, a CPU without tiles widened the `bf16` attention to `f32` and multiplied
 //! with `gemm` (two `f32` products per block of keys, twice the bytes of every operand).
 
-use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles};
+use super::bf16_tiles::{Amx, BLOCK, STEP_PAIRS, Tiles, check_block};
 use crate::dtype::bf16;
 
 /// A unit that computes blocks: a proof that the CPU has it, which each task turns into its
@@ -95,17 +95,8 @@ impl Blocks for Vectors {
         accumulate: bool,
         (sums, sums_stride): (&mut [f32], usize),
     ) {
-        let depth = steps * 2 * STEP_PAIRS;
-        // The same contract as the tiles' (`Tiles::block_into`), checked the same way.
-        assert!(
-            steps > 0
-                && left_stride >= depth
-                && left.len() >= (BLOCK - 1) * left_stride + depth
-                && right.len() >= steps * STEP_PAIRS * BLOCK
-                && sums_stride >= BLOCK
-                && sums.len() >= (BLOCK - 1) * sums_stride + BLOCK,
-            "bf16 blocks: operands too short for a block"
-        );
+        // The same contract as the tiles' (`Tiles::block_into`).
+        check_block((left, left_stride), right, steps, (sums, sums_stride));
         #[cfg(target_arch = "x86_64")]
         for first in (0..BLOCK).step_by(ROWS) {
             // SAFETY: a `Vectors` exists only where the CPU has AVX-512F and AVX-512 BF16

@@ -978,7 +978,7 @@ fn transpose_pairs(rows: &[&[bf16]], lanes: usize, out: &mut [u32]) {
 unsafe fn transpose_eights_avx512(rows: &[&[bf16]], pairs: usize, out: &mut [u32]) {
     use std::arch::x86_64::{
         __m512i, _mm512_loadu_si512, _mm512_permutexvar_epi32, _mm512_setr_epi32,
-        _mm512_shuffle_i32x4, _mm512_storeu_si512, _mm512_unpackhi_epi64, _mm512_unpacklo_epi64,
+        _mm512_storeu_si512, _mm512_unpackhi_epi64, _mm512_unpacklo_epi64,
     };
     // A transposed register holds (row j's pair 2q, its pair 2q + 1) at lanes 2j, 2j + 1.
     let order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -998,22 +998,8 @@ unsafe fn transpose_eights_avx512(rows: &[&[bf16]], pairs: usize, out: &mut [u32
             }
         });
         for h in 0..2 {
-            let (x, y, z, w) = (t[h], t[2 + h], t[4 + h], t[6 + h]);
-            let low = (
-                _mm512_shuffle_i32x4::<0x44>(x, y),
-                _mm512_shuffle_i32x4::<0x44>(z, w),
-            );
-            let high = (
-                _mm512_shuffle_i32x4::<0xEE>(x, y),
-                _mm512_shuffle_i32x4::<0xEE>(z, w),
-            );
             // `u64` q = 2l + h of the 8 rows (pairs 2q and 2q + 1 of the block), for l = 0..4.
-            let columns = [
-                _mm512_shuffle_i32x4::<0x88>(low.0, low.1),
-                _mm512_shuffle_i32x4::<0xDD>(low.0, low.1),
-                _mm512_shuffle_i32x4::<0x88>(high.0, high.1),
-                _mm512_shuffle_i32x4::<0xDD>(high.0, high.1),
-            ];
+            let columns = lanes_gathered([t[h], t[2 + h], t[4 + h], t[6 + h]]);
             for (l, column) in columns.into_iter().enumerate() {
                 let p = p0 + 2 * (2 * l + h);
                 // SAFETY: `p + 1 < pairs`, so the 16 lanes of pairs `p` and `p + 1` at `8 p` are
@@ -1044,8 +1030,8 @@ const BLOCK_LINES: usize = 16;
 #[target_feature(enable = "avx512f")]
 unsafe fn transpose_blocks_avx512(rows: &[&[bf16]], pairs: usize, lanes: usize, out: &mut [u32]) {
     use std::arch::x86_64::{
-        __m512i, _mm512_loadu_si512, _mm512_shuffle_i32x4, _mm512_storeu_si512,
-        _mm512_unpackhi_epi32, _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
+        __m512i, _mm512_loadu_si512, _mm512_storeu_si512, _mm512_unpackhi_epi32,
+        _mm512_unpackhi_epi64, _mm512_unpacklo_epi32, _mm512_unpacklo_epi64,
     };
     for (g, group) in rows.chunks_exact(BLOCK_LINES).enumerate() {
         for p0 in (0..pairs).step_by(BLOCK_LINES) {
@@ -1074,22 +1060,8 @@ unsafe fn transpose_blocks_avx512(rows: &[&[bf16]], pairs: usize, lanes: usize, 
                 }
             });
             for c in 0..4 {
-                let (x, y, z, w) = (b[c], b[4 + c], b[8 + c], b[12 + c]);
-                let low = (
-                    _mm512_shuffle_i32x4::<0x44>(x, y),
-                    _mm512_shuffle_i32x4::<0x44>(z, w),
-                );
-                let high = (
-                    _mm512_shuffle_i32x4::<0xEE>(x, y),
-                    _mm512_shuffle_i32x4::<0xEE>(z, w),
-                );
                 // Pair 4l + c of the 16 rows, for lanes l = 0..4.
-                let columns = [
-                    _mm512_shuffle_i32x4::<0x88>(low.0, low.1),
-                    _mm512_shuffle_i32x4::<0xDD>(low.0, low.1),
-                    _mm512_shuffle_i32x4::<0x88>(high.0, high.1),
-                    _mm512_shuffle_i32x4::<0xDD>(high.0, high.1),
-                ];
+                let columns = lanes_gathered([b[c], b[4 + c], b[8 + c], b[12 + c]]);
                 for (l, column) in columns.into_iter().enumerate() {
                     let p = p0 + 4 * l + c;
                     // SAFETY: `p < pairs` and the group's lanes `16 g..16 g + 16` are within
@@ -1105,6 +1077,33 @@ unsafe fn transpose_blocks_avx512(rows: &[&[bf16]], pairs: usize, lanes: usize, 
             }
         }
     }
+}
+
+/// The last stage of both transposes: register `l` of the result holds 128-bit lane `l` of each
+/// of `x`, `y`, `z`, `w`, in that order (a 4 × 4 transpose of 128-bit lanes, in two rounds of lane
+/// shuffles).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn lanes_gathered(
+    [x, y, z, w]: [std::arch::x86_64::__m512i; 4],
+) -> [std::arch::x86_64::__m512i; 4] {
+    use std::arch::x86_64::_mm512_shuffle_i32x4;
+    // Lanes 0 and 1 of x then y (and of z then w); lanes 2 and 3 likewise.
+    let low = (
+        _mm512_shuffle_i32x4::<0x44>(x, y),
+        _mm512_shuffle_i32x4::<0x44>(z, w),
+    );
+    let high = (
+        _mm512_shuffle_i32x4::<0xEE>(x, y),
+        _mm512_shuffle_i32x4::<0xEE>(z, w),
+    );
+    [
+        _mm512_shuffle_i32x4::<0x88>(low.0, low.1),
+        _mm512_shuffle_i32x4::<0xDD>(low.0, low.1),
+        _mm512_shuffle_i32x4::<0x88>(high.0, high.1),
+        _mm512_shuffle_i32x4::<0xDD>(high.0, high.1),
+    ]
 }
 
 /// Columns `columns` of a `k × n` operand whose rows lie `stride` apart along memory (a `[k, n]`

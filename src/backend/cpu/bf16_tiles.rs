@@ -146,6 +146,29 @@ impl Drop for Configured {
     }
 }
 
+/// Checks that a block's operands hold what [`Tiles::block_into`] reads and writes (every unit of
+/// blocks has this contract).
+///
+/// # Panics
+/// When a slice is too short for the rows and steps it is read or written at.
+pub(super) fn check_block(
+    (left, left_stride): (&[bf16], usize),
+    right: &[u32],
+    steps: usize,
+    (sums, sums_stride): (&[f32], usize),
+) {
+    let depth = steps * 2 * STEP_PAIRS;
+    assert!(
+        steps > 0
+            && left_stride >= depth
+            && left.len() >= (BLOCK - 1) * left_stride + depth
+            && right.len() >= steps * STEP_PAIRS * BLOCK
+            && sums_stride >= BLOCK
+            && sums.len() >= (BLOCK - 1) * sums_stride + BLOCK,
+        "bf16 blocks: operands too short for a block"
+    );
+}
+
 /// This thread's tiles, configured for [`block`](Self::block) until dropped. Not `Send`.
 pub(super) struct Tiles {
     _configured: Configured,
@@ -202,16 +225,7 @@ impl Tiles {
         accumulate: bool,
         (sums, sums_stride): (&mut [f32], usize),
     ) {
-        let depth = steps * 2 * STEP_PAIRS;
-        assert!(
-            steps > 0
-                && left_stride >= depth
-                && left.len() >= (BLOCK - 1) * left_stride + depth
-                && right.len() >= steps * STEP_PAIRS * BLOCK
-                && sums_stride >= BLOCK
-                && sums.len() >= (BLOCK - 1) * sums_stride + BLOCK,
-            "bf16 tiles: operands too short for a block"
-        );
+        check_block((left, left_stride), right, steps, (sums, sums_stride));
         #[cfg(target_arch = "x86_64")]
         // SAFETY: a `Tiles` exists only after `LDTILECFG` configured tiles 0-7 as 16 rows of 64
         // bytes on this thread (it is not `Send`). The loads read, per step, rows `r < 32` of
