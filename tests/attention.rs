@@ -295,6 +295,73 @@ fn sixteen_bit_attention_is_within_one_step_of_the_rounded_result() {
     .unwrap();
 }
 
+/// The 16-bit gradients (on a CPU with AMX or AVX-512 BF16, `bf16`'s run on bf16 blocks with the
+/// weights and `ds` rounded to bf16; elsewhere widened to f32) against f64 gradients of the same
+/// 16-bit values: every element within 2⁻⁶ of its tensor's largest, for grouped heads, a window and
+/// lengths past the kernels' tiles.
+#[test]
+fn sixteen_bit_attention_gradients_are_close_to_the_f64_ones() {
+    root(Device::Cpu, |s| {
+        let [b, h, kh, tq, tk, d] = [1, 4, 2, 150, 300, 64];
+        let q = s.from_slice(&values(b * h * tq * d, 21), &[b, h, tq, d])?;
+        let k = s.from_slice(&values(b * kh * tk * d, 22), &[b, kh, tk, d])?;
+        let v = s.from_slice(&values(b * kh * tk * d, 23), &[b, kh, tk, d])?;
+        let w = s.from_slice(&values(b * h * tq * d, 24), &[b, h, tq, d])?;
+        for (dtype, window) in [
+            (DType::BF16, None),
+            (DType::BF16, Some(100)),
+            (DType::F16, None),
+        ] {
+            let spec = AttentionSpec {
+                causal: Causal::BottomRight,
+                scale: None,
+                window,
+            };
+            let grads = |dtype: DType| {
+                s.scope(|g| {
+                    let tape = Tape::new(g);
+                    let [q, k, v, w] = [&q, &k, &v, &w].map(|x| x.to_dtype(dtype));
+                    let (q, k, v, w) = (q?, k?, v?, w?);
+                    let (vq, vk, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+                    let out = vq.attention(&vk, &vv, spec, None)?;
+                    let grads = tape.backward(&out.mul(&tape.constant(&w))?.sum_all()?)?;
+                    [&q, &k, &v]
+                        .map(|x| grads.get(x).expect("a gradient").to_vec_f64())
+                        .into_iter()
+                        .collect::<Result<Vec<_>, Error>>()
+                })
+            };
+            // The f64 gradients of the 16-bit values.
+            let [q16, k16, v16, w16] =
+                [&q, &k, &v, &w].map(|x| x.to_dtype(dtype)?.to_dtype(DType::F64));
+            let (q16, k16, v16, w16) = (q16?, k16?, v16?, w16?);
+            let want = s.scope(|g| {
+                let tape = Tape::new(g);
+                let (vq, vk, vv) = (tape.param(&q16), tape.param(&k16), tape.param(&v16));
+                let out = vq.attention(&vk, &vv, spec, None)?;
+                let grads = tape.backward(&out.mul(&tape.constant(&w16))?.sum_all()?)?;
+                [&q16, &k16, &v16]
+                    .map(|x| grads.get(x).expect("a gradient").to_vec_f64())
+                    .into_iter()
+                    .collect::<Result<Vec<_>, Error>>()
+            })?;
+            let got = grads(dtype)?;
+            for ((g, w), name) in got.iter().zip(&want).zip(["dq", "dk", "dv"]) {
+                let largest = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+                assert!(largest > 0.0, "{dtype} {window:?}: {name} is all zeros");
+                for (e, (g, w)) in g.iter().zip(w).enumerate() {
+                    assert!(
+                        (g - w).abs() <= largest / 64.0,
+                        "{dtype} {window:?}: {name}[{e}] {g} vs {w} (largest {largest})"
+                    );
+                }
+            }
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 #[test]
 fn a_query_that_sees_no_key_gets_zeros_and_zero_gradients() {
     root(Device::Cpu, |s| {

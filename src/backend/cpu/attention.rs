@@ -24,10 +24,10 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use super::attention_tiles;
 use super::bf16_gemm::Bf16Dot;
 use super::matmul::{Strided, gemm_tile};
 use super::rows::{self, Real};
+use super::{attention_tiles, attention_tiles_backward};
 use crate::backend::op::{Attention, Math};
 use crate::backend::{AttentionInputs, Dst, Src};
 use crate::dtype::{DType, Element, Float, bf16, f16};
@@ -404,7 +404,18 @@ pub(super) fn backward(
     match dtype {
         DType::F32 => backward_as::<f32>(math, inputs, saved, grads),
         DType::F64 => backward_as::<f64>(math, inputs, saved, grads),
-        DType::BF16 => backward_as::<bf16>(math, inputs, saved, grads),
+        DType::BF16 => {
+            let dot = Bf16Dot::detect().filter(|_| attention_tiles::computes(&inputs));
+            match (dot.and_then(Bf16Dot::tiles), dot.and_then(Bf16Dot::vectors)) {
+                (Some(amx), _) => {
+                    attention_tiles_backward::backward(amx, math, inputs, saved, grads)
+                }
+                (None, Some(vectors)) => {
+                    attention_tiles_backward::backward(vectors, math, inputs, saved, grads)
+                }
+                (None, None) => backward_as::<bf16>(math, inputs, saved, grads),
+            }
+        }
         DType::F16 => backward_as::<f16>(math, inputs, saved, grads),
         DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
     }

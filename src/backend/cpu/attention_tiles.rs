@@ -33,10 +33,10 @@ use crate::dtype::{Float, bf16, bf16_of_f32};
 /// 16.0-17.4 ms at 128 keys, 11.6-12.4 at 256, 12.6-12.9 at 512). A tile's scores are 64 KiB, in L2.
 const KEY_TILE: usize = 256;
 /// `k` elements per step of a block: a tile row of 32 `bf16`.
-const STEP: usize = 2 * STEP_PAIRS;
+pub(super) const STEP: usize = 2 * STEP_PAIRS;
 /// Row stride of the query tile and of the weights: one step past their depth, so that the 32 rows
 /// a tile load reads do not share L1 sets.
-const PAD: usize = STEP;
+pub(super) const PAD: usize = STEP;
 /// Row stride of the weights of a key tile (`bf16`).
 const WEIGHT_STRIDE: usize = KEY_TILE + PAD;
 
@@ -47,15 +47,15 @@ pub(super) fn computes(inputs: &AttentionInputs) -> bool {
 
 /// One `[batch, heads, len, width]` operand of `bf16` elements (width stride 1).
 #[derive(Clone, Copy)]
-struct Operand<'a> {
-    data: &'a [bf16],
-    dims: [usize; 4],
-    strides: [usize; 3],
-    offset: usize,
+pub(super) struct Operand<'a> {
+    pub(super) data: &'a [bf16],
+    pub(super) dims: [usize; 4],
+    pub(super) strides: [usize; 3],
+    pub(super) offset: usize,
 }
 
 impl<'a> Operand<'a> {
-    fn of(x: &Src<'a>) -> Operand<'a> {
+    pub(super) fn of(x: &Src<'a>) -> Operand<'a> {
         let (shape, st) = (x.layout.shape(), x.layout.strides());
         Operand {
             data: x.buf.host::<bf16>(),
@@ -66,7 +66,7 @@ impl<'a> Operand<'a> {
     }
 
     /// Row `i` of head `(b, h)`.
-    fn row(&self, head: (usize, usize), i: usize) -> &'a [bf16] {
+    pub(super) fn row(&self, head: (usize, usize), i: usize) -> &'a [bf16] {
         &self.head(head)[i * self.strides[2]..][..self.dims[3]]
     }
 
@@ -80,7 +80,7 @@ impl<'a> Operand<'a> {
 /// Keys of one head as right panels of the scores: `[key block][width pair][key]`, 32 keys a
 /// block, the width padded to whole steps (`pairs` pairs) and the keys to whole blocks with zeros
 /// (left as they are in `out`).
-fn pack_keys(k: &Operand<'_>, head: (usize, usize), pairs: usize, out: &mut [u32]) {
+pub(super) fn pack_keys(k: &Operand<'_>, head: (usize, usize), pairs: usize, out: &mut [u32]) {
     let (keys, width) = (k.dims[2], k.dims[3]);
     for (block, panel) in out.chunks_exact_mut(pairs * BLOCK).enumerate() {
         let first = block * BLOCK;
@@ -92,7 +92,12 @@ fn pack_keys(k: &Operand<'_>, head: (usize, usize), pairs: usize, out: &mut [u32
 /// Values of one head as right panels of `p v`: `[column block][key pair][column]`, 32 columns a
 /// block, the keys padded to whole blocks (`key_pairs` pairs) and the columns with zeros (left as
 /// they are in `out`).
-fn pack_values(v: &Operand<'_>, head: (usize, usize), key_pairs: usize, out: &mut [u32]) {
+pub(super) fn pack_values(
+    v: &Operand<'_>,
+    head: (usize, usize),
+    key_pairs: usize,
+    out: &mut [u32],
+) {
     let (keys, width) = (v.dims[2], v.dims[3]);
     for (block, panel) in out.chunks_exact_mut(key_pairs * BLOCK).enumerate() {
         let first = block * BLOCK;
@@ -344,12 +349,13 @@ fn weigh(
 }
 
 /// Lanes of the row pass: a chunk of keys is 16 `f32` scores, one AVX-512 register.
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 
 /// The keys of one row within a key tile (tile-relative): the row sees `skip..seen`, and the
 /// chunks of [`LANES`] that hold them are `first..end` (`first` and `end` multiples of [`LANES`],
 /// `end` within the tile).
-struct Span {
+#[derive(Clone, Copy)]
+pub(super) struct Span {
     skip: usize,
     seen: usize,
     first: usize,
@@ -358,7 +364,7 @@ struct Span {
 
 impl Span {
     /// The span of a row that sees keys `skip..seen` (`skip <= seen`, both within the tile).
-    fn new(skip: usize, seen: usize) -> Span {
+    pub(super) fn new(skip: usize, seen: usize) -> Span {
         Span {
             skip,
             seen,
@@ -369,7 +375,7 @@ impl Span {
 
     /// Which lanes of the chunk at `c` hold a key the row sees (bit `i`: key `c + i`).
     #[inline(always)]
-    fn visible(&self, c: usize) -> u16 {
+    pub(super) fn visible(&self, c: usize) -> u16 {
         let lanes_below = |n: usize| ((1u32 << n.saturating_sub(c).min(LANES)) - 1) as u16;
         lanes_below(self.seen) & !lanes_below(self.skip)
     }
@@ -398,7 +404,7 @@ trait RowPass: Copy {
 /// The row pass in plain Rust, for CPUs the AMX tiles run on without AVX-512 BF16 (none known,
 /// but the tiles' detection does not promise it).
 #[derive(Clone, Copy)]
-struct Portable;
+pub(super) struct Portable;
 
 impl RowPass for Portable {
     fn max(self, row: &[f32], span: &Span, scale: f32) -> f32 {
@@ -434,14 +440,14 @@ impl RowPass for Portable {
 /// The row pass in AVX-512F and AVX-512 BF16 registers: only [`Avx512::detect`] makes one.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Avx512 {
+pub(super) struct Avx512 {
     _detected: (),
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Avx512 {
     /// The row pass, where the CPU has AVX-512F and AVX-512 BF16 (every CPU with AMX-BF16 known).
-    fn detect() -> Option<Avx512> {
+    pub(super) fn detect() -> Option<Avx512> {
         (std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16"))
             .then_some(Avx512 { _detected: () })
     }
@@ -539,7 +545,7 @@ fn row_weights_avx512(
 /// [`exp_weight`]'s `e^x` on 16 lanes of `x` in `[EXP_FLOOR, 0]` (or NaN), the same steps.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+pub(super) fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     let magic = _mm512_set1_ps(ROUND_MAGIC);
     let shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), magic);
@@ -563,7 +569,7 @@ fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 /// [`crate::fastmath`]'s `exp` (degree 7, overflow and the whole range handled) would spend its
 /// extra work on bits the two parts of a weight do not keep.
 #[inline(always)]
-fn exp_weight(x: f32) -> f32 {
+pub(super) fn exp_weight(x: f32) -> f32 {
     let xc = if x < EXP_FLOOR { EXP_FLOOR } else { x };
     let shifted = xc.mul_add(std::f32::consts::LOG2_E, ROUND_MAGIC);
     let k = shifted - ROUND_MAGIC;
@@ -585,7 +591,7 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 /// Below this `e^x` is no longer a normal `f32`: such weights are 0.
-const EXP_FLOOR: f32 = -87.0;
+pub(super) const EXP_FLOOR: f32 = -87.0;
 
 #[cfg(test)]
 mod tests {

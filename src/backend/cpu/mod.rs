@@ -6,6 +6,7 @@
 
 mod attention;
 mod attention_tiles;
+mod attention_tiles_backward;
 mod bf16_blocks;
 mod bf16_gemm;
 mod bf16_tiles;
