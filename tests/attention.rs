@@ -7,7 +7,7 @@ mod common;
 
 use common::{assert_close, values};
 use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
-use ndscope::{AttentionSpec, Causal, DType, Device, Error, Tape, Tensor, root};
+use ndscope::{AttentionSpec, Causal, DType, Device, Error, Scope, Tape, Tensor, root};
 
 /// One head's attention in f64: `q` `[tq, d]`, `k` `[tk, d]`, `v` `[tk, dv]`, query `i` seeing the
 /// keys `seen(i)`; a query that sees none gets zeros.
@@ -295,6 +295,28 @@ fn sixteen_bit_attention_is_within_one_step_of_the_rounded_result() {
     .unwrap();
 }
 
+/// The gradients `[dq, dk, dv]` of `Σ w · attention(q, k, v)` with `[q, k, v, w]` = `inputs` cast
+/// to `dtype`, as f64.
+fn gradients<'s>(
+    s: &Scope<'s>,
+    inputs: [&Tensor<'s>; 4],
+    dtype: DType,
+    spec: AttentionSpec,
+) -> Result<Vec<Vec<f64>>, Error> {
+    s.scope(|g| {
+        let tape = Tape::new(g);
+        let [q, k, v, w] = inputs.map(|x| x.to_dtype(dtype));
+        let (q, k, v, w) = (q?, k?, v?, w?);
+        let (vq, vk, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
+        let out = vq.attention(&vk, &vv, spec, None)?;
+        let grads = tape.backward(&out.mul(&tape.constant(&w))?.sum_all()?)?;
+        [&q, &k, &v]
+            .map(|x| grads.get(x).expect("a gradient").to_vec_f64())
+            .into_iter()
+            .collect()
+    })
+}
+
 /// The 16-bit gradients (on a CPU with AMX or AVX-512 BF16, `bf16`'s run on bf16 blocks with the
 /// weights and `ds` rounded to bf16; elsewhere widened to f32) against f64 gradients of the same
 /// 16-bit values: every element within 2⁻⁶ of its tensor's largest, for grouped heads, a window and
@@ -317,35 +339,11 @@ fn sixteen_bit_attention_gradients_are_close_to_the_f64_ones() {
                 scale: None,
                 window,
             };
-            let grads = |dtype: DType| {
-                s.scope(|g| {
-                    let tape = Tape::new(g);
-                    let [q, k, v, w] = [&q, &k, &v, &w].map(|x| x.to_dtype(dtype));
-                    let (q, k, v, w) = (q?, k?, v?, w?);
-                    let (vq, vk, vv) = (tape.param(&q), tape.param(&k), tape.param(&v));
-                    let out = vq.attention(&vk, &vv, spec, None)?;
-                    let grads = tape.backward(&out.mul(&tape.constant(&w))?.sum_all()?)?;
-                    [&q, &k, &v]
-                        .map(|x| grads.get(x).expect("a gradient").to_vec_f64())
-                        .into_iter()
-                        .collect::<Result<Vec<_>, Error>>()
-                })
-            };
+            let got = gradients(s, [&q, &k, &v, &w], dtype, spec)?;
             // The f64 gradients of the 16-bit values.
-            let [q16, k16, v16, w16] =
-                [&q, &k, &v, &w].map(|x| x.to_dtype(dtype)?.to_dtype(DType::F64));
+            let [q16, k16, v16, w16] = [&q, &k, &v, &w].map(|x| x.to_dtype(dtype));
             let (q16, k16, v16, w16) = (q16?, k16?, v16?, w16?);
-            let want = s.scope(|g| {
-                let tape = Tape::new(g);
-                let (vq, vk, vv) = (tape.param(&q16), tape.param(&k16), tape.param(&v16));
-                let out = vq.attention(&vk, &vv, spec, None)?;
-                let grads = tape.backward(&out.mul(&tape.constant(&w16))?.sum_all()?)?;
-                [&q16, &k16, &v16]
-                    .map(|x| grads.get(x).expect("a gradient").to_vec_f64())
-                    .into_iter()
-                    .collect::<Result<Vec<_>, Error>>()
-            })?;
-            let got = grads(dtype)?;
+            let want = gradients(s, [&q16, &k16, &v16, &w16], DType::F64, spec)?;
             for ((g, w), name) in got.iter().zip(&want).zip(["dq", "dk", "dv"]) {
                 let largest = w.iter().fold(0.0f64, |m, x| m.max(x.abs()));
                 assert!(largest > 0.0, "{dtype} {window:?}: {name} is all zeros");

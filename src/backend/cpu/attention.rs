@@ -455,6 +455,16 @@ fn backward_as<T: Math>(
             (keys_of(key_lengths, b, keys), keys),
         )
     });
+    store_gradients::<T>(grads, heads, results);
+}
+
+/// Stores every head's gradients `[dq, dk, dv]` (rows of the queries', keys' and values' widths, in
+/// the order batch, head) into `grads`.
+pub(super) fn store_gradients<T: Math>(
+    grads: [Dst; 3],
+    heads: usize,
+    results: Vec<[Vec<T::Compute>; 3]>,
+) {
     let [dq, dk, dv] = grads;
     let (dq_layout, dq) = (dq.layout, dq.buf.host::<T>());
     let (dk_layout, dk) = (dk.layout, dk.buf.host::<T>());

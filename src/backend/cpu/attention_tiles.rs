@@ -594,11 +594,11 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 pub(super) const EXP_FLOOR: f32 = -87.0;
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// `n` values in [-2, 2) from the crate's seeded generator, as `bf16`.
-    fn values(n: usize, seed: u64) -> Vec<bf16> {
+    pub(in super::super) fn values(n: usize, seed: u64) -> Vec<bf16> {
         let mut rng = crate::rng::Rng::new(seed);
         (0..n)
             .map(|_| bf16_of_f32((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0))

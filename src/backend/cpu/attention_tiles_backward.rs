@@ -23,7 +23,7 @@
 //! stored in `bf16` (2⁻⁹) anyway. (The forward keeps `p` in two parts because its outputs feed the
 //! logits, which `tests/cuda.rs` holds to the GPU's `f32` weights.)
 
-use super::attention::{KEY_TILE, QUERY_TILE, keys_of, run_tasks, store_rows};
+use super::attention::{KEY_TILE, QUERY_TILE, keys_of, run_tasks, store_gradients};
 #[cfg(target_arch = "x86_64")]
 use super::attention_tiles::{Avx512, exp_avx512};
 use super::attention_tiles::{
@@ -66,17 +66,7 @@ pub(super) fn backward(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let results = head_gradients(unit, Portable, math, operands, lse, key_lengths);
-    let heads = operands[0].dims[1];
-    let [dq, dk, dv] = grads;
-    let (dq_layout, dq) = (dq.layout, dq.buf.host::<bf16>());
-    let (dk_layout, dk) = (dk.layout, dk.buf.host::<bf16>());
-    let (dv_layout, dv) = (dv.layout, dv.buf.host::<bf16>());
-    for (bh, [gq, gk, gv]) in results.into_iter().enumerate() {
-        let at = (bh / heads, bh % heads);
-        store_rows::<bf16>(dq, dq_layout, at, 0, &gq);
-        store_rows::<bf16>(dk, dk_layout, at, 0, &gk);
-        store_rows::<bf16>(dv, dv_layout, at, 0, &gv);
-    }
+    store_gradients::<bf16>(grads, operands[0].dims[1], results);
 }
 
 /// Every head's gradients `[dq, dk, dv]` (`f32` rows of the queries', keys' and values' widths;
@@ -552,17 +542,10 @@ fn pair_avx512(input: PairIn<'_>, out: PairOut<'_>) {
 
 #[cfg(test)]
 mod tests {
+    use super::super::attention_tiles::tests::values;
     use super::super::bf16_blocks::Vectors;
     use super::super::bf16_tiles::Amx;
     use super::*;
-
-    /// `n` values in [-2, 2) from the crate's seeded generator, as `bf16`.
-    fn values(n: usize, seed: u64) -> Vec<bf16> {
-        let mut rng = crate::rng::Rng::new(seed);
-        (0..n)
-            .map(|_| bf16_of_f32((rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0))
-            .collect()
-    }
 
     /// One case: dims `[batch, heads, key heads, queries, keys, width, value width]`.
     struct Case {
@@ -654,6 +637,7 @@ mod tests {
         keys: usize,
     ) -> [(Vec<f64>, Vec<f64>); 3] {
         let (kh, queries, all_keys) = (h / math.group, q.dims[2], k.dims[2]);
+        debug_assert_eq!(lse.len(), queries);
         let (d, dv) = (q.dims[3], v.dims[3]);
         let zeros = |n| (vec![0.0; n], vec![0.0; n]);
         let (mut gq, mut gk, mut gv) = (
@@ -661,8 +645,8 @@ mod tests {
             zeros(all_keys * d),
             zeros(all_keys * dv),
         );
-        for i in 0..queries {
-            let l = f64::from(lse[i]);
+        for (i, &l) in lse.iter().enumerate() {
+            let l = f64::from(l);
             if l == f64::NEG_INFINITY {
                 continue;
             }
@@ -672,9 +656,9 @@ mod tests {
                 let (kj, vj) = (widen(k.row((b, kh), j)), widen(v.row((b, kh), j)));
                 let p = (math.scale * dot(&qi, &kj) - l).exp();
                 let ds = p * (dot(&gi, &vj) - delta) * math.scale;
-                for c in 0..dv {
-                    gv.0[j * dv + c] += p * gi[c];
-                    gv.1[j * dv + c] += (p * gi[c]).abs();
+                for (c, g) in gi.iter().enumerate() {
+                    gv.0[j * dv + c] += p * g;
+                    gv.1[j * dv + c] += (p * g).abs();
                 }
                 for c in 0..d {
                     gk.0[j * d + c] += ds * qi[c];
