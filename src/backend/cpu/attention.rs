@@ -24,7 +24,9 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::bf16_blocks::Vectors;
 use super::bf16_gemm::Bf16Dot;
+use super::bf16_tiles::Amx;
 use super::matmul::{Strided, gemm_tile};
 use super::rows::{self, Real};
 use super::{attention_tiles, attention_tiles_backward};
@@ -161,19 +163,63 @@ pub(super) fn run_tasks<R: Send>(
     }
 }
 
+/// The unit a `bf16` attention's products run on, where one computes these inputs: AMX tiles first,
+/// else AVX-512 BF16 vectors. `None`: the operands are widened to `f32` ([`forward_as`]).
+enum Bf16Blocks {
+    Tiles(Amx),
+    Vectors(Vectors),
+}
+
+impl Bf16Blocks {
+    fn for_inputs(inputs: &AttentionInputs) -> Option<Bf16Blocks> {
+        let dot = Bf16Dot::detect().filter(|_| attention_tiles::computes(inputs))?;
+        match (dot.tiles(), dot.vectors()) {
+            (Some(amx), _) => Some(Bf16Blocks::Tiles(amx)),
+            (None, vectors) => vectors.map(Bf16Blocks::Vectors),
+        }
+    }
+}
+
+/// The backward pass's walk over one head: every (query tile, key tile) pair in which some query
+/// sees some key, key tiles outer, as `((i0, rows), (j0, cols))`. Keys no query sees (past the
+/// batch's `keys`, after the last query's causal bound, before the first query's window) are in
+/// no pair: their gradients stay 0.
+pub(super) fn seen_tiles(
+    math: &Attention,
+    queries: usize,
+    keys: usize,
+) -> impl Iterator<Item = ((usize, usize), (usize, usize))> + '_ {
+    let key_rows = if queries == 0 {
+        0
+    } else {
+        math.visible(queries - 1, keys)
+    };
+    let key_start = math.first(0) / KEY_TILE * KEY_TILE;
+    (key_start..key_rows)
+        .step_by(KEY_TILE)
+        .flat_map(move |j0| {
+            let cols = KEY_TILE.min(key_rows - j0);
+            (0..queries)
+                .step_by(QUERY_TILE)
+                .map(move |i0| ((i0, QUERY_TILE.min(queries - i0)), (j0, cols)))
+        })
+        .filter(move |&((i0, rows), (j0, cols))| {
+            math.visible(i0 + rows - 1, keys) > j0 && math.first(i0) < j0 + cols
+        })
+}
+
 /// Forward pass: `out` and `lse` of every query.
 pub(super) fn forward(dtype: DType, math: &Attention, inputs: AttentionInputs, out: Dst, lse: Dst) {
     match dtype {
         DType::F32 => forward_as::<f32>(math, inputs, out, lse),
         DType::F64 => forward_as::<f64>(math, inputs, out, lse),
-        DType::BF16 => {
-            let dot = Bf16Dot::detect().filter(|_| attention_tiles::computes(&inputs));
-            match (dot.and_then(Bf16Dot::tiles), dot.and_then(Bf16Dot::vectors)) {
-                (Some(amx), _) => attention_tiles::forward(amx, math, inputs, out, lse),
-                (None, Some(vectors)) => attention_tiles::forward(vectors, math, inputs, out, lse),
-                (None, None) => forward_as::<bf16>(math, inputs, out, lse),
+        DType::BF16 => match Bf16Blocks::for_inputs(&inputs) {
+            Some(Bf16Blocks::Tiles(amx)) => attention_tiles::forward(amx, math, inputs, out, lse),
+            Some(Bf16Blocks::Vectors(vectors)) => {
+                attention_tiles::forward(vectors, math, inputs, out, lse)
             }
-        }
+            None => forward_as::<bf16>(math, inputs, out, lse),
+        },
         DType::F16 => forward_as::<f16>(math, inputs, out, lse),
         DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
     }
@@ -404,18 +450,15 @@ pub(super) fn backward(
     match dtype {
         DType::F32 => backward_as::<f32>(math, inputs, saved, grads),
         DType::F64 => backward_as::<f64>(math, inputs, saved, grads),
-        DType::BF16 => {
-            let dot = Bf16Dot::detect().filter(|_| attention_tiles::computes(&inputs));
-            match (dot.and_then(Bf16Dot::tiles), dot.and_then(Bf16Dot::vectors)) {
-                (Some(amx), _) => {
-                    attention_tiles_backward::backward(amx, math, inputs, saved, grads)
-                }
-                (None, Some(vectors)) => {
-                    attention_tiles_backward::backward(vectors, math, inputs, saved, grads)
-                }
-                (None, None) => backward_as::<bf16>(math, inputs, saved, grads),
+        DType::BF16 => match Bf16Blocks::for_inputs(&inputs) {
+            Some(Bf16Blocks::Tiles(amx)) => {
+                attention_tiles_backward::backward(amx, math, inputs, saved, grads)
             }
-        }
+            Some(Bf16Blocks::Vectors(vectors)) => {
+                attention_tiles_backward::backward(vectors, math, inputs, saved, grads)
+            }
+            None => backward_as::<bf16>(math, inputs, saved, grads),
+        },
         DType::F16 => backward_as::<f16>(math, inputs, saved, grads),
         DType::I64 => unreachable!("attention refuses integer dtypes before computing"),
     }
@@ -507,12 +550,6 @@ fn backward_head_with<C: Real>(
 ) -> [Vec<C>; 3] {
     let queries = lse.len();
     let (d, dv) = (q.width, v.width);
-    // Keys no query sees (past the batch's length, or after the last query's causal bound) get 0.
-    let key_rows = if queries == 0 {
-        0
-    } else {
-        math.visible(queries - 1, keys)
-    };
     let mut dq = vec![C::zero(); queries * d];
     let mut dk = vec![C::zero(); all_keys * d];
     let mut dvv = vec![C::zero(); all_keys * dv];
@@ -523,95 +560,87 @@ fn backward_head_with<C: Real>(
     let scale = C::from_f64(math.scale);
     let mut p = vec![C::zero(); QUERY_TILE * KEY_TILE];
     let mut ds = vec![C::zero(); QUERY_TILE * KEY_TILE];
-    let key_start = math.first(0) / KEY_TILE * KEY_TILE;
-    for j0 in (key_start..key_rows).step_by(KEY_TILE) {
-        let cols = KEY_TILE.min(key_rows - j0);
-        for i0 in (0..queries).step_by(QUERY_TILE) {
-            let rows = QUERY_TILE.min(queries - i0);
-            if math.visible(i0 + rows - 1, keys) <= j0 || math.first(i0) >= j0 + cols {
-                continue; // no query of this tile sees these keys
-            }
-            gemm_tile(
-                (rows, cols, d),
-                &mut p,
-                KEY_TILE,
-                false,
-                q.rows_from(i0),
-                k.rows_from_transposed(j0),
-                scale,
-            );
-            for r in 0..rows {
-                let row = &mut p[r * KEY_TILE..r * KEY_TILE + cols];
-                let l = lse[i0 + r];
-                let seen = if l == C::lowest() {
-                    0
-                } else {
-                    math.visible(i0 + r, keys).saturating_sub(j0).min(cols)
-                };
-                let skip = math.first(i0 + r).saturating_sub(j0).min(seen);
-                row[skip..seen]
-                    .iter_mut()
-                    .for_each(|s| *s = Float::exp(*s - l));
-                row[..skip].fill(C::zero());
-                row[seen..].fill(C::zero());
-            }
-            fn tile<C>(data: &[C], transposed: bool) -> Strided<'_, C> {
-                Strided {
-                    data,
-                    rows: if transposed { 1 } else { KEY_TILE },
-                    cols: if transposed { KEY_TILE } else { 1 },
-                }
-            }
-            // dv_j += p_ijᵀ dout_i
-            gemm_tile(
-                (cols, dv, rows),
-                &mut dvv[j0 * dv..],
-                dv,
-                true,
-                tile(&p, true),
-                dout.rows_from(i0),
-                C::one(),
-            );
-            // dp_ij = dout_i v_jᵀ, then ds_ij = p_ij (dp_ij - D_i) scale
-            gemm_tile(
-                (rows, cols, dv),
-                &mut ds,
-                KEY_TILE,
-                false,
-                dout.rows_from(i0),
-                v.rows_from_transposed(j0),
-                C::one(),
-            );
-            for r in 0..rows {
-                let (pr, dr) = (
-                    &p[r * KEY_TILE..r * KEY_TILE + cols],
-                    &mut ds[r * KEY_TILE..r * KEY_TILE + cols],
-                );
-                let di = delta[i0 + r];
-                dr.iter_mut()
-                    .zip(pr)
-                    .for_each(|(g, &p)| *g = p * (*g - di) * scale);
-            }
-            // dk_j += ds_ijᵀ q_i, dq_i += ds_ij k_j
-            gemm_tile(
-                (cols, d, rows),
-                &mut dk[j0 * d..],
-                d,
-                true,
-                tile(&ds, true),
-                q.rows_from(i0),
-                C::one(),
-            );
-            gemm_tile(
-                (rows, d, cols),
-                &mut dq[i0 * d..],
-                d,
-                true,
-                tile(&ds, false),
-                k.rows_from(j0),
-                C::one(),
-            );
+    for ((i0, rows), (j0, cols)) in seen_tiles(math, queries, keys) {
+        gemm_tile(
+            (rows, cols, d),
+            &mut p,
+            KEY_TILE,
+            false,
+            q.rows_from(i0),
+            k.rows_from_transposed(j0),
+            scale,
+        );
+        for r in 0..rows {
+            let row = &mut p[r * KEY_TILE..r * KEY_TILE + cols];
+            let l = lse[i0 + r];
+            let seen = if l == C::lowest() {
+                0
+            } else {
+                math.visible(i0 + r, keys).saturating_sub(j0).min(cols)
+            };
+            let skip = math.first(i0 + r).saturating_sub(j0).min(seen);
+            row[skip..seen]
+                .iter_mut()
+                .for_each(|s| *s = Float::exp(*s - l));
+            row[..skip].fill(C::zero());
+            row[seen..].fill(C::zero());
         }
+        fn tile<C>(data: &[C], transposed: bool) -> Strided<'_, C> {
+            Strided {
+                data,
+                rows: if transposed { 1 } else { KEY_TILE },
+                cols: if transposed { KEY_TILE } else { 1 },
+            }
+        }
+        // dv_j += p_ijᵀ dout_i
+        gemm_tile(
+            (cols, dv, rows),
+            &mut dvv[j0 * dv..],
+            dv,
+            true,
+            tile(&p, true),
+            dout.rows_from(i0),
+            C::one(),
+        );
+        // dp_ij = dout_i v_jᵀ, then ds_ij = p_ij (dp_ij - D_i) scale
+        gemm_tile(
+            (rows, cols, dv),
+            &mut ds,
+            KEY_TILE,
+            false,
+            dout.rows_from(i0),
+            v.rows_from_transposed(j0),
+            C::one(),
+        );
+        for r in 0..rows {
+            let (pr, dr) = (
+                &p[r * KEY_TILE..r * KEY_TILE + cols],
+                &mut ds[r * KEY_TILE..r * KEY_TILE + cols],
+            );
+            let di = delta[i0 + r];
+            dr.iter_mut()
+                .zip(pr)
+                .for_each(|(g, &p)| *g = p * (*g - di) * scale);
+        }
+        // dk_j += ds_ijᵀ q_i, dq_i += ds_ij k_j
+        gemm_tile(
+            (cols, d, rows),
+            &mut dk[j0 * d..],
+            d,
+            true,
+            tile(&ds, true),
+            q.rows_from(i0),
+            C::one(),
+        );
+        gemm_tile(
+            (rows, d, cols),
+            &mut dq[i0 * d..],
+            d,
+            true,
+            tile(&ds, false),
+            k.rows_from(j0),
+            C::one(),
+        );
     }
     [dq, dk, dvv]
 }

@@ -23,7 +23,7 @@
 //! stored in `bf16` (2⁻⁹) anyway. (The forward keeps `p` in two parts because its outputs feed the
 //! logits, which `tests/cuda.rs` holds to the GPU's `f32` weights.)
 
-use super::attention::{KEY_TILE, QUERY_TILE, keys_of, run_tasks, store_gradients};
+use super::attention::{KEY_TILE, QUERY_TILE, keys_of, run_tasks, seen_tiles, store_gradients};
 #[cfg(target_arch = "x86_64")]
 use super::attention_tiles::{Avx512, exp_avx512};
 use super::attention_tiles::{
@@ -208,30 +208,15 @@ impl Head {
             ds: vec![0; KEY_TILE / BLOCK * PANEL],
             ds_rows: vec![bf16::ZERO; QUERY_TILE * DS_STRIDE],
         };
-        // Keys no query sees (past the batch's length, or after the last query's causal bound)
-        // get 0.
-        let key_rows = if queries == 0 {
-            0
-        } else {
-            math.visible(queries - 1, keys)
-        };
-        let key_start = math.first(0) / KEY_TILE * KEY_TILE;
-        for j0 in (key_start..key_rows).step_by(KEY_TILE) {
-            let cols = KEY_TILE.min(key_rows - j0);
-            for i0 in (0..queries).step_by(QUERY_TILE) {
-                let n = QUERY_TILE.min(queries - i0);
-                if math.visible(i0 + n - 1, keys) <= j0 || math.first(i0) >= j0 + cols {
-                    continue; // no query of this tile sees these keys
-                }
-                let at = TileAt {
-                    queries: (i0, n),
-                    keys: (j0, cols),
-                    batch_keys: keys,
-                };
-                self.scores(&mut blocks, at, &mut tile);
-                self.weigh(rows, at, lse, &mut tile);
-                self.accumulate(&mut blocks, at, &tile, &mut sums);
-            }
+        for (query_tile, key_tile) in seen_tiles(math, queries, keys) {
+            let at = TileAt {
+                queries: query_tile,
+                keys: key_tile,
+                batch_keys: keys,
+            };
+            self.scores(&mut blocks, at, &mut tile);
+            self.weigh(rows, at, lse, &mut tile);
+            self.accumulate(&mut blocks, at, &tile, &mut sums);
         }
         drop(blocks);
         let (d, dv) = self.widths;
