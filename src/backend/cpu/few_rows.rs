@@ -33,7 +33,8 @@ const ROWS: usize = 4;
 /// tokens of an 8,192-wide row are 256 KiB). On the 2-core AMD machine the tiling measured neither
 /// faster nor slower at 8 tokens of 2,048 (the tokens then fit L2); it bounds the working set.
 const K_TILE: usize = 512;
-/// How far ahead along a weight row the kernels prefetch, in floats.
+/// How far ahead along a weight row the AVX-512 kernel prefetches, in floats, when it walks two or
+/// more tokens (one token's walk leaves it to the hardware prefetcher).
 const PREFETCH: usize = 256;
 /// Weight bytes per task (rounded to whole groups of [`ROWS`] rows): small, so that the threads
 /// pulling tasks end close together, and long enough (a run of whole rows, one sequential stream) for
@@ -452,11 +453,15 @@ fn dots_avx512<const T: usize, const R: usize>(
         // slice indexing: no bounds check per load in the loop that bounds decoding.)
         let x: [__m512; T] = std::array::from_fn(|t| unsafe { _mm512_loadu_ps(xp[t].add(c)) });
         for (acc, w) in acc.iter_mut().zip(&wp) {
-            // Ask for the weight's line PREFETCH floats ahead: the hardware prefetcher alone kept
-            // too few lines in flight once the tokens' arithmetic slowed the walk. A prefetch past
-            // the row's end is harmless (it never faults), so the address is formed with
-            // `wrapping_add` and needs no bounds.
-            _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(c + PREFETCH).cast());
+            // With several tokens, ask for the weight's line PREFETCH floats ahead: the hardware
+            // prefetcher alone kept too few lines in flight once the tokens' arithmetic slowed
+            // the walk. One token walks fast enough for it, and there the prefetches cost: on Zen
+            // 4 a row streamed at 23.5-26.4 GiB/s with them and 27.1-32.0 without
+            // (BENCHMARKS.md, issue 37). A prefetch past the row's end is harmless (it never
+            // faults), so the address is formed with `wrapping_add` and needs no bounds.
+            if T > 1 {
+                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(c + PREFETCH).cast());
+            }
             // SAFETY: as above.
             let w = unsafe { _mm512_loadu_ps(w.add(c)) };
             for (acc, x) in acc.iter_mut().zip(&x) {
