@@ -748,7 +748,10 @@ mod tests {
 /// Precision: in the compute type (`f32` for 16-bit operands, widened exactly), rounded once when
 /// stored. The `bf16` forward pass on a host with AMX tiles (`backend/cpu/attention_tiles.rs`)
 /// multiplies the weights `softmax(s)_j` by `v` as two `bf16` parts (16 significant bits; scores,
-/// maxima and sums in `f32`): each output within 2⁻¹⁶ of `Σ_j p_j |v_j|` of the `f32` result.
+/// maxima and sums in `f32`): each output within 2⁻¹⁶ of `Σ_j p_j |v_j|` of the `f32` result. The
+/// `bf16` backward pass on `bf16` blocks (`backend/cpu/attention_tiles_backward.rs`) rounds `p` and
+/// `ds` once to `bf16` before they multiply (as PyTorch's CPU attention and FlashAttention do):
+/// each term of a gradient moves by at most 2⁻⁹ of itself.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Attention {
     /// Multiplies every score (`1/sqrt(width)` unless the caller chose another).

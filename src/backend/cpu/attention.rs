@@ -16,9 +16,10 @@
 //! use its registers: compiled for the baseline's four lanes they took 39 % of the forward pass.
 //!
 //! Everything is computed in the compute type: 16-bit operands are widened to `f32` once (exact), and
-//! results are rounded once when stored. The `bf16` forward pass on a CPU with AMX tiles
-//! ([`Bf16Dot::tiles`]) or whose `bf16` products run on `vdpbf16ps` ([`Bf16Dot::vectors`]) runs on
-//! `bf16` blocks in [`super::attention_tiles`] instead.
+//! results are rounded once when stored. The `bf16` passes on a CPU with AMX tiles
+//! ([`Bf16Dot::tiles`]) or whose `bf16` products run on `vdpbf16ps` ([`Bf16Dot::vectors`]) run on
+//! `bf16` blocks instead: the forward in [`super::attention_tiles`], the backward in
+//! [`super::attention_tiles_backward`].
 
 use std::borrow::Cow;
 
