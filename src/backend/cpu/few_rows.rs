@@ -134,25 +134,31 @@ pub(super) fn by_weight_rows(
         block(columns);
         return;
     }
+    for_each_task(columns.split(rows_per_task), true, block);
+}
+
+/// Runs `task` on every item of `tasks` — on rayon's threads when `parallel`, else in order on the
+/// calling thread.
+pub(super) fn for_each_task<T: Send>(tasks: Vec<T>, parallel: bool, task: impl Fn(T) + Sync) {
+    if !parallel || tasks.len() < 2 {
+        tasks.into_iter().for_each(task);
+        return;
+    }
     super::warm::hold();
     // Every thread pulls the next task from one counter until none is left, so the threads finish
     // within a task of each other however their speeds differ, and the caller waits at the end for
     // at most the helpers' last tasks (a helper no thread took runs on the caller and finds nothing
     // left). Rayon's splitting of the same tasks ended with one thread idle for 6-9 % of each
     // product (a 512 KiB task apart, then woken from sleep): BENCHMARKS.md, twentieth measurement.
-    let tasks: Vec<Mutex<Option<Columns<'_>>>> = columns
-        .split(rows_per_task)
-        .into_iter()
-        .map(|c| Mutex::new(Some(c)))
-        .collect();
+    let tasks: Vec<Mutex<Option<T>>> = tasks.into_iter().map(|t| Mutex::new(Some(t))).collect();
     let next = AtomicUsize::new(0);
     let pull = || {
-        while let Some(task) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+        while let Some(slot) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
             // Each index is handed out once, so the slot is full; the lock is released before
             // the task runs (a panicking task poisons nothing).
-            let columns = task.lock().unwrap_or_else(PoisonError::into_inner).take();
-            if let Some(columns) = columns {
-                block(columns);
+            let item = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+            if let Some(item) = item {
+                task(item);
             }
         }
     };
@@ -202,7 +208,7 @@ impl<'a> Columns<'a> {
     }
 
     /// The columns cut into ranges of `width` (the last one shorter), in order.
-    fn split(self, width: usize) -> Vec<Columns<'a>> {
+    pub(super) fn split(self, width: usize) -> Vec<Columns<'a>> {
         assert!(width >= 1);
         (self.first..self.first + self.len)
             .step_by(width)

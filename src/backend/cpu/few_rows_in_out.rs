@@ -3,37 +3,52 @@
 //! streaming the weight once for every row, on every core.
 //!
 //! [`few_rows`](super::few_rows) streams a weight used transposed, where every output is a dot
-//! product along a contiguous weight row. Here weight row `r` is contiguous along the outputs, so a
-//! task holds a strip of outputs for each token (in registers on AVX-512, in an L1 array on AVX2:
-//! [`strips_avx2`]) and walks the weight rows in order,
-//! adding `x[t][r] · W[r][strip]` to them: nothing is reduced across lanes, and each weight byte is
-//! loaded once however many tokens there are (up to [`MAX_ROWS`]). Before this path such products
-//! went to `gemm`'s matrix-vector kernel, on one core: 45 % of GPT-2 small's batch-1 decoding.
+//! product along a contiguous weight row. Here weight row `r` is contiguous along the outputs, so
+//! the weight is cut into [`BLOCKS`] *blocks* of whole rows and its outputs into *chunks* of at
+//! most [`CHUNK_COLUMNS`] columns. A task multiplies one block's rows of one chunk into partial sums
+//! of its own (every token's outputs of the chunk), walking [`ROWS`] rows at a time along the
+//! chunk and adding `x[t][r] · W[r][j]` into every token's sums — each weight vector loaded once
+//! however many tokens there are (up to [`MAX_ROWS`]). The task that finishes a chunk's last block
+//! adds the chunk's partial sums in block order and writes them out.
 //!
-//! Tasks take strips of output columns, each reading a run of every weight row, the runs a whole
-//! weight row apart. Short runs starve the memory: strips of 512 KiB of weight (64 columns, 256
-//! bytes a row, of a 2,048 × 8,192 weight) read 19-25 GiB/s where 512 columns read 28-44 on the
-//! same 2-core machine in the same minutes, so strips are [`STRIP_COLUMNS`] wide and their number a
-//! multiple of the threads ([`strip_width`]). The hardware prefetcher does not follow the runs
-//! across pages, so the kernels prefetch [`PREFETCH_ROWS`] rows ahead.
+//! Why rows: this module first gave each task a strip of at most 512 output columns, walked down
+//! all `k` rows with its sums in registers. A strip reads a short run of every weight row, the runs
+//! a whole weight row apart, and on the 2-core Zen 4 machine those streamed at 20-22 GiB/s whatever
+//! the strip's width or prefetch distance; [`ROWS`] runs of a chunk's full width are sequential
+//! streams the hardware prefetcher follows: 27-30 GiB/s for one token, 22 for eight, where the
+//! strips made 15 (`cargo bench --bench quant -- streamed/f32_in_out`, BENCHMARKS.md, issue 37).
+//! The price is the sums' cache traffic (`m` vectors loaded and stored per [`ROWS`] weight
+//! vectors) and the partial sums (`m · n` floats per block): small for a few tokens.
 //!
-//! Every output is one chain of fused multiply-adds over `r = 0..k` in order, whatever the other
-//! rows and columns are and whichever kernel runs: a request decodes to the same bits alone or
-//! batched, and the AVX-512, AVX2 and portable kernels agree to the bit (unit-tested). Dispatched at
-//! run time like [`few_rows`](super::few_rows) (the portable kernel's `mul_add` is a library call on
-//! x86 CPUs without FMA, which are also without AVX2: slow there, but exact).
+//! Every output is computed the same way whatever the other rows and columns are and whichever
+//! kernel runs: per block, one chain of fused multiply-adds over its rows in order from zero; then
+//! the blocks' sums added in order. The blocks depend on the weight's shape only ([`block_rows`];
+//! one block below [`PARALLEL_BYTES`]) — the chunks, which change no sum, on `n` and the threads
+//! —, so a request decodes to the same bits alone or
+//! batched on any number of threads, and the AVX-512, AVX2 and portable kernels agree to the bit
+//! (unit-tested). Dispatched at run time like [`few_rows`](super::few_rows) (the portable kernel's
+//! `mul_add` is a library call on x86 CPUs without FMA, which are also without AVX2: slow there,
+//! but exact).
 
-use super::few_rows::{Columns, Isa, MAX_ROWS, by_weight_rows};
+use std::ops::Range;
+use std::sync::{Mutex, PoisonError};
 
-/// Tokens per pass over a strip: their accumulators stay in registers.
-const TOKENS_PER_PASS: usize = 8;
-/// How many weight rows ahead the kernels prefetch their strip's lines.
-const PREFETCH_ROWS: usize = 8;
-/// The widest strip of output columns one task takes (2 KiB of each weight row).
-const STRIP_COLUMNS: usize = 512;
-/// Products whose weight is smaller than this run on the calling thread.
+use super::few_rows::{Columns, Isa, MAX_ROWS, for_each_task};
+
+/// Weight rows a kernel step adds into the partial sums: eight sequential streams, and the sums
+/// loaded and stored once per eight rows (four rows made eight tokens' walk 22 % slower on Zen 4:
+/// 17.5-18.7 GiB/s against 21.9-22.3; one token's the same).
+const ROWS: usize = 8;
+/// The blocks of rows a weight is cut into (fewer where it has fewer than `BLOCKS · ROWS` rows):
+/// the tasks of narrow weights (GPT-2 small's 768 to 3,072 outputs are one chunk each), few enough
+/// that the partial sums cost little.
+const BLOCKS: usize = 8;
+/// The widest chunk of output columns one task takes: 16 KiB of each weight row (2,048 and 1,024
+/// columns streamed the same within the noise).
+const CHUNK_COLUMNS: usize = 4096;
+/// Products whose weight is smaller than this run on the calling thread, in one block.
 const PARALLEL_BYTES: usize = 256 << 10;
-/// Columns per vector on the widest path; strips are cut at multiples of it.
+/// Columns per vector on the widest path.
 const LANES: usize = 16;
 
 /// `out = x w` for `x` `m × k` (row `t` at `x[t * ldx..]`, contiguous along `k`), `w` `k × n` (row
@@ -44,6 +59,29 @@ const LANES: usize = 16;
 /// When an operand's slice is too short for its shape (a caller bug: `matmul` passes checked
 /// layouts), or `m` is outside `1..=MAX_ROWS`.
 pub(super) fn product(
+    x: &[f32],
+    ldx: usize,
+    w: &[f32],
+    ldw: usize,
+    (m, k, n): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    let rows = if n * k * 4 >= PARALLEL_BYTES {
+        block_rows(k)
+    } else {
+        k
+    };
+    product_on(Isa::detect(), rows, x, ldx, w, ldw, (m, k, n), out);
+}
+
+/// [`product`] with the kernel `isa` (one the CPU has) and blocks of `rows` rows: one block (where
+/// `rows` is at least `k`) sums straight into `out` on the calling thread; several run as tasks on
+/// rayon's threads. Small weights take one block, which allocates nothing: a chain over every row
+/// is as exact, and the bits still depend on the weight's shape only.
+#[allow(clippy::too_many_arguments)]
+fn product_on(
+    isa: Isa,
+    rows: usize,
     x: &[f32],
     ldx: usize,
     w: &[f32],
@@ -64,326 +102,248 @@ pub(super) fn product(
     if n == 0 {
         return;
     }
-    let isa = Isa::detect();
-    let width = strip_width(n, rayon::current_num_threads());
-    let parallel = n * k * 4 >= PARALLEL_BYTES;
-    by_weight_rows((m, n), width, parallel, out, |mut columns| {
-        let first = columns.first();
-        strip_product(isa, x, ldx, m, k, &w[first..], ldw, &mut columns);
+    let block = Block { x, ldx, m, w, ldw };
+    if rows >= k {
+        out.fill(0.0);
+        block.sum_rows(isa, 0..k, 0..n, out);
+        return;
+    }
+    let blocks = k.div_ceil(rows);
+    let columns =
+        Columns::new(out, m, n).split(chunk_columns(n, blocks, rayon::current_num_threads()));
+    let ranges: Vec<Range<usize>> = columns
+        .iter()
+        .map(|c| c.first()..c.first() + c.len())
+        .collect();
+    let chunks: Vec<Mutex<Chunk<'_>>> = columns
+        .into_iter()
+        .map(|columns| {
+            Mutex::new(Chunk {
+                out: Some(columns),
+                sums: (0..blocks).map(|_| None).collect(),
+            })
+        })
+        .collect();
+    // Chunk by chunk, so that the first chunks' sums are added while later ones are multiplied.
+    let tasks: Vec<(usize, usize)> = (0..chunks.len())
+        .flat_map(|c| (0..blocks).map(move |b| (c, b)))
+        .collect();
+    for_each_task(tasks, true, |(c, b)| {
+        let (chunk, cols) = (&chunks[c], ranges[c].clone());
+        let mut sums = vec![0.0f32; m * cols.len()];
+        block.sum_rows(
+            isa,
+            b * rows..k.min((b + 1) * rows),
+            cols.clone(),
+            &mut sums,
+        );
+        let last = {
+            let mut chunk = chunk.lock().unwrap_or_else(PoisonError::into_inner);
+            chunk.sums[b] = Some(sums);
+            if chunk.sums.iter().all(Option::is_some) {
+                Some((chunk.out.take(), std::mem::take(&mut chunk.sums)))
+            } else {
+                None
+            }
+        };
+        // The task that brings a chunk's last block adds all its blocks, in block order.
+        if let Some((Some(mut out), sums)) = last {
+            let mut sums = sums.into_iter().flatten();
+            let mut total = sums.next().expect("every chunk has a block");
+            for partial in sums {
+                for (t, p) in total.iter_mut().zip(&partial) {
+                    *t += p;
+                }
+            }
+            for (t, run) in total.chunks_exact(cols.len()).enumerate() {
+                out.set_run(t, 0, run);
+            }
+        }
     });
 }
 
-/// The columns of each task's strip for `n` outputs on `threads` threads: at most
-/// [`STRIP_COLUMNS`], as many strips as a multiple of the threads needs for that (so every thread
-/// gets the same number), the columns shared out evenly in whole vectors.
-fn strip_width(n: usize, threads: usize) -> usize {
-    let threads = threads.max(1);
-    let strips = threads * n.div_ceil(threads * STRIP_COLUMNS);
-    n.div_ceil(strips).next_multiple_of(LANES)
+/// One chunk of output columns: where its sums go, and each block's partial sums (`m × width`) as
+/// they come in.
+struct Chunk<'a> {
+    out: Option<Columns<'a>>,
+    sums: Vec<Option<Vec<f32>>>,
 }
 
-/// `columns` (token `t`'s outputs at row `t`) `= x_t w` for the `m` tokens of `x` (stride `ldx`)
-/// and the strip of `w` (stride `ldw`) that starts at the first of `columns`.
-#[allow(clippy::too_many_arguments)]
-fn strip_product(
-    isa: Isa,
-    x: &[f32],
+/// The rows of each of the [`BLOCKS`] blocks of a weight of `k` rows, a multiple of [`ROWS`]: a
+/// function of `k` only, so the order of every output's sum is too.
+fn block_rows(k: usize) -> usize {
+    k.div_ceil(BLOCKS).next_multiple_of(ROWS)
+}
+
+/// The columns of each chunk of `n` outputs, for `blocks` blocks on `threads` threads: at most
+/// [`CHUNK_COLUMNS`], and chunks enough for two tasks a thread (which shares no bits: a chunk's
+/// outputs are the same sums however the columns are cut).
+fn chunk_columns(n: usize, blocks: usize, threads: usize) -> usize {
+    let chunks = n
+        .div_ceil(CHUNK_COLUMNS)
+        .max((2 * threads).div_ceil(blocks))
+        .min(n.div_ceil(LANES));
+    n.div_ceil(chunks).next_multiple_of(LANES)
+}
+
+/// One product's operands, as [`product_on`] checked them.
+struct Block<'a> {
+    x: &'a [f32],
     ldx: usize,
     m: usize,
-    k: usize,
-    w: &[f32],
-    ldw: usize,
-    columns: &mut Columns<'_>,
-) {
-    let width = columns.len();
-    assert!(
-        w.len() >= (k - 1) * ldw + width && x.len() >= (m - 1) * ldx + k,
-        "few-rows product: a strip outside its operands"
-    );
-    for t0 in (0..m).step_by(TOKENS_PER_PASS) {
-        let tokens = TOKENS_PER_PASS.min(m - t0);
-        let xs: [&[f32]; TOKENS_PER_PASS] =
-            std::array::from_fn(|t| &x[(t0 + t.min(tokens - 1)) * ldx..][..k]);
-        let strip = Strip {
-            w,
-            ldw,
-            k,
-            width,
-            t0,
-        };
-        // One instantiation per token count: the accumulators (tokens × vectors) are a fixed array
-        // the compiler keeps in registers, at most 16 of AVX-512's 32 (AVX2's live in L1).
-        macro_rules! by_tokens {
-            ($kernel:ident, $($t:literal => $v:literal),*) => {
-                match tokens {
-                    $($t => $kernel::<$t, $v>(&xs, &strip, columns),)*
-                    _ => unreachable!("1 to {TOKENS_PER_PASS} tokens per pass"),
-                }
-            };
-        }
-        match isa {
-            // SAFETY: `Isa::detect` returned `Avx512` only where the CPU has AVX-512F; the
-            // assertion above keeps every row of the strip inside `w` and every token `k` long,
-            // which is all the kernel reads.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe {
-                by_tokens!(strips_avx512, 1 => 8, 2 => 8, 3 => 4, 4 => 4, 5 => 2, 6 => 2, 7 => 2, 8 => 2)
-            },
-            // SAFETY: `Avx2` only where the CPU has AVX2 and FMA; slices as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe {
-                match tokens {
-                    1 => strips_avx2::<1>(&xs, &strip, columns),
-                    2 => strips_avx2::<2>(&xs, &strip, columns),
-                    3 => strips_avx2::<3>(&xs, &strip, columns),
-                    4 => strips_avx2::<4>(&xs, &strip, columns),
-                    5 => strips_avx2::<5>(&xs, &strip, columns),
-                    6 => strips_avx2::<6>(&xs, &strip, columns),
-                    7 => strips_avx2::<7>(&xs, &strip, columns),
-                    8 => strips_avx2::<8>(&xs, &strip, columns),
-                    _ => unreachable!("1 to {TOKENS_PER_PASS} tokens per pass"),
-                }
-            },
-            Isa::Portable => {
-                by_tokens!(strips_portable, 1 => 2, 2 => 2, 3 => 2, 4 => 2, 5 => 1, 6 => 1, 7 => 1, 8 => 1)
-            }
-        }
-    }
-}
-
-/// The part of the weight one task multiplies: `width` columns of `k` rows `ldw` apart, for the
-/// tokens from `t0` (the pass's first) on.
-struct Strip<'a> {
     w: &'a [f32],
     ldw: usize,
-    k: usize,
-    width: usize,
-    t0: usize,
 }
 
-/// The portable kernel: blocks of `V` vectors of [`LANES`] columns, each output a `mul_add` chain
-/// over the rows.
-fn strips_portable<const T: usize, const V: usize>(
-    xs: &[&[f32]; TOKENS_PER_PASS],
-    strip: &Strip<'_>,
-    columns: &mut Columns<'_>,
-) {
-    let Strip {
-        w, ldw, k, width, ..
-    } = *strip;
-    let block = V * LANES;
-    for c0 in (0..width).step_by(block) {
-        let cols = block.min(width - c0);
-        let mut acc = [[[0.0f32; LANES]; V]; T];
-        for r in 0..k {
-            let row = &w[r * ldw + c0..][..cols];
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                let x = x[r];
-                for (acc, row) in acc.iter_mut().zip(row.chunks(LANES)) {
-                    for (acc, &w) in acc.iter_mut().zip(row) {
-                        *acc = x.mul_add(w, *acc);
+impl Block<'_> {
+    /// `sums` (`m × n`, token `t`'s at row `t`) `= Σ_{r ∈ rows} x[t][r] · w[r][..]`, each output one
+    /// chain of fused multiply-adds from zero over `rows` in order.
+    fn sum_rows(&self, isa: Isa, rows: Range<usize>, cols: Range<usize>, sums: &mut [f32]) {
+        let m = self.m;
+        let n = cols.len();
+        assert!(
+            rows.start < rows.end
+                && n >= 1
+                && sums.len() == m * n
+                && self.w.len() >= (rows.end - 1) * self.ldw + cols.end
+                && self.x.len() >= (m - 1) * self.ldx + rows.end,
+            "few-rows product: a block outside its operands"
+        );
+        let w = &self.w[cols.start..];
+        let mut r = rows.start;
+        while r < rows.end {
+            let step = if rows.end - r >= ROWS { ROWS } else { 1 };
+            if step == ROWS {
+                self.add::<ROWS>(isa, w, r, sums);
+            } else {
+                self.add::<1>(isa, w, r, sums);
+            }
+            r += step;
+        }
+    }
+
+    /// Adds rows `r..r + R` of `w` (`sum_rows` checked them) into `sums` with `isa`'s kernel.
+    fn add<const R: usize>(&self, isa: Isa, w: &[f32], r: usize, sums: &mut [f32]) {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::detect` returned `Avx512` only where the CPU has AVX-512F; `sum_rows`
+            // asserted that rows `r..r + R` of `w` (`n` floats each), every token's `x[r..r + R]`
+            // and `sums` are in bounds.
+            Isa::Avx512 => unsafe { self.add_avx512::<R>(w, r, sums) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Avx2` only where the CPU has AVX2 and FMA; the bounds as above.
+            Isa::Avx2 => unsafe { self.add_avx2::<R>(w, r, sums) },
+            Isa::Portable => self.add_columns::<R>(w, r, 0, sums),
+        }
+    }
+
+    /// Token `t`'s multipliers of rows `r..r + R`.
+    fn xs<const R: usize>(&self, t: usize, r: usize) -> [f32; R] {
+        std::array::from_fn(|i| self.x[t * self.ldx + r + i])
+    }
+
+    /// `sums[t][j] = fma(x[t][r + R - 1], w[r + R - 1][j], … fma(x[t][r], w[r][j], sums[t][j]))`
+    /// for the columns `j` from `from` on (`sums` is `m × n`; row `r` of `w` at `w[r * ldw..]`): the
+    /// portable kernel, and every kernel's columns past its last whole vector.
+    fn add_columns<const R: usize>(&self, w: &[f32], r: usize, from: usize, sums: &mut [f32]) {
+        let n = sums.len() / self.m;
+        let rows: [&[f32]; R] = std::array::from_fn(|i| &w[(r + i) * self.ldw..][..n]);
+        for (t, sums) in sums.chunks_exact_mut(n).enumerate() {
+            let x = self.xs::<R>(t, r);
+            for (j, s) in sums.iter_mut().enumerate().skip(from) {
+                let mut a = *s;
+                for (row, x) in rows.iter().zip(x) {
+                    a = x.mul_add(row[j], a);
+                }
+                *s = a;
+            }
+        }
+    }
+
+    /// Every token's multipliers of rows `r..r + R` (zeros past the `m` tokens).
+    fn token_xs<const R: usize>(&self, r: usize) -> [[f32; R]; MAX_ROWS] {
+        let mut xs = [[0.0; R]; MAX_ROWS];
+        for (t, xs) in xs.iter_mut().enumerate().take(self.m) {
+            *xs = self.xs::<R>(t, r);
+        }
+        xs
+    }
+
+    /// [`Block::add_columns`] for every column, on AVX-512: for each vector of 16 columns (the last
+    /// one masked), the `R` weight vectors loaded once, then multiplied into every token's sums.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; rows `r..r + R` of `w` must hold `n = sums.len() / m` floats
+    /// each, and `x[t][r..r + R]` must be in bounds for every token.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn add_avx512<const R: usize>(&self, w: &[f32], r: usize, sums: &mut [f32]) {
+        use std::arch::x86_64::{
+            __m512, _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps,
+        };
+        let m = self.m;
+        let n = sums.len() / m;
+        let rows: [*const f32; R] = std::array::from_fn(|i| w[(r + i) * self.ldw..].as_ptr());
+        let xs = self.token_xs::<R>(r);
+        let out = sums.as_mut_ptr();
+        for j in (0..n).step_by(LANES) {
+            let mask = ((1u32 << (n - j).min(LANES)) - 1) as u16;
+            // SAFETY: the caller's bounds: each row holds `n` floats from its pointer and the mask
+            // keeps the lanes below `n - j`; masked-off lanes touch no memory.
+            let wv: [__m512; R] =
+                std::array::from_fn(|i| unsafe { _mm512_maskz_loadu_ps(mask, rows[i].add(j)) });
+            for (t, x) in xs.iter().enumerate().take(m) {
+                // SAFETY: `sums` is `m × n` and `t < m`; the mask keeps the lanes below `n`.
+                unsafe {
+                    let at = out.add(t * n + j);
+                    let mut a = _mm512_maskz_loadu_ps(mask, at);
+                    for (w, &x) in wv.iter().zip(x) {
+                        a = _mm512_fmadd_ps(_mm512_set1_ps(x), *w, a);
                     }
-                }
-            }
-        }
-        for (t, acc) in acc.iter().enumerate() {
-            for (v, acc) in acc.iter().enumerate() {
-                let lanes = cols.saturating_sub(v * LANES).min(LANES);
-                if lanes > 0 {
-                    columns.set_run(strip.t0 + t, c0 + v * LANES, &acc[..lanes]);
+                    _mm512_mask_storeu_ps(at, mask, a);
                 }
             }
         }
     }
-}
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn strips_avx512<const T: usize, const V: usize>(
-    xs: &[&[f32]; TOKENS_PER_PASS],
-    strip: &Strip<'_>,
-    columns: &mut Columns<'_>,
-) {
-    use std::arch::x86_64::{
-        __m512, _MM_HINT_T0, _mm_prefetch, _mm512_fmadd_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps,
-        _mm512_setzero_ps, _mm512_storeu_ps,
-    };
-    let Strip {
-        w, ldw, k, width, ..
-    } = *strip;
-    let block = V * LANES;
-    for c0 in (0..width).step_by(block) {
-        let cols = block.min(width - c0);
-        // Lane masks: whole vectors, then the strip's last partial one, then none.
-        let masks: [u16; V] = std::array::from_fn(|v| {
-            let lanes = cols.saturating_sub(v * LANES).min(LANES);
-            ((1u32 << lanes) - 1) as u16
-        });
-        let mut acc: [[__m512; V]; T] = [[_mm512_setzero_ps(); V]; T];
-        let base = w[c0..].as_ptr();
-        for r in 0..k {
-            let row = base.wrapping_add(r * ldw);
-            for v in 0..V {
-                // A prefetch past the weight's end is harmless (it never faults), so the address
-                // is formed with `wrapping_add` and needs no bounds.
-                _mm_prefetch::<_MM_HINT_T0>(
-                    row.wrapping_add(PREFETCH_ROWS * ldw + v * LANES).cast(),
-                );
-            }
-            // SAFETY: `strip_product` checked `(k - 1) * ldw + width <= w.len()`; the mask keeps
-            // vector `v`'s lanes below `cols`, so every lane read is `r * ldw + c0 + j` with `j <
-            // cols <= width - c0`: inside `w`. Masked-off lanes touch no memory.
-            let wv: [__m512; V] = std::array::from_fn(|v| unsafe {
-                _mm512_maskz_loadu_ps(masks[v], row.add(v * LANES))
-            });
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                // SAFETY: every token slice is `k` long and `r < k`.
-                let x = _mm512_set1_ps(unsafe { *x.get_unchecked(r) });
-                for (acc, w) in acc.iter_mut().zip(&wv) {
-                    *acc = _mm512_fmadd_ps(x, *w, *acc);
+    /// [`Block::add_avx512`] on AVX2, 8 columns a vector; the columns past the last whole vector go
+    /// the portable way (the same chain of fused multiply-adds, so the same bits; and no masked
+    /// stores, which valgrind, running this kernel, need not model).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; the bounds as for [`Block::add_avx512`].
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn add_avx2<const R: usize>(&self, w: &[f32], r: usize, sums: &mut [f32]) {
+        use std::arch::x86_64::{
+            __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps,
+        };
+        const HALF: usize = LANES / 2;
+        let m = self.m;
+        let n = sums.len() / m;
+        let rows: [*const f32; R] = std::array::from_fn(|i| w[(r + i) * self.ldw..].as_ptr());
+        let xs = self.token_xs::<R>(r);
+        let whole = n / HALF * HALF;
+        let out = sums.as_mut_ptr();
+        for j in (0..whole).step_by(HALF) {
+            // SAFETY: the caller's bounds: each row holds `n >= j + 8` floats from its pointer.
+            let wv: [__m256; R] =
+                std::array::from_fn(|i| unsafe { _mm256_loadu_ps(rows[i].add(j)) });
+            for (t, x) in xs.iter().enumerate().take(m) {
+                // SAFETY: `sums` is `m × n`, `t < m` and `j + 8 <= n`.
+                unsafe {
+                    let at = out.add(t * n + j);
+                    let mut a = _mm256_loadu_ps(at);
+                    for (w, &x) in wv.iter().zip(x) {
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(x), *w, a);
+                    }
+                    _mm256_storeu_ps(at, a);
                 }
             }
         }
-        let mut sums = [0.0f32; LANES];
-        for (t, acc) in acc.iter().enumerate() {
-            for (v, acc) in acc.iter().enumerate() {
-                let lanes = cols.saturating_sub(v * LANES).min(LANES);
-                if lanes == 0 {
-                    break;
-                }
-                // SAFETY: `sums` holds 16 floats, one unaligned 64-byte store.
-                unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), *acc) };
-                columns.set_run(strip.t0 + t, c0 + v * LANES, &sums[..lanes]);
-            }
+        if whole < n {
+            self.add_columns::<R>(w, r, whole, sums);
         }
-    }
-}
-
-/// Weight rows the AVX2 kernel adds into its accumulators per step.
-#[cfg(target_arch = "x86_64")]
-const AVX2_ROWS: usize = 4;
-
-/// The AVX2 kernel: rows outer, the strip's whole width inner. AVX2's 16 registers hold too few
-/// accumulators for a useful strip, and the register-blocked walk of [`strips_avx512`] read 128
-/// bytes (one token) to 32 bytes (five or more) of each weight row at a time, rows a whole weight
-/// row apart: 12.5 GiB/s for one token and 4.8 for eight on a 2-core Zen 3, where a transposed
-/// weight streams at 19.4. So the accumulators of the whole strip (at most [`STRIP_COLUMNS`] per
-/// token, 2 KiB, in L1) live in memory, and each step reads [`AVX2_ROWS`] weight rows' runs of the
-/// strip's full width, contiguous runs of up to 2 KiB the prefetchers follow, once for all tokens
-/// (the second token on finds them in L1). Each output is still one FMA chain over `r` in order
-/// from 0, so the bits are the other kernels'.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn strips_avx2<const T: usize>(
-    xs: &[&[f32]; TOKENS_PER_PASS],
-    strip: &Strip<'_>,
-    columns: &mut Columns<'_>,
-) {
-    use std::arch::x86_64::{
-        __m256, _mm256_set1_ps, _mm256_setr_epi32, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
-    const HALF: usize = LANES / 2;
-    let Strip {
-        w, ldw, k, width, ..
-    } = *strip;
-    assert!(
-        width <= STRIP_COLUMNS,
-        "few-rows product: a strip wider than the AVX2 kernel's accumulators"
-    );
-    let (whole, tail) = (width / HALF, width % HALF);
-    let vectors = width.div_ceil(HALF);
-    // The last vector's lanes (a lane is loaded where its sign bit is set).
-    let on = |l: usize| if l < tail { -1 } else { 0 };
-    let mask = _mm256_setr_epi32(on(0), on(1), on(2), on(3), on(4), on(5), on(6), on(7));
-    let mut acc = [[_mm256_setzero_ps(); STRIP_COLUMNS / HALF]; T];
-    let base = w.as_ptr();
-    let mut r = 0;
-    while r < k {
-        let rows = if k - r >= AVX2_ROWS { AVX2_ROWS } else { 1 };
-        for (t, (acc, x)) in acc.iter_mut().zip(xs).enumerate() {
-            // SAFETY: `strip_product` checked that rows `r..r + rows <= k` of the strip (`width`
-            // columns from `base`, `ldw` apart) lie inside `w`, and every token slice is `k` long;
-            // the mask keeps the last vector's loads below `width`. The CPU has AVX2 and FMA
-            // (this function's features, which its caller checked).
-            unsafe {
-                if rows == AVX2_ROWS {
-                    let x: [__m256; AVX2_ROWS] =
-                        std::array::from_fn(|i| _mm256_set1_ps(*x.get_unchecked(r + i)));
-                    add_rows(&mut acc[..vectors], base, ldw, r, &x, mask, whole, t == 0);
-                } else {
-                    let x = [_mm256_set1_ps(*x.get_unchecked(r))];
-                    add_rows(&mut acc[..vectors], base, ldw, r, &x, mask, whole, t == 0);
-                }
-            }
-        }
-        r += rows;
-    }
-    let mut sums = [0.0f32; HALF];
-    for (t, acc) in acc.iter().enumerate() {
-        for (v, acc) in acc[..vectors].iter().enumerate() {
-            let lanes = (width - v * HALF).min(HALF);
-            // SAFETY: `sums` holds 8 floats, one unaligned 32-byte store.
-            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), *acc) };
-            columns.set_run(strip.t0 + t, v * HALF, &sums[..lanes]);
-        }
-    }
-}
-
-/// `acc[v] = fma(x[R - 1], w[r + R - 1][v], … fma(x[0], w[r][v], acc[v]))` for the strip's vectors
-/// `v` (the `whole` first of `acc` full, the one after them, if `acc` has it, under `mask`), where
-/// `w[r]` is the run of `base + r · ldw`. With `prefetch`, asks for the same runs
-/// [`PREFETCH_ROWS`] rows further on, a line per two vectors and row.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA; rows `r..r + R` hold `whole` vectors (and the masked lanes of one
-/// more where `acc` is longer) readable from `base + row · ldw`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn add_rows<const R: usize>(
-    acc: &mut [std::arch::x86_64::__m256],
-    base: *const f32,
-    ldw: usize,
-    r: usize,
-    x: &[std::arch::x86_64::__m256; R],
-    mask: std::arch::x86_64::__m256i,
-    whole: usize,
-    prefetch: bool,
-) {
-    use std::arch::x86_64::{
-        _MM_HINT_T0, _mm_prefetch, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_maskload_ps,
-    };
-    const HALF: usize = LANES / 2;
-    let rows: [*const f32; R] = std::array::from_fn(|i| base.wrapping_add((r + i) * ldw));
-    let (full, last) = acc.split_at_mut(whole);
-    for (v, acc) in full.iter_mut().enumerate() {
-        if prefetch && v % 2 == 0 {
-            for row in rows {
-                // A prefetch past the weight's end never faults, so the address needs no bounds.
-                _mm_prefetch::<_MM_HINT_T0>(
-                    row.wrapping_add(PREFETCH_ROWS * ldw + v * HALF).cast(),
-                );
-            }
-        }
-        let mut a = *acc;
-        for (row, x) in rows.iter().zip(x) {
-            // SAFETY: the caller's contract: vector `v < whole` of each row is readable.
-            a = _mm256_fmadd_ps(*x, unsafe { _mm256_loadu_ps(row.add(v * HALF)) }, a);
-        }
-        *acc = a;
-    }
-    if let Some(acc) = last.first_mut() {
-        let mut a = *acc;
-        for (row, x) in rows.iter().zip(x) {
-            // SAFETY: the caller's contract: the masked lanes of vector `whole` are readable;
-            // masked-off lanes touch no memory.
-            a = _mm256_fmadd_ps(
-                *x,
-                unsafe { _mm256_maskload_ps(row.add(whole * HALF), mask) },
-                a,
-            );
-        }
-        *acc = a;
     }
 }
 
@@ -399,8 +359,9 @@ mod tests {
             .collect()
     }
 
-    /// Every path this CPU has, on odd shapes (strips of every width below a vector and across
-    /// blocks, token counts across a pass), strided operands; all paths agree to the bit.
+    /// Every path this CPU has, on odd shapes (columns of every count below a vector and across
+    /// vectors, token counts up to `MAX_ROWS`), strided operands, in one block and in the blocks
+    /// of a large weight (the last one ragged, on rayon's threads); all paths agree to the bit.
     #[test]
     fn every_path_matches_the_f64_product_and_the_others_to_the_bit() {
         let isas = isas();
@@ -414,24 +375,16 @@ mod tests {
             (9, 100, 13),
             (16, 15, 150),
             (5, 257, 17),
+            (16, 130, 40),
         ] {
             let (ldx, ldw) = (k + 3, n + 5);
             let x = values(m * ldx, 1);
             let w = values(k * ldw, 2);
             let want = reference(&x, ldx, &w, (ldw, 1), (m, k, n));
-            let mut first: Option<Vec<u32>> = None;
-            for &isa in &isas {
+            let mut first = std::collections::HashMap::new();
+            for (&isa, rows) in isas.iter().flat_map(|i| [(i, k), (i, block_rows(k))]) {
                 let mut out = vec![f32::NAN; m * n];
-                strip_product(
-                    isa,
-                    &x,
-                    ldx,
-                    m,
-                    k,
-                    &w,
-                    ldw,
-                    &mut Columns::new(&mut out, m, n),
-                );
+                product_on(isa, rows, &x, ldx, &w, ldw, (m, k, n), &mut out);
                 for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
                     let got = f64::from(got);
                     assert!(
@@ -440,38 +393,48 @@ mod tests {
                     );
                 }
                 let bits: Vec<u32> = out.iter().map(|v| v.to_bits()).collect();
-                match &first {
-                    None => first = Some(bits),
+                match first.get(&rows) {
+                    None => drop(first.insert(rows, bits)),
                     Some(first) => assert_eq!(&bits, first, "{isa:?} {m}x{k}x{n}: other bits"),
                 }
             }
         }
     }
 
-    /// Strips are whole vectors, at most `STRIP_COLUMNS` wide, and there are enough of them for
-    /// every thread (but where rounding to whole vectors leaves one short).
+    /// Blocks are whole groups of `ROWS` cutting the rows into at most `BLOCKS`; chunks are whole
+    /// vectors, at most `CHUNK_COLUMNS` wide, and there are about two tasks a thread where the
+    /// columns allow (three quarters of that at worst, rounding to whole vectors).
     #[test]
-    fn strips_are_at_most_2_kib_a_row_and_enough_for_the_threads() {
-        for threads in [1, 2, 3, 8] {
+    fn blocks_and_chunks_cover_the_weight_in_enough_tasks() {
+        for k in [1, 3, 4, 17, 768, 3072, 4096] {
+            let rows = block_rows(k);
+            let blocks = k.div_ceil(rows);
+            assert!(
+                rows.is_multiple_of(ROWS) && blocks <= BLOCKS && (blocks == BLOCKS || rows == ROWS),
+                "{k} rows: {blocks} blocks of {rows}"
+            );
             for n in [1, 16, 333, 768, 2304, 3072, 8192, 50257] {
-                let width = strip_width(n, threads);
-                let strips = n.div_ceil(width);
-                assert!(
-                    width.is_multiple_of(LANES)
-                        && width <= STRIP_COLUMNS
-                        && strips + 1 >= threads.min(n.div_ceil(LANES)),
-                    "{n} outputs on {threads} threads: {strips} strips of {width}"
-                );
+                for threads in [1, 2, 16] {
+                    let width = chunk_columns(n, blocks, threads);
+                    let chunks = n.div_ceil(width);
+                    assert!(
+                        width.is_multiple_of(LANES)
+                            && width <= CHUNK_COLUMNS
+                            && 4 * chunks * blocks
+                                >= 3 * (2 * threads).min(blocks * n.div_ceil(LANES)),
+                        "{k} x {n} on {threads} threads: {chunks} chunks of {width} columns"
+                    );
+                }
             }
         }
-        // GPT-2 small's products on two threads: two or six strips, none narrower than 384.
-        assert_eq!(strip_width(768, 2), 384);
-        assert_eq!(strip_width(2304, 2), 384);
-        assert_eq!(strip_width(3072, 2), 512);
+        // GPT-2 small's products on two threads: eight blocks of one chunk.
+        assert_eq!(block_rows(768), 96);
+        assert_eq!(block_rows(3072), 384);
+        assert_eq!(chunk_columns(3072, 8, 2), 3072);
     }
 
-    /// Through `product`: large enough to run on rayon's tasks (strips of several widths), and a
-    /// row's outputs do not depend on the other rows.
+    /// Through `product`: large enough to run on rayon's tasks (eight blocks, the last one shorter),
+    /// and a row's outputs depend neither on the other rows nor on the threads.
     #[test]
     fn a_parallel_product_matches_and_a_row_gets_the_same_bits_alone_or_batched() {
         let (k, n) = (700, 333);
@@ -487,7 +450,11 @@ mod tests {
             );
         }
         let mut alone = vec![0.0; n];
-        product(&x[3 * k..], k, &w, n, (1, k, n), &mut alone);
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap()
+            .install(|| product(&x[3 * k..], k, &w, n, (1, k, n), &mut alone));
         assert_eq!(
             alone.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             batched[3 * n..4 * n]
