@@ -23,12 +23,11 @@
 //! Every output is computed the same way whatever the other rows and columns are and whichever
 //! kernel runs: per block, one chain of fused multiply-adds over its rows in order from zero; then
 //! the blocks' sums added in order. The blocks depend on the weight's shape only ([`block_rows`];
-//! one block below [`PARALLEL_BYTES`]) — the chunks, which change no sum, on `n` and the threads
-//! —, so a request decodes to the same bits alone or
-//! batched on any number of threads, and the AVX-512, AVX2 and portable kernels agree to the bit
-//! (unit-tested). Dispatched at run time like [`few_rows`](super::few_rows) (the portable kernel's
-//! `mul_add` is a library call on x86 CPUs without FMA, which are also without AVX2: slow there,
-//! but exact).
+//! one block below [`PARALLEL_BYTES`]), and the chunks, which change no sum, on `n` and the
+//! threads; so a request decodes to the same bits alone or batched on any number of threads, and
+//! the AVX-512, AVX2 and portable kernels agree to the bit (unit-tested). Dispatched at run time
+//! like [`few_rows`](super::few_rows) (the portable kernel's `mul_add` is a library call on x86
+//! CPUs without FMA, which are also without AVX2: slow there, but exact).
 
 use std::ops::Range;
 use std::sync::{Mutex, PoisonError};
@@ -434,7 +433,8 @@ mod tests {
     }
 
     /// Through `product`: large enough to run on rayon's tasks (eight blocks, the last one shorter),
-    /// and a row's outputs depend neither on the other rows nor on the threads.
+    /// and a row's outputs depend neither on the other rows nor on the threads (16 threads cut the
+    /// columns into four chunks, one or two threads into one).
     #[test]
     fn a_parallel_product_matches_and_a_row_gets_the_same_bits_alone_or_batched() {
         let (k, n) = (700, 333);
@@ -451,7 +451,7 @@ mod tests {
         }
         let mut alone = vec![0.0; n];
         rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
+            .num_threads(16)
             .build()
             .unwrap()
             .install(|| product(&x[3 * k..], k, &w, n, (1, k, n), &mut alone));
