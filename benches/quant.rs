@@ -1,7 +1,8 @@
 //! Products with block-quantized weights (`Tensor::matmul_quantized_t`) against the `f32` product
 //! of the same shape, on Llama-3.2-1B's MLP shapes: `x [m, 2048] · W [8192, 2048]ᵀ` (gate and up)
-//! and `x [m, 8192] · W [2048, 8192]ᵀ` (down), for one decoding row and for a batch of 8. The
-//! throughput is the weight's stored bytes per second (what decoding is bound by). Run with
+//! and `x [m, 8192] · W [2048, 8192]ᵀ` (down), for one decoding row and for a batch of 8; streamed
+//! from memory, also in `f32` both ways round and through GPT-2 small's tied head. The throughput
+//! is the weight's stored bytes per second (what decoding is bound by). Run with
 //! `cargo bench --bench quant -- --noplot`.
 
 use std::hint::black_box;
@@ -124,6 +125,21 @@ fn streamed(c: &mut Criterion) {
         let in_out = (0..LAYERS)
             .map(|_| s.randn(&[k, n]))
             .collect::<Result<Vec<_>>>()?;
+        // GPT-2 small's tied head, `[50257, 768]` read transposed (154 MB): the single product a
+        // decoding step spends most on, with rows 3 KiB short.
+        let (head_n, head_k) = (50_257usize, 768usize);
+        let head = s.randn(&[head_n, head_k])?;
+        group.throughput(Throughput::Bytes((head_n * head_k * 4) as u64));
+        for m in [1usize, 8] {
+            let x = s.randn(&[m, head_k])?;
+            let shape = format!("{m}x{head_k}x{head_n}");
+            group.bench_function(BenchmarkId::new("f32_head", &shape), |b| {
+                b.iter(|| {
+                    s.scope(|_| black_box(x.matmul(&head.t()?)).map(drop))
+                        .unwrap()
+                })
+            });
+        }
         group.throughput(Throughput::Bytes((n * k * 4 * LAYERS) as u64));
         for m in [1usize, 8] {
             let x = s.randn(&[m, k])?;
