@@ -437,76 +437,92 @@ pub(super) fn matmul<E: Packed>(
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
-        // Right panels of one `k` block: [panel][pair][column], each the u32 of
-        // (b[2p][c], b[2p + 1][c]).
-        let mut right = vec![0u32; col_panels * kc * NR];
-        // The block of `np` pairs from pair `p0`.
-        let pack_right = |right: &mut [u32], p0: usize, np: usize| {
-            let depth = (2 * np).min(k - 2 * p0);
-            if E::READ_AHEAD && b.cols == 1 {
-                // Columns side by side along memory: every pair's rows read once, across the panels.
-                let data = &b.data[2 * p0 * b.rows..];
-                return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
+        VECTOR_TASK.with_borrow_mut(|(right, sums)| {
+            // Right panels of one `k` block: [panel][pair][column], each the u32 of
+            // (b[2p][c], b[2p + 1][c]). Reused, not zeroed: every pair a stored tile reads is packed
+            // first.
+            if right.len() < col_panels * kc * NR {
+                right.resize(col_panels * kc * NR, 0);
             }
-            for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
-                let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
-                // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
-                // keep what the previous block left there: they reach only tile columns that are
-                // never stored.
-                let data = &b.data[2 * p0 * b.rows..];
-                pack_panel(
-                    data,
-                    (b.cols, b.rows),
-                    c0..c0 + panel_cols,
-                    depth,
-                    NR,
-                    packed,
-                );
-            }
-        };
-        let mut tile = [[0.0f32; NR]; MR];
-        let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
-        // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time.
-        let mut sums = vec![
-            [[0.0f32; NR]; MR];
-            if k_blocks > 1 {
-                MC_PANELS * col_panels
+            let right = &mut right[..col_panels * kc * NR];
+            // The block of `np` pairs from pair `p0`.
+            let pack_right = |right: &mut [u32], p0: usize, np: usize| {
+                let depth = (2 * np).min(k - 2 * p0);
+                if E::READ_AHEAD && b.cols == 1 {
+                    // Columns side by side along memory: every pair's rows read once, across the panels.
+                    let data = &b.data[2 * p0 * b.rows..];
+                    return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
+                }
+                for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
+                    let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
+                    // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
+                    // keep what the previous block left there: they reach only tile columns that are
+                    // never stored.
+                    let data = &b.data[2 * p0 * b.rows..];
+                    pack_panel(
+                        data,
+                        (b.cols, b.rows),
+                        c0..c0 + panel_cols,
+                        depth,
+                        NR,
+                        packed,
+                    );
+                }
+            };
+            let mut tile = [[0.0f32; NR]; MR];
+            let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
+            // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time
+            // (reused, not zeroed: a tile's first block starts from zero sums).
+            let kept = if k_blocks > 1 {
+                MC_PANELS.min(panels) * col_panels
             } else {
                 0
+            };
+            if sums.len() < kept {
+                sums.resize(kept, [[0.0f32; NR]; MR]);
             }
-        ];
-        for first in (0..panels).step_by(MC_PANELS) {
-            let panel_range = first..panels.min(first + MC_PANELS);
-            for k_block in 0..k_blocks {
-                let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
-                // A single block is packed once for every group of row panels.
-                if k_blocks > 1 || first == 0 {
-                    pack_right(&mut right, p0, np);
-                }
-                let last = k_block + 1 == k_blocks;
-                for panel in panel_range.clone() {
-                    let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
-                    if dot.fma {
-                        widen_left(lp, np, &mut wide);
+            for first in (0..panels).step_by(MC_PANELS) {
+                let panel_range = first..panels.min(first + MC_PANELS);
+                for k_block in 0..k_blocks {
+                    let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
+                    // A single block is packed once for every group of row panels.
+                    if k_blocks > 1 || first == 0 {
+                        pack_right(right, p0, np);
                     }
-                    for cp in 0..col_panels {
-                        let rp = &right[cp * np * NR..(cp + 1) * np * NR];
-                        let tile = if k_blocks == 1 {
-                            &mut tile
-                        } else {
-                            &mut sums[(panel - first) * col_panels + cp]
-                        };
-                        micro_kernel(dot, lp, &wide, rp, np, k_block > 0, tile);
-                        if last {
-                            let (i0, c0) = (panel * MR, j0 + cp * NR);
-                            let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
-                            out_rows.store_tile(tile, (rows, width), (i0, c0), Placement::Rows);
+                    let last = k_block + 1 == k_blocks;
+                    for panel in panel_range.clone() {
+                        let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
+                        if dot.fma {
+                            widen_left(lp, np, &mut wide);
+                        }
+                        for cp in 0..col_panels {
+                            let rp = &right[cp * np * NR..(cp + 1) * np * NR];
+                            let tile = if k_blocks == 1 {
+                                &mut tile
+                            } else {
+                                &mut sums[(panel - first) * col_panels + cp]
+                            };
+                            micro_kernel(dot, lp, &wide, rp, np, k_block > 0, tile);
+                            if last {
+                                let (i0, c0) = (panel * MR, j0 + cp * NR);
+                                let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
+                                out_rows.store_tile(tile, (rows, width), (i0, c0), Placement::Rows);
+                            }
                         }
                     }
                 }
             }
-        }
+        });
     });
+}
+
+thread_local! {
+    /// The right panels (256 KiB) and kept sums (up to 512 KiB) of a task of [`matmul`]'s vector
+    /// schedule, kept by each thread: allocated and zeroed per task, they were 3 % of GPT-2 small's
+    /// bf16 autocast forward at 128 tokens on a Zen 4 (`memset`). Bounded by [`NC`], [`KC`] and
+    /// [`MC_PANELS`], whatever the product.
+    static VECTOR_TASK: std::cell::RefCell<(Vec<u32>, Vec<[[f32; NR]; MR]>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Memory a product packs its operands into, from the caller: `rows` (`bf16`: the tile schedule's
@@ -1475,20 +1491,24 @@ impl<'a> OutRows<'a> {
                 }
             }
             Placement::Transposed => {
-                // The whole tile is transposed before any column is rounded: gathering one column
-                // and rounding it at once made the vector loads wait on the scalar stores just
-                // before them (no store forwarding across them), 16 % of the Llama-1B-shaped bf16
-                // forward on the AMX machine.
-                let mut columns = [[0.0f32; R]; NR];
-                for (r, row) in tile.iter().enumerate() {
+                // The tile's rows are rounded where they lie, 32 lanes at a time, and the `bf16`
+                // then transposed: rounding the transposed columns of 8 ran lane by lane in
+                // scalar code (5 % of GPT-2 small's bf16 forward at 1,024 tokens on a Zen 4, its
+                // head's stores). Gathering one column and rounding it at once had made the vector
+                // loads wait on the scalar stores just before them (no store forwarding across
+                // them), 16 % of the Llama-1B-shaped bf16 forward on the AMX machine.
+                let mut rounded = [[bf16::ZERO; NR]; R];
+                for (row, into) in tile.iter().zip(&mut rounded) {
+                    bf16_rounded(row, into);
+                }
+                let mut columns = [[bf16::ZERO; R]; NR];
+                for (r, row) in rounded.iter().enumerate() {
                     for (column, &x) in columns.iter_mut().zip(row) {
                         column[r] = x;
                     }
                 }
                 for (t, column) in columns.iter().enumerate().take(width) {
-                    self.write(first + t, col, rows, |dst| {
-                        bf16_rounded(&column[..rows], dst)
-                    });
+                    self.write(first + t, col, rows, |dst| dst.copy_from_slice(&column[..rows]));
                 }
             }
         }
