@@ -437,7 +437,7 @@ pub(super) fn matmul<E: Packed>(
     (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * NC, NC.min(n - block * NC));
         let col_panels = cols.div_ceil(NR);
-        VECTOR_TASK.with_borrow_mut(|(right, sums)| {
+        VECTOR_TASK.with_borrow_mut(|TaskPanels { right, sums }| {
             // Right panels of one `k` block: [panel][pair][column], each the u32 of
             // (b[2p][c], b[2p + 1][c]). Reused, not zeroed: every pair a stored tile reads is packed
             // first.
@@ -521,8 +521,20 @@ thread_local! {
     /// schedule, kept by each thread: allocated and zeroed per task, they were 3 % of GPT-2 small's
     /// bf16 autocast forward at 128 tokens on a Zen 4 (`memset`). Bounded by [`NC`], [`KC`] and
     /// [`MC_PANELS`], whatever the product.
-    static VECTOR_TASK: std::cell::RefCell<(Vec<u32>, Vec<[[f32; NR]; MR]>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static VECTOR_TASK: std::cell::RefCell<TaskPanels> = const {
+        std::cell::RefCell::new(TaskPanels {
+            right: Vec::new(),
+            sums: Vec::new(),
+        })
+    };
+}
+
+/// What a task of the vector schedule packs and accumulates into ([`VECTOR_TASK`]).
+struct TaskPanels {
+    /// Right panels of one `k` block.
+    right: Vec<u32>,
+    /// Tiles' sums kept between `k` blocks.
+    sums: Vec<[[f32; NR]; MR]>,
 }
 
 /// Memory a product packs its operands into, from the caller: `rows` (`bf16`: the tile schedule's
@@ -1508,7 +1520,9 @@ impl<'a> OutRows<'a> {
                     }
                 }
                 for (t, column) in columns.iter().enumerate().take(width) {
-                    self.write(first + t, col, rows, |dst| dst.copy_from_slice(&column[..rows]));
+                    self.write(first + t, col, rows, |dst| {
+                        dst.copy_from_slice(&column[..rows])
+                    });
                 }
             }
         }
