@@ -434,8 +434,9 @@ pub(super) fn matmul<E: Packed>(
     // deep the product (the tied head's `dY · W` is 128,256 deep: its panels were 65 MB a task).
     let kc = KC.min(pairs);
     let k_blocks = pairs.div_ceil(kc);
-    (0..n.div_ceil(NC)).into_par_iter().for_each(|block| {
-        let (j0, cols) = (block * NC, NC.min(n - block * NC));
+    let nc = column_block(n, rayon::current_num_threads());
+    (0..n.div_ceil(nc)).into_par_iter().for_each(|block| {
+        let (j0, cols) = (block * nc, nc.min(n - block * nc));
         let col_panels = cols.div_ceil(NR);
         VECTOR_TASK.with_borrow_mut(|TaskPanels { right, sums }| {
             // Right panels of one `k` block: [panel][pair][column], each the u32 of
@@ -535,6 +536,22 @@ struct TaskPanels {
     right: Vec<u32>,
     /// Tiles' sums kept between `k` blocks.
     sums: Vec<[[f32; NR]; MR]>,
+}
+
+/// The columns per task of the vector schedule for `n` columns on `threads` threads: of the
+/// multiples of [`NR`] from [`NC`] down to half of it, the one whose tasks end soonest when the
+/// threads take them in rounds (the largest among equals: longer runs of each weight row to pack).
+/// With `NC` always, a product of 768 columns was 3 tasks on 2 threads and a third of its time
+/// one thread's alone (GPT-2's projections: a third of its layers' products); 192 makes 4.
+fn column_block(n: usize, threads: usize) -> usize {
+    let threads = threads.max(1);
+    // The columns of the thread that takes the most blocks (all of them, when there is one).
+    let rounds_of = |nc: usize| (n.div_ceil(nc).div_ceil(threads) * nc).min(n);
+    (NC / 2..=NC)
+        .rev()
+        .step_by(NR)
+        .min_by_key(|&nc| rounds_of(nc))
+        .unwrap_or(NC)
 }
 
 /// Memory a product packs its operands into, from the caller: `rows` (`bf16`: the tile schedule's
@@ -1738,6 +1755,27 @@ mod tests {
     /// The pairs of rows as a panel, blocks in registers or not, against a plain loop: row counts
     /// around a block's 16, lengths around its 32 elements (odd ones too), panels wider than the
     /// rows (their extra lanes untouched).
+    /// The vector schedule's column blocks: balanced across the threads where `NC` is not.
+    #[test]
+    fn column_blocks_balance_the_threads() {
+        // GPT-2 small's products on 2 threads: 768 and 2,304 columns in 4 and 12 tasks.
+        assert_eq!(column_block(768, 2), 192);
+        assert_eq!(column_block(2304, 2), 192);
+        // Already balanced, or one block whatever its width: the widest.
+        assert_eq!(column_block(3072, 2), NC);
+        assert_eq!(column_block(40, 2), NC);
+        assert_eq!(column_block(2048, 1), NC);
+        // More threads than blocks of `NC`: narrower blocks, down to half of it.
+        assert_eq!(column_block(768, 16), NC / 2);
+        for (n, threads) in [(1, 1), (33, 3), (1000, 7), (50257, 2)] {
+            let nc = column_block(n, threads);
+            assert!(
+                nc.is_multiple_of(NR) && (NC / 2..=NC).contains(&nc),
+                "{n} on {threads}: {nc}"
+            );
+        }
+    }
+
     #[test]
     fn transposed_pairs_match_a_plain_loop() {
         let mut rng = crate::rng::Rng::new(9);
