@@ -438,82 +438,84 @@ pub(super) fn matmul<E: Packed>(
     (0..n.div_ceil(nc)).into_par_iter().for_each(|block| {
         let (j0, cols) = (block * nc, nc.min(n - block * nc));
         let col_panels = cols.div_ceil(NR);
-        VECTOR_TASK.with_borrow_mut(|TaskPanels { right, sums }| {
-            // Right panels of one `k` block: [panel][pair][column], each the u32 of
-            // (b[2p][c], b[2p + 1][c]). Reused, not zeroed: every pair a stored tile reads is packed
-            // first.
-            if right.len() < col_panels * kc * NR {
-                right.resize(col_panels * kc * NR, 0);
+        // This thread's buffers, taken for the task and put back after it.
+        let mut task = VECTOR_TASK.take();
+        let TaskPanels { right, sums } = &mut task;
+        // Right panels of one `k` block: [panel][pair][column], each the u32 of
+        // (b[2p][c], b[2p + 1][c]). Reused, not zeroed: every pair a stored tile reads is packed
+        // first.
+        if right.len() < col_panels * kc * NR {
+            right.resize(col_panels * kc * NR, 0);
+        }
+        let right = &mut right[..col_panels * kc * NR];
+        // The block of `np` pairs from pair `p0`.
+        let pack_right = |right: &mut [u32], p0: usize, np: usize| {
+            let depth = (2 * np).min(k - 2 * p0);
+            if E::READ_AHEAD && b.cols == 1 {
+                // Columns side by side along memory: every pair's rows read once, across the panels.
+                let data = &b.data[2 * p0 * b.rows..];
+                return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
             }
-            let right = &mut right[..col_panels * kc * NR];
-            // The block of `np` pairs from pair `p0`.
-            let pack_right = |right: &mut [u32], p0: usize, np: usize| {
-                let depth = (2 * np).min(k - 2 * p0);
-                if E::READ_AHEAD && b.cols == 1 {
-                    // Columns side by side along memory: every pair's rows read once, across the panels.
-                    let data = &b.data[2 * p0 * b.rows..];
-                    return E::pack_across(data, b.rows, j0..j0 + cols, depth, right);
-                }
-                for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
-                    let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
-                    // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
-                    // keep what the previous block left there: they reach only tile columns that are
-                    // never stored.
-                    let data = &b.data[2 * p0 * b.rows..];
-                    pack_panel(
-                        data,
-                        (b.cols, b.rows),
-                        c0..c0 + panel_cols,
-                        depth,
-                        NR,
-                        packed,
-                    );
-                }
-            };
-            let mut tile = [[0.0f32; NR]; MR];
-            let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
-            // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time
-            // (reused, not zeroed: a tile's first block starts from zero sums).
-            let kept = if k_blocks > 1 {
-                MC_PANELS.min(panels) * col_panels
-            } else {
-                0
-            };
-            if sums.len() < kept {
-                sums.resize(kept, [[0.0f32; NR]; MR]);
+            for (cp, packed) in right.chunks_mut(np * NR).take(col_panels).enumerate() {
+                let (c0, panel_cols) = (j0 + cp * NR, NR.min(cols - cp * NR));
+                // Columns as the lines, `k` down them, from pair `p0`. Lanes past the columns
+                // keep what the previous block left there: they reach only tile columns that are
+                // never stored.
+                let data = &b.data[2 * p0 * b.rows..];
+                pack_panel(
+                    data,
+                    (b.cols, b.rows),
+                    c0..c0 + panel_cols,
+                    depth,
+                    NR,
+                    packed,
+                );
             }
-            for first in (0..panels).step_by(MC_PANELS) {
-                let panel_range = first..panels.min(first + MC_PANELS);
-                for k_block in 0..k_blocks {
-                    let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
-                    // A single block is packed once for every group of row panels.
-                    if k_blocks > 1 || first == 0 {
-                        pack_right(right, p0, np);
+        };
+        let mut tile = [[0.0f32; NR]; MR];
+        let mut wide = vec![0.0f32; if dot.fma { 2 * kc * MR } else { 0 }];
+        // Deeper products keep each tile's sums between blocks, for MC_PANELS row panels at a time
+        // (reused, not zeroed: a tile's first block starts from zero sums).
+        let kept = if k_blocks > 1 {
+            MC_PANELS.min(panels) * col_panels
+        } else {
+            0
+        };
+        if sums.len() < kept {
+            sums.resize(kept, [[0.0f32; NR]; MR]);
+        }
+        for first in (0..panels).step_by(MC_PANELS) {
+            let panel_range = first..panels.min(first + MC_PANELS);
+            for k_block in 0..k_blocks {
+                let (p0, np) = (k_block * kc, kc.min(pairs - k_block * kc));
+                // A single block is packed once for every group of row panels.
+                if k_blocks > 1 || first == 0 {
+                    pack_right(right, p0, np);
+                }
+                let last = k_block + 1 == k_blocks;
+                for panel in panel_range.clone() {
+                    let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
+                    if dot.fma {
+                        widen_left(lp, np, &mut wide);
                     }
-                    let last = k_block + 1 == k_blocks;
-                    for panel in panel_range.clone() {
-                        let lp = &left[(panel * pairs + p0) * MR..(panel * pairs + p0 + np) * MR];
-                        if dot.fma {
-                            widen_left(lp, np, &mut wide);
-                        }
-                        for cp in 0..col_panels {
-                            let rp = &right[cp * np * NR..(cp + 1) * np * NR];
-                            let tile = if k_blocks == 1 {
-                                &mut tile
-                            } else {
-                                &mut sums[(panel - first) * col_panels + cp]
-                            };
-                            micro_kernel(dot, lp, &wide, rp, np, k_block > 0, tile);
-                            if last {
-                                let (i0, c0) = (panel * MR, j0 + cp * NR);
-                                let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
-                                out_rows.store_tile(tile, (rows, width), (i0, c0), Placement::Rows);
-                            }
+                    for cp in 0..col_panels {
+                        let rp = &right[cp * np * NR..(cp + 1) * np * NR];
+                        let tile = if k_blocks == 1 {
+                            &mut tile
+                        } else {
+                            &mut sums[(panel - first) * col_panels + cp]
+                        };
+                        micro_kernel(dot, lp, &wide, rp, np, k_block > 0, tile);
+                        if last {
+                            let (i0, c0) = (panel * MR, j0 + cp * NR);
+                            let (rows, width) = (MR.min(m - i0), NR.min(j0 + cols - c0));
+                            out_rows.store_tile(tile, (rows, width), (i0, c0), Placement::Rows);
                         }
                     }
                 }
             }
-        });
+        }
+        VECTOR_TASK.set(task);
     });
 }
 
@@ -522,8 +524,8 @@ thread_local! {
     /// schedule, kept by each thread: allocated and zeroed per task, they were 3 % of GPT-2 small's
     /// bf16 autocast forward at 128 tokens on a Zen 4 (`memset`). Bounded by [`NC`], [`KC`] and
     /// [`MC_PANELS`], whatever the product.
-    static VECTOR_TASK: std::cell::RefCell<TaskPanels> = const {
-        std::cell::RefCell::new(TaskPanels {
+    static VECTOR_TASK: std::cell::Cell<TaskPanels> = const {
+        std::cell::Cell::new(TaskPanels {
             right: Vec::new(),
             sums: Vec::new(),
         })
@@ -531,6 +533,7 @@ thread_local! {
 }
 
 /// What a task of the vector schedule packs and accumulates into ([`VECTOR_TASK`]).
+#[derive(Default)]
 struct TaskPanels {
     /// Right panels of one `k` block.
     right: Vec<u32>,
@@ -1752,9 +1755,6 @@ unsafe fn micro_kernel_fma(
 mod tests {
     use super::*;
 
-    /// The pairs of rows as a panel, blocks in registers or not, against a plain loop: row counts
-    /// around a block's 16, lengths around its 32 elements (odd ones too), panels wider than the
-    /// rows (their extra lanes untouched).
     /// The vector schedule's column blocks: balanced across the threads where `NC` is not.
     #[test]
     fn column_blocks_balance_the_threads() {
@@ -1776,6 +1776,9 @@ mod tests {
         }
     }
 
+    /// The pairs of rows as a panel, blocks in registers or not, against a plain loop: row counts
+    /// around a block's 16, lengths around its 32 elements (odd ones too), panels wider than the
+    /// rows (their extra lanes untouched).
     #[test]
     fn transposed_pairs_match_a_plain_loop() {
         let mut rng = crate::rng::Rng::new(9);
