@@ -32,7 +32,8 @@ use crate::quant::{QK_K, QuantType};
 mod tiles;
 pub(super) use tiles::StripTiles;
 
-/// The most tokens whose accumulators stay in registers through one strip.
+/// Tokens per pass of the int8 tiles (`tiles`), and the rows of a pass's output buffer; the vector
+/// kernels take at most [`DOT_TOKENS`].
 const TOKENS: usize = 16;
 /// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
 /// tokens streamed Q8_0 at 22-24 GiB/s, Q4_0 at 22, Q4_K at 21, Q6_K at 20 on the Zen 5 measured
@@ -160,9 +161,10 @@ pub(super) fn strip_product(
             && std::is_x86_feature_detected!("avx512vnni"),
         "the strip kernels need AVX-512 F/BW and VNNI"
     );
-    // The K formats decode a block for 16 tokens (their accumulators and 8 level registers fit the
-    // 32 `zmm`); the 32-value formats measured slower at 16 than at 8.
-    let largest = if ty.block_size() == QK_K { TOKENS } else { 8 };
+    // Runs of 16 tokens go to the int8 tiles where there are tiles; the vector kernels take 8 at a
+    // time (their sums, the 8 level registers and the accumulators fill the 32 `zmm`; at 16 the K
+    // formats' kernels measured 5-10 % slower on a Zen 4, the 32-value formats' slower too).
+    let largest = if tiles.is_some() { TOKENS } else { DOT_TOKENS };
     by_token_chunks(m, largest, |t0, run| {
         let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
         if let (Some(tiles), TOKENS) = (tiles.as_mut(), run) {
@@ -198,12 +200,6 @@ pub(super) fn strip_product(
                         _ => $kernel::<1, $($c)*>(strip, a, sums, k, t0, &mut out),
                     }
                 };
-                (16: $kernel:ident [$($c:tt)*]) => {
-                    match run {
-                        16 => $kernel::<16, $($c)*>(strip, a, sums, k, t0, &mut out),
-                        _ => chunk!($kernel [$($c)*]),
-                    }
-                };
             }
             match ty {
                 QuantType::Q4_0 => chunk!(tokens[Q4_0]),
@@ -211,9 +207,9 @@ pub(super) fn strip_product(
                 QuantType::Q5_0 => chunk!(tokens[Q5_0]),
                 QuantType::Q5_1 => chunk!(tokens[Q5_1]),
                 QuantType::Q8_0 => chunk!(tokens[Q8_0]),
-                QuantType::Q4_K => chunk!(16: tokens_k4[false]),
-                QuantType::Q5_K => chunk!(16: tokens_k4[true]),
-                QuantType::Q6_K => chunk!(16: tokens_q6_k[]),
+                QuantType::Q4_K => chunk!(tokens_k4[false]),
+                QuantType::Q5_K => chunk!(tokens_k4[true]),
+                QuantType::Q6_K => chunk!(tokens_q6_k[]),
                 _ => panic!("{ty} has no strip kernel"),
             }
         }
@@ -327,20 +323,6 @@ unsafe fn dots(
     dot
 }
 
-/// `run(first, tokens)` over the `N` tokens of a kernel in chunks [`dots`] takes: with `N`
-/// constant, each call's `tokens` is a constant, so that [`dots`]' loops unroll and its sums stay
-/// in registers (chunks of a slice left them on the stack).
-#[inline(always)]
-fn in_dot_chunks<const N: usize>(mut run: impl FnMut(usize, usize)) {
-    const { assert!(N <= 2 * DOT_TOKENS) };
-    if N <= DOT_TOKENS {
-        run(0, N);
-    } else {
-        run(0, DOT_TOKENS);
-        run(DOT_TOKENS, N - DOT_TOKENS);
-    }
-}
-
 /// The strip of a 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
@@ -356,6 +338,7 @@ unsafe fn tokens<const N: usize, F: Small>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
+    const { assert!(N <= DOT_TOKENS) };
     let (mins, levels_at, fifth_at, bytes) = small_strip(F::MINIMUM, F::FIFTH_BIT);
     let (levels_at, bytes) = if F::NIBBLES {
         (levels_at, bytes)
@@ -392,32 +375,29 @@ unsafe fn tokens<const N: usize, F: Small>(
             } else {
                 _mm512_setzero_ps()
             };
-            in_dot_chunks::<N>(|c0, tokens| {
-                let first = |t: usize| (t0 + c0 + t) * k + b * BLOCK;
-                let dot = dots(
-                    &w,
-                    tokens,
-                    |t| a.q.as_ptr().add(first(t)),
-                    |t| {
-                        if F::MINIMUM {
-                            _mm512_setzero_si512()
-                        } else {
-                            let sum = *sums.levels.get_unchecked(first(t) / BLOCK);
-                            _mm512_set1_epi32(-bias * sum)
-                        }
-                    },
-                );
-                let acc = &mut acc[c0..c0 + tokens];
-                for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
-                    let d = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
-                    let scale = _mm512_mul_ps(scales, d);
-                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+            let first = |t: usize| (t0 + t) * k + b * BLOCK;
+            let dot = dots(
+                &w,
+                N,
+                |t| a.q.as_ptr().add(first(t)),
+                |t| {
                     if F::MINIMUM {
-                        let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
-                        *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
+                        _mm512_setzero_si512()
+                    } else {
+                        let sum = *sums.levels.get_unchecked(first(t) / BLOCK);
+                        _mm512_set1_epi32(-bias * sum)
                     }
+                },
+            );
+            for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                let d = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                let scale = _mm512_mul_ps(scales, d);
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                if F::MINIMUM {
+                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
+                    *acc = _mm512_fmadd_ps(minimums, xsum, *acc);
                 }
-            });
+            }
         }
     }
     store(acc, out);
@@ -457,6 +437,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
+    const { assert!(N <= DOT_TOKENS) };
     let ty = if FIVE {
         QuantType::Q5_K
     } else {
@@ -485,23 +466,20 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                 let scale = _mm512_mul_ps(d, bytes16(64));
                 let min = _mm512_mul_ps(dmin, bytes16(192));
                 let w = k4_groups::<FIVE>(block, s);
-                in_dot_chunks::<N>(|c0, tokens| {
-                    let first = |t: usize| (t0 + c0 + t) * k + i * QK_K + s * BLOCK;
-                    let dot = dots(
-                        &w,
-                        tokens,
-                        |t| a.q.as_ptr().add(first(t)),
-                        |_| _mm512_setzero_si512(),
-                    );
-                    let acc = &mut acc[c0..c0 + tokens];
-                    for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
-                        let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
-                        let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
-                        let scale = _mm512_mul_ps(scale, xd);
-                        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
-                        *acc = _mm512_fnmadd_ps(min, xsum, *acc);
-                    }
-                });
+                let first = |t: usize| (t0 + t) * k + i * QK_K + s * BLOCK;
+                let dot = dots(
+                    &w,
+                    N,
+                    |t| a.q.as_ptr().add(first(t)),
+                    |_| _mm512_setzero_si512(),
+                );
+                for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                    let xsum = _mm512_set1_ps(*sums.values.get_unchecked(first(t) / BLOCK));
+                    let scale = _mm512_mul_ps(scale, xd);
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+                    *acc = _mm512_fnmadd_ps(min, xsum, *acc);
+                }
             }
         }
     }
@@ -555,6 +533,7 @@ unsafe fn tokens_q6_k<const N: usize>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
+    const { assert!(N <= DOT_TOKENS) };
     let bytes = strip_block_bytes(QuantType::Q6_K);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
@@ -573,30 +552,27 @@ unsafe fn tokens_q6_k<const N: usize>(
                     _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
                 };
                 let (first_scale, second_scale) = (scale(2 * c), scale(2 * c + 1));
-                in_dot_chunks::<N>(|c0, tokens| {
-                    let first = |t: usize| (t0 + c0 + t) * k + i * QK_K + c * BLOCK;
-                    // Each half (16 values) from `−32 · Σ x` of its values.
-                    let half = |h: usize| {
-                        dots(
-                            &w[4 * h..4 * h + 4],
-                            tokens,
-                            |t| a.q.as_ptr().add(first(t) + 16 * h),
-                            |t| {
-                                let sum = *sums.levels.get_unchecked(first(t) / 16 + h);
-                                _mm512_set1_epi32(-32 * sum)
-                            },
-                        )
-                    };
-                    for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {
-                        let dot = half(h);
-                        let acc = &mut acc[c0..c0 + tokens];
-                        for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
-                            let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
-                            let dot = _mm512_cvtepi32_ps(dot);
-                            *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
-                        }
+                let first = |t: usize| (t0 + t) * k + i * QK_K + c * BLOCK;
+                // Each half (16 values) from `−32 · Σ x` of its values.
+                let half = |h: usize| {
+                    dots(
+                        &w[4 * h..4 * h + 4],
+                        N,
+                        |t| a.q.as_ptr().add(first(t) + 16 * h),
+                        |t| {
+                            let sum = *sums.levels.get_unchecked(first(t) / 16 + h);
+                            _mm512_set1_epi32(-32 * sum)
+                        },
+                    )
+                };
+                for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {
+                    let dot = half(h);
+                    for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
+                        let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                        let dot = _mm512_cvtepi32_ps(dot);
+                        *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
                     }
-                });
+                }
             }
         }
     }
