@@ -277,8 +277,8 @@ unsafe fn add_fifth_bits(w: &mut [__m512i; 8], at: *const u8) {
 /// accumulators fill the 32 `zmm`.
 const DOT_TOKENS: usize = 8;
 
-/// For each of the first `tokens` (at most [`DOT_TOKENS`]) tokens `t`, `Σ` over `4 · w.len()`
-/// values of the 16 rows' levels `w` times the token's levels at `x(t)`, from `start(t)`.
+/// For each of the `N` (at most [`DOT_TOKENS`]) tokens `t`, `Σ` over `4 · w.len()` values of the
+/// 16 rows' levels `w` times the token's levels at `x(t)`, from `start(t)`.
 ///
 /// Tokens innermost: each group of 4 values meets every token's 4 bytes while its register is
 /// loaded, and the sums are independent chains that stay in registers (a loop over tokens around
@@ -290,34 +290,23 @@ const DOT_TOKENS: usize = 8;
 /// token.
 #[target_feature(enable = "avx512f,avx512vnni")]
 #[inline]
-unsafe fn dots(
+unsafe fn dots<const N: usize>(
     w: &[__m512i],
-    tokens: usize,
     x: impl Fn(usize) -> *const i8,
     start: impl Fn(usize) -> __m512i,
-) -> [__m512i; DOT_TOKENS] {
-    debug_assert!(tokens <= DOT_TOKENS);
-    let mut dot: [__m512i; DOT_TOKENS] = std::array::from_fn(|t| {
-        if t < tokens {
-            start(t)
-        } else {
-            _mm512_setzero_si512()
-        }
-    });
+) -> [__m512i; N] {
+    const { assert!(N <= DOT_TOKENS) };
+    let mut dot: [__m512i; N] = std::array::from_fn(start);
     let mut odd = _mm512_setzero_si512();
     for (g, w) in w.iter().enumerate() {
-        for (t, dot) in dot.iter_mut().enumerate().take(tokens) {
+        for (t, dot) in dot.iter_mut().enumerate() {
             // SAFETY: the caller's contract; `read_unaligned` takes any alignment.
             let four = unsafe { std::ptr::read_unaligned(x(t).add(4 * g).cast::<i32>()) };
-            let chain = if tokens == 1 && g % 2 == 1 {
-                &mut odd
-            } else {
-                dot
-            };
+            let chain = if N == 1 && g % 2 == 1 { &mut odd } else { dot };
             *chain = _mm512_dpbusd_epi32(*chain, *w, _mm512_set1_epi32(four));
         }
     }
-    if tokens == 1 {
+    if N == 1 {
         dot[0] = _mm512_add_epi32(dot[0], odd);
     }
     dot
@@ -338,7 +327,6 @@ unsafe fn tokens<const N: usize, F: Small>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    const { assert!(N <= DOT_TOKENS) };
     let (mins, levels_at, fifth_at, bytes) = small_strip(F::MINIMUM, F::FIFTH_BIT);
     let (levels_at, bytes) = if F::NIBBLES {
         (levels_at, bytes)
@@ -376,9 +364,8 @@ unsafe fn tokens<const N: usize, F: Small>(
                 _mm512_setzero_ps()
             };
             let first = |t: usize| (t0 + t) * k + b * BLOCK;
-            let dot = dots(
+            let dot = dots::<N>(
                 &w,
-                N,
                 |t| a.q.as_ptr().add(first(t)),
                 |t| {
                     if F::MINIMUM {
@@ -437,7 +424,6 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    const { assert!(N <= DOT_TOKENS) };
     let ty = if FIVE {
         QuantType::Q5_K
     } else {
@@ -467,9 +453,8 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
                 let min = _mm512_mul_ps(dmin, bytes16(192));
                 let w = k4_groups::<FIVE>(block, s);
                 let first = |t: usize| (t0 + t) * k + i * QK_K + s * BLOCK;
-                let dot = dots(
+                let dot = dots::<N>(
                     &w,
-                    N,
                     |t| a.q.as_ptr().add(first(t)),
                     |_| _mm512_setzero_si512(),
                 );
@@ -533,7 +518,6 @@ unsafe fn tokens_q6_k<const N: usize>(
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
-    const { assert!(N <= DOT_TOKENS) };
     let bytes = strip_block_bytes(QuantType::Q6_K);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
@@ -555,9 +539,8 @@ unsafe fn tokens_q6_k<const N: usize>(
                 let first = |t: usize| (t0 + t) * k + i * QK_K + c * BLOCK;
                 // Each half (16 values) from `−32 · Σ x` of its values.
                 let half = |h: usize| {
-                    dots(
+                    dots::<N>(
                         &w[4 * h..4 * h + 4],
-                        N,
                         |t| a.q.as_ptr().add(first(t) + 16 * h),
                         |t| {
                             let sum = *sums.levels.get_unchecked(first(t) / 16 + h);
