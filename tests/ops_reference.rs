@@ -1561,6 +1561,66 @@ fn fused_cross_entropy_over_a_large_vocabulary_matches_an_f64_loop() {
     .unwrap();
 }
 
+/// Converting a view whose rows are runs of consecutive elements (a head's slice of packed rows,
+/// as a decoding step rounds its queries, keys and values for a 16-bit cache) rounds every element
+/// as one conversion of its `f64` value would, to both 16-bit types and back, with tiny, huge and
+/// subnormal values among them; small views and views large enough to split across threads.
+#[test]
+fn converting_a_view_of_runs_rounds_each_element_once() {
+    root(Device::Cpu, |s| {
+        for (rows, cols) in [(3usize, 37usize), (700, 131)] {
+            let mut data: Vec<f32> = values(rows * cols, 11).iter().map(|&v| v as f32).collect();
+            // Out of f16's range, under its smallest normal, and ties between 16-bit neighbours.
+            let specials = [
+                7.0e4f32,
+                -1.0e5,
+                3.0e-6,
+                -6.0e-8,
+                1.0 + 1.0 / 2048.0,
+                1.00390625,
+            ];
+            for (i, v) in specials.iter().enumerate() {
+                data[i * 5 + 1] = *v;
+            }
+            let x = s.from_slice(&data, &[rows, cols])?;
+            for view in [x.narrow(1, 1, cols - 3)?, x.narrow(1, 2, 16)?] {
+                let exact = view.to_vec_f64()?;
+                for dtype in [DType::F16, DType::BF16] {
+                    let want: Vec<f64> = exact
+                        .iter()
+                        .map(|&v| match dtype {
+                            // Each value is an `f32`: one rounding of it (`half`'s own).
+                            DType::F16 => ndscope::f16::from_f32(v as f32).to_f64(),
+                            _ => ndscope::bf16::from_f32(v as f32).to_f64(),
+                        })
+                        .collect();
+                    let got = view.to_dtype(dtype)?;
+                    assert!(got.is_contiguous());
+                    let got_values = got.to_vec_f64()?;
+                    if let Some(i) = (0..want.len()).find(|&i| got_values[i] != want[i]) {
+                        panic!(
+                            "{dtype} of a {rows}x{cols} view: element {i} of {exact} rounded to {} \
+                             where one rounding gives {}",
+                            got_values[i],
+                            want[i],
+                            exact = exact[i]
+                        );
+                    }
+                    // And back: a view of the 16-bit values widens exactly.
+                    let back = got.narrow(1, 1, got.shape()[1] - 1)?.to_dtype(DType::F32)?;
+                    let kept: Vec<f64> = want
+                        .chunks(got.shape()[1])
+                        .flat_map(|row| row[1..].to_vec())
+                        .collect();
+                    assert!(back.to_vec_f64()? == kept, "{dtype} of a view widened");
+                }
+            }
+        }
+        Ok::<_, Error>(())
+    })
+    .unwrap();
+}
+
 /// Converting a permuted view (a transposed weight under autocast) converts the elements in memory
 /// order and keeps the permutation: same values, same shape, and the view stays a view.
 #[test]

@@ -456,6 +456,28 @@ fn convert_runs<S: Element, D: Element>(x: Src, out: Dst, convert: fn(&[S], &mut
     convert_chunks(from, out, convert);
 }
 
+/// `out = x` converted, `out` contiguous and `x` a view (a head's slice of packed rows): each of
+/// the walk's runs of consecutive elements by `convert` (in vector registers), a strided run element
+/// by element by `one`. The same bits either way.
+fn convert_walk<S: Element, D: Element>(
+    x: Src,
+    out: Dst,
+    convert: fn(&[S], &mut [D]),
+    one: fn(S) -> D,
+) {
+    let a = x.buf.host::<S>();
+    let ls = x.layout;
+    let walk = RowWalk::new(ls.shape(), [ls.strides()], [ls.offset()]);
+    let [sa] = walk.row_strides();
+    fill_segments(&walk, out.contiguous_host::<D>(), |o, [ia]| {
+        if sa == 1 {
+            convert(&a[ia..ia + o.len()], o);
+        } else {
+            unary_row(o, a, ia, sa, one);
+        }
+    });
+}
+
 pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
     if from == to {
         // A plain copy: never through `f64`, which would round large integers.
@@ -466,12 +488,20 @@ pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
     // same single rounding, but the f64 path neither vectorises nor runs branch-free).
     // Contiguous runs (autocast's weights, a cache's keys) convert a chunk at once, in vector
     // registers: the same bits as the element-wise closures.
+    // A view into a contiguous output (the queries, keys and values a step splits from its packed
+    // rows, rounded for a 16-bit cache) converts each of its runs so: element by element it was 3 %
+    // of eight requests' decoding of GPT-2 small.
     let runs = x.layout.is_contiguous() && out.layout.is_contiguous();
+    let into = out.layout.is_contiguous();
     match (from, to) {
         (DType::F32, DType::BF16) if runs => convert_runs::<f32, bf16>(x, out, bf16::narrow),
         (DType::BF16, DType::F32) if runs => convert_runs::<bf16, f32>(x, out, bf16::widen),
         (DType::F32, DType::F16) if runs => convert_runs::<f32, f16>(x, out, f16::narrow),
         (DType::F16, DType::F32) if runs => convert_runs::<f16, f32>(x, out, f16::widen),
+        (DType::F32, DType::BF16) if into => convert_walk(x, out, bf16::narrow, bf16_of_f32),
+        (DType::BF16, DType::F32) if into => convert_walk(x, out, bf16::widen, bf16::to_f32),
+        (DType::F32, DType::F16) if into => convert_walk(x, out, f16::narrow, f16::from_f32),
+        (DType::F16, DType::F32) if into => convert_walk(x, out, f16::widen, f16::to_f32),
         (DType::F32, DType::BF16) => copy_with::<f32, bf16>(x, out, bf16_of_f32),
         (DType::BF16, DType::F32) => copy_with::<bf16, f32>(x, out, bf16::to_f32),
         (DType::F32, DType::F16) => copy_with::<f32, f16>(x, out, f16::from_f32),

@@ -632,6 +632,8 @@ pub(crate) fn product(
             let mut row = None;
             let mut tiles =
                 strip_tiles.and_then(|amx| super::quant_strips::StripTiles::configure(amx, ty));
+            let mut wide_sums = super::quant_strips::StripSums::default();
+            let mut avx2_sums = super::quant_strips_avx2::StripSums::default();
             let (j0, rows) = (columns.first(), columns.len());
             for c in (0..rows).step_by(STRIP_ROWS) {
                 let first = j0 + c;
@@ -640,7 +642,8 @@ pub(crate) fn product(
                     let strip = &w[at..at + strip_bytes];
                     if kernel == Kernel::Avx512Vnni {
                         let tiles = tiles.as_mut();
-                        strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c, tiles);
+                        let out = &mut wide_sums;
+                        strip_product(ty, strip, &a, &sums, (m, k), &mut columns, c, tiles, out);
                     } else {
                         super::quant_strips_avx2::strip_product(
                             ty,
@@ -650,6 +653,7 @@ pub(crate) fn product(
                             (m, k),
                             &mut columns,
                             c,
+                            &mut avx2_sums,
                         );
                     }
                     continue;

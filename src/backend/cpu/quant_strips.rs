@@ -35,6 +35,9 @@ pub(super) use tiles::StripTiles;
 /// Tokens per pass of the int8 tiles (`tiles`), and the rows of a pass's output buffer; the vector
 /// kernels take at most [`DOT_TOKENS`].
 const TOKENS: usize = 16;
+/// A pass's sums, token by token, of a strip's 16 rows: kept by the caller for all the strips of a
+/// task (zeroing a fresh kilobyte for every strip was 2-3 % of a decoding step).
+pub(super) type StripSums = [[f32; STRIP_ROWS]; TOKENS];
 /// How far ahead the AVX-512 kernels ask for lines when they walk several tokens. At 2 KiB eight
 /// tokens streamed Q8_0 at 22-24 GiB/s, Q4_0 at 22, Q4_K at 21, Q6_K at 20 on the Zen 5 measured
 /// (`streamed/*/8x` in `benches/quant.rs`, two threads); 8 KiB ahead, 35-39, 26-29, 28-30 and 28
@@ -150,6 +153,7 @@ pub(super) fn strip_product(
     columns: &mut Columns<'_>,
     first: usize,
     mut tiles: Option<&mut StripTiles>,
+    out: &mut StripSums,
 ) {
     assert!(
         operands_fit(ty, strip, a, sums, (m, k), columns, first),
@@ -166,7 +170,6 @@ pub(super) fn strip_product(
     // formats' kernels measured 5-10 % slower on a Zen 4, the 32-value formats' slower too).
     let largest = if tiles.is_some() { TOKENS } else { DOT_TOKENS };
     by_token_chunks(m, largest, |t0, run| {
-        let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
         if let (Some(tiles), TOKENS) = (tiles.as_mut(), run) {
             // SAFETY: the tiles' existence says the CPU has AMX-INT8 and AVX-512 F/BW and VNNI,
             // and they were configured for `ty` (`StripTiles::configure` takes only the K
@@ -174,13 +177,9 @@ pub(super) fn strip_product(
             // t0..t0 + 16 <= m, with the sums `ty` reads.
             unsafe {
                 match ty {
-                    QuantType::Q4_K => {
-                        tiles::tokens_k4::<false>(tiles, strip, a, sums, k, t0, &mut out)
-                    }
-                    QuantType::Q5_K => {
-                        tiles::tokens_k4::<true>(tiles, strip, a, sums, k, t0, &mut out)
-                    }
-                    _ => tiles::tokens_q6_k(tiles, strip, a, sums, k, t0, &mut out),
+                    QuantType::Q4_K => tiles::tokens_k4::<false>(tiles, strip, a, sums, k, t0, out),
+                    QuantType::Q5_K => tiles::tokens_k4::<true>(tiles, strip, a, sums, k, t0, out),
+                    _ => tiles::tokens_q6_k(tiles, strip, a, sums, k, t0, out),
                 }
             }
             for (t, s) in out.iter().enumerate() {
@@ -194,10 +193,10 @@ pub(super) fn strip_product(
             macro_rules! chunk {
                 ($kernel:ident [$($c:tt)*]) => {
                     match run {
-                        8 => $kernel::<8, $($c)*>(strip, a, sums, k, t0, &mut out),
-                        4 => $kernel::<4, $($c)*>(strip, a, sums, k, t0, &mut out),
-                        2 => $kernel::<2, $($c)*>(strip, a, sums, k, t0, &mut out),
-                        _ => $kernel::<1, $($c)*>(strip, a, sums, k, t0, &mut out),
+                        8 => $kernel::<8, $($c)*>(strip, a, sums, k, t0, out),
+                        4 => $kernel::<4, $($c)*>(strip, a, sums, k, t0, out),
+                        2 => $kernel::<2, $($c)*>(strip, a, sums, k, t0, out),
+                        _ => $kernel::<1, $($c)*>(strip, a, sums, k, t0, out),
                     }
                 };
             }

@@ -56,6 +56,9 @@ fn prefetch(first: bool, at: *const u8, len: usize) {
 /// Tokens per pass over a strip: the weight's levels are split from their nibbles once for all of
 /// them.
 const TOKENS: usize = 4;
+/// A pass's sums, token by token, of a strip's 16 rows: kept by the caller for all the strips of a
+/// task, as the AVX-512 kernels' are.
+pub(super) type StripSums = [[f32; STRIP_ROWS]; TOKENS];
 
 /// Whether this module multiplies `ty`'s strips.
 pub(super) fn reads(ty: QuantType) -> bool {
@@ -71,6 +74,7 @@ pub(super) fn reads(ty: QuantType) -> bool {
 /// # Panics
 /// When [`reads`] refuses `ty`, the CPU lacks AVX2, FMA or F16C, or the operands do not fit (`k`
 /// whole blocks, `m` tokens of `k` in `a`, the columns `first..first + 16` in `columns`).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn strip_product(
     ty: QuantType,
     strip: &[u8],
@@ -79,6 +83,7 @@ pub(super) fn strip_product(
     (m, k): (usize, usize),
     columns: &mut Columns<'_>,
     first: usize,
+    out: &mut StripSums,
 ) {
     assert!(reads(ty), "{ty} has no AVX2 strip kernel");
     assert!(
@@ -92,27 +97,26 @@ pub(super) fn strip_product(
         "the AVX2 strip kernel needs AVX2, FMA and F16C"
     );
     by_token_chunks(m, TOKENS, |t0, run| {
-        let mut out = [[0.0f32; STRIP_ROWS]; TOKENS];
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted); the assertions above keep every read
         // inside the strip and the tokens t0..t0 + run <= m, with their block sums.
         unsafe {
             let (levels, values) = (sums.levels(), sums.values());
             match (ty, run) {
-                (QuantType::Q4_K, 4) => q4_k::<4, false>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q4_K, 2) => q4_k::<2, false>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q4_K, _) => q4_k::<1, false>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q5_K, 4) => q4_k::<4, true>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q5_K, 2) => q4_k::<2, true>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q5_K, _) => q4_k::<1, true>(strip, a, values, k, t0, &mut out),
-                (QuantType::Q8_0, 4) => small::<Q8_0, 4>(strip, a, levels, k, t0, &mut out),
-                (QuantType::Q8_0, 2) => small::<Q8_0, 2>(strip, a, levels, k, t0, &mut out),
-                (QuantType::Q8_0, _) => small::<Q8_0, 1>(strip, a, levels, k, t0, &mut out),
-                (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, &mut out),
-                (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, &mut out),
-                (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, &mut out),
-                (_, 4) => small::<Q4_0, 4>(strip, a, levels, k, t0, &mut out),
-                (_, 2) => small::<Q4_0, 2>(strip, a, levels, k, t0, &mut out),
-                _ => small::<Q4_0, 1>(strip, a, levels, k, t0, &mut out),
+                (QuantType::Q4_K, 4) => q4_k::<4, false>(strip, a, values, k, t0, out),
+                (QuantType::Q4_K, 2) => q4_k::<2, false>(strip, a, values, k, t0, out),
+                (QuantType::Q4_K, _) => q4_k::<1, false>(strip, a, values, k, t0, out),
+                (QuantType::Q5_K, 4) => q4_k::<4, true>(strip, a, values, k, t0, out),
+                (QuantType::Q5_K, 2) => q4_k::<2, true>(strip, a, values, k, t0, out),
+                (QuantType::Q5_K, _) => q4_k::<1, true>(strip, a, values, k, t0, out),
+                (QuantType::Q8_0, 4) => small::<Q8_0, 4>(strip, a, levels, k, t0, out),
+                (QuantType::Q8_0, 2) => small::<Q8_0, 2>(strip, a, levels, k, t0, out),
+                (QuantType::Q8_0, _) => small::<Q8_0, 1>(strip, a, levels, k, t0, out),
+                (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, out),
+                (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, out),
+                (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, out),
+                (_, 4) => small::<Q4_0, 4>(strip, a, levels, k, t0, out),
+                (_, 2) => small::<Q4_0, 2>(strip, a, levels, k, t0, out),
+                _ => small::<Q4_0, 1>(strip, a, levels, k, t0, out),
             }
         }
         for (t, s) in out.iter().enumerate().take(run) {
