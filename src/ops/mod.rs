@@ -21,6 +21,10 @@ mod softmax;
 mod view;
 mod window;
 
+/// The statistics of a row of logits on the host that every sampled token needs (first largest,
+/// softmax denominator), by the backend's loops picked for the CPU at run time: for `serve`, which
+/// may not name the backend.
+pub(crate) use crate::backend::cpu::logits as host_logits;
 /// The binary ops and derivatives autograd chains, by name (stated in `backend::op`).
 pub(crate) use crate::backend::op::{Binary, Window2d};
 pub use attention::{AttentionSpec, Causal};

@@ -3,6 +3,7 @@
 //! from the same logits.
 
 use crate::error::{Error, Result};
+use crate::ops::host_logits::{first_largest, log_sum_exp_below};
 use crate::rng::Rng;
 
 /// How the next token is chosen.
@@ -215,65 +216,6 @@ fn value(x: f32) -> f64 {
     } else {
         f64::from(x)
     }
-}
-
-/// The first largest logit and its index, NaN skipped (`(0, −inf)` when none is above `−inf`): the
-/// largest by 16 lanes, which the compiler vectorises, then its first position.
-fn first_largest(logits: &[f32]) -> (usize, f32) {
-    const LANES: usize = 16;
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let mut groups = logits.chunks_exact(LANES);
-    for group in &mut groups {
-        for (lane, &x) in lanes.iter_mut().zip(group) {
-            *lane = if x > *lane { x } else { *lane };
-        }
-    }
-    let largest = groups
-        .remainder()
-        .iter()
-        .chain(&lanes)
-        .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-    if largest == f32::NEG_INFINITY {
-        return (0, largest);
-    }
-    // Its group of lanes by whole-group comparisons (which vectorise, where an element-by-element
-    // search was an eighth of the summary), then its place in the group.
-    let group = logits
-        .chunks(LANES)
-        .position(|g| g.iter().fold(false, |seen, &x| seen | (x == largest)))
-        .expect("the largest is one of the logits");
-    let at = logits[group * LANES..]
-        .iter()
-        .position(|&x| x == largest)
-        .expect("the largest is in its group");
-    (group * LANES + at, largest)
-}
-
-/// `Σ e^(x − best)` over the logits (NaN counting as `−inf`) for a finite `best` no smaller than
-/// any of them: the softmax's denominator, computed for every token a model decodes. Each term is
-/// `fastmath`'s vectorised `exp` of the `f32` difference (within 2 ulp, and the difference is exact
-/// where `x` is within a factor of two of `best`, the terms that matter), summed in `f32` within
-/// 16 lanes of at most 4096 terms each, those sums in `f64`: about 2^-20 relative at worst, against
-/// 0.6 ms a token for `f64`'s `exp` on Llama 3's 128,256 logits.
-fn log_sum_exp_below(logits: &[f32], best: f32) -> f64 {
-    const LANES: usize = 16;
-    let term = |x: f32| {
-        let e = crate::fastmath::exp_f32(x - best);
-        if x.is_nan() { 0.0 } else { e }
-    };
-    let mut total = 0.0f64;
-    for chunk in logits.chunks(LANES * 4096) {
-        let mut lanes = [0.0f32; LANES];
-        let mut groups = chunk.chunks_exact(LANES);
-        for group in &mut groups {
-            for (lane, &x) in lanes.iter_mut().zip(group) {
-                *lane += term(x);
-            }
-        }
-        let tail: f64 = groups.remainder().iter().map(|&x| f64::from(term(x))).sum();
-        total += lanes.iter().map(|&l| f64::from(l)).sum::<f64>() + tail;
-    }
-    total
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ mod few_rows;
 mod few_rows_in_out;
 mod fused;
 mod index;
+pub(crate) mod logits;
 mod matmul;
 mod narrow;
 mod paged;
