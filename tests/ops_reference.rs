@@ -1577,7 +1577,7 @@ fn converting_a_view_of_runs_rounds_each_element_once() {
                 3.0e-6,
                 -6.0e-8,
                 1.0 + 1.0 / 2048.0,
-                1.00390625,
+                1.0 + 1.0 / 256.0,
             ];
             for (i, v) in specials.iter().enumerate() {
                 data[i * 5 + 1] = *v;
