@@ -83,6 +83,35 @@ fn products(c: &mut Criterion) {
     group.finish();
 }
 
+/// GPT-2 small's layer products (`[n, k]` of `c_attn`, `c_proj`, `c_fc` and the MLP's `c_proj`),
+/// small enough that a product is 1 to 6 tasks of one token's size: how evenly two threads share
+/// them at one token and at eight (a batched decoding step).
+fn small_layers(c: &mut Criterion) {
+    let mut group = c.benchmark_group("quantized_product_small");
+    group.sample_size(30);
+    root(Device::Cpu, |s| -> Result<()> {
+        for (n, k) in [(2304usize, 768usize), (768, 768), (3072, 768), (768, 3072)] {
+            for ty in [QuantType::Q8_0, QuantType::Q4_0] {
+                let w = weight(s, ty, n, k)?;
+                group.throughput(Throughput::Bytes(w.nbytes() as u64));
+                for m in [1usize, 8] {
+                    let x = s.randn(&[m, k])?;
+                    let shape = format!("{m}x{k}x{n}");
+                    group.bench_function(BenchmarkId::new(ty.name(), &shape), |b| {
+                        b.iter(|| {
+                            s.scope(|_| black_box(x.matmul_quantized_t(&w)).map(drop))
+                                .unwrap()
+                        })
+                    });
+                }
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    group.finish();
+}
+
 /// Weights that no cache holds: one pass over 8 distinct `[8192, 2048]` weights (38-107 MB
 /// quantized, 512 MiB in `f32`, past the 32 MiB L3 of the machines measured), as decoding walks a
 /// model's layers. What the in-cache figures above cannot show: whether a kernel keeps enough of
@@ -165,5 +194,5 @@ fn streamed(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, products, streamed);
+criterion_group!(benches, products, small_layers, streamed);
 criterion_main!(benches);
