@@ -7,7 +7,10 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{
+    BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main,
+};
 use ndscope::quant::QuantType;
 use ndscope::{Device, QuantTensor, Result, Scope, Tensor, root};
 
@@ -41,6 +44,23 @@ fn weight<'s>(s: &Scope<'s>, ty: QuantType, n: usize, k: usize) -> Result<QuantT
     QuantTensor::from_blocks(s, &bytes, ty, &[n, k])
 }
 
+/// `x · wᵀ` as `group`'s benchmark `{format}/{shape}`, its throughput the weight's stored bytes.
+fn bench_product(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    s: &Scope<'_>,
+    x: &Tensor<'_>,
+    w: &QuantTensor<'_>,
+    shape: &str,
+) {
+    group.throughput(Throughput::Bytes(w.nbytes() as u64));
+    group.bench_function(BenchmarkId::new(w.ty().name(), shape), |b| {
+        b.iter(|| {
+            s.scope(|_| black_box(x.matmul_quantized_t(w)).map(drop))
+                .unwrap()
+        })
+    });
+}
+
 fn products(c: &mut Criterion) {
     let mut group = c.benchmark_group("quantized_product");
     group.sample_size(20);
@@ -67,13 +87,7 @@ fn products(c: &mut Criterion) {
                     QuantType::Q6_K,
                 ] {
                     let w = weight(s, ty, n, k)?;
-                    group.throughput(Throughput::Bytes(w.nbytes() as u64));
-                    group.bench_function(BenchmarkId::new(ty.name(), &shape), |b| {
-                        b.iter(|| {
-                            s.scope(|_| black_box(x.matmul_quantized_t(&w)).map(drop))
-                                .unwrap()
-                        })
-                    });
+                    bench_product(&mut group, s, &x, &w, &shape);
                 }
             }
         }
@@ -93,16 +107,9 @@ fn small_layers(c: &mut Criterion) {
         for (n, k) in [(2304usize, 768usize), (768, 768), (3072, 768), (768, 3072)] {
             for ty in [QuantType::Q8_0, QuantType::Q4_0] {
                 let w = weight(s, ty, n, k)?;
-                group.throughput(Throughput::Bytes(w.nbytes() as u64));
                 for m in [1usize, 8] {
                     let x = s.randn(&[m, k])?;
-                    let shape = format!("{m}x{k}x{n}");
-                    group.bench_function(BenchmarkId::new(ty.name(), &shape), |b| {
-                        b.iter(|| {
-                            s.scope(|_| black_box(x.matmul_quantized_t(&w)).map(drop))
-                                .unwrap()
-                        })
-                    });
+                    bench_product(&mut group, s, &x, &w, &format!("{m}x{k}x{n}"));
                 }
             }
         }
