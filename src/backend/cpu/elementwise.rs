@@ -420,16 +420,29 @@ pub(super) fn where_cond(dtype: DType, cond: Src, on_true: Src, on_false: Src, o
     });
 }
 
+/// A conversion of a run of consecutive elements in vector registers, bit for bit the element-wise
+/// one.
+type RunConversion<S, D> = fn(&[S], &mut [D]);
+
 /// `out = f(x)` element by element in row-major order, `out` contiguous (in parallel when large)
-/// or any non-overlapping view.
-fn copy_with<S: Element, D: Element>(x: Src, out: Dst, f: impl Fn(S) -> D + Sync + Copy) {
+/// or any non-overlapping view. With `runs` (a vector conversion of `f`'s bits), a contiguous
+/// output takes each of the walk's runs of consecutive elements through it (a head's slice of packed
+/// rows, rounded for a 16-bit cache): element by element it was 3 % of eight requests' decoding of
+/// GPT-2 small.
+fn copy_with<S: Element, D: Element>(
+    x: Src,
+    out: Dst,
+    f: impl Fn(S) -> D + Sync + Copy,
+    runs: Option<RunConversion<S, D>>,
+) {
     let a = x.buf.host::<S>();
     let (ls, ld) = (x.layout, out.layout);
     if ld.is_contiguous() {
         let walk = RowWalk::new(ls.shape(), [ls.strides()], [ls.offset()]);
         let [sa] = walk.row_strides();
-        fill_segments(&walk, out.contiguous_host::<D>(), |o, [ia]| {
-            unary_row(o, a, ia, sa, f)
+        fill_segments(&walk, out.contiguous_host::<D>(), |o, [ia]| match runs {
+            Some(convert) if sa == 1 => convert(&a[ia..ia + o.len()], o),
+            _ => unary_row(o, a, ia, sa, f),
         });
         return;
     }
@@ -456,58 +469,29 @@ fn convert_runs<S: Element, D: Element>(x: Src, out: Dst, convert: fn(&[S], &mut
     convert_chunks(from, out, convert);
 }
 
-/// `out = x` converted, `out` contiguous and `x` a view (a head's slice of packed rows): each of
-/// the walk's runs of consecutive elements by `convert` (in vector registers), a strided run element
-/// by element by `one`. The same bits either way.
-fn convert_walk<S: Element, D: Element>(
-    x: Src,
-    out: Dst,
-    convert: fn(&[S], &mut [D]),
-    one: fn(S) -> D,
-) {
-    let a = x.buf.host::<S>();
-    let ls = x.layout;
-    let walk = RowWalk::new(ls.shape(), [ls.strides()], [ls.offset()]);
-    let [sa] = walk.row_strides();
-    fill_segments(&walk, out.contiguous_host::<D>(), |o, [ia]| {
-        if sa == 1 {
-            convert(&a[ia..ia + o.len()], o);
-        } else {
-            unary_row(o, a, ia, sa, one);
-        }
-    });
-}
-
 pub(super) fn copy(from: DType, to: DType, x: Src, out: Dst) {
     if from == to {
         // A plain copy: never through `f64`, which would round large integers.
-        with_dtype!(from, T => copy_with::<T, T>(x, out, |v| v));
+        with_dtype!(from, T => copy_with::<T, T>(x, out, |v| v, None));
         return;
     }
     // Between f32 and the 16-bit types, convert directly (rounding f32 through f64 to 16 bits is the
     // same single rounding, but the f64 path neither vectorises nor runs branch-free).
     // Contiguous runs (autocast's weights, a cache's keys) convert a chunk at once, in vector
     // registers: the same bits as the element-wise closures.
-    // A view into a contiguous output (the queries, keys and values a step splits from its packed
-    // rows, rounded for a 16-bit cache) converts each of its runs so: element by element it was 3 %
-    // of eight requests' decoding of GPT-2 small.
+    // A view converts its runs so too (`copy_with`).
     let runs = x.layout.is_contiguous() && out.layout.is_contiguous();
-    let into = out.layout.is_contiguous();
     match (from, to) {
         (DType::F32, DType::BF16) if runs => convert_runs::<f32, bf16>(x, out, bf16::narrow),
         (DType::BF16, DType::F32) if runs => convert_runs::<bf16, f32>(x, out, bf16::widen),
         (DType::F32, DType::F16) if runs => convert_runs::<f32, f16>(x, out, f16::narrow),
         (DType::F16, DType::F32) if runs => convert_runs::<f16, f32>(x, out, f16::widen),
-        (DType::F32, DType::BF16) if into => convert_walk(x, out, bf16::narrow, bf16_of_f32),
-        (DType::BF16, DType::F32) if into => convert_walk(x, out, bf16::widen, bf16::to_f32),
-        (DType::F32, DType::F16) if into => convert_walk(x, out, f16::narrow, f16::from_f32),
-        (DType::F16, DType::F32) if into => convert_walk(x, out, f16::widen, f16::to_f32),
-        (DType::F32, DType::BF16) => copy_with::<f32, bf16>(x, out, bf16_of_f32),
-        (DType::BF16, DType::F32) => copy_with::<bf16, f32>(x, out, bf16::to_f32),
-        (DType::F32, DType::F16) => copy_with::<f32, f16>(x, out, f16::from_f32),
-        (DType::F16, DType::F32) => copy_with::<f16, f32>(x, out, f16::to_f32),
+        (DType::F32, DType::BF16) => copy_with(x, out, bf16_of_f32, Some(bf16::narrow)),
+        (DType::BF16, DType::F32) => copy_with(x, out, bf16::to_f32, Some(bf16::widen)),
+        (DType::F32, DType::F16) => copy_with(x, out, f16::from_f32, Some(f16::narrow)),
+        (DType::F16, DType::F32) => copy_with(x, out, f16::to_f32, Some(f16::widen)),
         _ => with_dtype!(from, S => with_dtype!(to, D => {
-            copy_with::<S, D>(x, out, |v| D::from_f64(v.to_f64()))
+            copy_with::<S, D>(x, out, |v| D::from_f64(v.to_f64()), None)
         })),
     }
 }
