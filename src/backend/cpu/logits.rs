@@ -97,25 +97,27 @@ fn sum_below_with(logits: &[f32], best: f32) -> f64 {
     total
 }
 
+/// `n` logits over a vocabulary's range with NaN, `−inf` and ties, and (for most `n`) a tail past
+/// the lanes: the row the summaries' tests here and the sampler's share.
+#[cfg(test)]
+pub(crate) fn awkward_logits(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| match i % 1000 {
+            7 => f32::NAN,
+            8 => f32::NEG_INFINITY,
+            _ => ((i as f32 * 0.618).sin() * 30.0) - (i % 13) as f32,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Logits over a vocabulary's range with NaN, `−inf` and ties, and a tail past the lanes.
-    fn row(n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| match i % 1000 {
-                7 => f32::NAN,
-                8 => f32::NEG_INFINITY,
-                _ => ((i as f32 * 0.618).sin() * 30.0) - (i % 13) as f32,
-            })
-            .collect()
-    }
-
     #[test]
     fn the_avx512_versions_give_the_portable_bits() {
         for n in [0, 1, 15, 16, 17, 1000, 65_536 + 5, 128_257] {
-            let logits = row(n);
+            let logits = awkward_logits(n);
             let want = first_largest_with(&logits);
             assert_eq!(first_largest(&logits), want, "{n} logits");
             if want.1.is_finite() {
