@@ -44,20 +44,52 @@ pub(super) type StripSums = [[f32; STRIP_ROWS]; TOKENS];
 /// (4 KiB: 25-34, 22-28, 28-31, 25-27; 16 KiB no better): the samples of the 2 KiB build sat on
 /// the instructions right after each block's weight loads.
 const SEVERAL_TOKENS_PREFETCH: usize = 8192;
-/// How far ahead the K formats' kernels ask for lines for one token. Their blocks of 256 values
-/// interleave scales, levels and high bits, which the hardware prefetcher alone streamed at 20-41
-/// GiB/s on the Zen 5 measured (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`, builds
-/// alternated) against 38-45 asked 4 KiB ahead (2 KiB: 30-46; 1 KiB: 31-35). The 32-value
-/// formats' one-token walk is left to the hardware: Q8_0's fell from 57 to 37 GiB/s with the
-/// prefetches.
+/// How far ahead the K formats' kernels ask for lines for one token, on the CPUs where that helps
+/// ([`one_token_k_prefetch`]). Their blocks of 256 values interleave scales, levels and high bits,
+/// which the hardware prefetcher alone streamed at 20-41 GiB/s on the Zen 5 measured
+/// (`streamed/Q4_K/1x`, `Q6_K/1x` in `benches/quant.rs`, builds alternated) against 38-45 asked
+/// 4 KiB ahead (2 KiB: 30-46; 1 KiB: 31-35). The 32-value formats' one-token walk is left to the
+/// hardware everywhere: Q8_0's fell from 57 to 37 GiB/s with the prefetches.
 const ONE_TOKEN_K_PREFETCH: usize = 4096;
 
-/// How far ahead the K formats' kernel for `tokens` tokens asks for lines.
-const fn k_prefetch(tokens: usize) -> usize {
-    if tokens == 1 {
-        ONE_TOKEN_K_PREFETCH
+/// Whether the K formats' one-token walk asks for its lines ahead: on AMD's family 26 (Zen 5),
+/// where it was measured to help, and nowhere else. On a Zen 4 (family 25 model 17) the
+/// prefetches cost a sixth: `streamed/Q4_K/1x` 34.9 and 36.2 GiB/s without them against 31.5 and
+/// 31.4 asked 4 KiB ahead (2 KiB 29.2, 8 KiB 30.1), `Q6_K/1x` 27.7 and 27.0 against 27.7 and 22.8,
+/// one binary, runs alternated. A CPU nobody measured gets the simpler walk, as the 32-value
+/// formats have everywhere.
+fn one_token_k_prefetch() -> bool {
+    static ASK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASK.get_or_init(|| amd_family() == Some(0x1a))
+}
+
+/// The CPU's family (base plus extended, as AMD numbers them) when it is an AMD one.
+fn amd_family() -> Option<u32> {
+    let vendor = __cpuid(0);
+    let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
+        .iter()
+        .flat_map(|r| r.to_le_bytes())
+        .collect();
+    if name != b"AuthenticAMD" {
+        return None;
+    }
+    let eax = __cpuid(1).eax;
+    let base = (eax >> 8) & 0xf;
+    Some(if base == 0xf {
+        base + ((eax >> 20) & 0xff)
     } else {
-        SEVERAL_TOKENS_PREFETCH
+        base
+    })
+}
+
+/// How far ahead the K formats' kernel for `tokens` tokens asks for lines, if at all.
+fn k_prefetch(tokens: usize) -> Option<usize> {
+    if tokens > 1 {
+        Some(SEVERAL_TOKENS_PREFETCH)
+    } else if one_token_k_prefetch() {
+        Some(ONE_TOKEN_K_PREFETCH)
+    } else {
+        None
     }
 }
 
@@ -68,11 +100,26 @@ fn prefetch_ahead(distance: usize, at: *const u8, len: usize) {
     super::prefetch_lines(at.wrapping_add(distance), len);
 }
 
-/// What the strip kernels read of the tokens besides their levels and scales: `Σ q` per block of
-/// 32 for the formats with a bias (Q4_0, Q5_0, Q8_0), per 16 for Q6_K's; `d · Σ q` per 32 for the
-/// minimums of Q4_1, Q5_1, Q4_K and Q5_K.
+/// What the strips' stored levels of `ty` are offset by (a value is `d · (u − bias)`): Q4_0's
+/// nibble 8, Q5_0's 16, Q8_0's 128 (its signed levels stored plus 128), Q6_K's 32; 0 for the
+/// formats with a minimum.
+fn level_bias(ty: QuantType) -> i32 {
+    match ty {
+        QuantType::Q4_0 => i32::from(<Q4_0 as Small>::BIAS),
+        QuantType::Q5_0 => i32::from(<Q5_0 as Small>::BIAS),
+        QuantType::Q8_0 => 128,
+        QuantType::Q6_K => 32,
+        _ => 0,
+    }
+}
+
+/// What the strip kernels read of the tokens besides their levels and scales: for the formats with
+/// a bias (Q4_0, Q5_0, Q8_0 per block of 32, Q6_K per 16) each block's integer sum's start value
+/// `−bias · Σ q`, stored multiplied so that a kernel broadcasts it from memory (one instruction
+/// where a load, a multiply and a broadcast from a general register were three: 48 of the 212 of
+/// Q6_K's eight-token block); `d · Σ q` per 32 for the minimums of Q4_1, Q5_1, Q4_K and Q5_K.
 pub(super) struct BlockSums {
-    levels: Vec<i32>,
+    starts: Vec<i32>,
     values: Vec<f32>,
 }
 
@@ -80,24 +127,25 @@ impl BlockSums {
     pub(super) fn new(ty: QuantType, a: &Activations) -> BlockSums {
         if ty.has_minimum() {
             return BlockSums {
-                levels: Vec::new(),
+                starts: Vec::new(),
                 values: a.block_sums(a.q.len()),
             };
         }
         let per = if ty == QuantType::Q6_K { 16 } else { BLOCK };
-        let levels =
+        let bias = level_bias(ty);
+        let starts =
             a.q.chunks_exact(per)
-                .map(|b| b.iter().map(|&v| i32::from(v)).sum())
+                .map(|b| -bias * b.iter().map(|&v| i32::from(v)).sum::<i32>())
                 .collect();
         BlockSums {
-            levels,
+            starts,
             values: Vec::new(),
         }
     }
 
-    /// `Σ q` per block of 32 (per 16 for Q6_K), for the formats with a bias.
-    pub(super) fn levels(&self) -> &[i32] {
-        &self.levels
+    /// `−bias · Σ q` per block of 32 (per 16 for Q6_K), for the formats with a bias.
+    pub(super) fn starts(&self) -> &[i32] {
+        &self.starts
     }
 
     /// `d · Σ q` per block of 32, for the formats with a minimum.
@@ -109,8 +157,8 @@ impl BlockSums {
     fn cover(&self, ty: QuantType, values: usize) -> bool {
         match ty {
             _ if ty.has_minimum() => self.values.len() >= values / BLOCK,
-            QuantType::Q6_K => self.levels.len() >= values / 16,
-            _ => self.levels.len() >= values / BLOCK,
+            QuantType::Q6_K => self.starts.len() >= values / 16,
+            _ => self.starts.len() >= values / BLOCK,
         }
     }
 }
@@ -316,7 +364,7 @@ unsafe fn dots<const N: usize>(
 /// # Safety
 /// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 32` strip blocks of `F`; tokens
 /// `t0..t0 + N` lie in `a` and `sums` (`sums.values` for a format with a minimum, else
-/// `sums.levels`).
+/// `sums.starts`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tokens<const N: usize, F: Small>(
     strip: &[u8],
@@ -332,8 +380,6 @@ unsafe fn tokens<const N: usize, F: Small>(
     } else {
         (32, 32 + 512)
     };
-    // The stored levels' offset: the nibble formats' own, Q8_0's 128.
-    let bias = if F::NIBBLES { i32::from(F::BIAS) } else { 128 };
     let mut acc = [_mm512_setzero_ps(); N];
     for b in 0..k / BLOCK {
         // SAFETY: the caller's contract: block `b` of the strip is `bytes` bytes at `b · bytes`
@@ -370,8 +416,7 @@ unsafe fn tokens<const N: usize, F: Small>(
                     if F::MINIMUM {
                         _mm512_setzero_si512()
                     } else {
-                        let sum = *sums.levels.get_unchecked(first(t) / BLOCK);
-                        _mm512_set1_epi32(-bias * sum)
+                        _mm512_set1_epi32(*sums.starts.get_unchecked(first(t) / BLOCK))
                     }
                 },
             );
@@ -429,6 +474,7 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
         QuantType::Q4_K
     };
     let bytes = strip_block_bytes(ty);
+    let prefetch = k_prefetch(N);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
@@ -441,7 +487,9 @@ unsafe fn tokens_k4<const N: usize, const FIVE: bool>(
             let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(32).cast()));
             for s in 0..QK_K / BLOCK {
                 // An eighth of the block per sub-block: the lines of the whole block, spread.
-                prefetch_ahead(k_prefetch(N), block.add(s * bytes / 8), bytes / 8 + 1);
+                if let Some(distance) = prefetch {
+                    prefetch_ahead(distance, block.add(s * bytes / 8), bytes / 8 + 1);
+                }
                 let bytes16 = |at: usize| {
                     _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
                         block.add(at + 16 * s).cast(),
@@ -507,7 +555,7 @@ unsafe fn q6_k_groups(block: *const u8, c: usize) -> [__m512i; 8] {
 ///
 /// # Safety
 /// The CPU must have AVX-512 F/BW and VNNI; the strip holds `k / 256` Q6_K strip blocks; tokens
-/// `t0..t0 + N` lie in `a` and `sums.levels` (per 16 values).
+/// `t0..t0 + N` lie in `a` and `sums.starts` (per 16 values).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn tokens_q6_k<const N: usize>(
     strip: &[u8],
@@ -518,6 +566,7 @@ unsafe fn tokens_q6_k<const N: usize>(
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
 ) {
     let bytes = strip_block_bytes(QuantType::Q6_K);
+    let prefetch = k_prefetch(N);
     let mut acc = [_mm512_setzero_ps(); N];
     for i in 0..k / QK_K {
         // SAFETY: the caller's contract: strip block `i` is `bytes` bytes at `i · bytes` (`d`,
@@ -528,7 +577,9 @@ unsafe fn tokens_q6_k<const N: usize>(
             let block = strip.as_ptr().add(i * bytes);
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
             for c in 0..QK_K / BLOCK {
-                prefetch_ahead(k_prefetch(N), block.add(c * bytes / 8), bytes / 8 + 1);
+                if let Some(distance) = prefetch {
+                    prefetch_ahead(distance, block.add(c * bytes / 8), bytes / 8 + 1);
+                }
                 let w = q6_k_groups(block, c);
                 let scale = |sub: usize| {
                     let sc = _mm_loadu_si128(block.add(32 + 16 * sub).cast());
@@ -536,15 +587,12 @@ unsafe fn tokens_q6_k<const N: usize>(
                 };
                 let (first_scale, second_scale) = (scale(2 * c), scale(2 * c + 1));
                 let first = |t: usize| (t0 + t) * k + i * QK_K + c * BLOCK;
-                // Each half (16 values) from `−32 · Σ x` of its values.
+                // Each half (16 values) from `−32 · Σ x` of its values (`sums.starts`).
                 let half = |h: usize| {
                     dots::<N>(
                         &w[4 * h..4 * h + 4],
                         |t| a.q.as_ptr().add(first(t) + 16 * h),
-                        |t| {
-                            let sum = *sums.levels.get_unchecked(first(t) / 16 + h);
-                            _mm512_set1_epi32(-32 * sum)
-                        },
+                        |t| _mm512_set1_epi32(*sums.starts.get_unchecked(first(t) / 16 + h)),
                     )
                 };
                 for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {

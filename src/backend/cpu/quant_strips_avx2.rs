@@ -100,7 +100,7 @@ pub(super) fn strip_product(
         // SAFETY: the CPU has AVX2, FMA and F16C (asserted); the assertions above keep every read
         // inside the strip and the tokens t0..t0 + run <= m, with their block sums.
         unsafe {
-            let (levels, values) = (sums.levels(), sums.values());
+            let (starts, values) = (sums.starts(), sums.values());
             match (ty, run) {
                 (QuantType::Q4_K, 4) => q4_k::<4, false>(strip, a, values, k, t0, out),
                 (QuantType::Q4_K, 2) => q4_k::<2, false>(strip, a, values, k, t0, out),
@@ -108,15 +108,15 @@ pub(super) fn strip_product(
                 (QuantType::Q5_K, 4) => q4_k::<4, true>(strip, a, values, k, t0, out),
                 (QuantType::Q5_K, 2) => q4_k::<2, true>(strip, a, values, k, t0, out),
                 (QuantType::Q5_K, _) => q4_k::<1, true>(strip, a, values, k, t0, out),
-                (QuantType::Q8_0, 4) => small::<Q8_0, 4>(strip, a, levels, k, t0, out),
-                (QuantType::Q8_0, 2) => small::<Q8_0, 2>(strip, a, levels, k, t0, out),
-                (QuantType::Q8_0, _) => small::<Q8_0, 1>(strip, a, levels, k, t0, out),
-                (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, levels, k, t0, out),
-                (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, levels, k, t0, out),
-                (QuantType::Q6_K, _) => q6_k::<1>(strip, a, levels, k, t0, out),
-                (_, 4) => small::<Q4_0, 4>(strip, a, levels, k, t0, out),
-                (_, 2) => small::<Q4_0, 2>(strip, a, levels, k, t0, out),
-                _ => small::<Q4_0, 1>(strip, a, levels, k, t0, out),
+                (QuantType::Q8_0, 4) => small::<Q8_0, 4>(strip, a, starts, k, t0, out),
+                (QuantType::Q8_0, 2) => small::<Q8_0, 2>(strip, a, starts, k, t0, out),
+                (QuantType::Q8_0, _) => small::<Q8_0, 1>(strip, a, starts, k, t0, out),
+                (QuantType::Q6_K, 4) => q6_k::<4>(strip, a, starts, k, t0, out),
+                (QuantType::Q6_K, 2) => q6_k::<2>(strip, a, starts, k, t0, out),
+                (QuantType::Q6_K, _) => q6_k::<1>(strip, a, starts, k, t0, out),
+                (_, 4) => small::<Q4_0, 4>(strip, a, starts, k, t0, out),
+                (_, 2) => small::<Q4_0, 2>(strip, a, starts, k, t0, out),
+                _ => small::<Q4_0, 1>(strip, a, starts, k, t0, out),
             }
         }
         for (t, s) in out.iter().enumerate().take(run) {
@@ -217,13 +217,13 @@ impl SmallFormat for Q8_0 {
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` strip blocks of `F`; the tokens
-/// `t0..t0 + N` lie in `a` (levels and scales) and, when `F::BIAS` is not 0, `levels` (`Σ q` per
-/// block of 32).
+/// `t0..t0 + N` lie in `a` (levels and scales) and, when `F::BIAS` is not 0, `starts`
+/// (`−F::BIAS · Σ q` per block of 32).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn small<F: SmallFormat, const N: usize>(
     strip: &[u8],
     a: &Activations,
-    levels: &[i32],
+    starts: &[i32],
     k: usize,
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
@@ -234,7 +234,7 @@ unsafe fn small<F: SmallFormat, const N: usize>(
     for b in 0..k / BLOCK {
         // SAFETY: the caller's contract: strip block `b` is `bytes` bytes at `b · bytes` (the 16
         // rows' `f16` scales, then their levels), and values `32 · b..32 · (b + 1)` of each token,
-        // its scale and its sum, lie in `a` and `levels`; `loadu` takes any alignment.
+        // its scale and its sum, lie in `a` and `starts`; `loadu` takes any alignment.
         unsafe {
             let block = strip.as_ptr().add(b * bytes);
             prefetch(t0 == 0, block, bytes);
@@ -245,8 +245,9 @@ unsafe fn small<F: SmallFormat, const N: usize>(
                     let first = (t0 + t) * k + b * BLOCK;
                     let mut dot = F::dot(&w, a.q.as_ptr().add(first));
                     if F::BIAS != 0 {
-                        let sum = *levels.get_unchecked(first / BLOCK);
-                        dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(F::BIAS * sum));
+                        // `−F::BIAS · Σ x`: the strips' bias is the format's.
+                        let start = *starts.get_unchecked(first / BLOCK);
+                        dot = _mm256_add_epi32(dot, _mm256_set1_epi32(start));
                     }
                     let scale =
                         _mm256_mul_ps(scales, _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK)));
@@ -425,12 +426,12 @@ fn store<const N: usize>(acc: [[__m256; 2]; N], out: &mut [[f32; STRIP_ROWS]; TO
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q6_K strip blocks; tokens `t0..t0
-/// + N` lie in `a` (levels and scales) and `levels` (`Σ q` per 16 values).
+/// + N` lie in `a` (levels and scales) and `starts` (`−32 · Σ q` per 16 values).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q6_k<const N: usize>(
     strip: &[u8],
     a: &Activations,
-    levels: &[i32],
+    starts: &[i32],
     k: usize,
     t0: usize,
     out: &mut [[f32; STRIP_ROWS]; TOKENS],
@@ -479,8 +480,8 @@ unsafe fn q6_k<const N: usize>(
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
                         for (h, scale) in scales.iter().enumerate() {
                             let sum = level_dot::<2>(&w[4 * h..4 * h + 4], x.add(16 * h));
-                            let bias = 32 * *levels.get_unchecked(first / 16 + h);
-                            let dot = _mm256_sub_epi32(sum, _mm256_set1_epi32(bias));
+                            let start = *starts.get_unchecked(first / 16 + h);
+                            let dot = _mm256_add_epi32(sum, _mm256_set1_epi32(start));
                             let scale = _mm256_mul_ps(*scale, xd);
                             acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
                         }

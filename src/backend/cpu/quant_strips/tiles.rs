@@ -19,7 +19,7 @@ use std::arch::x86_64::*;
 use super::super::bf16_tiles::{Config, Configured};
 use super::super::quant_tiles::AmxInt8;
 use super::{Activations, BLOCK, BlockSums, STRIP_ROWS, TOKENS};
-use super::{k_prefetch, prefetch_ahead};
+use super::{SEVERAL_TOKENS_PREFETCH, prefetch_ahead};
 use crate::quant::strips::strip_block_bytes;
 use crate::quant::{QK_K, QuantType};
 
@@ -206,7 +206,11 @@ pub(super) unsafe fn tokens_k4<const FIVE: bool>(
         unsafe {
             let block = strip.as_ptr().add(i * bytes);
             for s in 0..QK_K / BLOCK {
-                prefetch_ahead(k_prefetch(TOKENS), block.add(s * bytes / 8), bytes / 8 + 1);
+                prefetch_ahead(
+                    SEVERAL_TOKENS_PREFETCH,
+                    block.add(s * bytes / 8),
+                    bytes / 8 + 1,
+                );
                 for (g, w) in super::k4_groups::<FIVE>(block, s).into_iter().enumerate() {
                     _mm512_storeu_si512(tiles.scratch.levels[8 * s + g].as_mut_ptr().cast(), w);
                 }
@@ -246,7 +250,7 @@ pub(super) unsafe fn tokens_k4<const FIVE: bool>(
 /// # Safety
 /// The CPU must have AVX-512 F/BW and VNNI (an [`AmxInt8`] says so); `tiles` are configured for
 /// Q6_K; the strip holds `k / 256` Q6_K strip blocks; tokens `t0..t0 + 16` lie in `a` and
-/// `sums.levels` (per 16 values).
+/// `sums.starts` (per 16 values).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn tokens_q6_k(
     tiles: &mut StripTiles,
@@ -268,7 +272,11 @@ pub(super) unsafe fn tokens_q6_k(
         unsafe {
             let block = strip.as_ptr().add(i * bytes);
             for c in 0..QK_K / BLOCK {
-                prefetch_ahead(k_prefetch(TOKENS), block.add(c * bytes / 8), bytes / 8 + 1);
+                prefetch_ahead(
+                    SEVERAL_TOKENS_PREFETCH,
+                    block.add(c * bytes / 8),
+                    bytes / 8 + 1,
+                );
                 for (g, w) in super::q6_k_groups(block, c).into_iter().enumerate() {
                     _mm512_storeu_si512(tiles.scratch.levels[8 * c + g].as_mut_ptr().cast(), w);
                 }
@@ -283,12 +291,11 @@ pub(super) unsafe fn tokens_q6_k(
             // accumulator sees the VNNI kernel's operations in its order.
             for (t, acc) in acc.iter_mut().enumerate() {
                 let first = (t0 + t) * k + i * QK_K;
-                let (xd, xsum) = (a.d.as_ptr().add(first / BLOCK), sums.levels.as_ptr());
+                let (xd, starts) = (a.d.as_ptr().add(first / BLOCK), sums.starts.as_ptr());
                 for (h, &scale) in scale.iter().enumerate() {
                     // The VNNI kernel's integer: `−32 · Σ x` of the half, plus the levels' dot.
-                    let sum = *xsum.add(first / 16 + h);
                     let dot = _mm512_add_epi32(
-                        _mm512_set1_epi32(-32 * sum),
+                        _mm512_set1_epi32(*starts.add(first / 16 + h)),
                         _mm512_loadu_si512(tiles.scratch.sums[h][t].as_ptr().cast()),
                     );
                     let xd = _mm512_set1_ps(*xd.add(h / 2));
