@@ -130,9 +130,10 @@ pub(super) fn strip_product(
 trait SmallFormat {
     /// The format.
     const TYPE: QuantType;
-    /// The multiple of the token's `Σ x` each row's dot product subtracts (Q4_0's stored nibbles
-    /// are its levels plus 8; 0 where [`SmallFormat::dot`] is signed already).
-    const BIAS: i32;
+    /// Whether each row's dot product starts from the token's `−bias · Σ x` (`BlockSums::starts`:
+    /// Q4_0's stored nibbles are its levels plus 8); not where [`SmallFormat::dot`] is signed
+    /// already (Q8_0).
+    const BIASED: bool;
     /// The levels of 8 rows, prepared once for all tokens.
     type Rows;
 
@@ -156,7 +157,7 @@ struct Q4_0;
 
 impl SmallFormat for Q4_0 {
     const TYPE: QuantType = QuantType::Q4_0;
-    const BIAS: i32 = 8;
+    const BIASED: bool = true;
     type Rows = [__m256i; 8];
 
     #[target_feature(enable = "avx2")]
@@ -180,7 +181,7 @@ struct Q8_0;
 
 impl SmallFormat for Q8_0 {
     const TYPE: QuantType = QuantType::Q8_0;
-    const BIAS: i32 = 0;
+    const BIASED: bool = false;
     /// Vector g: values 4g..4g + 4 of the 8 rows, signed, and their magnitudes.
     type Rows = ([__m256i; 8], [__m256i; 8]);
 
@@ -212,13 +213,13 @@ impl SmallFormat for Q8_0 {
 }
 
 /// The strip of the 32-value format `F` times tokens `t0..t0 + N` into `out[..N]`: per block and 8
-/// rows, the levels prepared once, then per token their exact dot product, less `F::BIAS · Σ x`,
+/// rows, the levels prepared once, then per token their exact dot product, less `bias · Σ x`,
 /// times the rows' scales and the token's.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the strip holds `k / 32` strip blocks of `F`; the tokens
-/// `t0..t0 + N` lie in `a` (levels and scales) and, when `F::BIAS` is not 0, `starts`
-/// (`−F::BIAS · Σ q` per block of 32).
+/// `t0..t0 + N` lie in `a` (levels and scales) and, when `F::BIASED`, `starts`
+/// (`−bias · Σ q` per block of 32).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn small<F: SmallFormat, const N: usize>(
     strip: &[u8],
@@ -244,8 +245,7 @@ unsafe fn small<F: SmallFormat, const N: usize>(
                 for (t, acc) in acc.iter_mut().enumerate() {
                     let first = (t0 + t) * k + b * BLOCK;
                     let mut dot = F::dot(&w, a.q.as_ptr().add(first));
-                    if F::BIAS != 0 {
-                        // `−F::BIAS · Σ x`: the strips' bias is the format's.
+                    if F::BIASED {
                         let start = *starts.get_unchecked(first / BLOCK);
                         dot = _mm256_add_epi32(dot, _mm256_set1_epi32(start));
                     }
