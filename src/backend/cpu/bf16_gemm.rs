@@ -1261,29 +1261,47 @@ fn weight_stationary<E: Packed>(
     let out_rows = OutRows::new(out, n);
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
-        .for_each(|task| {
-            let mut tile = [[0.0f32; NR]; MR];
-            let mut left = vec![0u32; pairs * MR];
-            let mut wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
-            let end = n.min((task + 1) * ROWS_PER_TASK);
-            for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
-                let rows = MR.min(n - j0);
-                // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past `n` stay 0.
-                if rows < MR {
-                    left.fill(0);
+        .for_each_init(
+            || {
+                let left = vec![0u32; pairs * MR];
+                let wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
+                (left, wide, vec![bf16::ZERO; m * ROWS_PER_TASK])
+            },
+            |(left, wide, staged), task| {
+                let mut tile = [[0.0f32; NR]; MR];
+                let (start, end) = (task * ROWS_PER_TASK, n.min((task + 1) * ROWS_PER_TASK));
+                // The task's block of the output, `[m][end - start]` rows of at most 128 bytes,
+                // is gathered here and then copied out a token's row at a time: each tile holds
+                // 16 bytes of each of 32 tokens' rows, and stored straight into the output (rows
+                // `n` elements apart) they were 32 partial cache lines a tile, 2.4 % of the
+                // Llama-1B-shaped bf16 forward on a Zen 4.
+                let staging = OutRows::new(staged, ROWS_PER_TASK);
+                for j0 in (start..end).step_by(MR) {
+                    let rows = MR.min(n - j0);
+                    // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past
+                    // `n` stay 0.
+                    if rows < MR {
+                        left.fill(0);
+                    }
+                    pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, left);
+                    if dot.fma {
+                        widen_left(left, pairs, wide);
+                    }
+                    for tp in 0..token_panels {
+                        let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
+                        micro_kernel(dot, left, wide, rp, pairs, false, &mut tile);
+                        let width = NR.min(m - tp * NR);
+                        let at = (tp * NR, j0 - start);
+                        staging.store_tile(&tile, (rows, width), at, Placement::Transposed);
+                    }
                 }
-                pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, &mut left);
-                if dot.fma {
-                    widen_left(&left, pairs, &mut wide);
+                for (t, row) in staged.chunks_exact(ROWS_PER_TASK).enumerate() {
+                    out_rows.write(t, start, end - start, |dst| {
+                        dst.copy_from_slice(&row[..end - start])
+                    });
                 }
-                for tp in 0..token_panels {
-                    let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
-                    micro_kernel(dot, &left, &wide, rp, pairs, false, &mut tile);
-                    let width = NR.min(m - tp * NR);
-                    out_rows.store_tile(&tile, (rows, width), (tp * NR, j0), Placement::Transposed);
-                }
-            }
-        });
+            },
+        );
 }
 
 /// Tokens up to which [`few_tokens`] computes a product: decoding's batches. Above it, the
@@ -1502,7 +1520,89 @@ impl<'a> OutRows<'a> {
         at: (usize, usize),
         placement: Placement,
     ) {
+        if let (Placement::Transposed, (MR, width)) = (placement, shape)
+            && let Ok(tile) = <&[[f32; NR]; MR]>::try_from(&tile[..])
+        {
+            // SAFETY: the CPU has AVX-512 F and BW (this function's contract).
+            return unsafe { self.store_eight_transposed_avx512(tile, width, at) };
+        }
         self.store_tile_inline(tile, shape, at, placement);
+    }
+
+    /// A whole tile of `MR = 8` rows of `outᵀ`, columns `0..width`, stored as rows `first..first +
+    /// width`, columns `col..col + 8` of the output: rounded row by row, then transposed eight
+    /// columns at a time in registers (an 8 × 8 transpose of 16-bit lanes, three rounds of
+    /// unpacking), each column one 16-byte store. The general path moved the 256 values one by one
+    /// and copied each column with a call of `memcpy`: 4.2 % of the Llama-1B-shaped bf16 forward
+    /// on a Zen 4, where every weight-stationary tile ends here.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F and BW.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn store_eight_transposed_avx512(
+        &self,
+        tile: &[[f32; NR]; MR],
+        width: usize,
+        (first, col): (usize, usize),
+    ) {
+        use std::arch::x86_64::{
+            __m128i, _mm_loadu_si128, _mm_storeu_si128, _mm_unpackhi_epi16, _mm_unpackhi_epi32,
+            _mm_unpackhi_epi64, _mm_unpacklo_epi16, _mm_unpacklo_epi32, _mm_unpacklo_epi64,
+        };
+        const { assert!(MR == 8 && NR.is_multiple_of(8)) };
+        let mut rounded = [[bf16::ZERO; NR]; MR];
+        for (row, into) in tile.iter().zip(&mut rounded) {
+            bf16_rounded(row, into);
+        }
+        for c in 0..width.min(NR).div_ceil(8) {
+            // Row r's eight values of columns 8c..8c + 8: `r[i]` = [a0 .. a7], [b0 .. b7], ...
+            let r: [__m128i; MR] = std::array::from_fn(|i| {
+                let eight: &[bf16; 8] = rounded[i][8 * c..8 * c + 8].try_into().unwrap();
+                // SAFETY: 16 bytes read from an array of eight `bf16`; `loadu` takes any
+                // alignment.
+                unsafe { _mm_loadu_si128(eight.as_ptr().cast()) }
+            });
+            // Pairs of rows interleaved: [a0 b0 a1 b1 a2 b2 a3 b3], [a4 b4 .. a7 b7], ...
+            let t = [
+                _mm_unpacklo_epi16(r[0], r[1]),
+                _mm_unpackhi_epi16(r[0], r[1]),
+                _mm_unpacklo_epi16(r[2], r[3]),
+                _mm_unpackhi_epi16(r[2], r[3]),
+                _mm_unpacklo_epi16(r[4], r[5]),
+                _mm_unpackhi_epi16(r[4], r[5]),
+                _mm_unpacklo_epi16(r[6], r[7]),
+                _mm_unpackhi_epi16(r[6], r[7]),
+            ];
+            // Fours: [a0 b0 c0 d0 a1 b1 c1 d1], [a2 .. d3], [a4 .. d5], [a6 .. d7], then e..h.
+            let u = [
+                _mm_unpacklo_epi32(t[0], t[2]),
+                _mm_unpackhi_epi32(t[0], t[2]),
+                _mm_unpacklo_epi32(t[1], t[3]),
+                _mm_unpackhi_epi32(t[1], t[3]),
+                _mm_unpacklo_epi32(t[4], t[6]),
+                _mm_unpackhi_epi32(t[4], t[6]),
+                _mm_unpacklo_epi32(t[5], t[7]),
+                _mm_unpackhi_epi32(t[5], t[7]),
+            ];
+            // Columns: [a0 b0 c0 d0 e0 f0 g0 h0], [a1 .. h1], ...
+            let columns = [
+                _mm_unpacklo_epi64(u[0], u[4]),
+                _mm_unpackhi_epi64(u[0], u[4]),
+                _mm_unpacklo_epi64(u[1], u[5]),
+                _mm_unpackhi_epi64(u[1], u[5]),
+                _mm_unpacklo_epi64(u[2], u[6]),
+                _mm_unpackhi_epi64(u[2], u[6]),
+                _mm_unpacklo_epi64(u[3], u[7]),
+                _mm_unpackhi_epi64(u[3], u[7]),
+            ];
+            for (i, column) in columns.into_iter().enumerate().take(width - 8 * c) {
+                self.write(first + 8 * c + i, col, MR, |dst| {
+                    // SAFETY: `dst` is eight `bf16`, 16 bytes; `storeu` takes any alignment.
+                    unsafe { _mm_storeu_si128(dst.as_mut_ptr().cast(), column) }
+                });
+            }
+        }
     }
 
     /// The body of [`store_tile`](Self::store_tile), inlined into each version.
