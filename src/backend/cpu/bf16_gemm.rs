@@ -1261,47 +1261,29 @@ fn weight_stationary<E: Packed>(
     let out_rows = OutRows::new(out, n);
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
-        .for_each_init(
-            || {
-                let left = vec![0u32; pairs * MR];
-                let wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
-                (left, wide, vec![bf16::ZERO; m * ROWS_PER_TASK])
-            },
-            |(left, wide, staged), task| {
-                let mut tile = [[0.0f32; NR]; MR];
-                let (start, end) = (task * ROWS_PER_TASK, n.min((task + 1) * ROWS_PER_TASK));
-                // The task's block of the output, `[m][end - start]` rows of at most 128 bytes,
-                // is gathered here and then copied out a token's row at a time: each tile holds
-                // 16 bytes of each of 32 tokens' rows, and stored straight into the output (rows
-                // `n` elements apart) they were 32 partial cache lines a tile, 2.4 % of the
-                // Llama-1B-shaped bf16 forward on a Zen 4.
-                let staging = OutRows::new(staged, ROWS_PER_TASK);
-                for j0 in (start..end).step_by(MR) {
-                    let rows = MR.min(n - j0);
-                    // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past
-                    // `n` stay 0.
-                    if rows < MR {
-                        left.fill(0);
-                    }
-                    pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, left);
-                    if dot.fma {
-                        widen_left(left, pairs, wide);
-                    }
-                    for tp in 0..token_panels {
-                        let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
-                        micro_kernel(dot, left, wide, rp, pairs, false, &mut tile);
-                        let width = NR.min(m - tp * NR);
-                        let at = (tp * NR, j0 - start);
-                        staging.store_tile(&tile, (rows, width), at, Placement::Transposed);
-                    }
+        .for_each(|task| {
+            let mut tile = [[0.0f32; NR]; MR];
+            let mut left = vec![0u32; pairs * MR];
+            let mut wide = vec![0.0f32; if dot.fma { 2 * pairs * MR } else { 0 }];
+            let end = n.min((task + 1) * ROWS_PER_TASK);
+            for j0 in (task * ROWS_PER_TASK..end).step_by(MR) {
+                let rows = MR.min(n - j0);
+                // The weight rows' pairs as the kernel's left panel ([pair][row]); rows past `n` stay 0.
+                if rows < MR {
+                    left.fill(0);
                 }
-                for (t, row) in staged.chunks_exact(ROWS_PER_TASK).enumerate() {
-                    out_rows.write(t, start, end - start, |dst| {
-                        dst.copy_from_slice(&row[..end - start])
-                    });
+                pack_panel(b.data, (b.cols, 1), j0..j0 + rows, k, MR, &mut left);
+                if dot.fma {
+                    widen_left(&left, pairs, &mut wide);
                 }
-            },
-        );
+                for tp in 0..token_panels {
+                    let rp = &right[tp * pairs * NR..(tp + 1) * pairs * NR];
+                    micro_kernel(dot, &left, &wide, rp, pairs, false, &mut tile);
+                    let width = NR.min(m - tp * NR);
+                    out_rows.store_tile(&tile, (rows, width), (tp * NR, j0), Placement::Transposed);
+                }
+            }
+        });
 }
 
 /// Tokens up to which [`few_tokens`] computes a product: decoding's batches. Above it, the
@@ -1533,8 +1515,8 @@ impl<'a> OutRows<'a> {
     /// width`, columns `col..col + 8` of the output: rounded row by row, then transposed eight
     /// columns at a time in registers (an 8 × 8 transpose of 16-bit lanes, three rounds of
     /// unpacking), each column one 16-byte store. The general path moved the 256 values one by one
-    /// and copied each column with a call of `memcpy`: 4.2 % of the Llama-1B-shaped bf16 forward
-    /// on a Zen 4, where every weight-stationary tile ends here.
+    /// and copied each column with a call of `memcpy`: 3.7 % of the Llama-1B-shaped bf16 forward's
+    /// samples on a Zen 4, where every weight-stationary tile ends here; 2.4 % after.
     ///
     /// # Safety
     /// The CPU must have AVX-512 F and BW.
