@@ -112,13 +112,9 @@ impl Bf16Dot {
     fn best() -> Option<Bf16Dot> {
         #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16") {
-            // CPUID leaf 0's vendor string, "GenuineIntel", in EBX, EDX, ECX.
-            let vendor = std::arch::x86_64::__cpuid(0);
-            let intel =
-                (vendor.ebx, vendor.edx, vendor.ecx) == (0x756e_6547, 0x4965_6e69, 0x6c65_746e);
             return Some(Bf16Dot {
                 tiles: Amx::detect(),
-                fma: intel,
+                fma: super::cpu_vendor() == *b"GenuineIntel",
             });
         }
         None

@@ -70,6 +70,18 @@ fn convert_chunks<S: Sync, D: Send>(from: &[S], to: &mut [D], convert: fn(&[S], 
         .for_each(|(t, f)| convert(f, t));
 }
 
+/// CPUID leaf 0's vendor string (EBX, EDX, ECX): `GenuineIntel`, `AuthenticAMD`, ... The kernels
+/// whose best schedule differs between vendors' cores ask it (`bf16_gemm`, `quant_strips`).
+#[cfg(target_arch = "x86_64")]
+fn cpu_vendor() -> [u8; 12] {
+    let leaf = std::arch::x86_64::__cpuid(0);
+    let mut name = [0u8; 12];
+    for (bytes, register) in name.chunks_exact_mut(4).zip([leaf.ebx, leaf.edx, leaf.ecx]) {
+        bytes.copy_from_slice(&register.to_le_bytes());
+    }
+    name
+}
+
 /// Asks for the cache lines of the `len` bytes from `start`, for a kernel that will read them soon
 /// (the kernels that stream weights or caches faster than the hardware prefetcher follows). A
 /// prefetch reads nothing the program sees and never faults, so `start..start + len` may reach past

@@ -65,12 +65,7 @@ fn one_token_k_prefetch() -> bool {
 
 /// The CPU's family (base plus extended, as AMD numbers them) when it is an AMD one.
 fn amd_family() -> Option<u32> {
-    let vendor = __cpuid(0);
-    let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
-        .iter()
-        .flat_map(|r| r.to_le_bytes())
-        .collect();
-    if name != b"AuthenticAMD" {
+    if super::cpu_vendor() != *b"AuthenticAMD" {
         return None;
     }
     let eax = __cpuid(1).eax;
