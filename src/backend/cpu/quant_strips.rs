@@ -546,6 +546,19 @@ unsafe fn q6_k_groups(block: *const u8, c: usize) -> [__m512i; 8] {
     }
 }
 
+/// `acc` plus one token's 32 values of a Q6_K chunk: `xd · (sc₀ · Σ₀ + sc₁ · Σ₁)`, the two
+/// halves' integer sums `dots` (from their start values) scaled by the rows' `d · sc` of each half
+/// and the token's block scale `xd`. Three multiplies, where scaling each half by `sc · xd` took
+/// four, on the pipes the dot products use (BENCHMARKS.md, issue 35). The int8 tiles' kernel calls
+/// it too, so both give the same bits.
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn q6_k_chunk(acc: __m512, dots: [__m512i; 2], scales: [__m512; 2], xd: __m512) -> __m512 {
+    let high = _mm512_mul_ps(_mm512_cvtepi32_ps(dots[1]), scales[1]);
+    let both = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[0]), scales[0], high);
+    _mm512_fmadd_ps(both, xd, acc)
+}
+
 /// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`.
 ///
 /// # Safety
@@ -590,13 +603,10 @@ unsafe fn tokens_q6_k<const N: usize>(
                         |t| _mm512_set1_epi32(*sums.starts.get_unchecked(first(t) / 16 + h)),
                     )
                 };
-                for (h, scale) in [first_scale, second_scale].into_iter().enumerate() {
-                    let dot = half(h);
-                    for ((t, acc), dot) in acc.iter_mut().enumerate().zip(dot) {
-                        let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
-                        let dot = _mm512_cvtepi32_ps(dot);
-                        *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
-                    }
+                let (low, high) = (half(0), half(1));
+                for (((t, acc), low), high) in acc.iter_mut().enumerate().zip(low).zip(high) {
+                    let xd = _mm512_set1_ps(*a.d.get_unchecked(first(t) / BLOCK));
+                    *acc = q6_k_chunk(*acc, [low, high], [first_scale, second_scale], xd);
                 }
             }
         }

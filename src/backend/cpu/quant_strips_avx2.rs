@@ -421,8 +421,8 @@ fn store<const N: usize>(acc: [[__m256; 2]; N], out: &mut [[f32; STRIP_ROWS]; TO
 /// The Q6_K strip times tokens `t0..t0 + N` into `out[..N]`: per 32 values, the 6-bit levels of 8
 /// rows put together from their nibbles and two high bits (shared by the tokens), then per token
 /// and 16 values (a scale block) two pairs of `vpmaddubsw` — a pair of products is at most 2 · 63
-/// · 127 = 16,002, two pairs 32,004, inside an `i16` — widened, less `32 · Σ x`, scaled by the
-/// rows' `d · sc` and the token's `d`.
+/// · 127 = 16,002, two pairs 32,004, inside an `i16` — widened, less `32 · Σ x`, each half scaled
+/// by the rows' `d · sc`, the chunk's sum by the token's `d`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; the strip holds `k / 256` Q6_K strip blocks; tokens `t0..t0
@@ -478,13 +478,14 @@ unsafe fn q6_k<const N: usize>(
                         let first = (t0 + t) * k + i * QK_K + c * BLOCK;
                         let x = a.q.as_ptr().add(first);
                         let xd = _mm256_set1_ps(*a.d.get_unchecked(first / BLOCK));
-                        for (h, scale) in scales.iter().enumerate() {
+                        let [low, high] = [0, 1].map(|h| {
                             let sum = level_dot::<2>(&w[4 * h..4 * h + 4], x.add(16 * h));
                             let start = *starts.get_unchecked(first / 16 + h);
-                            let dot = _mm256_add_epi32(sum, _mm256_set1_epi32(start));
-                            let scale = _mm256_mul_ps(*scale, xd);
-                            acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
-                        }
+                            _mm256_cvtepi32_ps(_mm256_add_epi32(sum, _mm256_set1_epi32(start)))
+                        });
+                        // `xd · (sc₀ · Σ₀ + sc₁ · Σ₁)`, as the AVX-512 kernels scale a chunk.
+                        let both = _mm256_fmadd_ps(low, scales[0], _mm256_mul_ps(high, scales[1]));
+                        acc[half] = _mm256_fmadd_ps(both, xd, acc[half]);
                     }
                 }
             }

@@ -292,15 +292,16 @@ pub(super) unsafe fn tokens_q6_k(
             for (t, acc) in acc.iter_mut().enumerate() {
                 let first = (t0 + t) * k + i * QK_K;
                 let (xd, starts) = (a.d.as_ptr().add(first / BLOCK), sums.starts.as_ptr());
-                for (h, &scale) in scale.iter().enumerate() {
-                    // The VNNI kernel's integer: `−32 · Σ x` of the half, plus the levels' dot.
-                    let dot = _mm512_add_epi32(
-                        _mm512_set1_epi32(*starts.add(first / 16 + h)),
-                        _mm512_loadu_si512(tiles.scratch.sums[h][t].as_ptr().cast()),
-                    );
-                    let xd = _mm512_set1_ps(*xd.add(h / 2));
-                    let dot = _mm512_cvtepi32_ps(dot);
-                    *acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(scale, xd), *acc);
+                for c in 0..QK_K / BLOCK {
+                    // The VNNI kernel's integers: `−32 · Σ x` of each half, plus the levels' dot.
+                    let dots = [2 * c, 2 * c + 1].map(|h| {
+                        _mm512_add_epi32(
+                            _mm512_set1_epi32(*starts.add(first / 16 + h)),
+                            _mm512_loadu_si512(tiles.scratch.sums[h][t].as_ptr().cast()),
+                        )
+                    });
+                    let xd = _mm512_set1_ps(*xd.add(c));
+                    *acc = super::q6_k_chunk(*acc, dots, [scale[2 * c], scale[2 * c + 1]], xd);
                 }
             }
         }
