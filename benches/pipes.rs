@@ -2,8 +2,9 @@
 //! eight independent 512-bit `vpdpbusd` a loop (the int8 dot products of `quant_strips`) alone,
 //! then with four other instructions beside them. Where the loop takes as long as the eight alone,
 //! the four ran on other execution pipes; where it takes 12/8 as long, they queued for the same
-//! ones. Also `vpdpbusd`'s latency (one chain) and `vdpbf16ps`' throughput (the `bf16` products'
-//! micro-kernel). Run with `cargo bench --bench pipes`; x86-64 with AVX-512 VNNI and BF16 only.
+//! ones. Also the eight with their token bytes broadcast from memory (`{1to16}` operands, as the
+//! strip kernels take them) and beside broadcast and 64-byte loads, `vpdpbusd`'s latency (one chain)
+//! and `vdpbf16ps`' throughput (the `bf16` products' micro-kernel). Run with `cargo bench --bench pipes`; x86-64 with AVX-512 VNNI and BF16 only.
 //!
 //! The figures are ratios to the first loop, so they do not depend on the clock; `ns` is per loop.
 
@@ -53,6 +54,38 @@ mod loops {
         };
     }
 
+    /// What the loops with memory operands read (`{p}`): 64 bytes, in L1 after the first
+    /// iteration.
+    static BYTES: [u8; 64] = [1; 64];
+
+    /// [`timed_loop`] for bodies that read `BYTES` through `{p}`.
+    macro_rules! timed_loop_reading {
+        ($name:ident, $($body:expr),+) => {
+            /// # Safety
+            /// The CPU must have AVX-512 F and VNNI.
+            pub unsafe fn $name(iters: u64) {
+                // SAFETY: the caller's contract (the CPU runs these instructions); the loop
+                // touches only the registers it declares clobbered and its counter, and reads
+                // only the 64 bytes of `BYTES`.
+                unsafe {
+                    asm!(
+                        "2:",
+                        $($body,)+
+                        "dec {i}",
+                        "jnz 2b",
+                        i = inout(reg) iters => _,
+                        p = in(reg) BYTES.as_ptr(),
+                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                        out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                        out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                        out("zmm12") _, out("zmm13") _,
+                        options(nostack, readonly),
+                    );
+                }
+            }
+        };
+    }
+
     timed_loop!(dots, eight_dots!());
     timed_loop!(
         dots_fma,
@@ -89,6 +122,24 @@ mod loops {
         eight_dots!(),
         "vpandd zmm10, zmm8, zmm9\nvpsrlw zmm11, zmm8, 4\n",
         "vpandd zmm12, zmm8, zmm9\nvpsrlw zmm13, zmm8, 4\n"
+    );
+    timed_loop_reading!(
+        dots_broadcast,
+        "vpdpbusd zmm0, zmm8, dword ptr [{p}]{{1to16}}\n",
+        "vpdpbusd zmm1, zmm8, dword ptr [{p} + 4]{{1to16}}\n",
+        "vpdpbusd zmm2, zmm8, dword ptr [{p} + 8]{{1to16}}\n",
+        "vpdpbusd zmm3, zmm8, dword ptr [{p} + 12]{{1to16}}\n",
+        "vpdpbusd zmm4, zmm8, dword ptr [{p} + 16]{{1to16}}\n",
+        "vpdpbusd zmm5, zmm8, dword ptr [{p} + 20]{{1to16}}\n",
+        "vpdpbusd zmm6, zmm8, dword ptr [{p} + 24]{{1to16}}\n",
+        "vpdpbusd zmm7, zmm8, dword ptr [{p} + 28]{{1to16}}\n"
+    );
+    timed_loop_reading!(
+        dots_loads,
+        eight_dots!(),
+        "vpbroadcastd zmm10, dword ptr [{p}]\nvpbroadcastd zmm11, dword ptr [{p} + 4]\n",
+        "vpbroadcastd zmm12, dword ptr [{p} + 8]\nvpbroadcastd zmm13, dword ptr [{p} + 12]\n",
+        "vmovdqu64 zmm10, [{p}]\nvmovdqu64 zmm11, [{p}]\n"
     );
     timed_loop!(
         one_chain,
@@ -139,13 +190,21 @@ fn main() {
     };
     let base = time(loops::dots);
     println!("pipes/8 vpdpbusd: {base:.3} ns a loop (1.00)");
-    let mixes: [(&str, Loop); 8] = [
+    let mixes: [(&str, Loop); 10] = [
         ("8 vpdpbusd + 4 vfmadd231ps", loops::dots_fma),
         ("8 vpdpbusd + 4 vmulps", loops::dots_mul),
         ("8 vpdpbusd + 4 vpmulld", loops::dots_mullo),
         ("8 vpdpbusd + 4 vcvtdq2ps", loops::dots_convert),
         ("8 vpdpbusd + 4 vaddps", loops::dots_add),
         ("8 vpdpbusd + 2 vpandd + 2 vpsrlw", loops::dots_unpack),
+        (
+            "8 vpdpbusd, each a {1to16} broadcast from memory",
+            loops::dots_broadcast,
+        ),
+        (
+            "8 vpdpbusd + 4 vpbroadcastd and 2 64-byte loads from memory",
+            loops::dots_loads,
+        ),
         ("8 vpdpbusd in one chain (latency)", loops::one_chain),
         ("8 vdpbf16ps", loops::bf16_dots),
     ];
