@@ -28,41 +28,15 @@ mod loops {
         };
     }
 
-    /// A loop of `iters` iterations of `$body` (zmm0..zmm13 clobbered).
+    /// What the loops with memory operands read (through `rsi`): 64 bytes, in L1 after the first
+    /// iteration.
+    static BYTES: [u8; 64] = [1; 64];
+
+    /// A loop of `iters` iterations of `$body` (zmm0..zmm13 clobbered; `rsi` points to `BYTES`).
     macro_rules! timed_loop {
         ($name:ident, $($body:expr),+) => {
             /// # Safety
             /// The CPU must have AVX-512 F, VNNI and BF16.
-            pub unsafe fn $name(iters: u64) {
-                // SAFETY: the caller's contract (the CPU runs these instructions); the loop
-                // touches only the registers it declares clobbered and its counter.
-                unsafe {
-                    asm!(
-                        "2:",
-                        $($body,)+
-                        "dec {i}",
-                        "jnz 2b",
-                        i = inout(reg) iters => _,
-                        out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
-                        out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
-                        out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
-                        out("zmm12") _, out("zmm13") _,
-                        options(nostack, nomem),
-                    );
-                }
-            }
-        };
-    }
-
-    /// What the loops with memory operands read (`{p}`): 64 bytes, in L1 after the first
-    /// iteration.
-    static BYTES: [u8; 64] = [1; 64];
-
-    /// [`timed_loop`] for bodies that read `BYTES` through `{p}`.
-    macro_rules! timed_loop_reading {
-        ($name:ident, $($body:expr),+) => {
-            /// # Safety
-            /// The CPU must have AVX-512 F and VNNI.
             pub unsafe fn $name(iters: u64) {
                 // SAFETY: the caller's contract (the CPU runs these instructions); the loop
                 // touches only the registers it declares clobbered and its counter, and reads
@@ -74,7 +48,7 @@ mod loops {
                         "dec {i}",
                         "jnz 2b",
                         i = inout(reg) iters => _,
-                        p = in(reg) BYTES.as_ptr(),
+                        in("rsi") BYTES.as_ptr(),
                         out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
                         out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
                         out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
@@ -123,23 +97,23 @@ mod loops {
         "vpandd zmm10, zmm8, zmm9\nvpsrlw zmm11, zmm8, 4\n",
         "vpandd zmm12, zmm8, zmm9\nvpsrlw zmm13, zmm8, 4\n"
     );
-    timed_loop_reading!(
+    timed_loop!(
         dots_broadcast,
-        "vpdpbusd zmm0, zmm8, dword ptr [{p}]{{1to16}}\n",
-        "vpdpbusd zmm1, zmm8, dword ptr [{p} + 4]{{1to16}}\n",
-        "vpdpbusd zmm2, zmm8, dword ptr [{p} + 8]{{1to16}}\n",
-        "vpdpbusd zmm3, zmm8, dword ptr [{p} + 12]{{1to16}}\n",
-        "vpdpbusd zmm4, zmm8, dword ptr [{p} + 16]{{1to16}}\n",
-        "vpdpbusd zmm5, zmm8, dword ptr [{p} + 20]{{1to16}}\n",
-        "vpdpbusd zmm6, zmm8, dword ptr [{p} + 24]{{1to16}}\n",
-        "vpdpbusd zmm7, zmm8, dword ptr [{p} + 28]{{1to16}}\n"
+        "vpdpbusd zmm0, zmm8, dword ptr [rsi]{{1to16}}\n",
+        "vpdpbusd zmm1, zmm8, dword ptr [rsi + 4]{{1to16}}\n",
+        "vpdpbusd zmm2, zmm8, dword ptr [rsi + 8]{{1to16}}\n",
+        "vpdpbusd zmm3, zmm8, dword ptr [rsi + 12]{{1to16}}\n",
+        "vpdpbusd zmm4, zmm8, dword ptr [rsi + 16]{{1to16}}\n",
+        "vpdpbusd zmm5, zmm8, dword ptr [rsi + 20]{{1to16}}\n",
+        "vpdpbusd zmm6, zmm8, dword ptr [rsi + 24]{{1to16}}\n",
+        "vpdpbusd zmm7, zmm8, dword ptr [rsi + 28]{{1to16}}\n"
     );
-    timed_loop_reading!(
+    timed_loop!(
         dots_loads,
         eight_dots!(),
-        "vpbroadcastd zmm10, dword ptr [{p}]\nvpbroadcastd zmm11, dword ptr [{p} + 4]\n",
-        "vpbroadcastd zmm12, dword ptr [{p} + 8]\nvpbroadcastd zmm13, dword ptr [{p} + 12]\n",
-        "vmovdqu64 zmm10, [{p}]\nvmovdqu64 zmm11, [{p}]\n"
+        "vpbroadcastd zmm10, dword ptr [rsi]\nvpbroadcastd zmm11, dword ptr [rsi + 4]\n",
+        "vpbroadcastd zmm12, dword ptr [rsi + 8]\nvpbroadcastd zmm13, dword ptr [rsi + 12]\n",
+        "vmovdqu64 zmm10, [rsi]\nvmovdqu64 zmm11, [rsi]\n"
     );
     timed_loop!(
         one_chain,
