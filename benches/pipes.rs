@@ -3,8 +3,9 @@
 //! then with four other instructions beside them. Where the loop takes as long as the eight alone,
 //! the four ran on other execution pipes; where it takes 12/8 as long, they queued for the same
 //! ones. Also the eight with their token bytes broadcast from memory (`{1to16}` operands, as the
-//! strip kernels take them) and beside broadcast and 64-byte loads, `vpdpbusd`'s latency (one chain)
-//! and `vdpbf16ps`' throughput (the `bf16` products' micro-kernel). Run with `cargo bench --bench pipes`; x86-64 with AVX-512 VNNI and BF16 only.
+//! strip kernels take them) and beside broadcast and 64-byte loads, `vpdpbusd`'s latency (one
+//! chain) and `vdpbf16ps`' throughput (the `bf16` products' micro-kernel). Run with `cargo bench
+//! --bench pipes`; x86-64 with AVX-512 VNNI and BF16 only.
 //!
 //! The figures are ratios to the first loop, so they do not depend on the clock; `ns` is per loop.
 
