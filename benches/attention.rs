@@ -5,7 +5,8 @@
 //! (forward+backward) over GPT-2's vocabulary `[1023, 50257]`. `benches/attention_reference.py`
 //! runs the same shapes in PyTorch. And a decoding step's attention over paged KV caches kept in
 //! `f32`, `f16` and `bf16`: eight sequences of 160 cached tokens, GPT-2 small's 12 layers of 12
-//! heads (the cache bytes a step reads, as throughput). Run with
+//! heads (the cache bytes a step reads, as throughput), from cache and, for `f32` and `f16`, from
+//! memory (64 MiB written between steps, as a model's weights pass between its steps). Run with
 //!
 //! ```text
 //! RAYON_NUM_THREADS=2 cargo bench --bench attention -- --noplot
@@ -13,7 +14,7 @@
 
 use std::hint::black_box;
 
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndscope::kv::{KvCache, KvPool, KvShape, KvStep};
 use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
 use ndscope::{AttentionSpec, Causal, DType, Device, Result, Tape, root};
@@ -166,26 +167,50 @@ fn paged_decode(c: &mut Criterion) {
                 // Every layer reads the keys and values of each cached token and the new one.
                 let read = SEQUENCES * (CACHED + 1) * shape.token_bytes();
                 group.throughput(Throughput::Bytes(read as u64));
-                group.bench_function(BenchmarkId::from_parameter(dtype), |bench| {
-                    bench.iter(|| {
-                        r.scope(|_| -> Result<()> {
-                            // The step is dropped unfinished: the caches keep their 160 tokens.
-                            let mut step =
-                                KvStep::new(&pool, caches.iter_mut().collect(), &[1; SEQUENCES])?;
-                            for layer in 0..12 {
-                                black_box(step.attend(layer, &qkv, 0.125)?);
-                            }
-                            Ok(())
-                        })
-                        .unwrap()
+                let mut step = || {
+                    r.scope(|_| -> Result<()> {
+                        // The step is dropped unfinished: the caches keep their 160 tokens.
+                        let mut step =
+                            KvStep::new(&pool, caches.iter_mut().collect(), &[1; SEQUENCES])?;
+                        for layer in 0..12 {
+                            black_box(step.attend(layer, &qkv, 0.125)?);
+                        }
+                        Ok(())
                     })
+                    .unwrap()
+                };
+                group.bench_function(BenchmarkId::from_parameter(dtype), |bench| {
+                    bench.iter(&mut step)
                 });
+                // The caches (6-12 MB) stay in L3 from one step to the next above; in a model's
+                // step the weights pass between, and the pages come from memory.
+                if dtype != DType::BF16 {
+                    let mut other = vec![0u64; EVICT_BYTES / 8];
+                    group.bench_function(BenchmarkId::new("from_memory", dtype), |bench| {
+                        bench.iter_batched(
+                            || evict(&mut other),
+                            |()| step(),
+                            BatchSize::PerIteration,
+                        )
+                    });
+                }
                 Ok(())
             })
         })
         .unwrap();
     }
     group.finish();
+}
+
+/// Bytes written between samples of `from_memory`: twice the 32 MiB L3 of the machines measured.
+const EVICT_BYTES: usize = 64 << 20;
+
+/// Writes `other` through, so that what was in cache before is not.
+fn evict(other: &mut [u64]) {
+    for (i, x) in other.iter_mut().enumerate() {
+        *x = x.wrapping_add(i as u64);
+    }
+    black_box(&other[..]);
 }
 
 criterion_group!(benches, attention, paged_decode);

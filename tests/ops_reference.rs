@@ -263,18 +263,23 @@ fn matmul_2d_batched_transposed_and_vectors() {
         let transposed = |wv: &[f64], k: usize, n: usize| -> Vec<f64> {
             (0..k * n).map(|i| wv[(i % n) * k + i / n]).collect()
         };
-        for (m, k, n) in [(17, 64, 5), (40, 130, 33)] {
+        // (40, 1030, 100) and the second batch below: from 32 rows by 64 weight rows of 1,024 or
+        // more, the weight is transposed a chunk at a time before `gemm` (AVX-512 CPUs), with
+        // edges past the 16 × 16 blocks.
+        for (m, k, n) in [(17, 64, 5), (40, 130, 33), (40, 1030, 100)] {
             let (x, xv) = tensor(s, &[m, k], 17)?;
             let (w, wv) = tensor(s, &[n, k], 18)?;
             let want = matmul(&xv, &transposed(&wv, k, n), m, k, n);
             assert_close(&x.matmul(&w.t()?)?.to_vec_f64()?, &want, 1e-4);
         }
-        let (x, xv) = tensor(s, &[2, 20, 100], 19)?;
-        let (w, wv) = tensor(s, &[7, 100], 20)?;
-        let wt = transposed(&wv, 100, 7);
-        let mut want = matmul(&xv[..2000], &wt, 20, 100, 7);
-        want.extend(matmul(&xv[2000..], &wt, 20, 100, 7));
-        assert_close(&x.matmul(&w.t()?)?.to_vec_f64()?, &want, 1e-4);
+        for (m, k, n) in [(20, 100, 7), (33, 1040, 70)] {
+            let (x, xv) = tensor(s, &[2, m, k], 19)?;
+            let (w, wv) = tensor(s, &[n, k], 20)?;
+            let wt = transposed(&wv, k, n);
+            let mut want = matmul(&xv[..m * k], &wt, m, k, n);
+            want.extend(matmul(&xv[m * k..], &wt, m, k, n));
+            assert_close(&x.matmul(&w.t()?)?.to_vec_f64()?, &want, 1e-4);
+        }
         // Batched with a broadcast batch dimension: [2, 3, 4] @ [4, 2].
         let (a, av) = tensor(s, &[2, 3, 4], 13)?;
         let (b, bv) = tensor(s, &[4, 2], 14)?;

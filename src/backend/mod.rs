@@ -483,8 +483,9 @@ pub(crate) trait Backend: Sync {
     fn matmul_reads(&self, layout: &Layout, batch: &[usize]) -> bool;
 
     /// Bytes of memory [`matmul`](Self::matmul) needs beside its operands for `a b` (`(m, k, n)`,
-    /// the operands laid out as they will be passed): the host's packed operands of a bf16 product
-    /// on AMX tiles; none for every other product. The op allocates them as a temporary of the
+    /// the operands laid out as they will be passed): on the host, the packed operands of a bf16
+    /// product and the transposed chunks of an `f32` product by a transposed weight; none for
+    /// every other product. The op allocates them as a temporary of the
     /// scope, so that the packing reuses pool memory from step to step (counted in the scope's
     /// stats) instead of taking fresh pages from the kernel on every call.
     fn matmul_scratch_bytes(

@@ -11,7 +11,7 @@ use gemm::Parallelism;
 
 use super::narrow::Narrow;
 use super::widen::Widen;
-use super::{bf16_gemm, convert_chunks, few_rows, few_rows_in_out};
+use super::{bf16_gemm, convert_chunks, few_rows, few_rows_in_out, transposed_weight};
 
 use crate::backend::{Dst, Src, split_bytes};
 use crate::dtype::{DType, Element, bf16};
@@ -49,7 +49,7 @@ pub(super) fn matmul(
                 );
             });
         }
-        DType::F32 => direct::<f32>(a, b, batch, mkn, out),
+        DType::F32 => f32_product(a, b, batch, mkn, out, scratch),
         DType::F64 => direct::<f64>(a, b, batch, mkn, out),
         DType::F16 => direct::<gemm::f16>(a, b, batch, mkn, out),
         DType::BF16 => match rounds(dtype) {
@@ -126,10 +126,16 @@ fn matrix<E>(data: &[E], rows: isize, cols: isize) -> bf16_gemm::Matrix<'_, E> {
 const SCRATCH_MIN: usize = 1 << 20;
 
 /// [`Backend::matmul_scratch_bytes`](crate::backend::Backend::matmul_scratch_bytes) on the host:
-/// the packed operands of a bf16 product ([`bf16_gemm::Scratch`]) when they take at least
+/// the packed operands of a bf16 product ([`bf16_gemm::Scratch`]), or the transposed chunk of an
+/// `f32` product by a transposed weight ([`transposed_weight`]), when they take at least
 /// [`SCRATCH_MIN`], one product of the batch at a time. The left operand is packed
 /// whatever its strides, so only the right one's layout counts.
 pub(super) fn scratch_bytes(dtype: DType, b: &Layout, mkn: (usize, usize, usize)) -> usize {
+    if dtype == DType::F32 {
+        let (b_rs, b_cs) = matrix_strides(b);
+        let bytes = transposed_weight::scratch_len(b_rs, b_cs, mkn).map_or(0, |len| len * 4);
+        return if bytes >= SCRATCH_MIN { bytes } else { 0 };
+    }
     if dtype != DType::BF16 {
         return 0;
     }
@@ -182,6 +188,60 @@ fn streamed(
         return Some((Streamed::AlongOutputs, ldx, stride(k, b_rs, n)?));
     }
     None
+}
+
+/// An `f32` product: by a transposed weight a chunk at a time where [`transposed_weight`] takes it
+/// (in `scratch` when the op gave it, else in a buffer of its own), otherwise one `gemm` call.
+fn f32_product(
+    a: Src,
+    b: Src,
+    batch: &[usize],
+    mkn: (usize, usize, usize),
+    out: Dst,
+    scratch: Option<Dst>,
+) {
+    let ((a_rs, a_cs), (b_rs, b_cs)) = (matrix_strides(a.layout), matrix_strides(b.layout));
+    let Some(len) = transposed_weight::scratch_len(b_rs, b_cs, mkn) else {
+        return direct::<f32>(a, b, batch, mkn, out);
+    };
+    let (da, db) = (a.buf.host::<f32>(), b.buf.host::<f32>());
+    let out = out.contiguous_host::<f32>();
+    let mut own = Vec::new();
+    let chunk = match scratch {
+        Some(s) if s.layout.numel() >= len => &mut s.contiguous_host::<f32>()[..len],
+        _ => {
+            own.resize(len, 0.0f32);
+            &mut own[..]
+        }
+    };
+    let (m, k, n) = mkn;
+    each_product(a.layout, b.layout, batch, (m, n), |ia, ib, io| {
+        // SAFETY: `a`'s layout keeps every element `ia + r*a_rs + c*a_cs` (r < m, c < k) inside
+        // its block (layouts are checked against the block when created), likewise the weight's
+        // rows from `ib`, `b_cs` apart; `scratch_len` said the product runs here, which it says
+        // only where the CPU has AVX-512 F.
+        unsafe {
+            transposed_weight::product(
+                &da[ia..],
+                (a_rs, a_cs),
+                &db[ib..],
+                b_cs as usize,
+                mkn,
+                &mut out[io..io + m * n],
+                chunk,
+                parallelism(m, k, n),
+            )
+        };
+    });
+}
+
+/// On how many threads `gemm` runs an `m × k × n` product.
+fn parallelism(m: usize, k: usize, n: usize) -> Parallelism {
+    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    }
 }
 
 /// A product in the operands' own type (`gemm` widens `f16` itself).
@@ -285,11 +345,7 @@ fn matmul_into<T: Element>(
     }
     let (a_rs, a_cs) = matrix_strides(a_layout);
     let (b_rs, b_cs) = matrix_strides(b_layout);
-    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FLOPS {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    let parallelism = parallelism(m, k, n);
     each_product(a_layout, b_layout, batch, (m, n), |ia, ib, io| {
         debug_assert!(io + m * n <= out.len());
         {

@@ -35,6 +35,7 @@ mod rotary;
 mod rows;
 #[cfg(target_arch = "x86_64")]
 mod tile_product;
+mod transposed_weight;
 mod warm;
 mod widen;
 mod window;
