@@ -59,6 +59,19 @@ pub(crate) const PARALLEL_MIN: usize = 1 << 16;
 /// Elements per parallel task.
 const CHUNK: usize = 1 << 14;
 
+/// Whether this CPU has AVX-512 F, all that the kernels asking it are compiled for (the paged
+/// attention's 16-bit rows, the transposed weights' chunks).
+fn avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `convert(from, to)` a chunk of the two runs at a time: in parallel when long, on the calling
 /// thread when short (the casts between `f32` and the 16-bit types, [`widen`], [`narrow`]).
 fn convert_chunks<S: Sync, D: Send>(from: &[S], to: &mut [D], convert: fn(&[S], &mut [D])) {

@@ -8,7 +8,7 @@
 //! was a quarter of the Llama-1B-shaped `f32` forward of 512 tokens, and the products ran at 150
 //! GFLOP/s where the same weight stored `[k, n]` ran at 195-207 (BENCHMARKS.md, issue 33). So
 //! [`product`] transposes [`CHUNK`] elements of the weight at a time into scratch — 16 × 16 blocks
-//! in AVX-512 registers, the chunk's `k` rows shared among the threads — and `gemm` multiplies each
+//! in AVX-512 registers, one task per 16 weight rows on rayon's threads — and `gemm` multiplies each
 //! chunk into its columns of the output, packing it with plain copies.
 //!
 //! The bits are those of one `gemm` call over the whole weight: `gemm` blocks the depth by `k` and
@@ -17,13 +17,15 @@
 //! transpose is written for AVX-512 and measured there only.
 
 use gemm::Parallelism;
+
+use super::avx512f;
 use rayon::prelude::*;
 
 /// Weight elements transposed at a time (8 MiB of `f32`): a chunk of the weight's rows is `CHUNK /
 /// k` rows, 1,024 at Llama-1B's `k` of 2,048 and 256 at its MLP's 8,192 (chunks of 256 to 2,048
 /// rows multiplied 512 tokens at 172-190 GFLOP/s on a Zen 4, the whole transposed weight at
 /// 179-207).
-pub(super) const CHUNK: usize = 1 << 21;
+const CHUNK: usize = 1 << 21;
 
 /// The fewest weight rows a chunk may have: below it (`k` over 32,768) `gemm`'s calls get too
 /// narrow, and the product takes the single call.
@@ -49,7 +51,7 @@ pub(super) fn scratch_len(
     let rows = chunk_rows(k)?;
     let wide = m >= MIN_ROWS && n >= MIN_CHUNK_ROWS && k >= MIN_DEPTH;
     let transposed = b_rs == 1 && usize::try_from(b_cs).is_ok_and(|s| s >= k);
-    (wide && transposed && avx512()).then(|| rows.min(n) * k)
+    (wide && transposed && avx512f()).then(|| rows.min(n) * k)
 }
 
 /// The weight rows of a chunk at depth `k`, a multiple of 16; `None` when fewer than
@@ -57,17 +59,6 @@ pub(super) fn scratch_len(
 fn chunk_rows(k: usize) -> Option<usize> {
     let rows = CHUNK / k.max(1) / 16 * 16;
     (rows >= MIN_CHUNK_ROWS).then_some(rows)
-}
-
-fn avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// `out = a wᵀ` for one product of a batch: `a` is `m × k` with strides `(a_rs, a_cs)`, the weight's
@@ -186,7 +177,7 @@ unsafe fn transpose_rows(
 ) {
     let mut c0 = 0;
     #[cfg(target_arch = "x86_64")]
-    if rs.len() == 16 && avx512() {
+    if rs.len() == 16 && avx512f() {
         let full = cols / 16 * 16;
         for c in (0..full).step_by(16) {
             // SAFETY: input rows `rs` and columns `c..c + 16` lie in `from`; output rows
@@ -301,7 +292,7 @@ mod tests {
 
     #[test]
     fn chunked_products_give_the_bits_of_one_gemm_call() {
-        if !avx512() {
+        if !avx512f() {
             eprintln!("skipped: this CPU has no AVX-512 F; the chunked product runs only with it");
             return;
         }

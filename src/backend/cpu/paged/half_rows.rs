@@ -12,24 +12,13 @@
 use super::{AddWeighted, PageElement, fetch_for};
 #[cfg(target_arch = "x86_64")]
 use super::{Lanes16, scores_avx512};
+use crate::backend::cpu::avx512f;
 use crate::backend::cpu::widen::Widen;
 use crate::dtype::{bf16, f16};
 
 /// The most query rows of a task that read 16-bit pages where they lie (decoding); a prompt's
 /// tile of queries widens each key tile once for all its rows instead.
 const IN_PLACE_ROWS: usize = 4;
-
-/// Whether this CPU runs the AVX-512 kernels.
-fn avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
 
 /// The 16-bit element types, by how they widen.
 trait Half: Widen + crate::backend::op::Math<Compute = f32> {
@@ -49,7 +38,7 @@ macro_rules! half_page_element {
     ($t:ty) => {
         impl PageElement for $t {
             fn in_place(rows: usize) -> bool {
-                avx512() && rows <= IN_PLACE_ROWS
+                avx512f() && rows <= IN_PLACE_ROWS
             }
 
             #[inline(always)]
@@ -61,7 +50,7 @@ macro_rules! half_page_element {
                 out: &mut [f32],
             ) {
                 #[cfg(target_arch = "x86_64")]
-                if avx512() {
+                if avx512f() {
                     // SAFETY: the CPU has AVX-512 F, the only feature the kernel is compiled for.
                     unsafe { scores_avx512(query, keys, values, scale, out) };
                     return;
@@ -74,7 +63,7 @@ macro_rules! half_page_element {
             #[inline(always)]
             fn add_weighted(out: &mut [f32], weights: &[f32], values: &[&[$t]]) {
                 #[cfg(target_arch = "x86_64")]
-                if avx512() {
+                if avx512f() {
                     // SAFETY: the CPU has AVX-512 F, the only feature the kernel is compiled for.
                     unsafe { add_weighted_avx512(out, weights, values) };
                     return;
