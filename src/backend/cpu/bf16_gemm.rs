@@ -1307,6 +1307,13 @@ fn few_tokens(
         }
     }
     let out_rows = OutRows::new(out, n);
+    // With several tokens, the kernel asks for the weight this far on: the same position of rows
+    // whole groups further on ([`super::few_rows_ahead`]); one token's walk is left to the hardware.
+    let ahead = if m > 1 {
+        super::few_rows_ahead(GROUP, b.cols, size_of::<bf16>())
+    } else {
+        0
+    };
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|task| {
@@ -1319,7 +1326,7 @@ fn few_tokens(
                     let j = (first + r).min(end - 1);
                     &b.data[j * b.cols..j * b.cols + k]
                 });
-                let all = dot_rows(dot, &x, pairs, m, rows);
+                let all = dot_rows(dot, &x, pairs, m, rows, ahead);
                 group.copy_from_slice(&all[..group.len()]);
             }
             let mut column = vec![0.0f32; end - j0];
@@ -1335,13 +1342,15 @@ fn few_tokens(
 /// Weight rows [`few_tokens`] walks together: several independent accumulator chains per token.
 const GROUP: usize = 4;
 
-/// Every token's dot product with each of [`GROUP`] weight rows of `2 · pairs` `bf16`.
+/// Every token's dot product with each of [`GROUP`] weight rows of `2 · pairs` `bf16`, asking for
+/// each row's element `ahead` further on as it walks (0: no prefetch).
 fn dot_rows(
     dot: Bf16Dot,
     x: &[u32],
     pairs: usize,
     m: usize,
     w: [&[bf16]; GROUP],
+    ahead: usize,
 ) -> [[f32; FEW_TOKENS]; GROUP] {
     assert!(
         (1..=FEW_TOKENS).contains(&m)
@@ -1359,7 +1368,7 @@ fn dot_rows(
                 let (w, s) = (w.try_into().expect("R rows"), s.try_into().expect("R rows"));
                 // SAFETY: `dot` exists, so `Bf16Dot::detect` found AVX-512F and AVX-512 BF16 on
                 // this CPU; the assertion keeps every load inside `x` and `w`.
-                unsafe { dot_rows_avx512::<$t, $r>(x, pairs, w, s) }
+                unsafe { dot_rows_avx512::<$t, $r>(x, pairs, w, s, ahead) }
             }
         };
     }
@@ -1387,10 +1396,11 @@ fn dot_rows_avx512<const T: usize, const R: usize>(
     pairs: usize,
     w: &[&[bf16]; R],
     sums: &mut [[f32; FEW_TOKENS]; R],
+    ahead: usize,
 ) {
     use std::arch::x86_64::{
-        __m512bh, __m512i, _mm512_dpbf16_ps, _mm512_loadu_si512, _mm512_reduce_add_ps,
-        _mm512_setzero_ps,
+        __m512bh, __m512i, _MM_HINT_T1, _mm_prefetch, _mm512_dpbf16_ps, _mm512_loadu_si512,
+        _mm512_reduce_add_ps, _mm512_setzero_ps,
     };
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let full = pairs / 16 * 16;
@@ -1404,6 +1414,11 @@ fn dot_rows_avx512<const T: usize, const R: usize>(
             std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(xp[t].add(p).cast()))
         });
         for (acc, w) in acc.iter_mut().zip(&wp) {
+            // A prefetch cannot fault, wherever `ahead` points (past the weight's end too), so
+            // the address is formed with `wrapping_add` and needs no bounds.
+            if ahead > 0 {
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(2 * p + ahead).cast());
+            }
             // SAFETY: `dot_rows` checked that each row holds `2 · pairs` elements: the 64-byte load
             // of 32 bf16 at `2p` stays inside. As above, 512 bits reread as 32 bf16.
             let weights = unsafe {

@@ -33,9 +33,6 @@ const ROWS: usize = 4;
 /// tokens of an 8,192-wide row are 256 KiB). On the 2-core AMD machine the tiling measured neither
 /// faster nor slower at 8 tokens of 2,048 (the tokens then fit L2); it bounds the working set.
 const K_TILE: usize = 512;
-/// How far ahead along a weight row the AVX-512 kernel prefetches, in floats, when it walks two or
-/// more tokens (one token's walk leaves it to the hardware prefetcher).
-const PREFETCH: usize = 256;
 /// Weight bytes per task (rounded to whole groups of [`ROWS`] rows): small, so that the threads
 /// pulling tasks end close together, and long enough (a run of whole rows, one sequential stream) for
 /// the prefetchers.
@@ -298,6 +295,9 @@ fn block_product(
         }
         return;
     }
+    // What the AVX-512 kernel prefetches for several tokens: the groups this task (or the next
+    // one) walks after this one.
+    let ahead = super::few_rows_ahead(ROWS, ldw, size_of::<f32>());
     let mut sums = [[0.0f32; TOKENS_PER_PASS]; ROWS];
     let mut totals = [[0.0f32; MAX_ROWS]; ROWS];
     for r0 in (0..rows).step_by(ROWS) {
@@ -311,7 +311,7 @@ fn block_product(
                 let tokens = TOKENS_PER_PASS.min(m - t0);
                 let xs: [&[f32]; TOKENS_PER_PASS] =
                     std::array::from_fn(|t| &x[(t0 + t.min(tokens - 1)) * k..][c0..c1]);
-                dots(isa, &xs, tokens, &weights, &mut sums);
+                dots(isa, &xs, tokens, &weights, &mut sums, ahead);
                 for (total, part) in totals.iter_mut().zip(&sums) {
                     for (total, part) in total[t0..t0 + tokens].iter_mut().zip(part) {
                         *total += part;
@@ -326,13 +326,15 @@ fn block_product(
 }
 
 /// `sums[r][t] = xs[t] · weights[r]` for `t < tokens` (every slice `k` long; the slots past
-/// `tokens` repeat the last token and are not read by the caller).
+/// `tokens` repeat the last token and are not read by the caller). `ahead`: how many floats past
+/// each weight slice's position the AVX-512 kernel prefetches (0: none).
 fn dots(
     isa: Isa,
     xs: &[&[f32]; TOKENS_PER_PASS],
     tokens: usize,
     weights: &[&[f32]; ROWS],
     sums: &mut [[f32; TOKENS_PER_PASS]; ROWS],
+    ahead: usize,
 ) {
     let k = weights[0].len();
     assert!(
@@ -346,7 +348,7 @@ fn dots(
         ($kernel:ident, $t:literal, $r:literal) => {
             for (w, s) in weights.chunks_exact($r).zip(sums.chunks_exact_mut($r)) {
                 let (w, s) = (w.try_into().expect("R rows"), s.try_into().expect("R rows"));
-                $kernel::<$t, $r>(xs, w, s);
+                $kernel::<$t, $r>(xs, w, s, ahead);
             }
         };
     }
@@ -386,11 +388,11 @@ fn dot(isa: Isa, x: &[f32], w: &[f32]) -> f32 {
         // SAFETY: `Isa::detect` returned `Avx512` only where the CPU has AVX-512F; both slices
         // have the same length (asserted), which is all the kernel reads.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { dots_avx512::<1, 1>(&xs, &[w], &mut sums) },
+        Isa::Avx512 => unsafe { dots_avx512::<1, 1>(&xs, &[w], &mut sums, 0) },
         // SAFETY: `Avx2` only where the CPU has AVX2 and FMA; slices as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { dots_avx2::<1, 1>(&xs, &[w], &mut sums) },
-        Isa::Portable => dots_portable::<1, 1>(&xs, &[w], &mut sums),
+        Isa::Avx2 => unsafe { dots_avx2::<1, 1>(&xs, &[w], &mut sums, 0) },
+        Isa::Portable => dots_portable::<1, 1>(&xs, &[w], &mut sums, 0),
     }
     sums[0][0]
 }
@@ -402,6 +404,7 @@ fn dots_portable<const T: usize, const R: usize>(
     xs: &[&[f32]; TOKENS_PER_PASS],
     weights: &[&[f32]; R],
     sums: &mut [[f32; TOKENS_PER_PASS]; R],
+    _ahead: usize,
 ) {
     let k = weights[0].len();
     let mut acc = [[[0.0f32; PORTABLE_LANES]; T]; R];
@@ -442,9 +445,10 @@ fn dots_avx512<const T: usize, const R: usize>(
     xs: &[&[f32]; TOKENS_PER_PASS],
     weights: &[&[f32]; R],
     sums: &mut [[f32; TOKENS_PER_PASS]; R],
+    ahead: usize,
 ) {
     use std::arch::x86_64::{
-        __m512, _MM_HINT_T0, _mm_prefetch, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps,
+        __m512, _MM_HINT_T1, _mm_prefetch, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_maskz_loadu_ps,
         _mm512_reduce_add_ps, _mm512_setzero_ps,
     };
     const LANES: usize = 16;
@@ -459,14 +463,14 @@ fn dots_avx512<const T: usize, const R: usize>(
         // slice indexing: no bounds check per load in the loop that bounds decoding.)
         let x: [__m512; T] = std::array::from_fn(|t| unsafe { _mm512_loadu_ps(xp[t].add(c)) });
         for (acc, w) in acc.iter_mut().zip(&wp) {
-            // With several tokens, ask for the weight's line PREFETCH floats ahead: the hardware
-            // prefetcher alone kept too few lines in flight once the tokens' arithmetic slowed
-            // the walk. One token walks fast enough for it, and there the prefetches cost: on Zen
-            // 4 a row streamed at 23.5-26.4 GiB/s with them and 27.1-32.0 without
-            // (BENCHMARKS.md, issue 37). A prefetch past the row's end is harmless (it never
-            // faults), so the address is formed with `wrapping_add` and needs no bounds.
-            if T > 1 {
-                _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(c + PREFETCH).cast());
+            // With several tokens, ask for the weight's line `ahead` floats on
+            // ([`super::few_rows_ahead`]): the hardware prefetcher alone kept too few lines in flight once
+            // the tokens' arithmetic slowed the walk. One token walks fast enough for it, and there
+            // prefetches cost: on Zen 4 a row streamed at 23.5-26.4 GiB/s with them and 27.1-32.0
+            // without (BENCHMARKS.md, issue 37). A prefetch past the weight's end is harmless (it
+            // never faults), so the address is formed with `wrapping_add` and needs no bounds.
+            if T > 1 && ahead > 0 {
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(c + ahead).cast());
             }
             // SAFETY: as above.
             let w = unsafe { _mm512_loadu_ps(w.add(c)) };
@@ -503,6 +507,7 @@ fn dots_avx2<const T: usize, const R: usize>(
     xs: &[&[f32]; TOKENS_PER_PASS],
     weights: &[&[f32]; R],
     sums: &mut [[f32; TOKENS_PER_PASS]; R],
+    _ahead: usize,
 ) {
     use std::arch::x86_64::{
         __m256, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps,
