@@ -295,8 +295,8 @@ fn block_product(
         }
         return;
     }
-    // What the AVX-512 kernel prefetches for several tokens: the groups this task (or the next
-    // one) walks after this one.
+    // What the kernels prefetch for several tokens: the groups this task (or the next one) walks
+    // after this one.
     let ahead = super::few_rows_ahead(ROWS, ldw, size_of::<f32>());
     let mut sums = [[0.0f32; TOKENS_PER_PASS]; ROWS];
     let mut totals = [[0.0f32; MAX_ROWS]; ROWS];
@@ -327,7 +327,7 @@ fn block_product(
 
 /// `sums[r][t] = xs[t] · weights[r]` for `t < tokens` (every slice `k` long; the slots past
 /// `tokens` repeat the last token and are not read by the caller). `ahead`: how many floats past
-/// each weight slice's position the AVX-512 kernel prefetches (0: none).
+/// each weight slice's position the vector kernels prefetch (0: none).
 fn dots(
     isa: Isa,
     xs: &[&[f32]; TOKENS_PER_PASS],
@@ -464,11 +464,12 @@ fn dots_avx512<const T: usize, const R: usize>(
         let x: [__m512; T] = std::array::from_fn(|t| unsafe { _mm512_loadu_ps(xp[t].add(c)) });
         for (acc, w) in acc.iter_mut().zip(&wp) {
             // With several tokens, ask for the weight's line `ahead` floats on
-            // ([`super::few_rows_ahead`]): the hardware prefetcher alone kept too few lines in flight once
-            // the tokens' arithmetic slowed the walk. One token walks fast enough for it, and there
-            // prefetches cost: on Zen 4 a row streamed at 23.5-26.4 GiB/s with them and 27.1-32.0
-            // without (BENCHMARKS.md, issue 37). A prefetch past the weight's end is harmless (it
-            // never faults), so the address is formed with `wrapping_add` and needs no bounds.
+            // ([`super::few_rows_ahead`]): the hardware prefetcher alone kept too few lines in
+            // flight once the tokens' arithmetic slowed the walk. One token walks fast enough for
+            // it, and there prefetches cost: on Zen 4 a row streamed at 23.5-26.4 GiB/s with them
+            // and 27.1-32.0 without (BENCHMARKS.md, issue 37). A prefetch past the weight's end is
+            // harmless (it never faults), so the address is formed with `wrapping_add` and needs
+            // no bounds.
             if T > 1 && ahead > 0 {
                 _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(c + ahead).cast());
             }
@@ -507,12 +508,12 @@ fn dots_avx2<const T: usize, const R: usize>(
     xs: &[&[f32]; TOKENS_PER_PASS],
     weights: &[&[f32]; R],
     sums: &mut [[f32; TOKENS_PER_PASS]; R],
-    _ahead: usize,
+    ahead: usize,
 ) {
     use std::arch::x86_64::{
-        __m256, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_shuffle_ps,
-        _mm256_castps256_ps128, _mm256_extractf128_ps, _mm256_fmadd_ps, _mm256_loadu_ps,
-        _mm256_setzero_ps,
+        __m256, _MM_HINT_T1, _mm_add_ps, _mm_add_ss, _mm_cvtss_f32, _mm_movehl_ps, _mm_prefetch,
+        _mm_shuffle_ps, _mm256_castps256_ps128, _mm256_extractf128_ps, _mm256_fmadd_ps,
+        _mm256_loadu_ps, _mm256_setzero_ps,
     };
     const LANES: usize = 8;
     let k = weights[0].len();
@@ -525,6 +526,11 @@ fn dots_avx2<const T: usize, const R: usize>(
         // at `c` stays inside its slice; `loadu` needs no alignment.
         let x: [__m256; T] = std::array::from_fn(|t| unsafe { _mm256_loadu_ps(xp[t].add(c)) });
         for (acc, w) in acc.iter_mut().zip(&wp) {
+            // As in `dots_avx512`: with several tokens, the line `ahead` floats on, once a line
+            // (every other vector).
+            if T > 1 && ahead > 0 && c % (2 * LANES) == 0 {
+                _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add(c + ahead).cast());
+            }
             // SAFETY: as above.
             let w = unsafe { _mm256_loadu_ps(w.add(c)) };
             for (acc, x) in acc.iter_mut().zip(&x) {

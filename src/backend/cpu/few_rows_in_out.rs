@@ -101,7 +101,22 @@ fn product_on(
     if n == 0 {
         return;
     }
-    let block = Block { x, ldx, m, w, ldw };
+    // With several tokens, the kernels ask for the weight the same columns of rows whole steps
+    // further on, as `few_rows` does ([`super::few_rows_ahead`]); one token's walk is left to the
+    // hardware prefetcher.
+    let ahead = if m > 1 {
+        super::few_rows_ahead(ROWS, ldw, size_of::<f32>())
+    } else {
+        0
+    };
+    let block = Block {
+        x,
+        ldx,
+        m,
+        w,
+        ldw,
+        ahead,
+    };
     if rows >= k {
         out.fill(0.0);
         block.sum_rows(isa, 0..k, 0..n, out);
@@ -185,13 +200,15 @@ fn chunk_columns(n: usize, blocks: usize, threads: usize) -> usize {
     n.div_ceil(chunks).next_multiple_of(LANES)
 }
 
-/// One product's operands, as [`product_on`] checked them.
+/// One product's operands, as [`product_on`] checked them, and how far ahead (in floats, 0: not
+/// at all) the vector kernels ask for the weight.
 struct Block<'a> {
     x: &'a [f32],
     ldx: usize,
     m: usize,
     w: &'a [f32],
     ldw: usize,
+    ahead: usize,
 }
 
 impl Block<'_> {
@@ -278,7 +295,8 @@ impl Block<'_> {
     #[target_feature(enable = "avx512f")]
     unsafe fn add_avx512<const R: usize>(&self, w: &[f32], r: usize, sums: &mut [f32]) {
         use std::arch::x86_64::{
-            __m512, _mm512_fmadd_ps, _mm512_mask_storeu_ps, _mm512_maskz_loadu_ps, _mm512_set1_ps,
+            __m512, _MM_HINT_T1, _mm_prefetch, _mm512_fmadd_ps, _mm512_mask_storeu_ps,
+            _mm512_maskz_loadu_ps, _mm512_set1_ps,
         };
         let m = self.m;
         let n = sums.len() / m;
@@ -287,6 +305,12 @@ impl Block<'_> {
         let out = sums.as_mut_ptr();
         for j in (0..n).step_by(LANES) {
             let mask = ((1u32 << (n - j).min(LANES)) - 1) as u16;
+            if self.ahead > 0 {
+                // A hint, which never faults: the address needs no bounds (`wrapping_add`).
+                for row in rows {
+                    _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(j + self.ahead).cast());
+                }
+            }
             // SAFETY: the caller's bounds: each row holds `n` floats from its pointer and the mask
             // keeps the lanes below `n - j`; masked-off lanes touch no memory.
             let wv: [__m512; R] =
@@ -315,7 +339,8 @@ impl Block<'_> {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn add_avx2<const R: usize>(&self, w: &[f32], r: usize, sums: &mut [f32]) {
         use std::arch::x86_64::{
-            __m256, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_storeu_ps,
+            __m256, _MM_HINT_T1, _mm_prefetch, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps,
+            _mm256_storeu_ps,
         };
         const HALF: usize = LANES / 2;
         let m = self.m;
@@ -325,6 +350,12 @@ impl Block<'_> {
         let whole = n / HALF * HALF;
         let out = sums.as_mut_ptr();
         for j in (0..whole).step_by(HALF) {
+            if self.ahead > 0 && j % LANES == 0 {
+                // As in `add_avx512`, once a 64-byte line (every other vector).
+                for row in rows {
+                    _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(j + self.ahead).cast());
+                }
+            }
             // SAFETY: the caller's bounds: each row holds `n >= j + 8` floats from its pointer.
             let wv: [__m256; R] =
                 std::array::from_fn(|i| unsafe { _mm256_loadu_ps(rows[i].add(j)) });

@@ -72,13 +72,15 @@ fn avx512f() -> bool {
     }
 }
 
-/// How far ahead of their walk the few-row products (`few_rows` in `f32`, `bf16_gemm::few_tokens`)
-/// ask for the weight, in bytes, when they multiply two or more tokens. Eight tokens' arithmetic
-/// takes about as long as the weight's reads, and the two overlap only if the lines are requested
-/// that far ahead, into L2 (`prefetcht1`). On Zen 4 (two threads, eight `[8192, 2048]` `f32`
-/// weights from memory) eight tokens took 28-29 ms with no prefetch, 28-34 ms with the 1 KiB
-/// `prefetcht0` this replaced, 23-25 ms with this (BENCHMARKS.md, issue 33, the engine's eight
-/// requests; one token's walk is left to the hardware prefetcher).
+/// How far ahead of their walk the few-row products (`few_rows` and `few_rows_in_out` in `f32`,
+/// `bf16_gemm::few_tokens`) ask for the weight, in bytes, when they multiply two or more tokens.
+/// Eight tokens' arithmetic takes about as long as the weight's reads, and the two overlap only if
+/// the lines are requested that far ahead, into L2 (`prefetcht1`). On Zen 4 (two threads, eight
+/// `[8192, 2048]` `f32` weights from memory) eight tokens took 28-29 ms with no prefetch, 28-34 ms
+/// with the 1 KiB `prefetcht0` this replaced, 23-25 ms with this (BENCHMARKS.md, issue 33, the
+/// engine's eight requests); the AVX2 kernel, on the same CPU, streamed 12.0 GiB/s without and
+/// 17.9 with it, the `[in, out]` kernels 23.0 / 26-28 (AVX-512) and 20.7 / 23.3 (AVX2)
+/// (BENCHMARKS.md, issue 35). One token's walk is left to the hardware prefetcher.
 const FEW_ROWS_AHEAD_BYTES: usize = 64 << 10;
 
 /// The prefetch distance, in elements, of a walk over groups of `group` weight rows `stride`
