@@ -232,19 +232,53 @@ fn zip_row_in_place_avx512<T: Copy>(
     zip_row_in_place(x, b, ib, sb, f)
 }
 
-/// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads when large.
+/// The fewest elements a unary map splits across rayon's threads: [`PARALLEL_MIN`] for the maps
+/// that cost about as much as a copy, fewer for those whose elements cost more, so that a thread's
+/// share is always worth waking it for (about 5 µs of work or more). Measured on the 2-core Zen 4,
+/// AVX-512, `f32`, one thread (BENCHMARKS.md, "Costly maps on both threads"): `abs` 0.08 ns an
+/// element; `exp`, `silu`, `sigmoid` 0.45-0.6; `tanh` and `gelu` 0.8-1.0; `sin`, `log`,
+/// `gelu_exact` (scalar library calls) 3-5.6. GPT-2's GELU over eight decoding rows (24,576
+/// elements) ran on one thread for 24 µs while the other waited.
+fn unary_parallel_min(op: Unary) -> usize {
+    match op {
+        Unary::Exp | Unary::Tanh | Unary::Sigmoid | Unary::Gelu | Unary::Silu => PARALLEL_MIN / 8,
+        Unary::Log
+        | Unary::Sin
+        | Unary::Cos
+        | Unary::Log1p
+        | Unary::Expm1
+        | Unary::Erf
+        | Unary::GeluExact
+        | Unary::Powf => PARALLEL_MIN / 32,
+        _ => PARALLEL_MIN,
+    }
+}
+
+/// The elements of each task when `len` elements are split across rayon's threads: [`CHUNK`], or
+/// fewer for short runs, so that every thread gets about two tasks (a run of 24,576 in tasks of
+/// 16,384 would leave one thread a third of the work).
+fn map_chunk(len: usize) -> usize {
+    len.div_ceil(2 * rayon::current_num_threads())
+        .next_multiple_of(64)
+        .min(CHUNK)
+}
+
+/// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads from `parallel_min`
+/// elements.
 fn map_contiguous<const WIDE: bool, T: Element, U: Element>(
     out: &mut [U],
     a: &[T],
     f: &(impl Fn(T) -> U + Sync),
+    parallel_min: usize,
 ) {
-    if out.len() < PARALLEL_MIN {
+    if out.len() < parallel_min {
         unary_rows::<WIDE, _, _>(out, a, 0, 1, f);
         return;
     }
-    out.par_chunks_mut(CHUNK)
-        .zip(a.par_chunks(CHUNK))
-        .for_each(|(o, a)| map_contiguous::<WIDE, _, _>(o, a, f));
+    let chunk = map_chunk(out.len());
+    out.par_chunks_mut(chunk)
+        .zip(a.par_chunks(chunk))
+        .for_each(|(o, a)| unary_rows::<WIDE, _, _>(o, a, 0, 1, f));
 }
 
 /// `out[i] = f(a[i], b[i])` over equal-length contiguous slices, on rayon's threads when large.
@@ -263,20 +297,27 @@ fn zip_contiguous<const WIDE: bool, T: Element>(
         .for_each(|(o, (a, b))| zip_contiguous::<WIDE, _>(o, a, b, f));
 }
 
-/// Runs a unary op's host function from `x` into the fresh contiguous `out`, both of element type `T`.
+/// Runs a unary op's host function from `x` into the fresh contiguous `out`, both of element type `T`
+/// (on rayon's threads from `parallel_min` elements, where contiguous).
 struct MapInto<'a, T, const WIDE: bool> {
     x: Src<'a>,
     out: Dst<'a>,
+    parallel_min: usize,
     _element: PhantomData<T>,
 }
 
 impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
-        let MapInto { x, out, .. } = self;
+        let MapInto {
+            x,
+            out,
+            parallel_min,
+            ..
+        } = self;
         let f = move |v: T| T::store(f(v.load()));
         let out = out.contiguous_host::<T>();
         if x.layout.is_contiguous() {
-            map_contiguous::<WIDE, _, _>(out, x.contiguous_host::<T>(), &f);
+            map_contiguous::<WIDE, _, _>(out, x.contiguous_host::<T>(), &f, parallel_min);
             return;
         }
         let a = x.buf.host::<T>();
@@ -289,18 +330,18 @@ impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
 }
 
 /// Runs a unary op's host function over contiguous elements of type `T` in place, on rayon's
-/// threads when large.
-struct MapInPlace<'a, T, const WIDE: bool>(Dst<'a>, PhantomData<T>);
+/// threads from the given number of elements.
+struct MapInPlace<'a, T, const WIDE: bool>(Dst<'a>, usize, PhantomData<T>);
 
 impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInPlace<'_, T, WIDE> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
         let f = move |v: T| T::store(f(v.load()));
-        let x = self.0.contiguous_host::<T>();
-        if x.len() < PARALLEL_MIN {
+        let (x, parallel_min) = (self.0.contiguous_host::<T>(), self.1);
+        if x.len() < parallel_min {
             map_rows_in_place::<WIDE, _>(x, f);
             return;
         }
-        x.par_chunks_mut(CHUNK)
+        x.par_chunks_mut(map_chunk(x.len()))
             .for_each(|run| map_rows_in_place::<WIDE, _>(run, f));
     }
 }
@@ -367,19 +408,21 @@ impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInPlace<'_, T, WIDE> {
 pub(super) fn unary(dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) {
     // Two visitor types, so that the op's closure is a different type in each and is inlined into
     // its one loop (shared by both loops, it was called per element from the AVX-512 one).
+    let parallel_min = unary_parallel_min(op);
     if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, true> { x, out, _element: PhantomData }));
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, true> { x, out, parallel_min, _element: PhantomData }));
     } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, false> { x, out, _element: PhantomData }));
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, false> { x, out, parallel_min, _element: PhantomData }));
     }
 }
 
 pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) {
     // Two visitor types, as in `unary`.
+    let parallel_min = unary_parallel_min(op);
     if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, true>(x, PhantomData)));
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, true>(x, parallel_min, PhantomData)));
     } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, false>(x, PhantomData)));
+        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, false>(x, parallel_min, PhantomData)));
     }
 }
 
@@ -654,6 +697,45 @@ mod tests {
                 },
             );
         }
+    }
+
+    /// Cutting a map across the threads changes no element: with any threshold (1: every length
+    /// split) the tasks give the single loop's bits, at lengths around the tasks' sizes.
+    #[test]
+    fn a_map_split_across_threads_gives_the_single_loops_bits() {
+        struct Split<'a>(&'a [f32]);
+        impl MapFn<f32> for Split<'_> {
+            fn call(self, f: impl Fn(f32) -> f32 + Sync + Copy) {
+                let mut whole = vec![0.0f32; self.0.len()];
+                unary_row(&mut whole, self.0, 0, 1, f);
+                for parallel_min in [1, 2048, 8192] {
+                    let mut split = vec![f32::NAN; self.0.len()];
+                    map_contiguous::<false, _, _>(&mut split, self.0, &f, parallel_min);
+                    assert_same(&whole, &split, "split map");
+                }
+            }
+        }
+        for len in [1, 63, 64, 65, 2048, 8193, 24_576, 65_537] {
+            let x = values::<f32>(len, len as u64);
+            for op in [Unary::Gelu, Unary::Sin, Unary::Abs] {
+                op.host::<f32>([0.0, 0.0], Split(&x));
+            }
+            let chunk = map_chunk(len);
+            assert!(
+                chunk.is_multiple_of(64) && (64..=CHUNK).contains(&chunk),
+                "{len}: {chunk}"
+            );
+        }
+    }
+
+    /// The costlier a map's element, the fewer elements it takes to use the threads; the cheap
+    /// maps keep the copy-sized threshold.
+    #[test]
+    fn costly_maps_split_sooner() {
+        assert_eq!(unary_parallel_min(Unary::Abs), PARALLEL_MIN);
+        assert_eq!(unary_parallel_min(Unary::AddScalar), PARALLEL_MIN);
+        assert!(unary_parallel_min(Unary::Gelu) < PARALLEL_MIN);
+        assert!(unary_parallel_min(Unary::GeluExact) < unary_parallel_min(Unary::Gelu));
     }
 
     /// The maps' AVX-512 twins, out of place and in place, give the baseline's bits, for `f32` and
