@@ -1309,11 +1309,7 @@ fn few_tokens(
     let out_rows = OutRows::new(out, n);
     // With several tokens, the kernel asks for the weight this far on: the same position of rows
     // whole groups further on ([`super::few_rows_ahead`]); one token's walk is left to the hardware.
-    let ahead = if m > 1 {
-        super::few_rows_ahead(GROUP, b.cols, size_of::<bf16>())
-    } else {
-        0
-    };
+    let ahead = super::few_rows_ahead(m, GROUP, b.cols, size_of::<bf16>());
     (0..n.div_ceil(ROWS_PER_TASK))
         .into_par_iter()
         .for_each(|task| {

@@ -297,7 +297,7 @@ fn block_product(
     }
     // What the kernels prefetch for several tokens: the groups this task (or the next one) walks
     // after this one.
-    let ahead = super::few_rows_ahead(ROWS, ldw, size_of::<f32>());
+    let ahead = super::few_rows_ahead(m, ROWS, ldw, size_of::<f32>());
     let mut sums = [[0.0f32; TOKENS_PER_PASS]; ROWS];
     let mut totals = [[0.0f32; MAX_ROWS]; ROWS];
     for r0 in (0..rows).step_by(ROWS) {

@@ -104,11 +104,7 @@ fn product_on(
     // With several tokens, the kernels ask for the weight the same columns of rows whole steps
     // further on, as `few_rows` does ([`super::few_rows_ahead`]); one token's walk is left to the
     // hardware prefetcher.
-    let ahead = if m > 1 {
-        super::few_rows_ahead(ROWS, ldw, size_of::<f32>())
-    } else {
-        0
-    };
+    let ahead = super::few_rows_ahead(m, ROWS, ldw, size_of::<f32>());
     let block = Block {
         x,
         ldx,

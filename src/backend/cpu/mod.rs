@@ -83,11 +83,14 @@ fn avx512f() -> bool {
 /// (BENCHMARKS.md, issue 35). One token's walk is left to the hardware prefetcher.
 const FEW_ROWS_AHEAD_BYTES: usize = 64 << 10;
 
-/// The prefetch distance, in elements, of a walk over groups of `group` weight rows `stride`
-/// elements apart, `element_bytes` each: [`FEW_ROWS_AHEAD_BYTES`] rounded up to whole groups, so
-/// that the line asked for lies at the same position of a row whole groups further on — the rows
-/// walked after these, in memory order.
-fn few_rows_ahead(group: usize, stride: usize, element_bytes: usize) -> usize {
+/// The prefetch distance, in elements, of `tokens` walking groups of `group` weight rows `stride`
+/// elements apart, `element_bytes` each: 0 (no prefetch) for one token, else
+/// [`FEW_ROWS_AHEAD_BYTES`] rounded up to whole groups, so that the line asked for lies at the same
+/// position of a row whole groups further on — the rows walked after these, in memory order.
+fn few_rows_ahead(tokens: usize, group: usize, stride: usize, element_bytes: usize) -> usize {
+    if tokens < 2 {
+        return 0;
+    }
     let group_len = group * stride;
     group_len * FEW_ROWS_AHEAD_BYTES.div_ceil(group_len * element_bytes)
 }
