@@ -14,12 +14,15 @@
 
 use std::hint::black_box;
 
+mod common;
+
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ndscope::kv::{KvCache, KvPool, KvShape, KvStep};
 use ndscope::nn::{AttentionOptions, Mode, scaled_dot_product_attention};
 use ndscope::{AttentionSpec, Causal, DType, Device, Result, Tape, root};
 
 fn attention(c: &mut Criterion) {
+    common::warn_if_cpu_busy("attention bench");
     let mut group = c.benchmark_group("attention_1x12x1024x64_causal");
     group.sample_size(20);
     root(Device::Cpu, |s| -> Result<()> {

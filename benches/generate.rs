@@ -28,6 +28,7 @@ fn prompt(len: usize, vocab: i64) -> Vec<i64> {
 
 /// Sums 256 MiB of f32 with `threads` threads, each its own half: the bytes a decode step streams.
 fn read_bandwidth(c: &mut Criterion) {
+    common::warn_if_cpu_busy("generate bench");
     let data = vec![1.0f32; 64 << 20];
     let threads = std::env::var("RAYON_NUM_THREADS")
         .ok()

@@ -19,6 +19,8 @@
 //! through criterion's sampling.
 
 use std::hint::black_box;
+
+mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -187,6 +189,7 @@ fn main() -> Result<()> {
     // "<file>/<figure>" holds it (figures: load, pp512, tg128, engine).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     println!("gguf: the KV caches keep {}", kv_dtype()?);
+    common::warn_if_cpu_busy("gguf bench");
     let wanted = |name: &str| filter.as_ref().is_none_or(|f| name.contains(f.as_str()));
     for name in FILES {
         let path = Path::new("target").join(format!("{name}.gguf"));

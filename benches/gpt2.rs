@@ -21,6 +21,7 @@ use ndscope::{DType, Device, Result, root};
 const DIR: &str = common::GPT2_SMALL;
 
 fn gpt2(c: &mut Criterion) {
+    common::warn_if_cpu_busy("gpt2 bench");
     common::ensure_gpt2_small().unwrap();
     let mut group = c.benchmark_group("gpt2_small");
     group.sample_size(10);

@@ -298,6 +298,7 @@ fn main() -> Result<()> {
         );
         return Ok(());
     }
+    common::warn_if_cpu_busy("llama bench");
     // Criterion-style arguments: `--bench` is ignored; a filter keeps the parts whose name holds it
     // (`load_peak`, `passes`, `decode`) and the dtypes whose label does (`f32`, `bf16`).
     let filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));

@@ -7,6 +7,8 @@
 
 use std::hint::black_box;
 
+mod common;
+
 use criterion::measurement::WallTime;
 use criterion::{
     BenchmarkGroup, BenchmarkId, Criterion, Throughput, criterion_group, criterion_main,
@@ -62,6 +64,7 @@ fn bench_product(
 }
 
 fn products(c: &mut Criterion) {
+    common::warn_if_cpu_busy("quant bench");
     let mut group = c.benchmark_group("quantized_product");
     group.sample_size(20);
     root(Device::Cpu, |s| -> Result<()> {

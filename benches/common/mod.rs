@@ -117,3 +117,56 @@ pub fn minor_faults() -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(7)?.parse().ok()
 }
+
+/// Warns on standard error when other processes kept the CPUs busy just before a bench: a leftover
+/// build or a stray process on a 2-core machine halves every figure that follows, and nothing in
+/// the figures says so (BENCHMARKS.md, issue 35, twenty-ninth measurement: an orphaned compiler
+/// took one of two cores for an hour of measurements). Reads Linux's `/proc/stat` over a quarter of
+/// a second, while this process waits; elsewhere it says nothing.
+pub fn warn_if_cpu_busy(bench: &str) {
+    let Some(before) = cpu_ticks() else { return };
+    std::thread::sleep(std::time::Duration::from_millis(250));
+    let Some(after) = cpu_ticks() else { return };
+    let total = after.total.saturating_sub(before.total);
+    if total == 0 {
+        return;
+    }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let share = |ticks: u64| ticks as f64 / total as f64 * cpus;
+    let (busy, stolen) = (
+        share(after.busy.saturating_sub(before.busy)),
+        share(after.stolen.saturating_sub(before.stolen)),
+    );
+    if busy > 0.15 || stolen > 0.15 {
+        eprintln!(
+            "{bench}: before measuring, other processes kept {busy:.2} of {cpus} CPUs busy and the \
+             host took {stolen:.2} (`top` shows which processes); the figures below will be low"
+        );
+    }
+}
+
+/// `/proc/stat`'s first line in clock ticks: all of them, those spent working (user, nice, system,
+/// interrupts), and those the host took from this virtual machine (steal).
+struct CpuTicks {
+    total: u64,
+    busy: u64,
+    stolen: u64,
+}
+
+fn cpu_ticks() -> Option<CpuTicks> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest time is counted in user already).
+    let field = |i: usize| fields.get(i).copied().unwrap_or(0);
+    Some(CpuTicks {
+        total: (0..8).map(field).sum(),
+        busy: field(0) + field(1) + field(2) + field(5) + field(6),
+        stolen: field(7),
+    })
+}
