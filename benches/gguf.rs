@@ -19,10 +19,10 @@
 //! through criterion's sampling.
 
 use std::hint::black_box;
-
-mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use ndscope::gguf::Gguf;
 use ndscope::kv::{CausalLm, KvPool, KvShape};
