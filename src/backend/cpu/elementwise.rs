@@ -6,14 +6,17 @@
 //! identity, so their loops are unchanged. Casts between `f32` and the 16-bit types of contiguous
 //! tensors convert whole runs ([`super::widen`], [`super::narrow`]).
 //!
-//! The maps' row loops (out of place and in place) run in a twin compiled for AVX-512 where the CPU has it
-//! (detected at run time, [`unary_rows`], [`binary_rows`]): the loops are generic over the op's
-//! closure, and the baseline x86-64 build vectorises them 4 lanes wide in 16 registers; on an
-//! Intel Xeon with AMX the bf16 GPT-2 forward spent 10 % of its time in GELU's `tanh` that way.
-//! The choice is made once per op, as the visitor's `WIDE` parameter, so that the op's closure
-//! (a distinct type per visitor) is inlined into the one loop that calls it: with both loops
-//! calling one closure, the AVX-512 loop called it per element. The twin runs the same IEEE
-//! operations in the same order per element, so both give the same bits (unit-tested).
+//! The maps' row loops (out of place and in place) run in a twin compiled for the CPU's vector
+//! unit, AVX-512 or AVX2 with FMA (detected at run time, [`vector_unit`], [`unary_rows`],
+//! [`binary_rows`]): the loops are generic over the op's closure, and the baseline x86-64 build
+//! vectorises them 4 lanes wide in 16 registers; on an Intel Xeon with AMX the bf16 GPT-2 forward
+//! spent 10 % of its time in GELU's `tanh` that way, and on an AVX2-only Zen 3 eight requests'
+//! decoding of GPT-2 small spent 4 % in GELU's 4-lane `exp`. The choice is made once per op, as
+//! the visitor's `UNIT` parameter, so that the op's closure (a distinct type per visitor) is
+//! inlined into the one loop that calls it: with several loops calling one closure, the AVX-512
+//! loop called it per element. The twins run the same IEEE operations in the same order per
+//! element (Rust never fuses a multiply and an add it was not asked to), so all give the same bits
+//! (unit-tested).
 
 use std::marker::PhantomData;
 
@@ -82,21 +85,46 @@ fn binary_row<T: Copy, U>(
     }
 }
 
-/// Whether the AVX-512 twins can run: AVX-512F with BW (the 16-bit elements' byte and word
-/// shuffles). `std` caches the detection.
-fn avx512() -> bool {
+/// The vector units the row loops have twins for: [`vector_unit`]'s answers, and the visitors'
+/// `UNIT` parameter.
+const BASELINE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
+
+/// The widest twin this CPU runs: AVX-512F with BW (the 16-bit elements' byte and word shuffles),
+/// else AVX2 with FMA, else the baseline. `std` caches the detection.
+fn vector_unit() -> u8 {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw")
+        if std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bw") {
+            return AVX512;
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            return AVX2;
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    BASELINE
 }
 
-/// [`unary_row`], compiled for AVX-512 when `WIDE` (which the caller sets only where `avx512()`).
-fn unary_rows<const WIDE: bool, T: Copy, U>(
+/// `$body`'s function compiled twice more: as `$avx2` for AVX2 with FMA and as `$avx512` for
+/// AVX-512 (the callers run a twin only where [`vector_unit`] found its features).
+macro_rules! twins {
+    ($avx2:ident, $avx512:ident, $($body:tt)*) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn $avx2 $($body)*
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+        #[allow(clippy::too_many_arguments)]
+        fn $avx512 $($body)*
+    };
+}
+
+/// [`unary_row`], in the twin for `UNIT` (which the caller sets only where [`vector_unit`] found
+/// it).
+fn unary_rows<const UNIT: u8, T: Copy, U>(
     out: &mut [U],
     a: &[T],
     ia: usize,
@@ -104,23 +132,28 @@ fn unary_rows<const WIDE: bool, T: Copy, U>(
     f: impl Fn(T) -> U,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if WIDE {
-        // SAFETY: `avx512()` found AVX-512F and BW on this CPU, all the twin is compiled for; the
-        // twin is `unary_row` itself (safe code, bounds-checked).
+    if UNIT == AVX512 {
+        // SAFETY: `vector_unit()` found the features the twin is compiled for on this CPU; the twin
+        // is `unary_row` itself (safe code, bounds-checked).
         return unsafe { unary_row_avx512(out, a, ia, sa, f) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if UNIT == AVX2 {
+        // SAFETY: as for the AVX-512 twin.
+        return unsafe { unary_row_avx2(out, a, ia, sa, f) };
     }
     unary_row(out, a, ia, sa, f)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-fn unary_row_avx512<T: Copy, U>(out: &mut [U], a: &[T], ia: usize, sa: usize, f: impl Fn(T) -> U) {
-    unary_row(out, a, ia, sa, f)
-}
+twins!(unary_row_avx2, unary_row_avx512,
+    <T: Copy, U>(out: &mut [U], a: &[T], ia: usize, sa: usize, f: impl Fn(T) -> U) {
+        unary_row(out, a, ia, sa, f)
+    }
+);
 
-/// [`binary_row`], compiled for AVX-512 when `WIDE` (which the caller sets only where `avx512()`).
+/// [`binary_row`], in the twin for `UNIT` (as [`unary_rows`]).
 #[allow(clippy::too_many_arguments)]
-fn binary_rows<const WIDE: bool, T: Copy, U>(
+fn binary_rows<const UNIT: u8, T: Copy, U>(
     out: &mut [U],
     a: &[T],
     ia: usize,
@@ -131,37 +164,46 @@ fn binary_rows<const WIDE: bool, T: Copy, U>(
     f: impl Fn(T, T) -> U,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if WIDE {
+    if UNIT == AVX512 {
         // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
         // `binary_row` (safe code).
         return unsafe { binary_row_avx512(out, a, ia, sa, b, ib, sb, f) };
     }
-    binary_row(out, a, ia, sa, b, ib, sb, f)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-#[allow(clippy::too_many_arguments)]
-fn binary_row_avx512<T: Copy, U>(
-    out: &mut [U],
-    a: &[T],
-    ia: usize,
-    sa: usize,
-    b: &[T],
-    ib: usize,
-    sb: usize,
-    f: impl Fn(T, T) -> U,
-) {
-    binary_row(out, a, ia, sa, b, ib, sb, f)
-}
-
-/// `x[i] = f(x[i])` over one contiguous run, compiled for AVX-512 when `WIDE`.
-fn map_rows_in_place<const WIDE: bool, T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
     #[cfg(target_arch = "x86_64")]
-    if WIDE {
+    if UNIT == AVX2 {
+        // SAFETY: as for the AVX-512 twin.
+        return unsafe { binary_row_avx2(out, a, ia, sa, b, ib, sb, f) };
+    }
+    binary_row(out, a, ia, sa, b, ib, sb, f)
+}
+
+twins!(binary_row_avx2, binary_row_avx512,
+    <T: Copy, U>(
+        out: &mut [U],
+        a: &[T],
+        ia: usize,
+        sa: usize,
+        b: &[T],
+        ib: usize,
+        sb: usize,
+        f: impl Fn(T, T) -> U,
+    ) {
+        binary_row(out, a, ia, sa, b, ib, sb, f)
+    }
+);
+
+/// `x[i] = f(x[i])` over one contiguous run, in the twin for `UNIT` (as [`unary_rows`]).
+fn map_rows_in_place<const UNIT: u8, T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
+    #[cfg(target_arch = "x86_64")]
+    if UNIT == AVX512 {
         // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
         // `map_row_in_place` (safe code).
         return unsafe { map_row_in_place_avx512(x, f) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if UNIT == AVX2 {
+        // SAFETY: as for the AVX-512 twin.
+        return unsafe { map_row_in_place_avx2(x, f) };
     }
     map_row_in_place(x, f)
 }
@@ -173,15 +215,15 @@ fn map_row_in_place<T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-fn map_row_in_place_avx512<T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
-    map_row_in_place(x, f)
-}
+twins!(map_row_in_place_avx2, map_row_in_place_avx512,
+    <T: Copy>(x: &mut [T], f: impl Fn(T) -> T) {
+        map_row_in_place(x, f)
+    }
+);
 
-/// `x[j] = f(x[j], b[ib + j * sb])` over one contiguous run of `x`, compiled for AVX-512 when
-/// `WIDE`.
-fn zip_rows_in_place<const WIDE: bool, T: Copy>(
+/// `x[j] = f(x[j], b[ib + j * sb])` over one contiguous run of `x`, in the twin for `UNIT` (as
+/// [`unary_rows`]).
+fn zip_rows_in_place<const UNIT: u8, T: Copy>(
     x: &mut [T],
     b: &[T],
     ib: usize,
@@ -189,10 +231,15 @@ fn zip_rows_in_place<const WIDE: bool, T: Copy>(
     f: impl Fn(T, T) -> T,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if WIDE {
+    if UNIT == AVX512 {
         // SAFETY: as in `unary_rows`: the CPU has what the twin is compiled for, and the twin is
         // `zip_row_in_place` (safe code).
         return unsafe { zip_row_in_place_avx512(x, b, ib, sb, f) };
+    }
+    #[cfg(target_arch = "x86_64")]
+    if UNIT == AVX2 {
+        // SAFETY: as for the AVX-512 twin.
+        return unsafe { zip_row_in_place_avx2(x, b, ib, sb, f) };
     }
     zip_row_in_place(x, b, ib, sb, f)
 }
@@ -220,17 +267,11 @@ fn zip_row_in_place<T: Copy>(x: &mut [T], b: &[T], ib: usize, sb: usize, f: impl
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-fn zip_row_in_place_avx512<T: Copy>(
-    x: &mut [T],
-    b: &[T],
-    ib: usize,
-    sb: usize,
-    f: impl Fn(T, T) -> T,
-) {
-    zip_row_in_place(x, b, ib, sb, f)
-}
+twins!(zip_row_in_place_avx2, zip_row_in_place_avx512,
+    <T: Copy>(x: &mut [T], b: &[T], ib: usize, sb: usize, f: impl Fn(T, T) -> T) {
+        zip_row_in_place(x, b, ib, sb, f)
+    }
+);
 
 /// The fewest elements a unary map splits across rayon's threads: [`PARALLEL_MIN`] for the maps
 /// that cost about as much as a copy, fewer for those whose elements cost more, so that a thread's
@@ -265,48 +306,48 @@ fn map_chunk(len: usize) -> usize {
 
 /// `out[i] = f(a[i])` over equal-length contiguous slices, on rayon's threads from `parallel_min`
 /// elements.
-fn map_contiguous<const WIDE: bool, T: Element, U: Element>(
+fn map_contiguous<const UNIT: u8, T: Element, U: Element>(
     out: &mut [U],
     a: &[T],
     f: &(impl Fn(T) -> U + Sync),
     parallel_min: usize,
 ) {
     if out.len() < parallel_min {
-        unary_rows::<WIDE, _, _>(out, a, 0, 1, f);
+        unary_rows::<UNIT, _, _>(out, a, 0, 1, f);
         return;
     }
     let chunk = map_chunk(out.len());
     out.par_chunks_mut(chunk)
         .zip(a.par_chunks(chunk))
-        .for_each(|(o, a)| unary_rows::<WIDE, _, _>(o, a, 0, 1, f));
+        .for_each(|(o, a)| unary_rows::<UNIT, _, _>(o, a, 0, 1, f));
 }
 
 /// `out[i] = f(a[i], b[i])` over equal-length contiguous slices, on rayon's threads when large.
-fn zip_contiguous<const WIDE: bool, T: Element>(
+fn zip_contiguous<const UNIT: u8, T: Element>(
     out: &mut [T],
     a: &[T],
     b: &[T],
     f: &(impl Fn(T, T) -> T + Sync),
 ) {
     if out.len() < PARALLEL_MIN {
-        binary_rows::<WIDE, _, _>(out, a, 0, 1, b, 0, 1, f);
+        binary_rows::<UNIT, _, _>(out, a, 0, 1, b, 0, 1, f);
         return;
     }
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
-        .for_each(|(o, (a, b))| zip_contiguous::<WIDE, _>(o, a, b, f));
+        .for_each(|(o, (a, b))| zip_contiguous::<UNIT, _>(o, a, b, f));
 }
 
 /// Runs a unary op's host function from `x` into the fresh contiguous `out`, both of element type `T`
 /// (on rayon's threads from `parallel_min` elements, where contiguous).
-struct MapInto<'a, T, const WIDE: bool> {
+struct MapInto<'a, T, const UNIT: u8> {
     x: Src<'a>,
     out: Dst<'a>,
     parallel_min: usize,
     _element: PhantomData<T>,
 }
 
-impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
+impl<T: Math, const UNIT: u8> MapFn<T::Compute> for MapInto<'_, T, UNIT> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
         let MapInto {
             x,
@@ -317,45 +358,45 @@ impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInto<'_, T, WIDE> {
         let f = move |v: T| T::store(f(v.load()));
         let out = out.contiguous_host::<T>();
         if x.layout.is_contiguous() {
-            map_contiguous::<WIDE, _, _>(out, x.contiguous_host::<T>(), &f, parallel_min);
+            map_contiguous::<UNIT, _, _>(out, x.contiguous_host::<T>(), &f, parallel_min);
             return;
         }
         let a = x.buf.host::<T>();
         let walk = RowWalk::new(x.layout.shape(), [x.layout.strides()], [x.layout.offset()]);
         let [sa] = walk.row_strides();
         fill_segments(&walk, out, |o, [ia]| {
-            unary_rows::<WIDE, _, _>(o, a, ia, sa, f)
+            unary_rows::<UNIT, _, _>(o, a, ia, sa, f)
         });
     }
 }
 
 /// Runs a unary op's host function over contiguous elements of type `T` in place, on rayon's
 /// threads from the given number of elements.
-struct MapInPlace<'a, T, const WIDE: bool>(Dst<'a>, usize, PhantomData<T>);
+struct MapInPlace<'a, T, const UNIT: u8>(Dst<'a>, usize, PhantomData<T>);
 
-impl<T: Math, const WIDE: bool> MapFn<T::Compute> for MapInPlace<'_, T, WIDE> {
+impl<T: Math, const UNIT: u8> MapFn<T::Compute> for MapInPlace<'_, T, UNIT> {
     fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
         let f = move |v: T| T::store(f(v.load()));
         let (x, parallel_min) = (self.0.contiguous_host::<T>(), self.1);
         if x.len() < parallel_min {
-            map_rows_in_place::<WIDE, _>(x, f);
+            map_rows_in_place::<UNIT, _>(x, f);
             return;
         }
         x.par_chunks_mut(map_chunk(x.len()))
-            .for_each(|run| map_rows_in_place::<WIDE, _>(run, f));
+            .for_each(|run| map_rows_in_place::<UNIT, _>(run, f));
     }
 }
 
 /// Runs a binary op's host function from `a` and `b` (laid out with `out`'s shape) into `out`, all
 /// of element type `T`.
-struct ZipInto<'a, T, const WIDE: bool> {
+struct ZipInto<'a, T, const UNIT: u8> {
     a: Src<'a>,
     b: Src<'a>,
     out: Dst<'a>,
     _element: PhantomData<T>,
 }
 
-impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInto<'_, T, WIDE> {
+impl<T: Math, const UNIT: u8> ZipFn<T::Compute> for ZipInto<'_, T, UNIT> {
     fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
         let ZipInto { a, b, out, .. } = self;
         let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
@@ -363,7 +404,7 @@ impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInto<'_, T, WIDE> {
         let out = out.contiguous_host::<T>();
         if a.layout.is_contiguous() && b.layout.is_contiguous() {
             // The common case, without broadcasting or a strided walk.
-            zip_contiguous::<WIDE, _>(out, a.contiguous_host::<T>(), b.contiguous_host::<T>(), &f);
+            zip_contiguous::<UNIT, _>(out, a.contiguous_host::<T>(), b.contiguous_host::<T>(), &f);
             return;
         }
         let (da, db) = (a.buf.host::<T>(), b.buf.host::<T>());
@@ -374,20 +415,20 @@ impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInto<'_, T, WIDE> {
         );
         let [sa, sb] = walk.row_strides();
         fill_segments(&walk, out, |o, [ia, ib]| {
-            binary_rows::<WIDE, _, _>(o, da, ia, sa, db, ib, sb, f)
+            binary_rows::<UNIT, _, _>(o, da, ia, sa, db, ib, sb, f)
         });
     }
 }
 
 /// Runs a binary op's host function as `x = f(x, b)` over the contiguous `x`, both of type `T`
 /// (`b` laid out with `x`'s shape), on rayon's threads when large.
-struct ZipInPlace<'a, T, const WIDE: bool> {
+struct ZipInPlace<'a, T, const UNIT: u8> {
     x: Dst<'a>,
     b: Src<'a>,
     _element: PhantomData<T>,
 }
 
-impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInPlace<'_, T, WIDE> {
+impl<T: Math, const UNIT: u8> ZipFn<T::Compute> for ZipInPlace<'_, T, UNIT> {
     fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
         let ZipInPlace { x, b, .. } = self;
         let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
@@ -400,48 +441,49 @@ impl<T: Math, const WIDE: bool> ZipFn<T::Compute> for ZipInPlace<'_, T, WIDE> {
         let [_, sb] = walk.row_strides();
         let db = b.buf.host::<T>();
         fill_segments(&walk, x.contiguous_host::<T>(), |run, [_, ib]| {
-            zip_rows_in_place::<WIDE, _>(run, db, ib, sb, f)
+            zip_rows_in_place::<UNIT, _>(run, db, ib, sb, f)
         });
     }
 }
 
+/// `$run` with `$unit` a constant: the CPU's [`vector_unit`]. One visitor type per unit, so that
+/// the op's closure is a different type in each and is inlined into its one loop (shared by the
+/// loops, it was called per element from the AVX-512 one).
+macro_rules! on_vector_unit {
+    ($unit:ident => $run:expr) => {
+        match vector_unit() {
+            AVX512 => {
+                const $unit: u8 = AVX512;
+                $run
+            }
+            AVX2 => {
+                const $unit: u8 = AVX2;
+                $run
+            }
+            _ => {
+                const $unit: u8 = BASELINE;
+                $run
+            }
+        }
+    };
+}
+
 pub(super) fn unary(dtype: DType, op: Unary, params: [f64; 2], x: Src, out: Dst) {
-    // Two visitor types, so that the op's closure is a different type in each and is inlined into
-    // its one loop (shared by both loops, it was called per element from the AVX-512 one).
     let parallel_min = unary_parallel_min(op);
-    if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, true> { x, out, parallel_min, _element: PhantomData }));
-    } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, false> { x, out, parallel_min, _element: PhantomData }));
-    }
+    on_vector_unit!(U => with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInto::<T, U> { x, out, parallel_min, _element: PhantomData })))
 }
 
 pub(super) fn unary_in_place(dtype: DType, op: Unary, params: [f64; 2], x: Dst) {
-    // Two visitor types, as in `unary`.
     let parallel_min = unary_parallel_min(op);
-    if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, true>(x, parallel_min, PhantomData)));
-    } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, false>(x, parallel_min, PhantomData)));
-    }
+    on_vector_unit!(U => with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, MapInPlace::<T, U>(x, parallel_min, PhantomData))))
 }
 
 pub(super) fn binary(dtype: DType, op: Binary, params: [f64; 2], a: Src, b: Src, out: Dst) {
-    // Two visitor types, as in `unary`.
-    if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T, true> { a, b, out, _element: PhantomData }));
-    } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T, false> { a, b, out, _element: PhantomData }));
-    }
+    on_vector_unit!(U => with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInto::<T, U> { a, b, out, _element: PhantomData })))
 }
 
 pub(super) fn binary_in_place(dtype: DType, op: Binary, params: [f64; 2], x: Dst, b: Src) {
-    // Two visitor types, as in `unary`.
-    if avx512() {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T, true> { x, b, _element: PhantomData }));
-    } else {
-        with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T, false> { x, b, _element: PhantomData }));
-    }
+    on_vector_unit!(U => with_dtype!(dtype, T => op.host::<<T as Math>::Compute>(params, ZipInPlace::<T, U> { x, b, _element: PhantomData })))
 }
 
 pub(super) fn where_cond(dtype: DType, cond: Src, on_true: Src, on_false: Src, out: Dst) {
@@ -586,59 +628,56 @@ mod tests {
     use super::*;
 
     /// Runs an op's host function over `x` (and `y`, for binary ops) with the baseline loop and with
-    /// its AVX-512 twin, and asserts the same bits (any NaN for any NaN).
-    struct Twins<'a, T> {
+    /// the row loops for `UNIT` (its twin), and asserts the same bits (any NaN for any NaN). Built
+    /// only for a unit [`vector_unit`] found.
+    struct Twins<'a, T, const UNIT: u8> {
         x: &'a [T],
         y: &'a [T],
         op: &'a str,
     }
 
-    fn assert_same<T: Element>(base: &[T], wide: &[T], op: &str) {
+    fn assert_same<T: Element>(base: &[T], wide: &[T], op: &str, unit: u8) {
         for (i, (b, w)) in base.iter().zip(wide).enumerate() {
             let (b, w) = (b.to_f64(), w.to_f64());
             assert!(
                 b.to_bits() == w.to_bits() || (b.is_nan() && w.is_nan()),
-                "{op} {}: element {i}: {b} (baseline) vs {w} (AVX-512)",
+                "{op} {}: element {i}: {b} (baseline) vs {w} (vector unit {unit})",
                 T::DTYPE
             );
         }
     }
 
-    impl<T: Math> MapFn<T::Compute> for Twins<'_, T> {
+    impl<T: Math, const UNIT: u8> MapFn<T::Compute> for Twins<'_, T, UNIT> {
         fn call(self, f: impl Fn(T::Compute) -> T::Compute + Sync + Copy) {
             let f = move |v: T| T::store(f(v.load()));
             let (mut base, mut wide) =
                 (vec![T::zero(); self.x.len()], vec![T::zero(); self.x.len()]);
             unary_row(&mut base, self.x, 0, 1, f);
-            // SAFETY: the test runs the twins only where `avx512()` found the features.
-            unsafe { unary_row_avx512(&mut wide, self.x, 0, 1, f) };
-            assert_same(&base, &wide, self.op);
+            unary_rows::<UNIT, _, _>(&mut wide, self.x, 0, 1, f);
+            assert_same(&base, &wide, self.op, UNIT);
             // In place: the baseline out-of-place bits.
             let mut in_place = self.x.to_vec();
-            // SAFETY: as above.
-            unsafe { map_row_in_place_avx512(&mut in_place, f) };
-            assert_same(&base, &in_place, self.op);
+            map_rows_in_place::<UNIT, _>(&mut in_place, f);
+            assert_same(&base, &in_place, self.op, UNIT);
         }
     }
 
-    impl<T: Math> ZipFn<T::Compute> for Twins<'_, T> {
+    impl<T: Math, const UNIT: u8> ZipFn<T::Compute> for Twins<'_, T, UNIT> {
         fn call(self, f: impl Fn(T::Compute, T::Compute) -> T::Compute + Sync + Copy) {
             let f = move |x: T, y: T| T::store(f(x.load(), y.load()));
             let (mut base, mut wide) =
                 (vec![T::zero(); self.x.len()], vec![T::zero(); self.x.len()]);
             binary_row(&mut base, self.x, 0, 1, self.y, 0, 1, f);
-            // SAFETY: as above.
-            unsafe { binary_row_avx512(&mut wide, self.x, 0, 1, self.y, 0, 1, f) };
-            assert_same(&base, &wide, self.op);
+            binary_rows::<UNIT, _, _>(&mut wide, self.x, 0, 1, self.y, 0, 1, f);
+            assert_same(&base, &wide, self.op, UNIT);
             let mut in_place = self.x.to_vec();
-            // SAFETY: as above.
-            unsafe { zip_row_in_place_avx512(&mut in_place, self.y, 0, 1, f) };
-            assert_same(&base, &in_place, self.op);
+            zip_rows_in_place::<UNIT, _>(&mut in_place, self.y, 0, 1, f);
+            assert_same(&base, &in_place, self.op, UNIT);
             // A broadcast `b` (stride 0) against the baseline's.
             binary_row(&mut base, self.x, 0, 1, self.y, 5, 0, f);
             let mut in_place = self.x.to_vec();
-            zip_row_in_place(&mut in_place, self.y, 5, 0, f);
-            assert_same(&base, &in_place, self.op);
+            zip_rows_in_place::<UNIT, _>(&mut in_place, self.y, 5, 0, f);
+            assert_same(&base, &in_place, self.op, UNIT);
         }
     }
 
@@ -660,7 +699,7 @@ mod tests {
         v
     }
 
-    fn both_paths<T: Math>() {
+    fn both_paths<T: Math, const UNIT: u8>() {
         let (x, y) = (values::<T>(1003, 1), values::<T>(1003, 2));
         for op in [
             Unary::Gelu,
@@ -679,7 +718,7 @@ mod tests {
             let op_name = format!("{op:?}");
             op.host::<T::Compute>(
                 [-0.5, 2.5],
-                Twins {
+                Twins::<T, UNIT> {
                     x: &x,
                     y: &y,
                     op: &op_name,
@@ -690,7 +729,7 @@ mod tests {
             let op_name = format!("{op:?}");
             op.host::<T::Compute>(
                 [0.0, 0.0],
-                Twins {
+                Twins::<T, UNIT> {
                     x: &x,
                     y: &y,
                     op: &op_name,
@@ -710,8 +749,8 @@ mod tests {
                 unary_row(&mut whole, self.0, 0, 1, f);
                 for parallel_min in [1, 2048, 8192] {
                     let mut split = vec![f32::NAN; self.0.len()];
-                    map_contiguous::<false, _, _>(&mut split, self.0, &f, parallel_min);
-                    assert_same(&whole, &split, "split map");
+                    map_contiguous::<BASELINE, _, _>(&mut split, self.0, &f, parallel_min);
+                    assert_same(&whole, &split, "split map", BASELINE);
                 }
             }
         }
@@ -738,16 +777,25 @@ mod tests {
         assert!(unary_parallel_min(Unary::GeluExact) < unary_parallel_min(Unary::Gelu));
     }
 
-    /// The maps' AVX-512 twins, out of place and in place, give the baseline's bits, for `f32` and
-    /// for `bf16` elements (widened and rounded around the op).
+    /// The maps' AVX-512 and AVX2 twins, out of place and in place, give the baseline's bits, for
+    /// `f32`, `bf16` (widened and rounded around the op) and `f64` elements.
     #[test]
-    fn the_avx512_twins_give_the_baseline_bits() {
-        if !avx512() {
+    fn the_vector_twins_give_the_baseline_bits() {
+        let unit = vector_unit();
+        if unit >= AVX512 {
+            both_paths::<f32, AVX512>();
+            both_paths::<bf16, AVX512>();
+            both_paths::<f64, AVX512>();
+        } else {
             println!("elementwise: the AVX-512 twins not run (this CPU lacks AVX-512F or BW)");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            both_paths::<f32, AVX2>();
+            both_paths::<bf16, AVX2>();
+            both_paths::<f64, AVX2>();
             return;
         }
-        both_paths::<f32>();
-        both_paths::<bf16>();
-        both_paths::<f64>();
+        println!("elementwise: the AVX2 twins not run (this CPU lacks AVX2 or FMA)");
     }
 }
