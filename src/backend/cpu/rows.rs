@@ -12,7 +12,7 @@ use crate::backend::op::Math;
 use crate::dtype::{Element, Float};
 
 /// Independent partial results per loop.
-const LANES: usize = 16;
+pub(super) const LANES: usize = 16;
 
 /// The compute types, `f32` and `f64`, with operators.
 pub(super) trait Real:

@@ -3,16 +3,22 @@
 //! into the multiply-adds the `f32` kernels do, in the same order. So a 16-bit page gives the bits
 //! its widened `f32` copy gives, and a decoding step reads the cache once, at half the bytes.
 //!
-//! Decoding reads them so (a task of a few query rows); a prompt's tile of queries, or a CPU
-//! without AVX-512, widens each key tile into a buffer once instead. For decoding that cost more
-//! than the bytes it saved: eight sequences of 160 tokens at GPT-2 small's shape ran 10.9 GiB/s of `f16`
-//! pages against 26.8 GiB/s of `f32` (`paged_decode` in `benches/attention.rs`, Zen 5, two
-//! threads): each run of a page's rows was read in a burst the prefetches could not keep ahead of.
+//! Decoding reads them so (a task of a few query rows, on a CPU with AVX-512 F, or with AVX2 and
+//! F16C); a prompt's tile of queries, or another CPU, widens each key tile into a buffer once
+//! instead. For decoding the buffer cost more than the bytes it saved: eight sequences of 160
+//! tokens at GPT-2 small's shape ran 10.9 GiB/s of `f16` pages against 26.8 GiB/s of `f32`
+//! (`paged_decode` in `benches/attention.rs`, Zen 5, two threads): each run of a page's rows was
+//! read in a burst the prefetches could not keep ahead of. The AVX2 kernels widen 8 elements a
+//! register (`vcvtph2ps` is F16C's) and keep the `f32` kernels' 16 lanes in two registers; before
+//! them an AVX2-only Zen 3 widened into the buffer, 6 % of eight requests' decoding of GPT-2 small
+//! Q4_0 (`widen::f16_f16c`, `widened_tile`; with them the attention's share fell by a third).
 
 use super::{AddWeighted, PageElement, fetch_for};
 #[cfg(target_arch = "x86_64")]
 use super::{Lanes16, scores_avx512};
 use crate::backend::cpu::avx512f;
+#[cfg(target_arch = "x86_64")]
+use crate::backend::cpu::rows::LANES;
 use crate::backend::cpu::widen::Widen;
 use crate::dtype::{bf16, f16};
 
@@ -38,7 +44,7 @@ macro_rules! half_page_element {
     ($t:ty) => {
         impl PageElement for $t {
             fn in_place(rows: usize) -> bool {
-                avx512f() && rows <= IN_PLACE_ROWS
+                (avx512f() || avx2_f16c()) && rows <= IN_PLACE_ROWS
             }
 
             #[inline(always)]
@@ -55,6 +61,12 @@ macro_rules! half_page_element {
                     unsafe { scores_avx512(query, keys, values, scale, out) };
                     return;
                 }
+                #[cfg(target_arch = "x86_64")]
+                if avx2_f16c() {
+                    // SAFETY: the CPU has AVX2 and F16C, the features the kernel is compiled for.
+                    unsafe { scores_avx2(query, keys, values, scale, out) };
+                    return;
+                }
                 widened_scores(query, keys, values, scale, out);
             }
         }
@@ -66,6 +78,12 @@ macro_rules! half_page_element {
                 if avx512f() {
                     // SAFETY: the CPU has AVX-512 F, the only feature the kernel is compiled for.
                     unsafe { add_weighted_avx512(out, weights, values) };
+                    return;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if avx2_f16c() {
+                    // SAFETY: the CPU has AVX2 and F16C, the features the kernel is compiled for.
+                    unsafe { add_weighted_avx2(out, weights, values) };
                     return;
                 }
                 widened_add_weighted(out, weights, values);
@@ -176,6 +194,134 @@ fn add_weighted_avx512<H: Half>(out: &mut [f32], weights: &[f32], values: &[&[H]
         for (l, acc) in acc.iter().enumerate() {
             // SAFETY: the chunk holds 64 elements; `storeu` takes any alignment.
             unsafe { _mm512_storeu_ps(chunk.as_mut_ptr().add(16 * l), *acc) };
+        }
+        at += BLOCK;
+    }
+    for (e, o) in out[at..width].iter_mut().enumerate() {
+        for (&w, v) in weights.iter().zip(values) {
+            *o += w * v[at + e].load();
+        }
+    }
+}
+
+/// Whether this CPU has AVX2 and F16C, what the 8-lane kernels below are compiled for.
+fn avx2_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// 8 elements from `at` widened to `f32`.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `at..at + 8` must be readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn wide8<H: Half>(at: *const H) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::{
+        _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+        _mm256_slli_epi32,
+    };
+    // SAFETY: the caller's contract; `loadu` takes any alignment.
+    let halves = unsafe { _mm_loadu_si128(at.cast()) };
+    if H::F16 {
+        _mm256_cvtph_ps(halves)
+    } else {
+        // A bf16 is the high half of its f32.
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(halves)))
+    }
+}
+
+/// [`PageElement::scores`] on AVX2: `rows::dot`'s arithmetic (16 lanes, here two registers, each a
+/// product then a sum; the elements after the last full 16 summed one by one first, the lanes
+/// then added to that in order), each 8 key elements widened as they are loaded, so the bits of the
+/// widened copy's `dot_scores`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn scores_avx2<H: Half>(
+    query: &[f32],
+    keys: &[&[H]],
+    values: Option<&[&[H]]>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    const { assert!(LANES == 16) };
+    let width = query.len();
+    let whole = width / LANES * LANES;
+    for (j, (o, key)) in out.iter_mut().zip(keys).enumerate() {
+        fetch_for(j, keys, values);
+        let key = &key[..width];
+        let mut dot = 0.0f32;
+        for (x, y) in query[whole..].iter().zip(&key[whole..]) {
+            dot += x * y.load();
+        }
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for c in (0..whole).step_by(LANES) {
+            for (h, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: elements `c + 8 · h..c + 8 · (h + 1)` lie in the first `whole` of the
+                // query and the key; `loadu` takes any alignment.
+                let (x, y) = unsafe {
+                    (
+                        _mm256_loadu_ps(query.as_ptr().add(c + 8 * h)),
+                        wide8(key.as_ptr().add(c + 8 * h)),
+                    )
+                };
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(x, y));
+            }
+        }
+        let mut lanes = [0.0f32; LANES];
+        // SAFETY: `lanes` holds 16 floats; `storeu` takes any alignment.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
+            _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
+        }
+        for lane in lanes {
+            dot += lane;
+        }
+        *o = scale * dot;
+    }
+}
+
+/// [`AddWeighted::add_weighted`] on AVX2: the compute type's loop (64 elements of the output, here
+/// in eight registers, each value's product then sum, key after key) with each 8 value elements
+/// widened as they are loaded; the last `width % 64` elements one at a time, as that loop does them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn add_weighted_avx2<H: Half>(out: &mut [f32], weights: &[f32], values: &[&[H]]) {
+    use std::arch::x86_64::{
+        _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_set1_ps, _mm256_setzero_ps,
+        _mm256_storeu_ps,
+    };
+    const BLOCK: usize = super::BLOCK;
+    const { assert!(BLOCK == 64) };
+    let width = out.len();
+    let mut at = 0;
+    for chunk in out.chunks_exact_mut(BLOCK) {
+        let mut acc = [_mm256_setzero_ps(); 8];
+        for (l, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: the chunk holds 64 elements; `loadu` takes any alignment.
+            *acc = unsafe { _mm256_loadu_ps(chunk.as_ptr().add(8 * l)) };
+        }
+        for (&w, v) in weights.iter().zip(values) {
+            let (w, v) = (_mm256_set1_ps(w), &v[at..at + BLOCK]);
+            for (l, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: elements `8 · l..8 · (l + 1)` lie in the 64 of `v`.
+                let v = unsafe { wide8(v.as_ptr().add(8 * l)) };
+                *acc = _mm256_add_ps(*acc, _mm256_mul_ps(w, v));
+            }
+        }
+        for (l, acc) in acc.iter().enumerate() {
+            // SAFETY: the chunk holds 64 elements; `storeu` takes any alignment.
+            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr().add(8 * l), *acc) };
         }
         at += BLOCK;
     }
