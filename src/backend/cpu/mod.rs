@@ -72,6 +72,19 @@ fn avx512f() -> bool {
     }
 }
 
+/// Whether this CPU has AVX2 and F16C, what the 8-lane kernels asking it are compiled for (the
+/// paged attention's 16-bit rows on CPUs without AVX-512).
+fn avx2_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// How far ahead of their walk the few-row products (`few_rows` and `few_rows_in_out` in `f32`,
 /// `bf16_gemm::few_tokens`) ask for the weight, in bytes, when they multiply two or more tokens.
 /// Eight tokens' arithmetic takes about as long as the weight's reads, and the two overlap only if

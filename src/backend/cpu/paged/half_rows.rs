@@ -16,10 +16,10 @@
 use super::{AddWeighted, PageElement, fetch_for};
 #[cfg(target_arch = "x86_64")]
 use super::{Lanes16, scores_avx512};
-use crate::backend::cpu::avx512f;
 #[cfg(target_arch = "x86_64")]
 use crate::backend::cpu::rows::LANES;
 use crate::backend::cpu::widen::Widen;
+use crate::backend::cpu::{avx2_f16c, avx512f};
 use crate::dtype::{bf16, f16};
 
 /// The most query rows of a task that read 16-bit pages where they lie (decoding); a prompt's
@@ -201,18 +201,6 @@ fn add_weighted_avx512<H: Half>(out: &mut [f32], weights: &[f32], values: &[&[H]
         for (&w, v) in weights.iter().zip(values) {
             *o += w * v[at + e].load();
         }
-    }
-}
-
-/// Whether this CPU has AVX2 and F16C, what the 8-lane kernels below are compiled for.
-fn avx2_f16c() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 
